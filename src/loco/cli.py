@@ -1,0 +1,94 @@
+"""The ``loco`` command line. Flags are generated from :class:`loco.config.TrainConfig`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+
+from loco.config import ConfigError, TrainConfig, build_config
+
+EPILOG = """Options may also come from a YAML file (--config); flags override it.
+Examples:
+  loco train                                   # default job: DiLoCo, 4 workers, small model
+  loco train --algorithm ddp --steps 200       # data-parallel baseline
+  loco train --model tiny --workers 2 --launcher processes
+  torchrun --nproc-per-node 8 -m loco train    # one rank per GPU, NCCL"""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that reports a bad flag in one line (no usage dump) and exits with code 2."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _flag_type(f: dataclasses.Field):
+    kind = f.type if isinstance(f.type, str) else f.type.__name__
+    if kind.startswith("int"):
+        return int
+    if kind.startswith("float"):
+        return float
+    return str
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(prog="loco", description="Train language models across workers that "
+                    "talk rarely and little (DiLoCo, data-parallel, local).")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    train = sub.add_parser("train", help="train a model (default: DiLoCo on Shakespeare)",
+                           description="Train a language model with one of the methods and "
+                           "write metrics.jsonl, summary.json and loss.png into --out.",
+                           epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    train.add_argument("--config", metavar="FILE", help="YAML file of options (its keys are "
+                       "the flag names); flags given here override it")
+    for f in TrainConfig.fields():
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f"{f.metadata['help']} (default: {f.default})"
+        if f.type in (bool, "bool"):
+            train.add_argument(flag, action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text)
+        else:
+            train.add_argument(flag, type=_flag_type(f), default=argparse.SUPPRESS,
+                               choices=f.metadata.get("choices"),
+                               metavar=f.name.upper() if not f.metadata.get("choices") else None,
+                               help=help_text)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "train":
+        return _train(args)
+    return 2
+
+
+def _train(args: argparse.Namespace) -> int:
+    from loco.runtime import WorkerError
+    from loco.train import human_bytes, run_training
+
+    names = {f.name for f in TrainConfig.fields()}
+    try:
+        cfg = build_config(args.config, {k: v for k, v in vars(args).items() if k in names})
+        summary = run_training(cfg)
+    except ConfigError as e:
+        print(f"loco train: error: {e}", file=sys.stderr)
+        return 2
+    except WorkerError as e:
+        print(f"loco train: {e}", file=sys.stderr)
+        return 1
+    if "final_eval_loss" not in summary:  # a torchrun rank other than 0
+        return 0
+    out = summary["config"]["out"] or "."
+    print(f"final eval loss {summary['final_eval_loss']:.3f} nats/token "
+          f"(unigram entropy of the corpus: {summary['unigram_entropy']:.3f})")
+    print(f"{summary['tokens']:,} tokens in {summary['wall_seconds']:.1f} s "
+          f"({summary['tokens_per_second']:,.0f} tokens/s); sent per worker "
+          f"{human_bytes(summary['bytes_sent_per_worker'])}, peak sync "
+          f"{human_bytes(summary['peak_sync_bytes_per_worker'])}")
+    print(f"wrote {out}/metrics.jsonl, summary.json, loss.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

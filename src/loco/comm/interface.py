@@ -1,0 +1,297 @@
+"""The one communication interface every algorithm talks through.
+
+A :class:`Comm` wraps a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU) over
+the workers that take part in the outer algorithm. It offers asynchronous operations that
+return a :class:`Handle` to be waited on later, and it accounts for every byte:
+
+* ``raw`` bytes: the size of the tensor the caller asked to reduce or send;
+* ``sent`` / ``received`` bytes: what this worker actually put on and took off the wire.
+
+The mean-all-reduce is built from two collectives whose traffic is known exactly, the way a
+ring all-reduce moves data: a reduce-scatter done as an all-to-all (worker j receives chunk j
+of every worker and averages it in fp32) followed by an all-gather of the averaged chunks. A
+tensor of n elements of b bytes is cut into M chunks of ``ceil(n / M)`` elements (the last one
+zero-padded), so each worker sends and receives exactly ``2 (M - 1) ceil(n / M) b`` bytes.
+Averaging every chunk on exactly one worker, in rank order, also makes the result
+bit-identical on all workers, so replicas never drift apart through rounding.
+
+Every operation runs on one communication thread per worker, in the order it was issued, so
+collectives line up across workers and compute goes on while bytes move: the overlap is real
+(gloo and NCCL release the GIL while they wait on the network).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import queue
+import threading
+import time
+from collections import defaultdict
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class OpRecord:
+    """One communication operation as this worker saw it."""
+
+    op: str
+    tag: str
+    raw_bytes: int
+    sent_bytes: int
+    recv_bytes: int
+    participants: tuple[int, ...]  # ranks (in the Comm's group) taking part
+    issued_at: float  # time.perf_counter() when the caller issued it
+    seconds: float = 0.0  # issue to completion: time in flight, including queueing
+    waited: float = 0.0  # time the caller spent blocked in Handle.wait()
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["participants"] = list(self.participants)
+        return d
+
+
+@dataclass
+class Counter:
+    ops: int = 0
+    raw_bytes: int = 0
+    sent_bytes: int = 0
+    recv_bytes: int = 0
+    seconds: float = 0.0
+    waited: float = 0.0
+
+
+@dataclass
+class CommStats:
+    """Per-worker totals, split by tag ("train", "setup", "eval", ...)."""
+
+    by_tag: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
+
+    def add(self, rec: OpRecord) -> None:
+        c = self.by_tag[rec.tag]
+        c.ops += 1
+        c.raw_bytes += rec.raw_bytes
+        c.sent_bytes += rec.sent_bytes
+        c.recv_bytes += rec.recv_bytes
+        c.seconds += rec.seconds
+
+    def __getitem__(self, tag: str) -> Counter:
+        return self.by_tag[tag]
+
+    def as_dict(self) -> dict:
+        return {tag: asdict(c) for tag, c in self.by_tag.items()}
+
+
+class Aborted(RuntimeError):
+    """Raised in a worker whose peers gave up (another worker failed)."""
+
+
+class Handle:
+    """An operation in flight. ``wait()`` blocks until it is done and returns its result."""
+
+    def __init__(self, future: Future, record: OpRecord, comm: "Comm"):
+        self._future = future
+        self.record = record
+        self._comm = comm
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    def wait(self):
+        t0 = time.perf_counter()
+        while True:
+            try:
+                result = self._future.result(timeout=0.05)
+                break
+            except FutureTimeout:
+                self._comm.check_aborted()
+        waited = time.perf_counter() - t0
+        self.record.waited += waited
+        with self._comm._lock:
+            self._comm.stats[self.record.tag].waited += waited
+        return result
+
+
+def _chunk_elems(numel: int, parts: int) -> int:
+    return math.ceil(numel / parts) if numel else 0
+
+
+class Comm:
+    """Asynchronous, byte-counting communication among the workers of one process group.
+
+    ``group`` is a ``torch.distributed`` process group (or backend) object; its methods are
+    called directly, so the same code serves a group created with ``init_process_group`` and
+    one of several groups that threads of one process own on a shared store.
+    """
+
+    def __init__(self, group, rank: int, size: int, device: torch.device | str = "cpu",
+                 name: str = "replicas", keep_records: bool = True,
+                 abort_event: threading.Event | None = None):
+        self.group = group
+        self.rank = rank
+        self.size = size
+        self.device = torch.device(device)
+        self.name = name
+        self.stats = CommStats()
+        self.records: list[OpRecord] = []
+        self.keep_records = keep_records
+        self._lock = threading.Lock()
+        self._closed = False
+        # Set by the launcher when any worker fails, so that waits here end promptly instead
+        # of sitting out the transport's timeout.
+        self._abort_event = abort_event or threading.Event()
+        # The communication thread is a daemon: one stuck in the transport must not keep
+        # the process alive after the run has failed.
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=f"loco-comm-{name}-{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                    future.set_exception(e)
+
+    def check_aborted(self) -> None:
+        if self._abort_event.is_set():
+            raise Aborted(f"worker {self.rank} stopped: another worker failed")
+
+    # ----------------------------------------------------------------------------- plumbing
+    def _submit(self, op: str, tag: str, raw: int, sent: int, recv: int, fn,
+                participants: tuple[int, ...] | None = None) -> Handle:
+        if self._closed:
+            raise RuntimeError(f"communication of worker {self.rank} is closed")
+        self.check_aborted()
+        rec = OpRecord(op, tag, raw, sent, recv, participants or tuple(range(self.size)),
+                       time.perf_counter())
+        # A CUDA tensor must be fully written by the compute stream before another thread
+        # hands it to the network.
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+
+        def run():
+            try:
+                return fn()
+            finally:
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+                rec.seconds = time.perf_counter() - rec.issued_at
+                with self._lock:
+                    self.stats.add(rec)
+                    if self.keep_records:
+                        self.records.append(rec)
+
+        future: Future = Future()
+        self._queue.put((future, run))
+        return Handle(future, rec, self)
+
+    @staticmethod
+    def _wait(work) -> None:
+        work.wait()
+
+    # --------------------------------------------------------------------------- operations
+    def all_reduce_mean(self, tensor: torch.Tensor, tag: str = "train") -> Handle:
+        """Average ``tensor`` over all workers, in place, asynchronously.
+
+        The caller must not touch ``tensor`` until ``wait()`` returns. Sums are formed in the
+        tensor's dtype; pass fp32 for the fp32 reduction the algorithms require.
+        """
+        flat = tensor.view(-1) if tensor.is_contiguous() else None
+        if flat is None:
+            raise ValueError("all_reduce_mean needs a contiguous tensor")
+        m, n, b = self.size, flat.numel(), flat.element_size()
+        chunk = _chunk_elems(n, m)
+        wire = 2 * (m - 1) * chunk * b
+        return self._submit("all_reduce_mean", tag, n * b, wire, wire,
+                            lambda: self._reduce_mean(flat, chunk))
+
+    def _reduce_mean(self, flat: torch.Tensor, chunk: int) -> torch.Tensor:
+        m, n = self.size, flat.numel()
+        if m == 1 or n == 0:
+            return flat
+        padded = torch.zeros(m * chunk, dtype=flat.dtype, device=flat.device)
+        padded[:n] = flat
+        # Reduce-scatter: worker j receives chunk j of every worker ...
+        received = torch.empty_like(padded)
+        self._wait(self.group.alltoall_base(received, padded, [], [], dist.AllToAllOptions()))
+        # ... and averages it; summing in rank order gives the same bits everywhere.
+        mine = received.view(m, chunk).sum(dim=0).div_(m)
+        # All-gather the averaged chunks.
+        gathered = [torch.empty(chunk, dtype=flat.dtype, device=flat.device) for _ in range(m)]
+        self._wait(self.group.allgather([gathered], [mine]))
+        flat.copy_(torch.cat(gathered)[:n])
+        return flat
+
+    def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "setup") -> Handle:
+        """Copy ``tensor`` from worker ``src`` to every worker, in place.
+
+        Done as point-to-point sends from ``src`` so the bytes are exact: the source sends
+        ``(M - 1) * nbytes``, every other worker receives ``nbytes``.
+        """
+        m, nbytes = self.size, tensor.numel() * tensor.element_size()
+        sent = (m - 1) * nbytes if self.rank == src else 0
+        recv = 0 if self.rank == src else nbytes
+
+        def run():
+            if self.rank == src:
+                works = [self.group.send([tensor], dst, 0) for dst in range(m) if dst != src]
+                for w in works:
+                    self._wait(w)
+            elif m > 1:
+                self._wait(self.group.recv([tensor], src, 0))
+            return tensor
+
+        return self._submit("broadcast", tag, nbytes, sent, recv, run)
+
+    def all_gather(self, tensor: torch.Tensor, tag: str = "setup") -> Handle:
+        """Gather one equally shaped tensor from every worker; the handle returns the list."""
+        m, nbytes = self.size, tensor.numel() * tensor.element_size()
+
+        def run():
+            out = [torch.empty_like(tensor) for _ in range(m)]
+            if m == 1:
+                out[0].copy_(tensor)
+            else:
+                self._wait(self.group.allgather([out], [tensor]))
+            return out
+
+        return self._submit("all_gather", tag, nbytes, (m - 1) * nbytes, (m - 1) * nbytes, run)
+
+    # ------------------------------------------------------------------------------ helpers
+    def totals(self, tag: str = "train") -> Counter:
+        with self._lock:
+            return Counter(**asdict(self.stats[tag]))
+
+    def peak_sent_bytes(self, tag: str = "train") -> int:
+        with self._lock:
+            return max((r.sent_bytes for r in self.records if r.tag == tag), default=0)
+
+    def verify_identical(self, tensors, what: str = "parameters") -> None:
+        """Fail loudly unless every worker holds bit-identical ``tensors``."""
+        h = hashlib.sha256()
+        for t in tensors:
+            h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+        digest = torch.frombuffer(bytearray(h.digest()), dtype=torch.int64).to(self.device)
+        digests = self.all_gather(digest, tag="setup").wait()
+        differ = [r for r, d in enumerate(digests) if not torch.equal(d, digests[0])]
+        if differ:
+            raise RuntimeError(
+                f"workers start from different {what}: worker(s) {differ} differ from worker 0 "
+                f"(sha256 checksums disagree); broadcast the initial state from worker 0")
+
+    def close(self) -> None:
+        """Finish what was issued, then stop the communication thread."""
+        if not self._closed:
+            self._closed = True
+            self._queue.put(None)
+            if not self._abort_event.is_set():
+                self._thread.join()

@@ -1,0 +1,188 @@
+"""The typed training configuration.
+
+Every option is a dataclass field with a default and a help text that says what it trades off;
+the same fields become ``loco train``'s flags and the keys of its YAML ``--config`` file.
+Precedence: defaults < YAML file < flags. :func:`validate` checks every value before any
+worker starts and raises :class:`ConfigError` naming the option and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+ALGORITHM_NAMES = ("ddp", "diloco", "local")
+LAUNCHER_NAMES = ("threads", "processes", "torchrun")
+DTYPES = ("fp32", "bf16")
+
+
+class ConfigError(ValueError):
+    """A bad option: ``option`` is the flag's name, the message says what is allowed."""
+
+    def __init__(self, option: str, message: str):
+        self.option = option
+        super().__init__(f"--{option.replace('_', '-')}: {message}")
+
+
+def opt(default, help: str, choices: tuple | None = None, **kw):
+    return field(default=default, metadata={"help": help, "choices": choices, **kw})
+
+
+@dataclass
+class TrainConfig:
+    # --- method
+    algorithm: str = opt("diloco", "training method: ddp (gradients averaged every step), "
+                         "diloco (outer step every H inner steps), local (no communication)",
+                         ALGORITHM_NAMES)
+    workers: int = opt(4, "number of workers M (replicas), each with its own data shard")
+    sync_every: int = opt(50, "H: inner steps between synchronizations (DiLoCo); larger H "
+                          "sends fewer bytes but lets workers drift further apart")
+    outer_lr: float = opt(0.7, "outer learning rate of DiLoCo's Nesterov SGD")
+    outer_momentum: float = opt(0.9, "outer momentum of DiLoCo's SGD, in [0, 1)")
+    nesterov: bool = opt(True, "Nesterov outer momentum (the paper's); --no-nesterov for "
+                         "heavy-ball")
+    # --- inner optimization
+    steps: int = opt(400, "inner steps per worker (total tokens = steps x workers x "
+                     "batch-size x seq-len)")
+    batch_size: int = opt(8, "sequences per worker per inner step")
+    seq_len: int = opt(128, "tokens per sequence (context length)")
+    lr: float = opt(3e-3, "peak inner AdamW learning rate")
+    min_lr_ratio: float = opt(0.1, "cosine decay ends at lr x this ratio")
+    warmup: int = opt(50, "linear warm-up steps of the inner learning rate")
+    weight_decay: float = opt(0.1, "AdamW weight decay")
+    grad_clip: float = opt(1.0, "clip the (averaged) gradient norm to this; 0 disables")
+    # --- model and data
+    model: str = opt("small", "model size: tiny (~0.1M params, tests), small (~1.3M, CPU "
+                     "default), medium (~7.5M), large (~100M), xl (~300M)")
+    z_loss: float = opt(0.0, "z-loss coefficient on the log-partition function (0 disables)")
+    dtype: str = opt("fp32", "compute precision: fp32, or bf16 autocast (faster on GPUs and "
+                     "on CPUs with AMX at d_model >= 256)", DTYPES)
+    corpus: str = opt("shakespeare", "training text: 'shakespeare' (bundled), a text file, "
+                      "a .jsonl file, or a directory of them")
+    text_field: str = opt("text", "field holding the text in JSONL corpora")
+    vocab_size: int = opt(4096, "byte-level BPE vocabulary size (trained once, then cached)")
+    val_fraction: float = opt(0.05, "fraction of the text held out for evaluation")
+    cache_dir: str | None = opt(None, "where tokenizers and tokenized data are cached "
+                                "(default: $LOCO_CACHE or ~/.cache/loco)")
+    seed: int = opt(0, "seed for weights, data order and everything random")
+    # --- evaluation and output
+    eval_every: int = opt(100, "evaluate the global model every this many inner steps "
+                          "(0: only at the end)")
+    eval_batches: int = opt(8, "batches per periodic evaluation")
+    final_eval_batches: int = opt(100, "at most this many batches in the final evaluation")
+    log_every: int = opt(10, "write a metrics record every this many inner steps")
+    out: str | None = opt(None, "run directory (default: runs/<algorithm>-<time>)")
+    progress: bool = opt(True, "show a progress bar (--no-progress to hide it)")
+    # --- runtime
+    launcher: str = opt("threads", "how workers run: threads of this process (fast start), "
+                        "local processes (torch elastic), or torchrun (detected from its "
+                        "environment)", LAUNCHER_NAMES)
+    comm_timeout: float = opt(300.0, "seconds a communication may take before the run "
+                              "fails instead of hanging")
+
+    @classmethod
+    def fields(cls) -> list[dataclasses.Field]:
+        return list(dataclasses.fields(cls))
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Training tokens consumed by all workers in one inner step."""
+        return self.workers * self.batch_size * self.seq_len
+
+
+def load_yaml(path: str) -> dict[str, Any]:
+    """Read a YAML config file: data only (safe_load), keys must be known options."""
+    if not os.path.isfile(path):
+        raise ConfigError("config", f"file not found: {path}")
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError("config", f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(data, dict):
+        raise ConfigError("config", f"{path} must hold a mapping of option: value")
+    known = {f.name for f in TrainConfig.fields()}
+    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError("config", f"unknown option(s) in {path}: {', '.join(unknown)}")
+    return data
+
+
+def coerce(field_: dataclasses.Field, value: Any) -> Any:
+    """Convert a YAML value to the field's type, with a ConfigError if it does not fit."""
+    kind = field_.type if isinstance(field_.type, str) else field_.type.__name__
+    if value is None:
+        if "None" in kind:
+            return None
+        raise ConfigError(field_.name, "must not be empty")
+    try:
+        if kind.startswith("bool"):
+            if not isinstance(value, bool):
+                raise TypeError
+            return value
+        if kind.startswith("int"):
+            if isinstance(value, bool) or (isinstance(value, float) and not value.is_integer()):
+                raise TypeError
+            return int(value)
+        if kind.startswith("float"):
+            if isinstance(value, bool):
+                raise TypeError
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise ConfigError(field_.name, f"expected {kind.split(' ')[0]}, got {value!r}") from None
+
+
+def build_config(yaml_path: str | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    values: dict[str, Any] = {}
+    if yaml_path:
+        values.update(load_yaml(yaml_path))
+    values.update(overrides or {})
+    by_name = {f.name: f for f in TrainConfig.fields()}
+    return TrainConfig(**{k: coerce(by_name[k], v) for k, v in values.items()})
+
+
+def validate(cfg: TrainConfig) -> None:
+    """Check every option; raise ConfigError for the first that is out of range."""
+    from loco.model import MODEL_SIZES
+
+    def need(ok: bool, option: str, message: str):
+        if not ok:
+            raise ConfigError(option, f"{message} (got {getattr(cfg, option)!r})")
+
+    for f in TrainConfig.fields():
+        choices = f.metadata.get("choices")
+        if choices:
+            need(getattr(cfg, f.name) in choices, f.name, f"must be one of {', '.join(choices)}")
+    need(cfg.model in MODEL_SIZES, "model", f"must be one of {', '.join(MODEL_SIZES)}")
+    for name in ("workers", "steps", "batch_size", "sync_every", "log_every", "eval_batches",
+                 "final_eval_batches"):
+        need(getattr(cfg, name) >= 1, name, "must be an integer >= 1")
+    need(cfg.seq_len >= 2, "seq_len", "must be an integer >= 2")
+    need(cfg.eval_every >= 0, "eval_every", "must be an integer >= 0")
+    need(cfg.warmup >= 0, "warmup", "must be an integer >= 0")
+    for name in ("lr", "outer_lr", "comm_timeout"):
+        v = getattr(cfg, name)
+        need(math.isfinite(v) and v > 0, name, "must be a number > 0")
+    need(0 <= cfg.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
+    need(0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+    need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
+    need(cfg.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
+    need(cfg.z_loss >= 0, "z_loss", "must be >= 0")
+    need(0 < cfg.val_fraction <= 0.5, "val_fraction", "must be in (0, 0.5]")
+    need(257 <= cfg.vocab_size <= 1 << 20, "vocab_size",
+         "must be in [257, 1048576] (256 byte symbols plus the end-of-text token)")
+    if cfg.corpus != "shakespeare":
+        need(os.path.exists(cfg.corpus), "corpus",
+             "path does not exist; give a text file, a .jsonl file, a directory, or 'shakespeare'")
+        if os.path.isfile(cfg.corpus):
+            need(os.path.getsize(cfg.corpus) > 0, "corpus", "file is empty")

@@ -1,0 +1,197 @@
+"""A small Llama-style decoder-only language model.
+
+Pre-norm transformer with RMSNorm, rotary position embeddings (RoPE), SwiGLU
+MLPs and QK-norm (RMSNorm on queries and keys, as in the Streaming DiLoCo
+paper's runs), an optional z-loss on the output log-partition function, an
+output head tied to the token embedding, and normal(0, 0.02) init with
+residual output projections scaled down by sqrt(2 * n_layers). The repeated
+blocks live in `Transformer.blocks`, an ordered `nn.ModuleList`; that list is
+what the training code partitions into fragments.
+"""
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    seq_len: int  # maximum context length; sizes the RoPE tables
+    d_model: int
+    n_layers: int
+    n_heads: int
+    ffn_hidden: int | None = None  # None: 8/3 * d_model rounded up to a multiple of 32
+    rope_theta: float = 10000.0
+    qk_norm: bool = True
+    z_loss: float = 0.0  # coefficient of mean(logsumexp(logits)^2); 0 disables
+    norm_eps: float = 1e-6
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        if self.d_model % self.n_heads != 0:
+            raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
+        if (self.d_model // self.n_heads) % 2 != 0:
+            raise ValueError(f"head_dim={self.d_model // self.n_heads} must be even for RoPE")
+        if self.ffn_hidden is None:
+            # 8/3 keeps SwiGLU's three matrices at the parameter cost of a 4x GELU MLP;
+            # a multiple of 32 keeps the matmuls hardware friendly.
+            self.ffn_hidden = 32 * math.ceil(8 * self.d_model / 3 / 32)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+MODEL_SIZES: dict[str, dict] = {
+    "tiny": dict(d_model=32, n_layers=2, n_heads=2),  # ~0.16M params at vocab 4096
+    "small": dict(d_model=128, n_layers=4, n_heads=4),  # ~1.3M params at vocab 4096
+    "medium": dict(d_model=256, n_layers=8, n_heads=8),  # ~7.5M params at vocab 4096
+    "large": dict(d_model=768, n_layers=12, n_heads=12),  # ~88M params at vocab 4096
+    "xl": dict(d_model=1024, n_layers=24, n_heads=16),  # ~308M params at vocab 4096
+}
+
+
+def model_config(name: str, vocab_size: int, seq_len: int, **overrides) -> ModelConfig:
+    if name not in MODEL_SIZES:
+        raise ValueError(f"unknown model {name!r}; choose one of: {', '.join(MODEL_SIZES)}")
+    return ModelConfig(vocab_size=vocab_size, seq_len=seq_len, **{**MODEL_SIZES[name], **overrides})
+
+
+class Linear(nn.Linear):
+    """Bias-free linear layer that leaves its weight for Transformer to initialise.
+
+    nn.Linear's own init draws from the global RNG, which workers building models
+    concurrently in threads must not touch.
+    """
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__(d_in, d_out, bias=False)
+
+    def reset_parameters(self):
+        pass
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Mean of squares in bf16 loses too much precision, so normalise in fp32.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(x.dtype)
+
+
+def rotary_tables(head_dim: int, seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin of angle position * theta^(-2i/head_dim), each [seq_len, head_dim // 2]."""
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., T, head_dim] by position, pairing dimension i with i + head_dim/2.
+
+    cos and sin are [T, head_dim // 2]. The rotation makes q.k depend on positions
+    only through their difference.
+    """
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    cos, sin = cos.float(), sin.float()
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model)
+        self.proj = Linear(cfg.d_model, cfg.d_model)
+        # QK-norm bounds the attention logits, which keeps training stable at high learning rates.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
+        q = apply_rotary(self.q_norm(q), cos, sin)
+        k = apply_rotary(self.k_norm(k), cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.w1 = Linear(cfg.d_model, cfg.ffn_hidden)  # gate
+        self.w3 = Linear(cfg.d_model, cfg.ffn_hidden)  # up
+        self.w2 = Linear(cfg.ffn_hidden, cfg.d_model)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, generator: torch.Generator | None = None):
+        super().__init__()
+        self.cfg = cfg
+        # Passing _weight skips nn.Embedding's own init, which would use the global RNG.
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        # Derived from the config, so kept out of the state dict.
+        cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self._init_weights(generator)
+
+    def _init_weights(self, generator: torch.Generator | None):
+        # Each block adds two residual branches; shrinking their output projections
+        # keeps the residual stream's variance from growing with depth (GPT-2).
+        residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 2:  # every Linear and the Embedding; norm weights stay at 1
+                std = residual_std if name.endswith(("attn.proj.weight", "mlp.w2.weight")) else self.cfg.init_std
+                nn.init.normal_(p, 0.0, std, generator=generator)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        T = idx.shape[1]
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        # Tied head: the embedding matrix doubles as the output projection.
+        logits = F.linear(self.norm(x), self.embed.weight)
+        if targets is None:
+            return logits
+        logits = logits.float()
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        if self.cfg.z_loss:
+            # Pulls log Z towards 0 so the softmax normaliser cannot drift (PaLM).
+            loss = loss + self.cfg.z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return loss
+
+    def num_parameters(self) -> int:
+        # parameters() yields each tensor once, so the tied head is not double counted.
+        return sum(p.numel() for p in self.parameters())

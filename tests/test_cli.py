@@ -1,0 +1,137 @@
+"""The command line: bad input fails early and clearly; a small run writes honest files."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import loco.train
+from loco.cli import main
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    """A small text corpus; its tokenizer (vocab 300) trains in well under a second."""
+    import random
+
+    rng = random.Random(0)
+    words = ("the king queen lord love death night day sword crown heart blood "
+             "speak hear mine thine thou art doth hath").split()
+    d = tmp_path_factory.mktemp("corpus")
+    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) for _ in range(6000)]
+    (d / "text.txt").write_text("\n".join(lines))
+    return str(d / "text.txt"), str(d / "cache")
+
+
+def small_run(corpus, out, *extra):
+    text, cache = corpus
+    return ["train", "--model", "tiny", "--workers", "2", "--steps", "12", "--sync-every", "4",
+            "--seq-len", "32", "--batch-size", "4", "--vocab-size", "300", "--eval-every", "6",
+            "--eval-batches", "2", "--log-every", "3", "--corpus", text, "--cache-dir", cache,
+            "--out", str(out), "--no-progress", *extra]
+
+
+BAD_INPUTS = [
+    (["--workers", "0"], "--workers", ">= 1"),
+    (["--workers", "-3"], "--workers", ">= 1"),
+    (["--steps", "0"], "--steps", ">= 1"),
+    (["--steps", "-1"], "--steps", ">= 1"),
+    (["--sync-every", "0"], "--sync-every", ">= 1"),
+    (["--algorithm", "sgd"], "--algorithm", "diloco"),
+    (["--model", "huge"], "--model", "tiny, small"),
+    (["--launcher", "mpi"], "--launcher", "processes"),
+    (["--workers", "two"], "--workers", "invalid int"),
+    (["--lr", "0"], "--lr", "> 0"),
+    (["--outer-momentum", "1"], "--outer-momentum", "[0, 1)"),
+    (["--batch-size", "0"], "--batch-size", ">= 1"),
+    (["--seq-len", "1"], "--seq-len", ">= 2"),
+    (["--vocab-size", "100"], "--vocab-size", "257"),
+    (["--val-fraction", "0.9"], "--val-fraction", "(0, 0.5]"),
+    (["--corpus", "/no/such/corpus.txt"], "--corpus", "does not exist"),
+    (["--config", "/no/such/config.yaml"], "--config", "not found"),
+]
+
+
+@pytest.mark.parametrize("args,option,allowed", BAD_INPUTS, ids=[" ".join(a) for a, _, _ in BAD_INPUTS])
+def test_bad_input_is_one_clear_line_and_exit_2(args, option, allowed, capsys, monkeypatch):
+    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    with pytest.raises(SystemExit) as e:
+        sys.exit(main(["train", "--no-progress", *args]))
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert option in err and allowed in err
+
+
+def expect_error(argv, option, allowed, capsys, monkeypatch):
+    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and option in err and allowed in err
+
+
+def test_empty_corpus_file_and_directory(tmp_path, capsys, monkeypatch):
+    (tmp_path / "empty.txt").write_text("")
+    (tmp_path / "nothing").mkdir()
+    for corpus in (tmp_path / "empty.txt", tmp_path / "nothing"):
+        expect_error(["train", "--corpus", str(corpus), "--no-progress"], "--corpus", "empty"
+                     if corpus.is_file() else "no", capsys, monkeypatch)
+
+
+def test_batch_that_does_not_fit_the_data(corpus, tmp_path, capsys, monkeypatch):
+    argv = small_run(corpus, tmp_path / "run", "--batch-size", "100000")
+    expect_error(argv, "--batch-size", "does not fit", capsys, monkeypatch)
+
+
+def test_unknown_key_in_yaml_config(tmp_path, capsys, monkeypatch):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("workers: 2\nstepz: 5\n")
+    expect_error(["train", "--config", str(cfg)], "--config", "stepz", capsys, monkeypatch)
+
+
+def test_small_run_writes_metrics_summary_and_plot(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(small_run(corpus, out)) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("algorithm", "workers", "inner_steps", "tokens", "final_eval_loss",
+                "bytes_sent_per_worker", "peak_sync_bytes_per_worker", "wall_seconds",
+                "tokens_per_second", "config", "unigram_entropy"):
+        assert key in summary
+    assert summary["tokens"] == 12 * 2 * 4 * 32
+    assert math.isfinite(summary["final_eval_loss"])
+    # 3 syncs of the whole model, each 2 (M-1) ceil(n/M) fp32 values per worker
+    n = summary["model_parameters"]
+    assert summary["syncs"] == 3
+    assert summary["peak_sync_bytes_per_worker"] == 2 * 1 * math.ceil(n / 2) * 4
+    assert summary["bytes_sent_per_worker"] == 3 * summary["peak_sync_bytes_per_worker"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train_loss" in r] == [3, 6, 9, 12]
+    assert any("eval_loss" in r for r in records[:-1])  # evaluated during training
+    assert records[-1]["eval_loss"] == summary["final_eval_loss"]
+    assert records[-1]["bytes_sent"] == summary["bytes_sent_per_worker"]
+    assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
+    assert "final eval loss" in capsys.readouterr().out
+
+
+def test_yaml_config_and_flags_precedence(corpus, tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("algorithm: ddp\nsteps: 4\nworkers: 3\n")
+    out = tmp_path / "run"
+    assert main(small_run(corpus, out, "--config", str(cfg), "--workers", "2")[0:1]
+                + ["--config", str(cfg)] + small_run(corpus, out)[1:]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["algorithm"] == "ddp"  # from the file
+    assert summary["workers"] == 2 and summary["inner_steps"] == 12  # flags win
+
+
+def test_console_script_help_lists_every_option():
+    from loco.config import TrainConfig
+
+    res = subprocess.run([sys.executable, "-m", "loco", "train", "--help"], capture_output=True,
+                         text=True, env={**os.environ, "COLUMNS": "200"})
+    assert res.returncode == 0
+    for f in TrainConfig.fields():
+        assert "--" + f.name.replace("_", "-") in res.stdout

@@ -1,0 +1,167 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from loco.model import MODEL_SIZES, Transformer, apply_rotary, model_config, rotary_tables
+
+
+def build(name="tiny", vocab=64, seq_len=16, seed=0, **overrides):
+    cfg = model_config(name, vocab_size=vocab, seq_len=seq_len, **overrides)
+    return Transformer(cfg, generator=torch.Generator().manual_seed(seed))
+
+
+def tokens(vocab=64, B=2, T=16, seed=1):
+    return torch.randint(vocab, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("name", ["tiny", "small", "medium"])
+def test_named_sizes_build_and_run(name):
+    model = build(name, vocab=128, seq_len=8)
+    assert len(model.blocks) == MODEL_SIZES[name]["n_layers"]
+    logits = model(tokens(128, B=1, T=8))
+    assert logits.shape == (1, 8, 128)
+    assert torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize(
+    "name,vocab,lo,hi",
+    [
+        ("tiny", 2048, 0.05e6, 0.2e6),
+        ("small", 4096, 1e6, 2e6),
+        ("large", 32000, 100e6, 130e6),
+        ("xl", 4096, 250e6, 400e6),
+    ],
+)
+def test_parameter_counts(name, vocab, lo, hi):
+    with torch.device("meta"):
+        model = Transformer(model_config(name, vocab_size=vocab, seq_len=256))
+    assert lo < model.num_parameters() < hi
+
+
+def test_default_ffn_hidden_is_rounded_multiple_of_32():
+    cfg = model_config("small", vocab_size=64, seq_len=8)
+    assert cfg.ffn_hidden % 32 == 0
+    assert 8 * cfg.d_model / 3 <= cfg.ffn_hidden < 8 * cfg.d_model / 3 + 32
+    assert model_config("small", vocab_size=64, seq_len=8, ffn_hidden=100).ffn_hidden == 100
+
+
+def test_same_seed_same_weights_different_seed_different():
+    a, b, c = build(seed=3).state_dict(), build(seed=3).state_dict(), build(seed=4).state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    two_dim = [k for k in a if a[k].dim() == 2]
+    assert two_dim and all(not torch.equal(a[k], c[k]) for k in two_dim)
+
+
+def test_generator_leaves_global_rng_untouched():
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    build(seed=0)
+    assert torch.equal(torch.rand(4), expected)
+
+
+def test_causality():
+    model = build()
+    idx = tokens()
+    t = 9
+    changed = idx.clone()
+    changed[:, t] = (changed[:, t] + 1) % 64
+    before, after = model(idx), model(changed)
+    torch.testing.assert_close(before[:, :t], after[:, :t], rtol=0, atol=0)
+    assert not torch.allclose(before[:, t], after[:, t])
+
+
+def test_loss_is_cross_entropy_plus_z_loss():
+    idx, targets = tokens(seed=1), tokens(seed=2)
+    model = build()
+    logits = model(idx)
+    ce = F.cross_entropy(logits.view(-1, 64), targets.view(-1))
+    torch.testing.assert_close(model(idx, targets), ce)
+
+    coef = 1e-2
+    model.cfg.z_loss = coef
+    lse = torch.logsumexp(logits, dim=-1)
+    torch.testing.assert_close(model(idx, targets), ce + coef * (lse**2).mean())
+    assert coef * (lse**2).mean() > 1e-3  # the z-loss term is large enough to be seen
+
+
+def test_output_head_is_tied_to_embedding():
+    model = build()
+    vocab_shaped = [n for n, p in model.named_parameters() if 64 in p.shape]
+    assert vocab_shaped == ["embed.weight"]
+    n_matrices = sum(p.dim() == 2 for p in model.parameters())
+    assert n_matrices == 1 + 5 * len(model.blocks)  # embed, then qkv, proj, w1, w2, w3 per block
+
+    # The input uses only row 0 of the embedding, so any gradient on row 1 came through the head.
+    idx = torch.zeros(1, 4, dtype=torch.long)
+    model(idx, torch.ones(1, 4, dtype=torch.long)).backward()
+    assert model.embed.weight.grad[1].abs().sum() > 0
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    head_dim, seq_len = 16, 32
+    cos, sin = rotary_tables(head_dim, seq_len, theta=10000.0)
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(head_dim, generator=g), torch.randn(head_dim, generator=g)
+    rq = apply_rotary(q.expand(seq_len, head_dim), cos, sin)  # q placed at every position
+    rk = apply_rotary(k.expand(seq_len, head_dim), cos, sin)
+    scores = rq @ rk.T  # scores[i, j] = <q at i, k at j>
+    for offset in (-5, 0, 3):
+        diagonal = torch.diagonal(scores, offset=offset)
+        torch.testing.assert_close(diagonal, diagonal[:1].expand_as(diagonal), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(scores[0, 0], scores[0, 3])
+    # A rotation preserves norms.
+    torch.testing.assert_close(rq.norm(dim=-1), q.norm().expand(seq_len))
+
+
+def test_rope_buffers_not_in_state_dict_and_follow_device():
+    model = build()
+    assert not any("rope" in k for k in model.state_dict())
+    model = model.to(torch.float64)
+    assert model.rope_cos.dtype == torch.float64
+
+
+def test_init_std():
+    model = build("medium", vocab=4096, seq_len=8)
+    std = model.embed.weight.std().item()
+    assert abs(std - 0.02) < 0.001
+    w2 = model.blocks[0].mlp.w2.weight
+    assert abs(w2.std().item() - 0.02 / math.sqrt(2 * 8)) < 0.0005
+    assert torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))
+
+
+def test_autocast_bf16_forward_backward():
+    model = build()
+    idx = tokens()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(idx, idx)
+    loss.backward()
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+
+
+def test_few_adamw_steps_overfit_a_batch():
+    model = build()
+    idx, targets = tokens(seed=1), tokens(seed=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    first = None
+    for _ in range(30):
+        loss = model(idx, targets)
+        first = loss.item() if first is None else first
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert model(idx, targets).item() < 0.5 * first
+
+
+def test_unknown_model_name():
+    with pytest.raises(ValueError, match="unknown model 'huge'.*tiny.*small.*medium.*large.*xl"):
+        model_config("huge", vocab_size=64, seq_len=8)
+
+
+def test_sequence_longer_than_seq_len_raises():
+    model = build(seq_len=8)
+    with pytest.raises(ValueError, match="seq_len"):
+        model(tokens(B=1, T=9))
