@@ -135,3 +135,29 @@ def test_console_script_help_lists_every_option():
     assert res.returncode == 0
     for f in TrainConfig.fields():
         assert "--" + f.name.replace("_", "-") in res.stdout
+
+
+@pytest.mark.parametrize("how", ["processes", "torchrun"])
+def test_same_job_under_processes_and_torchrun_matches_threads(corpus, tmp_path, how):
+    """The same code under every launcher: same losses, same bytes."""
+    assert main(small_run(corpus, tmp_path / "threads")) == 0
+    argv = small_run(corpus, tmp_path / how)
+    if how == "processes":
+        cmd = [sys.executable, "-m", "loco", *argv, "--launcher", "processes"]
+    else:
+        i = argv.index("--workers")
+        del argv[i:i + 2]  # torchrun decides the number of workers
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc-per-node", "2", "-m", "loco", *argv]
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ref = json.loads((tmp_path / "threads" / "summary.json").read_text())
+    got = json.loads((tmp_path / how / "summary.json").read_text())
+    assert got["launcher"] == how and got["workers"] == 2
+    assert got["bytes_sent_per_worker"] == ref["bytes_sent_per_worker"]
+    assert got["final_eval_loss"] == pytest.approx(ref["final_eval_loss"], abs=1e-5)
+
+
+def test_warns_when_the_last_round_never_syncs(corpus, tmp_path, capsys):
+    assert main(small_run(corpus, tmp_path / "run", "--steps", "10")) == 0  # H = 4
+    assert "not a multiple of --sync-every" in capsys.readouterr().err

@@ -32,6 +32,13 @@ def _flag_type(f: dataclasses.Field):
     return str
 
 
+def _metavar(f: dataclasses.Field) -> str:
+    return {int: "N", float: "X"}.get(_flag_type(f), "PATH" if f.name in PATHS else "NAME")
+
+
+PATHS = {"corpus", "cache_dir", "out"}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="loco", description="Train language models across workers that "
                     "talk rarely and little (DiLoCo, data-parallel, local).")
@@ -51,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             train.add_argument(flag, type=_flag_type(f), default=argparse.SUPPRESS,
                                choices=f.metadata.get("choices"),
-                               metavar=f.name.upper() if not f.metadata.get("choices") else None,
+                               metavar=None if f.metadata.get("choices") else _metavar(f),
                                help=help_text)
     return parser
 
@@ -79,7 +86,7 @@ def _train(args: argparse.Namespace) -> int:
         return 1
     if "final_eval_loss" not in summary:  # a torchrun rank other than 0
         return 0
-    out = summary["config"]["out"] or "."
+    out = summary["config"]["out"]
     print(f"final eval loss {summary['final_eval_loss']:.3f} nats/token "
           f"(unigram entropy of the corpus: {summary['unigram_entropy']:.3f})")
     print(f"{summary['tokens']:,} tokens in {summary['wall_seconds']:.1f} s "

@@ -151,6 +151,16 @@ def build_config(yaml_path: str | None = None, overrides: dict[str, Any] | None 
     return TrainConfig(**{k: coerce(by_name[k], v) for k, v in values.items()})
 
 
+def warnings_for(cfg: TrainConfig) -> list[str]:
+    """Legal settings that are probably not what the user meant."""
+    out = []
+    if cfg.algorithm == "diloco" and cfg.steps % cfg.sync_every:
+        out.append(f"--steps {cfg.steps} is not a multiple of --sync-every {cfg.sync_every}: the "
+                   f"last {cfg.steps % cfg.sync_every} inner steps never reach the global "
+                   "model that is evaluated")
+    return out
+
+
 def validate(cfg: TrainConfig) -> None:
     """Check every option; raise ConfigError for the first that is out of range."""
     from loco.model import MODEL_SIZES

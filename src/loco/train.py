@@ -8,9 +8,11 @@ directory and returns the summary.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import sys
 import time
 from contextlib import nullcontext
 from datetime import datetime
@@ -19,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from loco.algorithms import ALGORITHMS, Algorithm
-from loco.config import ConfigError, TrainConfig, validate
+from loco.config import ConfigError, TrainConfig, validate, warnings_for
 from loco.data import Corpus, CorpusError, TokenLoader, eval_batches, prepare_corpus
 from loco.model import Transformer, model_config
 from loco.runtime import WorkerContext, launch, under_torchrun
@@ -28,16 +30,19 @@ from loco.runtime import WorkerContext, launch, under_torchrun
 def run_training(cfg: TrainConfig) -> dict:
     """Validate, prepare data, train on every worker; return worker 0's summary."""
     validate(cfg)
-    out = cfg.out or os.path.join("runs", f"{cfg.algorithm}-{datetime.now():%Y%m%d-%H%M%S}")
+    for message in warnings_for(cfg):
+        print(f"loco train: warning: {message}", file=sys.stderr)
+    if cfg.out is None:
+        cfg = dataclasses.replace(cfg, out=os.path.join(
+            "runs", f"{cfg.algorithm}-{datetime.now():%Y%m%d-%H%M%S}"))
     try:
         corpus = prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.val_fraction, cfg.cache_dir,
                                 cfg.text_field, progress=cfg.progress)
     except CorpusError as e:
         raise ConfigError("corpus", str(e)) from None
     check_fits(cfg, corpus)
-    os.makedirs(out, exist_ok=True)
     workers = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.workers
-    results = launch(train_worker, workers, cfg.launcher, args=(cfg, corpus, out),
+    results = launch(train_worker, workers, cfg.launcher, args=(cfg, corpus),
                      timeout=cfg.comm_timeout)
     return results[0]
 
@@ -96,7 +101,7 @@ def evaluate(model, params: dict, batches, autocast) -> float:
     return total / count
 
 
-def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus, out: str) -> dict:
+def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     torch.set_flush_denormal(True)  # denormals made CPU steps 8x slower
     start = time.perf_counter()
     device = ctx.device
@@ -114,7 +119,7 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus, out: str)
     tokens_per_step = ctx.mesh.replicas * cfg.batch_size * cfg.seq_len
 
     main = ctx.is_main
-    log = RunLog(out, cfg) if main else None
+    log = RunLog(cfg.out) if main else None
     bar = tqdm(total=cfg.steps, desc=f"{cfg.algorithm} x{ctx.mesh.replicas}", unit="step",
                disable=not (main and cfg.progress), dynamic_ncols=True)
     eval_seconds, loss_sum, loss_count = 0.0, 0.0, 0
@@ -156,8 +161,8 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus, out: str)
     # Every worker reports its counters (a tiny gather outside the training traffic).
     mine = ctx.comm.totals("train")
     report = torch.tensor([mine.sent_bytes, mine.recv_bytes, mine.raw_bytes,
-                           ctx.comm.peak_sent_bytes("train"), mine.ops, mine.seconds, mine.waited],
-                          dtype=torch.float64, device=device)
+                           ctx.comm.peak_sent_bytes("train"), mine.ops, mine.seconds, mine.waited,
+                           train_seconds], dtype=torch.float64, device=device)
     per_worker = [t.tolist() for t in ctx.comm.all_gather(report, tag="report").wait()]
     if not main:
         return {"rank": ctx.rank}
@@ -169,8 +174,11 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus, out: str)
     tokens = cfg.steps * tokens_per_step
     wall = time.perf_counter() - start
     keys = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
-            "comm_seconds", "comm_wait_seconds")
+            "comm_seconds", "comm_wait_seconds", "train_seconds")
     workers = [dict(zip(keys, w)) for w in per_worker]
+    # The job is done when its slowest worker is: timing worker 0 alone would flatter
+    # methods without a barrier, whose workers drift apart in speed.
+    train_seconds = max(w["train_seconds"] for w in workers)
     for w in workers:
         for k in ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs"):
             w[k] = int(w[k])
@@ -191,7 +199,7 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus, out: str)
         "comm_seconds": workers[0]["comm_seconds"],
         "comm_wait_seconds": workers[0]["comm_wait_seconds"],
         "wall_seconds": wall,
-        "train_seconds": train_seconds,
+        "train_seconds": train_seconds,  # slowest worker's loop, evaluation excluded
         "eval_seconds": eval_seconds,
         "tokens_per_second": tokens / train_seconds,
         "per_worker": workers,
@@ -215,7 +223,8 @@ def human_bytes(n: float) -> str:
 class RunLog:
     """The run directory: metrics.jsonl as training goes, summary.json and loss.png at the end."""
 
-    def __init__(self, out: str, cfg: TrainConfig):
+    def __init__(self, out: str):
+        os.makedirs(out, exist_ok=True)
         self.out = out
         self.records: list[dict] = []
         self._metrics = open(os.path.join(out, "metrics.jsonl"), "w", buffering=1)
