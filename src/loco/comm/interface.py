@@ -194,10 +194,6 @@ class Comm:
         self._queue.put((future, run))
         return Handle(future, rec, self)
 
-    @staticmethod
-    def _wait(work) -> None:
-        work.wait()
-
     # --------------------------------------------------------------------------- operations
     def all_reduce_mean(self, tensor: torch.Tensor, tag: str = "train") -> Handle:
         """Average ``tensor`` over all workers, in place, asynchronously.
@@ -222,12 +218,12 @@ class Comm:
         padded[:n] = flat
         # Reduce-scatter: worker j receives chunk j of every worker ...
         received = torch.empty_like(padded)
-        self._wait(self.group.alltoall_base(received, padded, [], [], dist.AllToAllOptions()))
+        self.group.alltoall_base(received, padded, [], [], dist.AllToAllOptions()).wait()
         # ... and averages it; summing in rank order gives the same bits everywhere.
         mine = received.view(m, chunk).sum(dim=0).div_(m)
         # All-gather the averaged chunks.
         gathered = [torch.empty(chunk, dtype=flat.dtype, device=flat.device) for _ in range(m)]
-        self._wait(self.group.allgather([gathered], [mine]))
+        self.group.allgather([gathered], [mine]).wait()
         flat.copy_(torch.cat(gathered)[:n])
         return flat
 
@@ -245,9 +241,9 @@ class Comm:
             if self.rank == src:
                 works = [self.group.send([tensor], dst, 0) for dst in range(m) if dst != src]
                 for w in works:
-                    self._wait(w)
+                    w.wait()
             elif m > 1:
-                self._wait(self.group.recv([tensor], src, 0))
+                self.group.recv([tensor], src, 0).wait()
             return tensor
 
         return self._submit("broadcast", tag, nbytes, sent, recv, run)
@@ -261,7 +257,7 @@ class Comm:
             if m == 1:
                 out[0].copy_(tensor)
             else:
-                self._wait(self.group.allgather([out], [tensor]))
+                self.group.allgather([out], [tensor]).wait()
             return out
 
         return self._submit("all_gather", tag, nbytes, (m - 1) * nbytes, (m - 1) * nbytes, run)
