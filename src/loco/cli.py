@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from loco.config import ConfigError, TrainConfig, build_config
@@ -84,6 +85,13 @@ def _train(args: argparse.Namespace) -> int:
     except WorkerError as e:
         print(f"loco train: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        # Worker threads may sit inside gloo; a normal interpreter shutdown would tear the
+        # transport down under them and abort. Nothing is left half-written: summary.json
+        # is only ever written whole, at the end.
+        print("\nloco train: interrupted", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
     if "final_eval_loss" not in summary:  # a torchrun rank other than 0
         return 0
     out = summary["config"]["out"]
