@@ -43,6 +43,7 @@ BAD_INPUTS = [
     (["--algorithm", "sgd"], "--algorithm", "diloco"),
     (["--model", "huge"], "--model", "tiny, small"),
     (["--launcher", "mpi"], "--launcher", "processes"),
+    (["--launcher", "torchrun"], "--launcher", "started by torchrun"),
     (["--workers", "two"], "--workers", "invalid int"),
     (["--lr", "0"], "--lr", "> 0"),
     (["--outer-momentum", "1"], "--outer-momentum", "[0, 1)"),
@@ -155,7 +156,8 @@ def test_same_job_under_processes_and_torchrun_matches_threads(corpus, tmp_path,
     got = json.loads((tmp_path / how / "summary.json").read_text())
     assert got["launcher"] == how and got["workers"] == 2
     assert got["bytes_sent_per_worker"] == ref["bytes_sent_per_worker"]
-    assert got["final_eval_loss"] == pytest.approx(ref["final_eval_loss"], abs=1e-5)
+    # same maths; only a different intra-op thread count could change float rounding
+    assert got["final_eval_loss"] == pytest.approx(ref["final_eval_loss"], abs=1e-4)
 
 
 def test_warns_when_the_last_round_never_syncs(corpus, tmp_path, capsys):

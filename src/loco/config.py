@@ -174,6 +174,11 @@ def validate(cfg: TrainConfig) -> None:
         if choices:
             need(getattr(cfg, f.name) in choices, f.name, f"must be one of {', '.join(choices)}")
     need(cfg.model in MODEL_SIZES, "model", f"must be one of {', '.join(MODEL_SIZES)}")
+    if cfg.launcher == "torchrun":
+        from loco.runtime import under_torchrun
+
+        need(under_torchrun(), "launcher", "torchrun is only valid when started by torchrun: "
+             "torchrun --nproc-per-node N -m loco train ...")
     for name in ("workers", "steps", "batch_size", "sync_every", "log_every", "eval_batches",
                  "final_eval_batches"):
         need(getattr(cfg, name) >= 1, name, "must be an integer >= 1")

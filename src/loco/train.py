@@ -29,6 +29,8 @@ from loco.runtime import WorkerContext, launch, under_torchrun
 
 def run_training(cfg: TrainConfig) -> dict:
     """Validate, prepare data, train on every worker; return worker 0's summary."""
+    if under_torchrun():  # torchrun, not --workers, decides how many workers there are
+        cfg = dataclasses.replace(cfg, workers=int(os.environ["WORLD_SIZE"]))
     validate(cfg)
     for message in warnings_for(cfg):
         print(f"loco train: warning: {message}", file=sys.stderr)
@@ -41,8 +43,7 @@ def run_training(cfg: TrainConfig) -> dict:
     except CorpusError as e:
         raise ConfigError("corpus", str(e)) from None
     check_fits(cfg, corpus)
-    workers = int(os.environ["WORLD_SIZE"]) if under_torchrun() else cfg.workers
-    results = launch(train_worker, workers, cfg.launcher, args=(cfg, corpus),
+    results = launch(train_worker, cfg.workers, cfg.launcher, args=(cfg, corpus),
                      timeout=cfg.comm_timeout)
     return results[0]
 

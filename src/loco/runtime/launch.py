@@ -101,7 +101,10 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
         raise ValueError(f"workers must be >= 1 (got {workers})")
     if ranks_per_replica != 1:
         raise NotImplementedError("workers spanning several ranks are not supported yet")
-    if launcher == "torchrun" or under_torchrun():
+    if launcher == "torchrun" and not under_torchrun():
+        raise ValueError("launcher 'torchrun' needs a process started by torchrun "
+                         "(its RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID are missing)")
+    if under_torchrun():
         return [_run_from_env(fn, args, workers if launcher != "torchrun" else None,
                               ranks_per_replica, timeout, "torchrun")]
     mesh = Mesh(workers, ranks_per_replica)
