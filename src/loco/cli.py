@@ -33,11 +33,11 @@ def _flag_type(f: dataclasses.Field):
     return str
 
 
+PATHS = {"corpus", "cache_dir", "out"}
+
+
 def _metavar(f: dataclasses.Field) -> str:
     return {int: "N", float: "X"}.get(_flag_type(f), "PATH" if f.name in PATHS else "NAME")
-
-
-PATHS = {"corpus", "cache_dir", "out"}
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -135,7 +135,8 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
         algo.zero_grad()
         if not main:
             continue
-        loss_sum += loss.item()
+        loss_value = loss.item()
+        loss_sum += loss_value
         loss_count += 1
         record = None
         if step % cfg.log_every == 0 or step == cfg.steps:
@@ -153,7 +154,7 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
             record.update(bytes_sent=sent, elapsed=time.perf_counter() - start)
             log.metric(record)
         train_seconds = time.perf_counter() - loop_start - eval_seconds
-        bar.set_postfix(loss=f"{loss.item():.3f}", tok_s=f"{step * tokens_per_step / train_seconds:,.0f}",
+        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{step * tokens_per_step / train_seconds:,.0f}",
                         sent=human_bytes(sent), refresh=False)
         bar.update(1)
     bar.close()
@@ -214,11 +215,11 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
 
 
 def human_bytes(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
             return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
         n /= 1000
-    return f"{n}"
+    return f"{n:.1f}TB"
 
 
 class RunLog:
