@@ -53,6 +53,15 @@ BAD_INPUTS = [
     (["--val-fraction", "0.9"], "--val-fraction", "(0, 0.5]"),
     (["--corpus", "/no/such/corpus.txt"], "--corpus", "does not exist"),
     (["--config", "/no/such/config.yaml"], "--config", "not found"),
+    (["--fragments", "3"], "--fragments", "must divide --sync-every (50)"),
+    (["--fragments", "8"], "--fragments", "[1, 4]"),
+    (["--overlap", "25"], "--overlap", "[0, 25)"),
+    (["--overlap", "-1"], "--overlap", "[0, 25)"),
+    (["--alpha", "1.5"], "--alpha", "[0, 1]"),
+    (["--codec", "fp5"], "--codec", "fp4_e3m0"),
+    (["--codec-block", "3"], "--codec-block", "even integer"),
+    (["--fragment-pattern", "random"], "--fragment-pattern", "strided"),
+    (["--outer-lr", "0"], "--outer-lr", "> 0"),
 ]
 
 
@@ -95,7 +104,7 @@ def test_unknown_key_in_yaml_config(tmp_path, capsys, monkeypatch):
 
 def test_small_run_writes_metrics_summary_and_plot(corpus, tmp_path, capsys):
     out = tmp_path / "run"
-    assert main(small_run(corpus, out)) == 0
+    assert main(small_run(corpus, out, "--algorithm", "diloco")) == 0
     summary = json.loads((out / "summary.json").read_text())
     for key in ("algorithm", "workers", "inner_steps", "tokens", "final_eval_loss",
                 "bytes_sent_per_worker", "peak_sync_bytes_per_worker", "wall_seconds",
@@ -115,6 +124,31 @@ def test_small_run_writes_metrics_summary_and_plot(corpus, tmp_path, capsys):
     assert records[-1]["bytes_sent"] == summary["bytes_sent_per_worker"]
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert "final eval loss" in capsys.readouterr().out
+
+
+def test_default_streaming_run_reports_every_sync_and_fragment(corpus, tmp_path):
+    """The default method: P = 2 fragments, one sent every H/P = 2 steps, applied τ = 1 step
+    later (the last one by the final flush), each as FP4 with one scale byte per 32 values."""
+    out = tmp_path / "run"
+    assert main(small_run(corpus, out)) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["algorithm"] == "streaming" and summary["config"]["codec"] == "fp4_e3m0"
+    assert summary["config"]["outer_lr"] == 0.4  # the paper's, filled in for streaming
+    frags = summary["fragments"]
+    assert [f["syncs"] for f in frags] == [3, 3]
+    assert sum(f["elements"] for f in frags) == summary["model_parameters"]
+    assert sum(f["bytes_sent"] for f in frags) == summary["bytes_sent_per_worker"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    syncs = [r for r in records if r.get("event") == "sync"]
+    assert [(s["step"], s["fragment"], s["applied_step"]) for s in syncs] == [
+        (2, 0, 3), (4, 1, 5), (6, 0, 7), (8, 1, 9), (10, 0, 11), (12, 1, 12)]
+    for s in syncs:
+        n = frags[s["fragment"]]["elements"]
+        c = math.ceil(math.ceil(n / 2) / 32) * 32
+        assert s["raw_bytes"] == 4 * n
+        assert s["wire_bytes"] == 2 * 1 * (c // 2 + c // 32)
+        assert s["seconds_in_flight"] >= s["seconds_waited"] >= 0
+    assert summary["peak_sync_bytes_per_worker"] == max(s["wire_bytes"] for s in syncs)
 
 
 def test_yaml_config_and_flags_precedence(corpus, tmp_path):
@@ -161,5 +195,6 @@ def test_same_job_under_processes_and_torchrun_matches_threads(corpus, tmp_path,
 
 
 def test_warns_when_the_last_round_never_syncs(corpus, tmp_path, capsys):
-    assert main(small_run(corpus, tmp_path / "run", "--steps", "10")) == 0  # H = 4
+    assert main(small_run(corpus, tmp_path / "run", "--steps", "10", "--algorithm",
+                          "diloco")) == 0  # H = 4
     assert "not a multiple of --sync-every" in capsys.readouterr().err

@@ -14,8 +14,9 @@ from loco.model import Transformer, model_config
 VOCAB, SEQ, BATCH = 64, 16, 4
 
 
-def make_model(seed: int = 0) -> Transformer:
-    return Transformer(model_config("tiny", VOCAB, SEQ), torch.Generator().manual_seed(seed))
+def make_model(seed: int = 0, layers: int = 2) -> Transformer:
+    return Transformer(model_config("tiny", VOCAB, SEQ, n_layers=layers),
+                       torch.Generator().manual_seed(seed))
 
 
 def make_optimizer(model) -> torch.optim.Optimizer:
@@ -65,14 +66,32 @@ def ddp_worker(ctx, steps, clip=None):
     return {"params": params_of(algo.global_parameters()), "sent": ctx.comm.totals().sent_bytes}
 
 
-def resume_worker(ctx, steps, split, sync_every, algo_name):
+def streaming_worker(ctx, steps, layers=4, step_hook=None, **kw):
+    """Streaming DiLoCo on the test model; flushes the last sync like the CLI does."""
+    model = make_model(layers=layers)
+    opt = make_optimizer(model)
+    algo = loco.StreamingDiLoCo(model, opt, ctx.comm, **kw)
+
+    def step():
+        algo.step()
+        algo.zero_grad()
+        if step_hook:
+            step_hook(algo)
+    train_steps(model, opt, ctx.rank, range(steps), step)
+    algo.flush()
+    return {"params": params_of(algo.global_parameters()), "sent": ctx.comm.totals().sent_bytes,
+            "fragments": algo.fragments(), "syncs": list(algo.sync_log),
+            "peak": ctx.comm.peak_sent_bytes(), "stats": algo.fragment_stats()}
+
+
+def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, **extra):
     """Train ``split`` steps, snapshot state_dict, finish; then rebuild from the snapshot and
     finish again. Returns both final parameter sets."""
     def build():
-        model = make_model()
+        model = make_model(layers=layers)
         opt = make_optimizer(model)
         cls = loco.algorithms.ALGORITHMS[algo_name]
-        kw = {"sync_every": sync_every} if algo_name == "diloco" else {}
+        kw = {"sync_every": sync_every, **extra} if algo_name in ("diloco", "streaming") else {}
         return model, opt, cls(model, opt, ctx.comm, **kw)
 
     model, opt, algo = build()
@@ -113,6 +132,64 @@ def reference_diloco(workers, steps, sync_every, outer_lr, outer_momentum, neste
                 for p, g in zip(model.parameters(), glob):
                     p.copy_(g)
     return dict(zip(names, glob))
+
+
+def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, codec="fp32",
+                        outer_lr=0.4, outer_momentum=0.9, nesterov=True, layers=4,
+                        pattern="strided", block=32):
+    """Streaming DiLoCo as the paper's algorithm box, in one process: per-fragment
+    pseudo-gradients, quantized (and the mean re-quantized) with the codec, an outer Nesterov
+    step by hand at t + τ, and the α-merge into every worker's moved-on parameters."""
+    from loco.algorithms.fragments import split_fragments
+    from loco.comm.codecs import get_codec
+
+    qdq = get_codec(codec, block)
+    roundtrip = lambda x: qdq.decode(qdq.encode(x), x.shape)  # noqa: E731
+    models = [make_model(layers=layers) for _ in range(workers)]
+    opts = [make_optimizer(m) for m in models]
+    names = split_fragments(models[0], fragments, pattern)
+    P, H = len(names), sync_every
+    local = [dict(m.named_parameters()) for m in models]
+    glob = [torch.cat([local[0][n].detach().reshape(-1) for n in frag]) for frag in names]
+    momentum = [torch.zeros_like(g) for g in glob]
+    in_flight = None  # (fragment, step sent, mean pseudo-gradient)
+
+    def apply(p, mean):
+        with torch.no_grad():
+            momentum[p].mul_(outer_momentum).add_(mean)
+            update = mean.add(momentum[p], alpha=outer_momentum) if nesterov else momentum[p]
+            glob[p].add_(update, alpha=-outer_lr)
+            for m in range(workers):
+                offset = 0
+                for n in names[p]:
+                    w = local[m][n]
+                    g = glob[p][offset:offset + w.numel()].view_as(w)
+                    w.copy_(g if alpha == 0 else w.lerp(g, 1 - alpha))
+                    offset += w.numel()
+
+    for t in range(1, steps + 1):
+        for m in range(workers):
+            train_steps(models[m], opts[m], m, [t - 1])
+        for p in range(P):
+            if t % H == ((p + 1) * H // P) % H:
+                with torch.no_grad():
+                    deltas = [roundtrip(glob[p] - torch.cat([local[m][n].reshape(-1)
+                                                             for n in names[p]]))
+                              for m in range(workers)]
+                in_flight = (p, t, roundtrip(torch.stack(deltas).sum(0) / workers))
+        if in_flight is not None and in_flight[1] + overlap == t:
+            apply(in_flight[0], in_flight[2])
+            in_flight = None
+    if in_flight is not None:
+        apply(in_flight[0], in_flight[2])
+    out = {}
+    for p, frag in enumerate(names):
+        offset = 0
+        for n in frag:
+            numel = local[0][n].numel()
+            out[n] = glob[p][offset:offset + numel].view_as(local[0][n]).clone()
+            offset += numel
+    return out
 
 
 def reference_big_batch(workers, steps, clip=None):

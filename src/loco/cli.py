@@ -11,7 +11,9 @@ from loco.config import ConfigError, TrainConfig, build_config
 
 EPILOG = """Options may also come from a YAML file (--config); flags override it.
 Examples:
-  loco train                                   # default job: DiLoCo, 4 workers, small model
+  loco train                                   # default job: Streaming DiLoCo, 4 workers, FP4
+  loco train --algorithm streaming --fragments 4 --sync-every 100 --overlap 2 --codec int8
+  loco train --algorithm diloco                # DiLoCo: whole model, fp32, every H steps
   loco train --algorithm ddp --steps 200       # data-parallel baseline
   loco train --model tiny --workers 2 --launcher processes
   torchrun --nproc-per-node 8 -m loco train    # one rank per GPU, NCCL"""
@@ -42,9 +44,9 @@ def _metavar(f: dataclasses.Field) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="loco", description="Train language models across workers that "
-                    "talk rarely and little (DiLoCo, data-parallel, local).")
+                    "talk rarely and little (Streaming DiLoCo, DiLoCo, data-parallel, local).")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    train = sub.add_parser("train", help="train a model (default: DiLoCo on Shakespeare)",
+    train = sub.add_parser("train", help="train a model (default: Streaming DiLoCo on Shakespeare)",
                            description="Train a language model with one of the methods and "
                            "write metrics.jsonl, summary.json and loss.png into --out.",
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -52,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "the flag names); flags given here override it")
     for f in TrainConfig.fields():
         flag = "--" + f.name.replace("_", "-")
-        help_text = f"{f.metadata['help']} (default: {f.default})"
+        help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
         if f.type in (bool, "bool"):
             train.add_argument(flag, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)

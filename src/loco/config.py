@@ -16,7 +16,11 @@ from typing import Any
 
 import yaml
 
-ALGORITHM_NAMES = ("ddp", "diloco", "local")
+ALGORITHM_NAMES = ("streaming", "diloco", "ddp", "local")
+PATTERNS = ("strided", "sequential")
+CODEC_NAMES = ("fp32", "bf16", "fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1")
+#: The papers' outer learning rates, used when --outer-lr is not given.
+DEFAULT_OUTER_LR = {"diloco": 0.7, "streaming": 0.4}
 LAUNCHER_NAMES = ("threads", "processes", "torchrun")
 DTYPES = ("fp32", "bf16")
 
@@ -36,16 +40,34 @@ def opt(default, help: str, choices: tuple | None = None, **kw):
 @dataclass
 class TrainConfig:
     # --- method
-    algorithm: str = opt("diloco", "training method: ddp (gradients averaged every step), "
-                         "diloco (outer step every H inner steps), local (no communication)",
-                         ALGORITHM_NAMES)
+    algorithm: str = opt("streaming", "training method: streaming (Streaming DiLoCo: one "
+                         "fragment at a time, overlapped, 4-bit), diloco (outer step every H "
+                         "inner steps), ddp (gradients averaged every step), local (no "
+                         "communication)", ALGORITHM_NAMES)
     workers: int = opt(4, "number of workers M (replicas), each with its own data shard")
-    sync_every: int = opt(50, "H: inner steps between synchronizations (DiLoCo); larger H "
-                          "sends fewer bytes but lets workers drift further apart")
-    outer_lr: float = opt(0.7, "outer learning rate of DiLoCo's Nesterov SGD")
-    outer_momentum: float = opt(0.9, "outer momentum of DiLoCo's SGD, in [0, 1)")
+    sync_every: int = opt(50, "H: inner steps between two syncs of the same parameters; "
+                          "larger H sends fewer bytes but lets workers drift further apart")
+    outer_lr: float | None = opt(None, "outer learning rate of the Nesterov SGD (default: the "
+                                 "papers' 0.7 for diloco, 0.4 for streaming)")
+    outer_momentum: float = opt(0.9, "outer momentum of the outer SGD, in [0, 1)")
     nesterov: bool = opt(True, "Nesterov outer momentum (the paper's); --no-nesterov for "
                          "heavy-ball")
+    fragments: int = opt(2, "P (streaming): fragments the model's blocks are split into, each "
+                         "synced once every H steps, one every H/P steps; must divide H; more "
+                         "fragments lower the peak bytes of a sync")
+    fragment_pattern: str = opt("strided", "how blocks are dealt to fragments (streaming): "
+                                "strided (block i to fragment i mod P) or sequential",
+                                PATTERNS)
+    overlap: int = opt(1, "tau (streaming): inner steps a sync stays in flight while training "
+                       "goes on, 0 <= tau < H/P; hides the transfer time")
+    alpha: float = opt(0.5, "alpha (streaming): share of the local parameters kept when a "
+                       "synced fragment is merged back, in [0, 1]; 0 replaces them")
+    codec: str = opt("fp4_e3m0", "wire format of the pseudo-gradients (streaming); the "
+                     "reduction itself is fp32", CODEC_NAMES)
+    codec_block: int = opt(32, "values per power-of-two scale of the 8- and 4-bit codecs; "
+                           "larger blocks send fewer scale bytes but clip less evenly")
+    offload: bool = opt(False, "keep the global copy and outer optimizer state in CPU memory "
+                        "(diloco, streaming)")
     # --- inner optimization
     steps: int = opt(400, "inner steps per worker (total tokens = steps x workers x "
                      "batch-size x seq-len)")
@@ -151,9 +173,19 @@ def build_config(yaml_path: str | None = None, overrides: dict[str, Any] | None 
     return TrainConfig(**{k: coerce(by_name[k], v) for k, v in values.items()})
 
 
+def resolve(cfg: TrainConfig) -> TrainConfig:
+    """Fill the defaults that depend on other options."""
+    if cfg.outer_lr is None and cfg.algorithm in DEFAULT_OUTER_LR:
+        cfg = dataclasses.replace(cfg, outer_lr=DEFAULT_OUTER_LR[cfg.algorithm])
+    return cfg
+
+
 def warnings_for(cfg: TrainConfig) -> list[str]:
     """Legal settings that are probably not what the user meant."""
     out = []
+    if cfg.algorithm == "streaming" and cfg.steps < cfg.sync_every:
+        out.append(f"--steps {cfg.steps} is less than --sync-every {cfg.sync_every}: some "
+                   "fragments never sync")
     if cfg.algorithm == "diloco" and cfg.steps % cfg.sync_every:
         out.append(f"--steps {cfg.steps} is not a multiple of --sync-every {cfg.sync_every}: the "
                    f"last {cfg.steps % cfg.sync_every} inner steps never reach the global "
@@ -187,12 +219,25 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.warmup >= 0, "warmup", "must be an integer >= 0")
     for name in ("lr", "outer_lr", "comm_timeout"):
         v = getattr(cfg, name)
-        need(math.isfinite(v) and v > 0, name, "must be a number > 0")
+        if v is not None:
+            need(math.isfinite(v) and v > 0, name, "must be a number > 0")
     need(0 <= cfg.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
     need(0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
     need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
     need(cfg.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
     need(cfg.z_loss >= 0, "z_loss", "must be >= 0")
+    if cfg.algorithm == "streaming":
+        blocks = MODEL_SIZES[cfg.model]["n_layers"]
+        need(1 <= cfg.fragments <= blocks, "fragments",
+             f"must be in [1, {blocks}], the number of blocks of the {cfg.model} model")
+        need(cfg.sync_every % cfg.fragments == 0, "fragments",
+             f"must divide --sync-every ({cfg.sync_every})")
+        per = cfg.sync_every // cfg.fragments
+        need(0 <= cfg.overlap < per, "overlap", f"must be in [0, H/P) = [0, {per}) with "
+             f"--sync-every {cfg.sync_every} and --fragments {cfg.fragments}")
+        need(0 <= cfg.alpha <= 1, "alpha", "must be in [0, 1]")
+        need(2 <= cfg.codec_block <= 65536 and cfg.codec_block % 2 == 0, "codec_block",
+             "must be an even integer in [2, 65536]")
     need(0 < cfg.val_fraction <= 0.5, "val_fraction", "must be in (0, 0.5]")
     need(257 <= cfg.vocab_size <= 1 << 20, "vocab_size",
          "must be in [257, 1048576] (256 byte symbols plus the end-of-text token)")

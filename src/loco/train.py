@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from loco.algorithms import ALGORITHMS, Algorithm
-from loco.config import ConfigError, TrainConfig, validate, warnings_for
+from loco.config import ConfigError, TrainConfig, resolve, validate, warnings_for
 from loco.data import Corpus, CorpusError, TokenLoader, eval_batches, prepare_corpus
 from loco.model import Transformer, model_config
 from loco.runtime import WorkerContext, launch, under_torchrun
@@ -32,6 +32,7 @@ def run_training(cfg: TrainConfig) -> dict:
     if under_torchrun():  # torchrun, not --workers, decides how many workers there are
         cfg = dataclasses.replace(cfg, workers=int(os.environ["WORLD_SIZE"]))
     validate(cfg)
+    cfg = resolve(cfg)
     for message in warnings_for(cfg):
         print(f"loco train: warning: {message}", file=sys.stderr)
     if cfg.out is None:
@@ -62,9 +63,14 @@ def check_fits(cfg: TrainConfig, corpus: Corpus) -> None:
 
 def make_algorithm(cfg: TrainConfig, model, optimizer, comm) -> Algorithm:
     kwargs = {"max_grad_norm": cfg.grad_clip or None}
-    if cfg.algorithm == "diloco":
+    if cfg.algorithm in ("diloco", "streaming"):
         kwargs.update(sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
-                      outer_momentum=cfg.outer_momentum, nesterov=cfg.nesterov)
+                      outer_momentum=cfg.outer_momentum, nesterov=cfg.nesterov,
+                      offload=cfg.offload)
+    if cfg.algorithm == "streaming":
+        kwargs.update(fragments=cfg.fragments, pattern=cfg.fragment_pattern,
+                      overlap=cfg.overlap, alpha=cfg.alpha, codec=cfg.codec,
+                      codec_block=cfg.codec_block)
     return ALGORITHMS[cfg.algorithm](model, optimizer, comm, **kwargs)
 
 
@@ -133,8 +139,13 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
         algo.step()
         schedule.step()
         algo.zero_grad()
+        if step == cfg.steps and hasattr(algo, "flush"):
+            algo.flush()  # the last fragment sent must reach the evaluated global model
+        syncs = _drain(algo)
         if not main:
             continue
+        for sync in syncs:
+            log.metric({"event": "sync", **sync})
         loss_value = loss.item()
         loss_sum += loss_value
         loss_count += 1
@@ -205,6 +216,7 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
         "eval_seconds": eval_seconds,
         "tokens_per_second": tokens / train_seconds,
         "per_worker": workers,
+        "fragments": algo.fragment_stats() if hasattr(algo, "fragment_stats") else None,
         "corpus": {"name": corpus.name, "train_tokens": len(corpus.train),
                    "val_tokens": len(corpus.val), "vocab_size": corpus.vocab_size},
         "device": str(device),
@@ -212,6 +224,16 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     }
     log.finish(summary)
     return summary
+
+
+def _drain(algo: Algorithm) -> list[dict]:
+    """The syncs the algorithm applied since the last call."""
+    log = getattr(algo, "sync_log", None)
+    if not log:
+        return []
+    out = list(log)
+    log.clear()
+    return out
 
 
 def human_bytes(n: float) -> str:

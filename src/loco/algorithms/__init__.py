@@ -4,8 +4,10 @@ from loco.algorithms.base import Algorithm
 from loco.algorithms.data_parallel import DataParallel
 from loco.algorithms.diloco import DiLoCo
 from loco.algorithms.local import Local
+from loco.algorithms.streaming_diloco import StreamingDiLoCo
 
 #: Names used by the command line.
-ALGORITHMS = {"ddp": DataParallel, "diloco": DiLoCo, "local": Local}
+ALGORITHMS = {"ddp": DataParallel, "diloco": DiLoCo, "local": Local,
+              "streaming": StreamingDiLoCo}
 
-__all__ = ["ALGORITHMS", "Algorithm", "DataParallel", "DiLoCo", "Local"]
+__all__ = ["ALGORITHMS", "Algorithm", "DataParallel", "DiLoCo", "Local", "StreamingDiLoCo"]

@@ -31,9 +31,13 @@ from collections import defaultdict
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from loco.comm.codecs import Codec
 
 
 @dataclass
@@ -195,36 +199,55 @@ class Comm:
         return Handle(future, rec, self)
 
     # --------------------------------------------------------------------------- operations
-    def all_reduce_mean(self, tensor: torch.Tensor, tag: str = "train") -> Handle:
+    def all_reduce_mean(self, tensor: torch.Tensor, tag: str = "train",
+                        codec: "Codec | None" = None) -> Handle:
         """Average ``tensor`` over all workers, in place, asynchronously.
 
-        The caller must not touch ``tensor`` until ``wait()`` returns. Sums are formed in the
-        tensor's dtype; pass fp32 for the fp32 reduction the algorithms require.
+        The caller must not touch ``tensor`` until ``wait()`` returns. Without a codec the
+        sums are formed in the tensor's dtype (pass fp32 for the fp32 reduction the
+        algorithms require). With a codec (an fp32 tensor) every worker encodes its chunks,
+        the owner of a chunk decodes and averages it in fp32 and encodes the mean, and all
+        workers decode the gathered means: only encoded bytes travel, in both directions.
         """
-        flat = tensor.view(-1) if tensor.is_contiguous() else None
-        if flat is None:
+        if not tensor.is_contiguous():
             raise ValueError("all_reduce_mean needs a contiguous tensor")
+        flat = tensor.view(-1)
+        if codec is not None and flat.dtype != torch.float32:
+            raise ValueError(f"all_reduce_mean with codec {codec.name} needs an fp32 tensor "
+                             f"(got {flat.dtype})")
         m, n, b = self.size, flat.numel(), flat.element_size()
-        chunk = _chunk_elems(n, m)
-        wire = 2 * (m - 1) * chunk * b
+        if codec is None:
+            chunk = _chunk_elems(n, m)
+            row_bytes = chunk * b
+        else:  # chunks hold whole blocks of values, and each carries its own scales
+            chunk = codec.padded(_chunk_elems(n, m))
+            row_bytes = codec.row_bytes(chunk)
+        wire = 2 * (m - 1) * row_bytes
         return self._submit("all_reduce_mean", tag, n * b, wire, wire,
-                            lambda: self._reduce_mean(flat, chunk))
+                            lambda: self._reduce_mean(flat, chunk, codec))
 
-    def _reduce_mean(self, flat: torch.Tensor, chunk: int) -> torch.Tensor:
+    def _reduce_mean(self, flat: torch.Tensor, chunk: int, codec) -> torch.Tensor:
         m, n = self.size, flat.numel()
-        if m == 1 or n == 0:
+        if n == 0 or (m == 1 and codec is None):
             return flat
         padded = torch.zeros(m * chunk, dtype=flat.dtype, device=flat.device)
         padded[:n] = flat
+        if m == 1:  # nothing to send, but the value is what the wire format can carry
+            flat.copy_(codec.decode_rows(codec.encode_rows(padded.view(1, -1)), chunk)[0, :n])
+            return flat
+        encode = (lambda x: x) if codec is None else codec.encode_rows
+        decode = (lambda x: x) if codec is None else (lambda x: codec.decode_rows(x, chunk))
         # Reduce-scatter: worker j receives chunk j of every worker ...
-        received = torch.empty_like(padded)
-        self.group.alltoall_base(received, padded, [], [], dist.AllToAllOptions()).wait()
-        # ... and averages it; summing in rank order gives the same bits everywhere.
-        mine = received.view(m, chunk).sum(dim=0).div_(m)
-        # All-gather the averaged chunks.
-        gathered = [torch.empty(chunk, dtype=flat.dtype, device=flat.device) for _ in range(m)]
-        self.group.allgather([gathered], [mine]).wait()
-        flat.copy_(torch.cat(gathered)[:n])
+        outgoing = encode(padded.view(m, chunk))
+        received = torch.empty_like(outgoing)
+        self.group.alltoall_base(received.view(-1), outgoing.view(-1), [], [],
+                                 dist.AllToAllOptions()).wait()
+        # ... and averages it in fp32; summing in rank order gives the same bits everywhere.
+        mine = encode(decode(received).sum(dim=0, keepdim=True).div_(m))
+        # All-gather the averaged chunks; everyone decodes the same bytes.
+        gathered = torch.empty((m, mine.shape[1]), dtype=mine.dtype, device=mine.device)
+        self.group.allgather([list(gathered.unbind(0))], [mine[0]]).wait()
+        flat.copy_(decode(gathered).view(-1)[:n])
         return flat
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "setup") -> Handle:

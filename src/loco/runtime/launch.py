@@ -21,6 +21,7 @@ spanning several ranks (data or pipeline parallel inside a worker) is where late
 from __future__ import annotations
 
 import datetime
+import functools
 import os
 import socket
 import sys
@@ -92,13 +93,15 @@ def under_torchrun() -> bool:
 
 
 def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", *,
-           args: tuple = (), ranks_per_replica: int = 1, timeout: float = DEFAULT_TIMEOUT,
-           max_restarts: int = 0) -> list:
-    """Run ``fn(ctx, *args)`` on every rank; return the results in rank order."""
+           args: tuple = (), kwargs: dict | None = None, ranks_per_replica: int = 1,
+           timeout: float = DEFAULT_TIMEOUT, max_restarts: int = 0) -> list:
+    """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the results in rank order."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)} (got {launcher!r})")
     if workers < 1:
         raise ValueError(f"workers must be >= 1 (got {workers})")
+    if kwargs:
+        fn = functools.partial(fn, **kwargs)
     if ranks_per_replica != 1:
         raise NotImplementedError("workers spanning several ranks are not supported yet")
     if launcher == "torchrun" and not under_torchrun():

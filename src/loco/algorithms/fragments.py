@@ -1,0 +1,97 @@
+"""Splitting a model into the fragments that Streaming DiLoCo synchronizes one at a time.
+
+With an integer ``P`` the model's repeated blocks (the largest ``nn.ModuleList``: transformer
+layers) are dealt out **strided** (block i to fragment ``i % P``, the paper's default) or
+**sequential** (contiguous runs). Parameters outside the blocks (embeddings, final norm, a
+head) are placed one at a time, largest first, into the fragment with the fewest elements so
+far, which keeps the peak bytes of one sync as low as whole tensors allow. A tied head shares
+the embedding's tensor and is counted once.
+
+An explicit list gives each fragment as a module or a list of modules; every trainable
+parameter must then appear in exactly one of them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from torch import nn
+
+PATTERNS = ("strided", "sequential")
+
+
+def find_blocks(model: nn.Module) -> nn.ModuleList:
+    """The model's repeated blocks: the ``nn.ModuleList`` holding the most parameters."""
+    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+    if not lists:
+        raise ValueError("fragments: the model has no nn.ModuleList of blocks to split; pass "
+                         "fragments=1 or an explicit list of modules per fragment")
+    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+
+
+def split_fragments(model: nn.Module, fragments: int | Sequence, pattern: str = "strided"
+                    ) -> list[list[str]]:
+    """The names of the trainable parameters of each fragment, in the model's order."""
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    name_of = {id(p): n for n, p in named.items()}
+    if isinstance(fragments, int) and not isinstance(fragments, bool):
+        groups = _by_blocks(model, fragments, pattern, named, name_of)
+    elif isinstance(fragments, Sequence) and not isinstance(fragments, str):
+        groups = _explicit(fragments, named, name_of)
+    else:
+        raise ValueError(f"fragments must be an int or a list of modules (got {fragments!r})")
+    order = {n: i for i, n in enumerate(named)}
+    return [sorted(g, key=order.__getitem__) for g in groups]
+
+
+def _by_blocks(model, count: int, pattern: str, named: dict, name_of: dict) -> list[set[str]]:
+    if count < 1:
+        raise ValueError(f"fragments (P) must be >= 1 (got {count})")
+    if count == 1:
+        return [set(named)]
+    if pattern not in PATTERNS:
+        raise ValueError(f"pattern must be one of {', '.join(PATTERNS)} (got {pattern!r})")
+    blocks = find_blocks(model)
+    if count > len(blocks):
+        raise ValueError(f"fragments (P) must be at most the number of blocks, {len(blocks)} "
+                         f"(got {count})")
+    groups: list[set[str]] = [set() for _ in range(count)]
+    for i, block in enumerate(blocks):
+        p = i % count if pattern == "strided" else i * count // len(blocks)
+        groups[p].update(name_of[id(t)] for t in block.parameters() if id(t) in name_of)
+    sizes = [sum(named[n].numel() for n in g) for g in groups]
+    placed = set().union(*groups)
+    for name in sorted(set(named) - placed, key=lambda n: -named[n].numel()):
+        smallest = sizes.index(min(sizes))
+        groups[smallest].add(name)
+        sizes[smallest] += named[name].numel()
+    return groups
+
+
+def _explicit(fragments: Sequence, named: dict, name_of: dict) -> list[set[str]]:
+    if not fragments:
+        raise ValueError("fragments: an explicit list needs at least one fragment")
+    groups, seen = [], {}
+    for i, item in enumerate(fragments):
+        modules = [item] if isinstance(item, nn.Module) else list(item)
+        if not modules or not all(isinstance(m, nn.Module) for m in modules):
+            raise ValueError(f"fragments[{i}] must be a module or a non-empty list of modules")
+        group = set()
+        for m in modules:
+            for t in m.parameters():
+                name = name_of.get(id(t))
+                if name is None:
+                    continue  # frozen, or not a parameter of this model
+                if seen.setdefault(name, i) != i:
+                    raise ValueError(f"fragments: parameter {name} is in fragment {seen[name]} "
+                                     f"and in fragment {i}; each must be in exactly one")
+                group.add(name)
+        if not group:
+            raise ValueError(f"fragments[{i}] holds no trainable parameter of the model")
+        groups.append(group)
+    missing = [n for n in named if n not in seen]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"fragments: {len(missing)} parameter(s) are in no fragment ({shown}); "
+                         "add their modules to one of the fragments")
+    return groups

@@ -1,0 +1,238 @@
+"""Streaming DiLoCo (Douillard et al. 2025, arXiv 2501.18512); DiLoCo is its special case.
+
+The model is split into P fragments, each with its own global copy θ^g_p and outer optimizer.
+Every worker m runs inner steps (AdamW) on its own data and, after inner step t:
+
+1. if ``t % H == ((p + 1) H / P) % H``, sends fragment p: the pseudo-gradient
+   ``Δ_{m,p} = θ^g_p − θ_{m,p}(t)`` (old global minus new local) is encoded with the codec
+   (4-bit E3M0 by default) and its mean over workers ``Δ̄_p`` is *started* asynchronously;
+2. at ``t + τ`` (τ inner steps of compute later, τ < H / P so one fragment is in flight at a
+   time) waits for ``Δ̄_p``, steps ``θ^g_p ← OuterOpt_p(θ^g_p, Δ̄_p)`` (Nesterov SGD, fp32)
+   and merges it into the working copy, which has moved on meanwhile:
+   ``θ_{m,p} ← α · θ_{m,p} + (1 − α) · θ^g_p``.
+
+With P = 1, τ = 0, α = 0 and fp32 this is DiLoCo (:class:`loco.DiLoCo`). With outer lr 1 and
+momentum 0 the global copy becomes the average of the workers' parameters (FedAvg), which
+pins the sign of Δ. Every layer keeps training between its syncs; only communication is
+partial, so the peak bytes of one sync fall by about P.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from loco.algorithms.base import Algorithm, flatten_fp32, unflatten_views
+from loco.algorithms.fragments import PATTERNS, split_fragments
+from loco.comm import Handle
+from loco.comm.codecs import get_codec
+
+
+@dataclass
+class Fragment:
+    """One fragment's parameters and outer state."""
+
+    index: int
+    names: list[str]
+    params: list[torch.Tensor]  # θ_{m,p}: the live model parameters
+    global_flat: torch.Tensor  # θ^g_p in one fp32 buffer (in CPU memory with offload)
+    global_params: list[torch.Tensor]  # views of global_flat shaped like params
+    delta: torch.Tensor  # Δ_{m,p} then Δ̄_p, fp32, on the wire's device
+    grad: torch.Tensor  # Δ̄_p where the outer optimizer reads it (delta itself unless offloaded)
+    outer_optimizer: torch.optim.Optimizer
+    syncs: int = 0
+    stats: dict = field(default_factory=lambda: dict(raw_bytes=0, bytes_sent=0,
+                                                     bytes_received=0, peak_bytes=0))
+
+
+@dataclass
+class _InFlight:
+    fragment: Fragment
+    handle: Handle | None  # None once the result is known (restored from a checkpoint)
+    sent_at: int
+
+
+class StreamingDiLoCo(Algorithm):
+    """Streaming DiLoCo outer loop around any inner optimizer.
+
+    Args:
+        sync_every: H, inner steps between two syncs of the same fragment.
+        fragments: P, the number of fragments the blocks are split into (must divide H and be
+            at most the number of blocks), or an explicit list whose items are modules or
+            lists of modules (see :mod:`loco.algorithms.fragments`).
+        pattern: how blocks are dealt out for an integer P: "strided" or "sequential".
+        overlap: τ, inner steps a sync stays in flight before it is applied, 0 <= τ < H / P.
+        alpha: α, the share of the local parameters kept when merging, 0 <= α <= 1.
+        codec: wire format of the pseudo-gradients (see :mod:`loco.comm.codecs`).
+        codec_block: values per scale of the scaled codecs.
+        outer_lr, outer_momentum, nesterov: the outer SGD (paper: 0.4, 0.9, Nesterov).
+        offload: keep the global copy and the outer optimizer state in CPU memory.
+    """
+
+    def __init__(self, model, inner_optimizer, comm, sync_every: int = 100,
+                 fragments: int | Sequence = 1, pattern: str = "strided", overlap: int = 1,
+                 alpha: float = 0.5, codec: str = "fp4_e3m0", codec_block: int = 32,
+                 outer_lr: float = 0.4, outer_momentum: float = 0.9, nesterov: bool = True,
+                 offload: bool = False, **kwargs):
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every (H) must be an integer >= 1 (got {sync_every!r})")
+        names = split_fragments(model, fragments, pattern)
+        count = len(names)
+        if sync_every % count:
+            raise ValueError(f"fragments (P={count}) must divide sync_every (H={sync_every})")
+        if not isinstance(overlap, int) or not 0 <= overlap < sync_every // count:
+            raise ValueError(f"overlap (tau) must be an integer in [0, H/P) = "
+                             f"[0, {sync_every // count}) (got {overlap!r})")
+        if not 0 <= alpha <= 1:
+            raise ValueError(f"alpha must be in [0, 1] (got {alpha!r})")
+        if not outer_lr > 0:
+            raise ValueError(f"outer_lr must be > 0 (got {outer_lr!r})")
+        if not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum must be in [0, 1) (got {outer_momentum!r})")
+        self.codec = get_codec(codec, codec_block, device=comm.device)
+        super().__init__(model, inner_optimizer, comm, **kwargs)
+        self.sync_every, self.overlap, self.alpha = sync_every, overlap, alpha
+        self.pattern = pattern
+        self.offload = offload
+        self.outer_steps = 0
+        self.sync_log: list[dict] = []  # one record per applied sync, for the caller to drain
+        self._in_flight: _InFlight | None = None
+        outer_device = torch.device("cpu") if offload else self.params[0].device
+        by_name = dict(model.named_parameters())
+        self.fragment_list: list[Fragment] = []
+        for p, frag_names in enumerate(names):
+            params = [by_name[n] for n in frag_names]
+            global_flat = flatten_fp32(params).to(outer_device)
+            if offload and global_flat.device.type == "cpu" and torch.cuda.is_available():
+                global_flat = global_flat.pin_memory()
+            global_params = unflatten_views(global_flat, params)
+            delta = torch.zeros(global_flat.numel(), dtype=torch.float32, device=comm.device)
+            # The outer optimizer reads Δ̄ as the gradient of the global copy.
+            grad = delta if delta.device == outer_device else torch.zeros_like(global_flat)
+            for g, d in zip(global_params, unflatten_views(grad, params)):
+                g.grad = d
+            optimizer = torch.optim.SGD(global_params, lr=outer_lr, momentum=outer_momentum,
+                                        nesterov=nesterov and outer_momentum > 0)
+            self.fragment_list.append(Fragment(p, frag_names, params, global_flat,
+                                               global_params, delta, grad, optimizer))
+        # Fragment p is sent when t % H == ((p + 1) H / P) % H. Every worker derives it from
+        # the same step counter, so the same fragment is reduced everywhere without a word.
+        self._due = {((p + 1) * sync_every // count) % sync_every: f
+                     for p, f in enumerate(self.fragment_list)}
+
+    # ----------------------------------------------------------------------------- the loop
+    def step(self) -> None:
+        self.clip_gradients()
+        self.inner_optimizer.step()
+        self.inner_steps += 1
+        t = self.inner_steps
+        fragment = self._due.get(t % self.sync_every)
+        if fragment is not None:
+            self._send(fragment, t)
+        if self._in_flight is not None and self._in_flight.sent_at + self.overlap == t:
+            self._apply()
+
+    def flush(self) -> None:
+        """Apply a sync still in flight now. Call it after the last inner step, so that the
+        last fragment sent reaches the global parameters that are evaluated."""
+        if self._in_flight is not None:
+            self._apply()
+
+    @torch.no_grad()
+    def _send(self, fragment: Fragment, t: int) -> None:
+        assert self._in_flight is None, "tau < H/P leaves one fragment in flight at a time"
+        flatten_fp32(fragment.params, out=fragment.delta)
+        global_flat = fragment.global_flat.to(fragment.delta.device, non_blocking=True)
+        torch.sub(global_flat, fragment.delta, out=fragment.delta)  # Δ = θ^g − θ_m
+        handle = self.comm.all_reduce_mean(fragment.delta, tag="train", codec=self.codec)
+        self._in_flight = _InFlight(fragment, handle, t)
+
+    @torch.no_grad()
+    def _apply(self) -> None:
+        flight, self._in_flight = self._in_flight, None
+        fragment = flight.fragment
+        if flight.handle is not None:
+            flight.handle.wait()  # Δ̄_p, decoded, in fp32
+        if fragment.grad is not fragment.delta:  # offloaded: Δ̄ comes to the CPU
+            fragment.grad.copy_(fragment.delta)
+        fragment.outer_optimizer.step()
+        self._merge(fragment)
+        fragment.syncs += 1
+        self.outer_steps += 1
+        self._log(fragment, flight)
+
+    def _merge(self, fragment: Fragment) -> None:
+        """θ_{m,p} ← α · θ_{m,p} + (1 − α) · θ^g_p (α = 0 copies the global value)."""
+        params = fragment.params
+        global_params = [g.to(p.device, p.dtype, non_blocking=True)
+                         for g, p in zip(fragment.global_params, params)]
+        if self.alpha == 0:
+            torch._foreach_copy_(params, global_params)
+        else:
+            torch._foreach_lerp_(params, global_params, 1 - self.alpha)
+
+    def _log(self, fragment: Fragment, flight: _InFlight) -> None:
+        if flight.handle is None:
+            return
+        rec = flight.handle.record
+        stats = fragment.stats
+        stats["raw_bytes"] += rec.raw_bytes
+        stats["bytes_sent"] += rec.sent_bytes
+        stats["bytes_received"] += rec.recv_bytes
+        stats["peak_bytes"] = max(stats["peak_bytes"], rec.sent_bytes)
+        self.sync_log.append({
+            "step": flight.sent_at, "applied_step": self.inner_steps, "fragment": fragment.index,
+            "raw_bytes": rec.raw_bytes, "wire_bytes": rec.sent_bytes,
+            "received_bytes": rec.recv_bytes, "seconds_in_flight": rec.seconds,
+            "seconds_waited": rec.waited})
+
+    # -------------------------------------------------------------------------- reporting
+    def fragments(self) -> list[list[str]]:
+        """The parameter names of each fragment, in the order they are flattened."""
+        return [list(f.names) for f in self.fragment_list]
+
+    def fragment_stats(self) -> list[dict]:
+        """Per fragment: size, syncs applied and the bytes this worker moved for it."""
+        return [{"fragment": f.index, "tensors": len(f.names), "elements": f.global_flat.numel(),
+                 "syncs": f.syncs, **f.stats} for f in self.fragment_list]
+
+    def global_parameters(self) -> dict[str, torch.Tensor]:
+        by_id = {id(p): g for f in self.fragment_list for p, g in zip(f.params, f.global_params)}
+        return {n: by_id[id(p)].to(p.device) if id(p) in by_id else p
+                for n, p in self.model.named_parameters()}
+
+    # -------------------------------------------------------------------------- checkpoints
+    def state_dict(self) -> dict:
+        in_flight = None
+        if self._in_flight is not None:  # its result is fixed once sent: store it
+            flight = self._in_flight
+            if flight.handle is not None:
+                flight.handle.wait()
+            in_flight = {"fragment": flight.fragment.index, "sent_at": flight.sent_at,
+                         "delta": flight.fragment.delta.clone()}
+        return {**super().state_dict(), "outer_steps": self.outer_steps,
+                "fragments": [{"global_params": f.global_flat.clone(),
+                               "outer_optimizer": f.outer_optimizer.state_dict(),
+                               "syncs": f.syncs} for f in self.fragment_list],
+                "in_flight": in_flight}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        if len(state["fragments"]) != len(self.fragment_list):
+            raise ValueError(f"checkpoint has {len(state['fragments'])} fragments, this run "
+                             f"{len(self.fragment_list)}")
+        self.outer_steps = int(state["outer_steps"])
+        for f, s in zip(self.fragment_list, state["fragments"]):
+            f.global_flat.copy_(s["global_params"])
+            f.outer_optimizer.load_state_dict(s["outer_optimizer"])
+            f.syncs = int(s["syncs"])
+        self._in_flight = None
+        if state["in_flight"] is not None:
+            fragment = self.fragment_list[state["in_flight"]["fragment"]]
+            fragment.delta.copy_(state["in_flight"]["delta"])
+            self._in_flight = _InFlight(fragment, None, int(state["in_flight"]["sent_at"]))
+
+
+__all__ = ["PATTERNS", "StreamingDiLoCo"]

@@ -1,0 +1,249 @@
+"""Wire formats for pseudo-gradients: fp32 vectors in, self-contained bytes out.
+
+The quantized all-reduce cuts a vector into rows of ``c`` values and ships each row to a
+different worker, so a codec encodes every row of a 2-D ``(rows, c)`` fp32 tensor on its own
+into exactly ``row_bytes(c)`` bytes, laid out as ``[value bytes][scale bytes]``.
+
+``fp32`` and ``bf16`` are plain casts (bf16 rounds to nearest even). They carry NaN and
++-Inf through unchanged, as the uncompressed all-reduce would; bf16 also turns the finite
+values beyond its range (|x| > 3.39e38, the top sliver of fp32's) into +-Inf.
+
+The scaled codecs (``fp8_e4m3``, ``int8``, ``fp4_e3m0``, ``fp4_e2m1``) give every block of
+``block`` consecutive values of a row one power-of-two scale 2^e, stored in one byte as
+``e + 127`` (E8M0, as in the OCP Microscaling "MX" formats). One byte per block keeps the
+overhead small: a 4-bit value costs 4 + 8/block bits, 4.25 bits at block 32, i.e. 32/4.25 =
+7.5x fewer bytes than fp32. Dividing by a power of two is exact, so all the error comes from
+rounding to the format's grid, and for E3M0 (the Streaming DiLoCo format, whose values are
+themselves powers of two) a finer scale would buy nothing. Unlike MX, which floors e and
+clips the largest values, we take the smallest e with ``absmax / 2^e <= fmt_max``
+(``e = ceil(log2(absmax / fmt_max))``, computed exactly from ``frexp``), so absmax / 2^e lies
+in (fmt_max / 2, fmt_max] and nothing ever clips. e is clamped to [-126, 127] so 2^e is
+always a normal float (denormals get flushed to zero in training); an all-zero block stores
+e = -126. Decoding q * 2^e may round past the fp32 maximum; such values become +-fp32 max.
+
+Every scaled codec rounds to the nearest grid value, ties to the code whose last bit is 0:
+the IEEE round-half-to-even that torch already applies to fp8 and to int8 (torch.round).
+For fp4 that means e.g. 12 (between 8 and 16) goes to 8 in E3M0, 5 (between 4 and 6) to 4
+in E2M1. Re-encoding decoded values is lossless. Scaled codecs cannot represent NaN or
++-Inf and raise ValueError on them rather than silently corrupting a whole block.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+CODEC_NAMES = ("fp32", "bf16", "fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1")
+F32_MAX = torch.finfo(torch.float32).max
+MAX_BLOCK = 65536
+
+
+class Codec:
+    """Base class: flat-tensor encode/decode on top of the row-wise ``encode_rows``."""
+
+    name: str
+    bits: int  # bits per value on the wire, scales excluded
+
+    def __init__(self, name: str, block: int | None = None):
+        self.name, self.block = name, block
+        self.align = block or 1  # rows hold whole blocks so each row carries its own scales
+
+    def padded(self, numel: int) -> int:
+        return -(-numel // self.align) * self.align
+
+    def row_bytes(self, c: int) -> int:
+        if c % self.align:
+            raise ValueError(f"{self}: row length {c} is not a multiple of {self.align}")
+        return c * self.bits // 8 + (c // self.block if self.block else 0)
+
+    def encoded_nbytes(self, numel: int) -> int:
+        return self.row_bytes(self.padded(numel))
+
+    def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode_rows(self, buf: torch.Tensor, c: int) -> torch.Tensor:
+        raise NotImplementedError
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.detach().reshape(-1).to(torch.float32)
+        flat = F.pad(flat, (0, self.padded(flat.numel()) - flat.numel()))
+        return self.encode_rows(flat.view(1, flat.numel())).view(-1)
+
+    def decode(self, buf: torch.Tensor, shape, dtype=torch.float32) -> torch.Tensor:
+        shape = torch.Size(shape)
+        numel = shape.numel()
+        if buf.dtype != torch.uint8 or buf.numel() != self.encoded_nbytes(numel):
+            raise ValueError(f"{self}: expected {self.encoded_nbytes(numel)} uint8 bytes for "
+                             f"shape {tuple(shape)}, got {buf.numel()} {buf.dtype}")
+        out = self.decode_rows(buf.reshape(1, buf.numel()), self.padded(numel))
+        return out[0, :numel].reshape(shape).to(dtype)
+
+    def _check_rows(self, x: torch.Tensor) -> None:
+        if x.dim() != 2 or x.dtype != torch.float32 or x.shape[1] % self.align:
+            raise ValueError(f"{self}: encode_rows needs float32 (rows, c) with c a multiple "
+                             f"of {self.align}, got {x.dtype} {tuple(x.shape)}")
+
+    def __repr__(self) -> str:
+        return f"Codec({self.name}" + (f", block={self.block})" if self.block else ")")
+
+
+class CastCodec(Codec):
+    """fp32 / bf16: the values' own bytes, no scales."""
+
+    def __init__(self, name: str, dtype: torch.dtype):
+        super().__init__(name)
+        self.dtype, self.bits = dtype, torch.finfo(dtype).bits
+
+    def encode_rows(self, x):
+        self._check_rows(x)
+        # copy=True: the wire buffer must never alias the caller's tensor
+        return x.to(self.dtype, copy=True).contiguous().view(torch.uint8)
+
+    def decode_rows(self, buf, c):
+        values = buf.contiguous().view(-1).view(self.dtype)  # 1-D view: also fine when empty
+        return values.to(torch.float32, copy=True).view(buf.shape[0], c)
+
+
+def _pow2(byte: torch.Tensor) -> torch.Tensor:
+    # an E8M0 byte shifted into the fp32 exponent field is exactly 2^(byte - 127), with no
+    # exp2 rounding and no denormal to flush (bytes are in [1, 254])
+    return (byte.to(torch.int32) << 23).view(torch.float32)
+
+
+class ScaledCodec(Codec):
+    """Blocks of values scaled by 2^e (one E8M0 byte each), then rounded to a small format."""
+
+    fmt_max: float
+
+    def __init__(self, name: str, block: int):
+        super().__init__(name, block)
+        self._f, self._F = math.frexp(self.fmt_max)  # fmt_max = f * 2^F, f in [0.5, 1)
+
+    def encode_rows(self, x):
+        self._check_rows(x)
+        rows, c = x.shape
+        xb = x.reshape(rows, c // self.block, self.block)
+        amax = xb.abs().amax(dim=-1)
+        if not torch.isfinite(amax).all():  # NaN propagates through amax: one check suffices
+            raise ValueError(f"{self} cannot represent non-finite values (NaN or Inf)")
+        # With amax = m * 2^E, amax <= fmt_max * 2^e  <=>  m * 2^(E - F - e) <= f. Because
+        # 2m >= 1 > f, e = E - F - 1 never works: the smallest e is E - F, or E - F + 1 if m > f.
+        m, E = torch.frexp(amax)
+        e = E - self._F + (m > self._f).to(torch.int32)
+        e = torch.where(m == 0, -126, e).clamp_(-126, 127)
+        scale_bytes = (e + 127).to(torch.uint8)
+        y = (xb / _pow2(scale_bytes).unsqueeze(-1)).view(rows, c)  # exact; |y| <= fmt_max
+        return torch.cat([self._quantize(y), scale_bytes], dim=1)
+
+    def decode_rows(self, buf, c):
+        if buf.shape[1] != self.row_bytes(c):
+            raise ValueError(f"{self}: rows of {c} values take {self.row_bytes(c)} bytes, "
+                             f"got {buf.shape[1]}")
+        rows, nv = buf.shape[0], c * self.bits // 8
+        y = self._dequantize(buf[:, :nv], c).view(rows, c // self.block, self.block)
+        out = (y * _pow2(buf[:, nv:]).unsqueeze(-1)).view(rows, c)
+        # q * 2^e is exact, except that it can round up past fp32 max (to +-inf, clamped
+        # here) and that results below 2^-126 become 0 under torch.set_flush_denormal(True)
+        return out.clamp_(-F32_MAX, F32_MAX)
+
+    def _quantize(self, y: torch.Tensor) -> torch.Tensor:  # fp32 (rows, c) -> value bytes
+        raise NotImplementedError
+
+    def _dequantize(self, q: torch.Tensor, c: int) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class Fp8Codec(ScaledCodec):
+    bits, fmt_max = 8, 448.0
+
+    def _quantize(self, y):
+        return y.to(torch.float8_e4m3fn).view(torch.uint8)
+
+    def _dequantize(self, q, c):
+        return q.view(torch.float8_e4m3fn).to(torch.float32)
+
+
+class Int8Codec(ScaledCodec):
+    bits, fmt_max = 8, 127.0
+
+    def _quantize(self, y):
+        return torch.round(y).to(torch.int8).view(torch.uint8)
+
+    def _dequantize(self, q, c):
+        return q.view(torch.int8).to(torch.float32)
+
+
+class Fp4Codec(ScaledCodec):
+    """4-bit sign-magnitude codes (sign << 3 | k) into an 8-entry magnitude grid."""
+
+    bits = 4
+
+    def __init__(self, name: str, block: int, grid: tuple[float, ...]):
+        self.fmt_max = grid[-1]
+        super().__init__(name, block)
+        self._mid = [(lo + hi) / 2 for lo, hi in zip(grid, grid[1:])]  # exact in fp32
+        g = torch.tensor(grid, dtype=torch.float32)
+        self._values = torch.cat([g, -g])  # code -> value
+        self._tables = {}  # per device, so CUDA does not copy the table on every call
+
+    def _quantize(self, y):
+        # k = how many midpoints lie below |y|. Midpoint i separates codes i and i + 1; when
+        # |y| hits it exactly it counts only for odd i, so ties go to the even code. Seven
+        # compares beat torch.bucketize plus a tie lookup by 2x on CPU.
+        a = y.abs()
+        k = torch.zeros_like(a, dtype=torch.uint8)
+        for i, m in enumerate(self._mid):
+            k += (a >= m) if i % 2 else (a > m)
+        code = k | ((y < 0) & (k > 0)).to(torch.uint8) << 3  # sign bit, but never -0
+        return code[:, 0::2] | code[:, 1::2] << 4  # element 2i low nibble, 2i+1 high
+
+    def _dequantize(self, q, c):
+        if q.device not in self._tables:
+            self._tables[q.device] = self._values.to(q.device)
+        values = self._tables[q.device]
+        codes = torch.stack([q & 15, q >> 4], dim=-1).view(-1).to(torch.int32)
+        return values.index_select(0, codes).view(q.shape[0], c)
+
+
+E3M0_GRID = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)  # k >= 1 is 2^(k - 3)
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # OCP FP4
+
+
+def _make(name: str, block: int) -> Codec:
+    if name == "fp32":
+        return CastCodec(name, torch.float32)
+    if name == "bf16":
+        return CastCodec(name, torch.bfloat16)
+    four_bit = name.startswith("fp4")
+    if (not isinstance(block, int) or isinstance(block, bool) or not 2 <= block <= MAX_BLOCK
+            or (four_bit and block % 2)):
+        raise ValueError(f"codec {name}: block must be an int in [2, {MAX_BLOCK}]"
+                         + (" and even (two 4-bit values share a byte)" if four_bit else "")
+                         + f", got {block!r}")
+    if name == "fp8_e4m3":
+        return Fp8Codec(name, block)
+    if name == "int8":
+        return Int8Codec(name, block)
+    return Fp4Codec(name, block, E3M0_GRID if name == "fp4_e3m0" else E2M1_GRID)
+
+
+def get_codec(name: str, block: int = 32, device=None) -> Codec:
+    """The codec ``name`` (one of CODEC_NAMES); ``block`` is ignored for fp32 and bf16.
+
+    With ``device``, a round trip of exactly representable values runs there first, so a
+    device that cannot run the format (e.g. no float8) fails now, not mid-training.
+    """
+    if name not in CODEC_NAMES:
+        raise ValueError(f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)}")
+    codec = _make(name, block)
+    if device is not None:
+        try:
+            x = torch.tensor([1.0, -2.0, 0.5, 0.0], device=device).repeat(codec.align)
+            if not torch.equal(codec.decode(codec.encode(x), x.shape), x):
+                raise ValueError("round trip of exactly representable values changed them")
+        except Exception as err:
+            raise RuntimeError(f"codec {name} cannot run on {device}: {err}") from err
+    return codec

@@ -1,0 +1,350 @@
+"""Wire codecs: exact sizes, error bounds derived from each format, the bit layout, ties,
+idempotence, and the edge cases (zeros, huge, tiny, non-finite)."""
+
+import math
+
+import pytest
+import torch
+
+from loco.comm.codecs import CODEC_NAMES, get_codec
+
+SCALED = ("fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1")
+BITS = {"fp32": 32, "bf16": 16, "fp8_e4m3": 8, "int8": 8, "fp4_e3m0": 4, "fp4_e2m1": 4}
+FMT_MAX = {"fp8_e4m3": 448.0, "int8": 127.0, "fp4_e3m0": 16.0, "fp4_e2m1": 6.0}
+GRID = {"fp4_e3m0": (0, 0.25, 0.5, 1, 2, 4, 8, 16), "fp4_e2m1": (0, 0.5, 1, 1.5, 2, 3, 4, 6)}
+F32_MAX = torch.finfo(torch.float32).max
+B = 32
+
+
+@pytest.fixture(params=[False, True], ids=["denormals", "flush_denormal"])
+def flush(request):
+    """Run with and without flushing denormals: training turns flushing on."""
+    torch.set_flush_denormal(request.param)
+    yield request.param
+    torch.set_flush_denormal(False)
+
+
+def expected_nbytes(name, numel, block=B):
+    if name in ("fp32", "bf16"):
+        return numel * BITS[name] // 8
+    n = math.ceil(numel / block) * block
+    return n * BITS[name] // 8 + n // block
+
+
+def normal(n, seed=0):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed))
+
+
+def wide(n, seed=0):
+    """Normal values times 10^U(-6, 6): blocks spanning twelve decades."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, generator=g) * 10 ** (torch.rand(n, generator=g) * 12 - 6)
+
+
+def round_trip(codec, x):
+    return codec.decode(codec.encode(x), x.shape)
+
+
+def check_scaled(name, x, allow_zero=False):
+    """Decode x (1-D, a whole number of blocks) and check it against the format's guarantees,
+    using the block scales read from the wire. Returns the decoded values."""
+    codec = get_codec(name, block=B)
+    buf = codec.encode(x)
+    d = codec.decode(buf, x.shape).double()
+    e = buf[-(x.numel() // B):].long() - 127
+    x64 = x.double().view(-1, B)
+    amax = x64.abs().amax(dim=1)
+    # the scale rule: absmax / 2^e in (fmt_max / 2, fmt_max], unless e hit its floor
+    ratio = amax / torch.exp2(e.double())
+    fmax = FMT_MAX[name]
+    assert (ratio <= fmax).all()
+    assert ((ratio > fmax / 2) | (e == -126)).all()
+    assert (e[amax == 0] == -126).all()
+    s = torch.exp2(e.double()).repeat_interleave(B).view_as(d)
+    ax, err = x.double().abs(), (d - x.double()).abs()
+    # per element: half a grid step at that magnitude, in units of the block's scale
+    if name == "int8":
+        bound = s / 2
+        unclamped = e > -126  # a floored scale is larger than the rule wants
+        assert (err.view(-1, B)[unclamped] <= amax[unclamped, None] / 127).all()
+    elif name == "fp8_e4m3":
+        bound = torch.maximum(ax * 2**-4, s * 2**-10)  # 3 mantissa bits; subnormal step 2^-9
+    elif name == "fp4_e2m1":
+        bound = torch.maximum(ax / 4, s / 4)
+    else:  # E3M0: between g and 2g the worst point is 1.5g; below 0.25 the gap to 0 is 0.25
+        bound = torch.maximum(ax / 3, s / 8)
+        assert (d[ax < s / 8] == 0).all()
+        assert (err[ax >= s / 4] <= ax[ax >= s / 4] / 3).all()
+    ok = err <= bound
+    if allow_zero:  # flushed denormals may decode to 0
+        ok |= d == 0
+    assert ok.all(), (name, x[~ok][:5], d[~ok][:5])
+    assert torch.isfinite(d).all()
+    # decoded values divided by their scale lie on the format's grid (fp32 max: clamped inf)
+    q = (d / s)[d.abs() < F32_MAX]
+    if name in GRID:
+        grid = torch.tensor(GRID[name], dtype=torch.float64)
+        assert torch.isin(q.abs(), grid).all()
+    elif name == "int8":
+        assert torch.equal(q, q.round()) and (q.abs() <= 127).all()
+    else:
+        assert torch.equal(q, q.float().to(torch.float8_e4m3fn).double())
+    # the block's largest element is never clipped away: it keeps at least half its size
+    top = x64.abs().argmax(dim=1)
+    dtop = d.view(-1, B).gather(1, top[:, None]).squeeze(1).abs()
+    assert ((dtop >= amax / 2) | (allow_zero & (dtop == 0))).all()
+    return d.float()
+
+
+# --------------------------------------------------------------------------- sizes and API
+CASES = [((), torch.float32), ((0,), torch.float32), ((1001,), torch.float32),
+         ((3, 5, 7), torch.bfloat16), ((4, 0, 2), torch.float16), ((33, 9), torch.float64)]
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("shape,dtype", CASES)
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_encode_size_and_decode_shape(name, shape, dtype, contiguous):
+    codec = get_codec(name)
+    x = normal(math.prod(shape) * 2).to(dtype)
+    x = x[::2] if not contiguous else x[: math.prod(shape)]
+    x = x.reshape(shape)
+    assert x.is_contiguous() == contiguous or x.numel() <= 1
+    buf = codec.encode(x)
+    assert buf.dtype == torch.uint8 and buf.dim() == 1 and buf.is_contiguous()
+    assert buf.numel() == codec.encoded_nbytes(x.numel()) == expected_nbytes(name, x.numel())
+    out = codec.decode(buf, x.shape, dtype)
+    assert out.shape == x.shape and out.dtype == dtype
+    if name == "fp32":
+        assert torch.equal(out, x)
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_attributes_and_row_bytes(name):
+    for block in (2, 16, 32, 64):
+        codec = get_codec(name, block=block)
+        scaled = name in SCALED
+        assert codec.name == name and codec.bits == BITS[name]
+        assert codec.block == (block if scaled else None)
+        assert codec.align == (block if scaled else 1)
+        assert codec.padded(1) == codec.align and codec.padded(0) == 0
+        assert codec.padded(5 * codec.align) == 5 * codec.align
+        assert codec.row_bytes(4 * codec.align) == expected_nbytes(name, 4 * codec.align, block)
+        assert repr(codec) == (f"Codec({name}, block={block})" if scaled else f"Codec({name})")
+    assert get_codec(name).encode(normal(1000)).numel() * 8 / 1000 >= BITS[name]
+
+
+def test_fp4_costs_4_25_bits_per_value_at_block_32():
+    assert get_codec("fp4_e3m0").row_bytes(3200) * 8 / 3200 == 4.25
+
+
+# ------------------------------------------------------------------------- error bounds
+def test_fp32_exact_and_bf16_rounds_to_nearest(flush):
+    x = torch.cat([normal(4096), wide(4096)])
+    assert torch.equal(round_trip(get_codec("fp32"), x), x)
+    d = round_trip(get_codec("bf16"), x)
+    assert torch.equal(d, x.to(torch.bfloat16).float())
+    assert ((d - x).abs() <= x.abs() * 2**-8).all()
+
+
+@pytest.mark.parametrize("name", SCALED)
+@pytest.mark.parametrize("data", [normal, wide])
+def test_scaled_error_bounds(name, data, flush):
+    for seed in range(3):
+        check_scaled(name, data(64 * B, seed))
+
+
+# measured on 1M standard normal values at block 32: 0.0266, 0.0083, 0.194, 0.115, bf16 0.0017
+# (the test uses 16K values: below torch's grain size ops stay on one thread, fast on any box)
+L2_BOUND = {"fp32": 0.0, "bf16": 0.0025, "fp8_e4m3": 0.032, "int8": 0.010,
+            "fp4_e3m0": 0.22, "fp4_e2m1": 0.13}
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_relative_l2_error_on_normal_data(name):
+    x = normal(1 << 14)
+    rel = ((round_trip(get_codec(name), x) - x).norm() / x.norm()).item()
+    assert rel <= L2_BOUND[name]
+    if name != "fp32":  # the bound is not vacuous: the codec really is lossy at this level
+        assert rel > L2_BOUND[name] / 2
+
+
+# --------------------------------------------------------------------------- bit layout
+def test_fp4_e3m0_bytes_by_hand():
+    vals = [16, -1, 0, 0.25, -0.0, 0.1, 0.125, 0.375, -12, 3, 5, -6, -0.01, 0.75, 1.5, -0.2]
+    x = torch.tensor(vals + [0.0] * 16)
+    codes = [0x7, 0xB, 0, 0x1, 0, 0, 0, 0x2, 0xE, 0x4, 0x5, 0xE, 0, 0x2, 0x4, 0x9]
+    # low nibble = even element; ties (0.125, 0.375, 12, 3, 6, 0.75, 1.5) go to even codes;
+    # -0.0 and -0.01 (rounds to 0) get no sign bit; absmax 16 needs e = 0 -> byte 127
+    expect = [lo | hi << 4 for lo, hi in zip(codes[0::2], codes[1::2])] + [0] * 8 + [127]
+    codec = get_codec("fp4_e3m0")
+    assert codec.encode(x).tolist() == expect
+    assert expect[:8] == [0xB7, 0x10, 0x00, 0x20, 0x4E, 0xE5, 0x20, 0x94]
+    # the same values scaled by 2^-10 only change the scale byte
+    assert codec.encode(x * 2**-10).tolist() == expect[:-1] + [117]
+    # the ceil rule: 9 fits with e = 0 (and rounds to 8), 17 needs e = 1 (8.5 -> 8)
+    one = torch.zeros(B)
+    assert codec.encode(one.index_fill(0, torch.tensor([0]), 9.0)).tolist()[::16] == [6, 127]
+    assert codec.encode(one.index_fill(0, torch.tensor([0]), 17.0)).tolist()[::16] == [6, 128]
+    decoded = codec.decode(torch.tensor(expect, dtype=torch.uint8), x.shape)
+    assert decoded[:16].tolist() == [16, -1, 0, 0.25, 0, 0, 0, 0.5, -8, 2, 4, -8, 0, 0.5, 2,
+                                     -0.25]
+
+
+def test_fp4_e2m1_ties_go_to_even_codes():
+    x = torch.tensor([6, -0.25, 0.75, 1.25, 1.75, 2.5, 3.5, -5] + [0.0] * 24)
+    buf = get_codec("fp4_e2m1").encode(x).tolist()
+    assert buf == [0x07, 0x22, 0x44, 0xE6] + [0] * 12 + [127]
+
+
+def test_int8_rounds_half_to_even():
+    x = torch.tensor([127, 0.5, 1.5, 2.5, -0.5, -1.5, -127] + [0.0] * 25)
+    d = round_trip(get_codec("int8"), x)
+    assert d[:7].tolist() == [127, 0, 2, 2, 0, -2, -127]
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_rows_are_independent(name):
+    codec = get_codec(name)
+    x = torch.stack([normal(4 * B, 1), 1e-20 * normal(4 * B, 2), 1e20 * normal(4 * B, 3)])
+    enc = codec.encode_rows(x)
+    assert enc.shape == (3, codec.row_bytes(4 * B)) and enc.is_contiguous()
+    assert torch.equal(enc, torch.cat([codec.encode_rows(x[i : i + 1]) for i in range(3)]))
+    dec = codec.decode_rows(enc, 4 * B)
+    assert torch.equal(dec, torch.cat([codec.decode_rows(enc[i : i + 1], 4 * B)
+                                       for i in range(3)]))
+    # the flat API is the one-row case
+    assert torch.equal(codec.encode(x[1]), enc[1])
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_fp32_encode_does_not_alias_input(name):
+    x = normal(B)
+    buf = get_codec(name).encode_rows(x.view(1, B))
+    before = buf.clone()
+    x.add_(1.0)
+    assert torch.equal(buf, before)
+
+
+# --------------------------------------------------------------------------- idempotence
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_requantizing_is_lossless(name, flush):
+    """A decoded block may come back with a scale one step smaller (its absmax rounded down
+    to fmt_max / 2), but every grid value times 2 is still on the grid, so values survive."""
+    codec = get_codec(name)
+    huge = torch.tensor([F32_MAX, -3.3e38, 1e38, 2e37] * (B // 4))
+    for x in (normal(64 * B), wide(64 * B), huge, 1e-37 * normal(4 * B)):
+        once = round_trip(codec, x)
+        assert torch.equal(round_trip(codec, once), once)
+
+
+# --------------------------------------------------------------------------- edge cases
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_all_zeros(name):
+    codec = get_codec(name)
+    buf = codec.encode(torch.zeros(3 * B))
+    assert torch.equal(codec.decode(buf, (3 * B,)), torch.zeros(3 * B))
+    if name in SCALED:
+        assert buf[-3:].tolist() == [1, 1, 1]  # e = -126
+
+
+@pytest.mark.parametrize("name", SCALED)
+def test_zero_block_next_to_huge_block(name, flush):
+    x = torch.cat([torch.zeros(B), 3e38 * normal(B).clamp(-1, 1), torch.zeros(B)])
+    d = check_scaled(name, x)
+    assert torch.equal(d[:B], torch.zeros(B)) and torch.equal(d[2 * B :], torch.zeros(B))
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_huge_values_stay_finite(name, flush):
+    x = torch.tensor([1e38, -1e38, 3.3e38, -3.3e38, F32_MAX, -F32_MAX, 2e38, 0.0] * (B // 8))
+    d = round_trip(get_codec(name), x)
+    if name == "bf16":  # a plain cast: bf16's range ends at 3.39e38, just short of fp32's
+        big = x.abs() > torch.finfo(torch.bfloat16).max
+        assert torch.equal(d[big], x[big].sign() * math.inf)
+        d, x = d[~big], x[~big]
+    assert torch.isfinite(d).all()
+    assert ((d - x).abs() <= x.abs() / 3).all()
+    if name in SCALED:
+        check_scaled(name, x)
+
+
+@pytest.mark.parametrize("name", SCALED)
+def test_tiny_values_are_accurate_or_zero(name, flush):
+    for mag in (1e-30, 1e-38, 1e-44):
+        x = mag * normal(4 * B).clamp(-1, 1)
+        d = check_scaled(name, x, allow_zero=True)
+        assert torch.isfinite(d).all()
+    # 1e-30 is a normal float: it must survive, flush or not
+    assert (round_trip(get_codec(name), torch.full((B,), 1e-30)) != 0).all()
+
+
+@pytest.mark.parametrize("name", SCALED)
+def test_single_nonzero_element(name):
+    x = torch.zeros(2 * B)
+    x[B + 5] = -3.7
+    d = check_scaled(name, x)
+    assert torch.equal(d.nonzero().view(-1), torch.tensor([B + 5]))
+    assert d[B + 5] < 0
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite(name, bad):
+    x = normal(3 * B)
+    x[40] = bad
+    codec = get_codec(name)
+    if name in SCALED:
+        with pytest.raises(ValueError, match="non-finite"):
+            codec.encode(x)
+        with pytest.raises(ValueError, match="non-finite"):
+            codec.encode_rows(x.view(3, B))
+    else:  # fp32 and bf16 pass NaN and Inf through, as an uncompressed all-reduce would
+        d = round_trip(codec, x)
+        assert torch.equal(d.isnan(), x.isnan()) and torch.equal(d.isinf(), x.isinf())
+        assert d[40] == bad or (math.isnan(bad) and d[40].isnan())
+
+
+# --------------------------------------------------------------------------- get_codec
+def test_get_codec_rejects_unknown_names():
+    with pytest.raises(ValueError, match="'fp5'") as err:
+        get_codec("fp5")
+    assert all(n in str(err.value) for n in CODEC_NAMES)
+
+
+@pytest.mark.parametrize("name,block", [("fp4_e3m0", 0), ("int8", 1), ("fp4_e3m0", 3),
+                                        ("fp4_e2m1", 33), ("fp8_e4m3", 2.0), ("int8", "32"),
+                                        ("int8", True), ("fp4_e3m0", 65538), ("int8", -32)])
+def test_get_codec_rejects_bad_blocks(name, block):
+    with pytest.raises(ValueError, match=r"block must be an int in \[2, 65536\]"):
+        get_codec(name, block=block)
+
+
+def test_get_codec_block_edge_cases():
+    assert get_codec("int8", block=3).row_bytes(9) == 12  # odd blocks are fine at 8 bits
+    assert get_codec("fp4_e3m0", block=65536).align == 65536
+    assert get_codec("fp32", block=3).block is None  # ignored without scales
+    assert get_codec("bf16", block=0).align == 1
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_device_probe(name):
+    assert get_codec(name, device="cpu").name == name
+    assert get_codec(name, device=torch.device("cpu")).name == name
+
+
+def test_device_probe_fails_loudly(monkeypatch):
+    """A device that cannot run a format fails at construction, never falling back."""
+    from loco.comm import codecs
+
+    def unsupported(self, y):
+        raise TypeError("float8 unsupported here")
+
+    monkeypatch.setattr(codecs.Fp8Codec, "_quantize", unsupported)
+    with pytest.raises(RuntimeError, match="codec fp8_e4m3 cannot run on cpu: float8 unsup"):
+        get_codec("fp8_e4m3", device="cpu")
+    get_codec("fp8_e4m3")  # without a device nothing runs
+    # a device that runs but computes garbage is caught too
+    monkeypatch.setattr(codecs.Int8Codec, "_dequantize", lambda self, q, c: 0 * q.float())
+    with pytest.raises(RuntimeError, match="codec int8 cannot run on cpu: round trip"):
+        get_codec("int8", device="cpu")

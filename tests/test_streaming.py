@@ -1,0 +1,206 @@
+"""Streaming DiLoCo against a plain single-process reference of the paper's algorithm, on real
+gloo process groups: fragments, the staggered schedule, overlap, mixing, codecs, bytes."""
+
+import math
+import time
+
+import pytest
+import torch
+
+import loco
+from loco.algorithms.fragments import split_fragments
+from loco.comm.codecs import get_codec
+from workers import (batch, diloco_worker, make_model, make_optimizer, max_diff, reference_streaming,
+                     resume_worker, streaming_worker)
+
+H = 12  # divisible by every P in the grid, and H/P = 3 > every τ
+
+
+@pytest.mark.parametrize("workers", [2, 4])
+@pytest.mark.parametrize("alpha", [0.0, 0.5])
+@pytest.mark.parametrize("overlap", [0, 1, 2])
+@pytest.mark.parametrize("fragments", [1, 2, 4])
+def test_matches_reference_fp32(fragments, overlap, alpha, workers):
+    steps = 2 * H + 7  # two full rounds and a partial one that ends with a sync in flight
+    kw = dict(sync_every=H, fragments=fragments, overlap=overlap, alpha=alpha, codec="fp32")
+    out = loco.launch(streaming_worker, workers, args=(steps,), kwargs=kw)
+    ref = reference_streaming(workers, steps, H, fragments, overlap, alpha)
+    for r in out:
+        assert max_diff(r["params"], ref) < 1e-5
+    assert all(max_diff(r["params"], out[0]["params"]) == 0 for r in out)
+
+
+@pytest.mark.parametrize("codec", ["fp4_e3m0", "fp4_e2m1", "int8"])
+@pytest.mark.parametrize("fragments,overlap,workers", [(1, 0, 2), (2, 1, 2), (4, 2, 4)])
+def test_quantized_matches_reference_with_same_codec(codec, fragments, overlap, workers):
+    steps = 2 * H
+    kw = dict(sync_every=H, fragments=fragments, overlap=overlap, alpha=0.5, codec=codec)
+    out = loco.launch(streaming_worker, workers, args=(steps,), kwargs=kw)
+    ref = reference_streaming(workers, steps, H, fragments, overlap, 0.5, codec)
+    fp32 = reference_streaming(workers, steps, H, fragments, overlap, 0.5, "fp32")
+    for r in out:
+        assert max_diff(r["params"], ref) < 1e-5
+    assert max_diff(ref, fp32) > 1e-5  # the codec really changed the numbers
+
+
+def test_diloco_is_streaming_with_one_fragment_no_overlap_fp32_alpha_zero():
+    steps, args = 2 * H, (0.7, 0.9)
+    dil = loco.launch(diloco_worker, 2, args=(steps, H, *args))
+    kw = dict(sync_every=H, fragments=1, overlap=0, alpha=0.0, codec="fp32", outer_lr=0.7,
+              outer_momentum=0.9, layers=2)
+    stream = loco.launch(streaming_worker, 2, args=(steps,), kwargs=kw)
+    assert max_diff(dil[0]["params"], stream[0]["params"]) == 0
+    assert dil[0]["sent"] == stream[0]["sent"]
+
+
+@pytest.mark.parametrize("fragments,overlap", [(1, 0), (2, 1), (4, 2), (3, 0)])
+def test_schedule_and_wire_bytes_of_every_sync(fragments, overlap):
+    """Fragment p is sent when t % H == ((p+1)·H/P) % H, applied τ steps later, and each
+    sync moves exactly 2(M-1)·(c/2 + c/32) bytes, c = ceil(n/M) rounded up to whole blocks."""
+    M, steps = 3, 3 * H
+    out = loco.launch(streaming_worker, M, args=(steps,),
+                      kwargs=dict(sync_every=H, fragments=fragments, overlap=overlap))
+    syncs = out[0]["syncs"]
+    expected = [(t, p) for t in range(1, steps + 1) for p in range(fragments)
+                if t % H == ((p + 1) * H // fragments) % H]
+    assert [(s["step"], s["fragment"]) for s in syncs] == expected
+    # the last sync of the run is applied by flush() when τ > 0 would carry it past the end
+    assert all(s["applied_step"] == min(s["step"] + overlap, steps) for s in syncs)
+    model = make_model(layers=4)
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    for s in syncs:
+        n = sum(sizes[name] for name in out[0]["fragments"][s["fragment"]])
+        c = math.ceil(math.ceil(n / M) / 32) * 32
+        assert s["raw_bytes"] == 4 * n
+        assert s["wire_bytes"] == s["received_bytes"] == 2 * (M - 1) * (c // 2 + c // 32)
+    stats = out[0]["stats"]
+    assert sum(f["bytes_sent"] for f in stats) == out[0]["sent"]
+    assert [f["syncs"] for f in stats] == [sum(1 for s in syncs if s["fragment"] == p)
+                                           for p in range(fragments)]
+
+
+def test_fp4_sends_7x_fewer_bytes_and_peak_falls_by_about_P():
+    M, steps, P = 2, 2 * H, 4
+    diloco = dict(sync_every=H, fragments=1, overlap=0, alpha=0.0, codec="fp32")
+    dil = loco.launch(streaming_worker, M, args=(steps,), kwargs=diloco)
+    stream = loco.launch(streaming_worker, M, args=(steps,),
+                         kwargs={**diloco, "fragments": P})
+    fp4 = loco.launch(streaming_worker, M, args=(steps,), kwargs=dict(sync_every=H, fragments=P))
+    # every parameter still travels once per H steps (to within the padding of P messages)
+    assert abs(stream[0]["sent"] / dil[0]["sent"] - 1) < 0.01
+    assert dil[0]["sent"] / fp4[0]["sent"] > 7
+    # the test model's embedding is small, so its fragments are nearly equal
+    assert 1 / P <= stream[0]["peak"] / dil[0]["peak"] < 1.3 / P
+
+
+def test_overlap_is_real():
+    """With a reduction made slow on purpose, the τ inner steps after a send compute while it
+    is in flight, and the worker waits for it only at t + τ."""
+    delay, tau = 0.4, 2
+
+    def worker(ctx):
+        reduce = ctx.comm._reduce_mean
+
+        def slow(*a):
+            time.sleep(delay)
+            return reduce(*a)
+        ctx.comm._reduce_mean = slow
+        model = make_model(layers=4)
+        algo = loco.StreamingDiLoCo(model, make_optimizer(model), ctx.comm, sync_every=H,
+                                    fragments=4, overlap=tau, codec="fp32")
+        computed, ends = {}, {}
+        for t in range(1, H + tau + 1):
+            x, y = batch(ctx.rank, t)
+            model(x, y).backward()
+            computed[t] = time.perf_counter()  # forward and backward of step t are done
+            algo.step()
+            algo.zero_grad()
+            ends[t] = time.perf_counter()
+        issued = [r.issued_at for r in ctx.comm.records if r.tag == "train"]
+        return algo.sync_log, issued, computed, ends
+
+    for syncs, issued, computed, ends in loco.launch(worker, 2):
+        assert [s["step"] for s in syncs] == [3, 6, 9, 12]
+        for s, start in zip(syncs, issued):
+            t, done = s["step"], start + s["seconds_in_flight"]
+            assert s["applied_step"] == t + tau
+            # the τ steps after the send computed while the reduction was in flight ...
+            assert all(start < computed[t + k] < done for k in range(1, tau + 1))
+            assert all(ends[t + k] < done for k in range(1, tau))
+            # ... and the worker waited for the rest of it in step t + τ, not before
+            assert s["seconds_waited"] > delay / 2
+            assert ends[t + tau] >= done
+
+
+def test_fragments_strided_sequential_and_outside_parameters():
+    model = make_model(layers=4)
+    names = [n for n, _ in model.named_parameters()]
+    for pattern, owner in (("strided", lambda i: i % 2), ("sequential", lambda i: i // 2)):
+        frags = split_fragments(model, 2, pattern)
+        assert sorted(n for f in frags for n in f) == sorted(names)  # each exactly once
+        for i in range(4):
+            assert all(n in frags[owner(i)] for n in names if n.startswith(f"blocks.{i}."))
+    # outside the blocks: the (tied) embedding goes to one fragment, the final norm to the
+    # one that is then smaller
+    frags = split_fragments(model, 2, "strided")
+    assert "embed.weight" in frags[0] and "norm.weight" in frags[1]
+    assert split_fragments(model, 1) == [names]
+
+
+def test_explicit_fragments():
+    model = make_model(layers=4)
+    b = model.blocks
+    frags = split_fragments(model, [[model.embed, b[0], b[1]], [b[2], b[3], model.norm]])
+    assert "embed.weight" in frags[0] and "blocks.2.attn.qkv.weight" in frags[1]
+    with pytest.raises(ValueError, match="in no fragment"):
+        split_fragments(model, [[b[0], b[1]], [b[2], b[3]]])
+    with pytest.raises(ValueError, match="exactly one"):
+        split_fragments(model, [[model.embed, b[0], b[1]], [b[1], b[2], b[3], model.norm]])
+
+
+@pytest.mark.parametrize("kw,message", [
+    (dict(fragments=5), r"at most the number of blocks, 4"),
+    (dict(fragments=0), r"fragments \(P\) must be >= 1"),
+    (dict(fragments=5, sync_every=10), r"at most the number of blocks"),
+    (dict(fragments=3, sync_every=8), r"must divide sync_every"),
+    (dict(fragments=2, sync_every=8, overlap=4), r"\[0, 4\)"),
+    (dict(overlap=-1), r"overlap"),
+    (dict(alpha=1.5), r"alpha must be in \[0, 1\]"),
+    (dict(codec="fp5"), r"fp4_e3m0"),
+    (dict(codec="fp4_e3m0", codec_block=3), r"block"),
+    (dict(fragments=2, pattern="random"), r"strided, sequential"),
+    (dict(outer_lr=0), r"outer_lr"),
+])
+def test_bad_arguments_raise_clear_errors(kw, message):
+    model = make_model(layers=4)
+    comm = loco.Comm(None, 0, 1)
+    try:
+        with pytest.raises(ValueError, match=message):
+            loco.StreamingDiLoCo(model, make_optimizer(model), comm, **{"sync_every": 12, **kw})
+    finally:
+        comm.close()
+
+
+def test_offload_keeps_outer_state_on_cpu_and_changes_nothing():
+    kw = dict(sync_every=H, fragments=2, overlap=1)
+    plain = loco.launch(streaming_worker, 2, args=(H,), kwargs=kw)
+
+    def worker(ctx):
+        out = streaming_worker(ctx, H, offload=True, **kw)
+        return out
+    off = loco.launch(worker, 2)
+    assert max_diff(plain[0]["params"], off[0]["params"]) == 0
+
+
+@pytest.mark.parametrize("split", [13, 16, 18])  # mid-round, a sync in flight, just applied
+def test_state_dict_resumes_bit_identically(split):
+    kw = dict(fragments=4, overlap=2, alpha=0.5, layers=4)
+    for straight, resumed in loco.launch(resume_worker, 2, args=(2 * H, split, H, "streaming"),
+                                         kwargs=kw):
+        assert max_diff(straight, resumed) == 0
+
+
+def test_a_codec_that_cannot_run_raises():
+    codec = get_codec("fp4_e3m0")
+    with pytest.raises(ValueError, match="NaN|non-finite"):
+        codec.encode(torch.tensor([1.0, float("nan")]))
