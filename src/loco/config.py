@@ -53,8 +53,8 @@ class TrainConfig:
     nesterov: bool = opt(True, "Nesterov outer momentum (the paper's); --no-nesterov for "
                          "heavy-ball")
     fragments: int = opt(2, "P (streaming): fragments the model's blocks are split into, each "
-                         "synced once every H steps, one every H/P steps; must divide H; more "
-                         "fragments lower the peak bytes of a sync")
+                         "synced once every H steps, one every H/P steps; must divide H; the "
+                         "peak bytes of a sync are those of the largest fragment")
     fragment_pattern: str = opt("strided", "how blocks are dealt to fragments (streaming): "
                                 "strided (block i to fragment i mod P) or sequential",
                                 PATTERNS)

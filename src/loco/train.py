@@ -210,7 +210,7 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
         "peak_sync_bytes_per_worker": max(w["peak_sync_bytes"] for w in workers),
         "syncs": workers[0]["syncs"],
         "comm_seconds": workers[0]["comm_seconds"],
-        "comm_wait_seconds": workers[0]["comm_wait_seconds"],
+        "comm_wait_seconds": max(w["comm_wait_seconds"] for w in workers),
         "wall_seconds": wall,
         "train_seconds": train_seconds,  # slowest worker's loop, evaluation excluded
         "eval_seconds": eval_seconds,

@@ -14,7 +14,8 @@ Every worker m runs inner steps (AdamW) on its own data and, after inner step t:
 With P = 1, τ = 0, α = 0 and fp32 this is DiLoCo (:class:`loco.DiLoCo`). With outer lr 1 and
 momentum 0 the global copy becomes the average of the workers' parameters (FedAvg), which
 pins the sign of Δ. Every layer keeps training between its syncs; only communication is
-partial, so the peak bytes of one sync fall by about P.
+partial, so the peak bytes of one sync fall to those of the largest fragment: about 1/P when
+the blocks hold most of the parameters (a large tied embedding must travel whole).
 """
 
 from __future__ import annotations
