@@ -139,7 +139,7 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
         algo.step()
         schedule.step()
         algo.zero_grad()
-        if step == cfg.steps and hasattr(algo, "flush"):
+        if step == cfg.steps:
             algo.flush()  # the last fragment sent must reach the evaluated global model
         syncs = _drain(algo)
         if not main:

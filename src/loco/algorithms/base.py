@@ -71,6 +71,9 @@ class Algorithm:
         """One inner step (replaces ``optimizer.step()``); communicates when its turn comes."""
         raise NotImplementedError
 
+    def flush(self) -> None:
+        """Finish communication still in flight; call it after the last step."""
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
