@@ -348,3 +348,12 @@ def test_device_probe_fails_loudly(monkeypatch):
     monkeypatch.setattr(codecs.Int8Codec, "_dequantize", lambda self, q, c: 0 * q.float())
     with pytest.raises(RuntimeError, match="codec int8 cannot run on cpu: round trip"):
         get_codec("int8", device="cpu")
+
+
+@pytest.mark.parametrize("name", CODEC_NAMES)
+def test_decode_a_slice_at_an_odd_byte_offset(name):
+    """Several encoded tensors may share one message; decoding a slice of it must work."""
+    codec = get_codec(name)
+    x = torch.randn(70)
+    message = torch.cat([torch.zeros(3, dtype=torch.uint8), codec.encode(x)])
+    assert torch.equal(codec.decode(message[3:], x.shape), codec.decode(codec.encode(x), x.shape))

@@ -209,3 +209,49 @@ def reference_big_batch(workers, steps, clip=None):
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# --------------------------------------------------------------------------- NoLoCo
+def noloco_worker(ctx, steps, **kw):
+    model = make_model()
+    opt = make_optimizer(model)
+    algo = loco.NoLoCo(model, opt, ctx.comm, **kw)
+    train_steps(model, opt, ctx.rank, range(steps), lambda: (algo.step(), algo.zero_grad()))
+    outer = [r for r in ctx.comm.records if r.tag == "train"]
+    return {"params": params_of(dict(model.named_parameters())), "records": outer,
+            "groups": [algo.groups(k) for k in range(algo.outer_steps + 2)]}
+
+
+def reference_noloco(workers, steps, sync_every, group_size, beta, alpha, gamma,
+                     nesterov=False, seed=0):
+    """NoLoCo's outer step by hand, in one process, for every worker, with the same groups."""
+    from loco.algorithms.noloco import gossip_groups
+
+    models = [make_model() for _ in range(workers)]
+    opts = [make_optimizer(m) for m in models]
+    flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
+    slow = [flat(m) for m in models]
+    mom = [torch.zeros_like(s) for s in slow]
+    for t in range(steps):
+        for m in range(workers):
+            train_steps(models[m], opts[m], m, [t])
+        if (t + 1) % sync_every:
+            continue
+        k = (t + 1) // sync_every - 1
+        deltas = [flat(models[i]) - slow[i] for i in range(workers)]  # new minus old
+        new_slow = list(slow)
+        for group in gossip_groups(seed, k, workers, group_size):
+            mean_delta = torch.stack([deltas[j] for j in group]).mean(0)
+            mean_slow = torch.stack([slow[j] for j in group]).mean(0)
+            for i in group:
+                g = beta * mean_delta - gamma * (slow[i] - mean_slow)
+                mom[i] = alpha * mom[i] + g
+                new_slow[i] = slow[i] + (alpha * mom[i] + g if nesterov else mom[i])
+        slow = new_slow
+        for i, model in enumerate(models):
+            with torch.no_grad():
+                offset = 0
+                for p in model.parameters():
+                    p.copy_(slow[i][offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
+    return [params_of(dict(m.named_parameters())) for m in models]

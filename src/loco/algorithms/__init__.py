@@ -4,10 +4,12 @@ from loco.algorithms.base import Algorithm
 from loco.algorithms.data_parallel import DataParallel
 from loco.algorithms.diloco import DiLoCo
 from loco.algorithms.local import Local
+from loco.algorithms.noloco import NoLoCo
 from loco.algorithms.streaming_diloco import StreamingDiLoCo
 
 #: Names used by the command line.
 ALGORITHMS = {"ddp": DataParallel, "diloco": DiLoCo, "local": Local,
               "streaming": StreamingDiLoCo}
 
-__all__ = ["ALGORITHMS", "Algorithm", "DataParallel", "DiLoCo", "Local", "StreamingDiLoCo"]
+__all__ = ["ALGORITHMS", "Algorithm", "DataParallel", "DiLoCo", "Local", "NoLoCo",
+           "StreamingDiLoCo"]

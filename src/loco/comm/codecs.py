@@ -103,7 +103,10 @@ class CastCodec(Codec):
         return x.to(self.dtype, copy=True).contiguous().view(torch.uint8)
 
     def decode_rows(self, buf, c):
-        values = buf.contiguous().view(-1).view(self.dtype)  # 1-D view: also fine when empty
+        flat = buf.contiguous().view(-1)  # 1-D view: also fine when empty
+        if flat.storage_offset() % (self.bits // 8):  # a slice of a bigger message
+            flat = flat.clone()
+        values = flat.view(self.dtype)
         return values.to(torch.float32, copy=True).view(buf.shape[0], c)
 
 

@@ -285,6 +285,33 @@ class Comm:
 
         return self._submit("all_gather", tag, nbytes, (m - 1) * nbytes, (m - 1) * nbytes, run)
 
+    def exchange(self, tensor: torch.Tensor, members, tag: str = "train") -> Handle:
+        """Swap ``tensor`` with the other ``members`` of a group (ranks, this one included),
+        point to point; the handle returns every member's tensor, in ``members`` order.
+
+        Only the group's workers take part: nothing waits for the rest of the world. Each
+        member sends its tensor to the others and receives theirs: ``(n - 1) * nbytes`` each
+        way for a group of n.
+        """
+        members = tuple(sorted(members))
+        if self.rank not in members:
+            raise ValueError(f"worker {self.rank} is not in the group {members}")
+        nbytes = tensor.numel() * tensor.element_size()
+        peers = [r for r in members if r != self.rank]
+
+        def run():
+            out = {self.rank: tensor}
+            for r in peers:
+                out[r] = torch.empty_like(tensor)
+            works = [self.group.send([tensor], r, 0) for r in peers]
+            works += [self.group.recv([out[r]], r, 0) for r in peers]
+            for w in works:
+                w.wait()
+            return [out[r] for r in members]
+
+        return self._submit("exchange", tag, nbytes, len(peers) * nbytes, len(peers) * nbytes,
+                            run, participants=members)
+
     # ------------------------------------------------------------------------------ helpers
     def totals(self, tag: str = "train") -> Counter:
         with self._lock:

@@ -1,0 +1,136 @@
+"""NoLoCo (Kolehmainen et al. 2025, arXiv 2506.10911): outer steps by gossip, no collective.
+
+Each worker i keeps private slow weights φ_i and an outer momentum δ_i (zero at start). Every
+H inner steps:
+
+1. all workers derive the same random groups of size n from (seed, outer step), with no
+   message (:meth:`NoLoCo.groups`);
+2. ``Δ_i = θ_i − φ_i`` (new minus old: the opposite sign to DiLoCo's);
+3. inside its group only, point to point, a worker swaps Δ and φ with its partners and forms
+   the group means in fp32;
+4. ``δ_i ← α·δ_i + β·mean_G(Δ) − γ·(φ_i − mean_G(φ))``; ``φ_i ← φ_i + δ_i``; ``θ_i ← φ_i``.
+
+The paper's printed Eq. 2 has a minus before β; its appendix and code use plus, as here.
+Heavy-ball by default, as the official code; ``nesterov=True`` steps by ``α·δ_i + g`` instead
+(the look-ahead). With one group of all M workers the γ term vanishes and this is DiLoCo's
+outer step with heavy-ball momentum (α = μ, β = lr).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+
+from loco.algorithms.base import Algorithm, flatten_fp32, unflatten_views
+from loco.comm.codecs import get_codec
+
+SLOW_CODECS = ("fp32", "bf16")
+
+
+class NoLoCo(Algorithm):
+    """NoLoCo outer loop around any inner optimizer.
+
+    Args:
+        sync_every: H, inner steps between outer steps (paper: 50).
+        group_size: n, workers per gossip group (paper: 2); must divide the worker count.
+        outer_lr: β (paper: 0.7).
+        outer_momentum: α (paper: 0.5).
+        gamma: γ, the pull towards the group's mean slow weights (0.7, as the official code).
+        nesterov: add the Nesterov look-ahead to the heavy-ball step.
+        codec: wire format of Δ (see :mod:`loco.comm.codecs`).
+        slow_codec: wire format of φ, fp32 or bf16.
+        seed: seed of the groups, the same on every worker.
+    """
+
+    replicas_identical = False
+
+    def __init__(self, model, inner_optimizer, comm, sync_every: int = 50, group_size: int = 2,
+                 outer_lr: float = 0.7, outer_momentum: float = 0.5, gamma: float = 0.7,
+                 nesterov: bool = False, codec: str = "fp32", codec_block: int = 32,
+                 slow_codec: str = "fp32", seed: int = 0, **kwargs):
+        if not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every (H) must be an integer >= 1 (got {sync_every!r})")
+        if not isinstance(group_size, int) or group_size < 2 or comm.size % group_size:
+            raise ValueError(f"group_size (n) must be an integer >= 2 that divides the number "
+                             f"of workers, {comm.size} (got {group_size!r})")
+        if slow_codec not in SLOW_CODECS:
+            raise ValueError(f"slow_codec must be one of {', '.join(SLOW_CODECS)}: the slow "
+                             f"weights travel in at least bf16 (got {slow_codec!r})")
+        for name, v in (("outer_lr", outer_lr), ("gamma", gamma)):
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"{name} must be a number >= 0 (got {v!r})")
+        if not 0 <= outer_momentum < 1:
+            raise ValueError(f"outer_momentum (α) must be in [0, 1) (got {outer_momentum!r})")
+        for message in convergence_warnings(outer_lr, outer_momentum, gamma, group_size):
+            warnings.warn(message, stacklevel=2)
+        self.codec = get_codec(codec, codec_block, device=comm.device)
+        self.slow_codec = get_codec(slow_codec, device=comm.device)
+        super().__init__(model, inner_optimizer, comm, **kwargs)
+        self.sync_every, self.group_size, self.seed = sync_every, group_size, seed
+        self.beta, self.alpha, self.gamma, self.nesterov = outer_lr, outer_momentum, gamma, nesterov
+        self.outer_steps = 0
+        self.slow = flatten_fp32(self.params)  # φ_i, private to this worker
+        self.slow_params = unflatten_views(self.slow, self.params)
+        self.momentum = torch.zeros_like(self.slow)  # δ_i
+
+    def groups(self, outer_step: int) -> list[list[int]]:
+        """The groups of outer step ``outer_step``: the same on every worker, no message."""
+        return gossip_groups(self.seed, outer_step, self.comm.size, self.group_size)
+
+    def step(self) -> None:
+        self.clip_gradients()
+        self.inner_optimizer.step()
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every == 0:
+            self.outer_step()
+
+    @torch.no_grad()
+    def outer_step(self) -> None:
+        group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
+        n = self.slow.numel()
+        delta = flatten_fp32(self.params).sub_(self.slow)  # Δ_i = θ_i − φ_i
+        payload = torch.cat([self.codec.encode(delta), self.slow_codec.encode(self.slow)])
+        split = self.codec.encoded_nbytes(n)
+        received = self.comm.exchange(payload, group, tag="train").wait()
+        # Every member decodes the same bytes in the same order: the means agree bit for bit.
+        mean_delta = sum(self.codec.decode(b[:split], (n,)) for b in received) / len(group)
+        mean_slow = sum(self.slow_codec.decode(b[split:], (n,)) for b in received) / len(group)
+        g = mean_delta.mul_(self.beta).sub_(self.slow.sub(mean_slow).mul_(self.gamma))
+        self.momentum.mul_(self.alpha).add_(g)  # δ ← α δ + β mean(Δ) − γ (φ − mean φ)
+        self.slow.add_(self.momentum.mul(self.alpha).add_(g) if self.nesterov else self.momentum)
+        torch._foreach_copy_(self.params, self.slow_params)  # θ_i ← φ_i
+        self.outer_steps += 1
+
+    def state_dict(self) -> dict:
+        return {**super().state_dict(), "outer_steps": self.outer_steps,
+                "slow": self.slow.clone(), "momentum": self.momentum.clone()}
+
+    def load_state_dict(self, state: dict) -> None:
+        super().load_state_dict(state)
+        self.outer_steps = int(state["outer_steps"])
+        self.slow.copy_(state["slow"])
+        self.momentum.copy_(state["momentum"])
+
+
+def gossip_groups(seed: int, outer_step: int, workers: int, size: int) -> list[list[int]]:
+    """A random permutation of the workers drawn from (seed, outer step), cut into groups."""
+    g = torch.Generator().manual_seed(seed * 1_000_003 + outer_step)
+    order = torch.randperm(workers, generator=g).tolist()
+    return [sorted(order[i:i + size]) for i in range(0, workers, size)]
+
+
+def convergence_warnings(beta: float, alpha: float, gamma: float, n: int) -> list[str]:
+    """Where (α, β, γ) leave the region in which the paper's theory guarantees convergence
+    (noisy quadratic, SGD inner steps): β > α, and α·c < γ < c·√(2 + α²), c = √(n/(2(n−1)))."""
+    out = []
+    if not beta > alpha:
+        out.append(f"NoLoCo: outer_lr (β={beta}) <= outer_momentum (α={alpha}); the paper's "
+                   "theory needs β > α for the expected weights to converge")
+    c = math.sqrt(n / (2 * (n - 1)))
+    low, high = alpha * c, c * math.sqrt(2 + alpha ** 2)
+    if not low < gamma < high:
+        out.append(f"NoLoCo: gamma (γ={gamma}) is outside ({low:.3f}, {high:.3f}), where the "
+                   f"paper's theory bounds the spread between replicas for α={alpha}, n={n}")
+    return out

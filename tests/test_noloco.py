@@ -1,0 +1,119 @@
+"""NoLoCo against a single-process reference of its outer step, on real gloo groups: random
+groups agreed without a message, point-to-point gossip, and no collective over all workers."""
+
+import warnings
+
+import pytest
+
+import loco
+from loco.algorithms.noloco import convergence_warnings
+from workers import diloco_worker, make_model, make_optimizer, max_diff, noloco_worker, reference_noloco
+
+PAPER = dict(outer_lr=0.7, outer_momentum=0.5, gamma=0.7)
+
+
+@pytest.mark.parametrize("workers,group_size", [(4, 2), (4, 4), (8, 2), (8, 4)])
+@pytest.mark.parametrize("nesterov", [False, True])
+def test_matches_reference(workers, group_size, nesterov):
+    steps, H = 12, 4  # three outer rounds, each with new groups
+    out = loco.launch(noloco_worker, workers, args=(steps,),
+                      kwargs=dict(sync_every=H, group_size=group_size, nesterov=nesterov, **PAPER))
+    ref = reference_noloco(workers, steps, H, group_size, 0.7, 0.5, 0.7, nesterov)
+    for r, expected in zip(out, ref):
+        assert max_diff(r["params"], expected) < 1e-5
+    if group_size < workers:  # replicas stay different: only pairs talked
+        assert max_diff(out[0]["params"], out[1]["params"]) > 1e-6
+
+
+def test_groups_agree_change_and_partition():
+    out = loco.launch(noloco_worker, 8, args=(12,), kwargs=dict(sync_every=4, **PAPER))
+    groups = out[0]["groups"]
+    assert all(r["groups"] == groups for r in out)  # same on every worker, no message
+    for gs in groups:
+        assert sorted(w for g in gs for w in g) == list(range(8))
+        assert all(len(g) == 2 for g in gs)
+    assert len({str(g) for g in groups}) == len(groups)  # new pairs every outer step
+
+
+@pytest.mark.filterwarnings("ignore:NoLoCo")  # DiLoCo's α = 0.9 is outside NoLoCo's theory
+def test_one_group_of_all_workers_is_diloco_with_heavy_ball():
+    steps, H, M = 12, 4, 2
+    nol = loco.launch(noloco_worker, M, args=(steps,),
+                      kwargs=dict(sync_every=H, group_size=M, outer_lr=0.7, outer_momentum=0.9,
+                                  gamma=0.7))
+    dil = loco.launch(diloco_worker, M, args=(steps, H, 0.7, 0.9, False))
+    assert max_diff(nol[0]["params"], dil[0]["params"]) < 1e-5
+
+
+def test_no_operation_during_training_involves_all_workers_and_bytes_are_exact():
+    M, H, steps = 4, 4, 12
+    out = loco.launch(noloco_worker, M, args=(steps,), kwargs=dict(sync_every=H, **PAPER))
+    n = sum(p.numel() for p in make_model().parameters())
+    for rank, r in enumerate(out):
+        assert len(r["records"]) == steps // H
+        for k, rec in enumerate(r["records"]):
+            assert rec.op == "exchange" and len(rec.participants) == 2 < M
+            assert rank in rec.participants
+            assert list(rec.participants) in r["groups"][k]
+            assert rec.sent_bytes == rec.recv_bytes == 2 * 4 * n  # Δ and φ in fp32, to one peer
+
+
+def test_fp4_delta_and_bf16_slow_weights_shrink_the_wire():
+    M, H = 4, 4
+    kw = dict(sync_every=H, codec="fp4_e3m0", slow_codec="bf16", **PAPER)
+    out = loco.launch(noloco_worker, M, args=(H,), kwargs=kw)
+    n = sum(p.numel() for p in make_model().parameters())
+    c = -(-n // 32) * 32
+    assert out[0]["records"][0].sent_bytes == c // 2 + c // 32 + 2 * n
+
+
+def test_bad_arguments_and_convergence_warning():
+    model = make_model()
+    comm = loco.Comm(None, 0, 4)
+    try:
+        for kw, message in ((dict(group_size=3), "divides the number of workers, 4"),
+                            (dict(group_size=1), ">= 2"),
+                            (dict(slow_codec="fp4_e3m0"), "at least bf16"),
+                            (dict(outer_momentum=1.0), r"\[0, 1\)")):
+            with pytest.raises(ValueError, match=message):
+                loco.NoLoCo(model, make_optimizer(model), comm, **kw)
+    finally:
+        comm.close()
+    assert convergence_warnings(0.7, 0.5, 0.7, 2) == []  # the paper's values are inside
+    assert any("β > α" in m for m in convergence_warnings(0.4, 0.5, 0.7, 2))
+    assert any("gamma" in m for m in convergence_warnings(0.7, 0.5, 2.0, 2))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("error")
+        with pytest.raises(UserWarning, match="gamma"):
+            comm = loco.Comm(None, 0, 2)
+            try:
+                loco.NoLoCo(model, make_optimizer(model), comm, gamma=5.0)
+            finally:
+                comm.close()
+
+
+def test_state_dict_restores_slow_weights_and_momentum():
+    for straight, resumed in loco.launch(resume_noloco, 2):
+        assert max_diff(straight, resumed) == 0
+
+
+def resume_noloco(ctx):
+    import copy
+
+    from workers import params_of, train_steps
+
+    def build():
+        model = make_model()
+        opt = make_optimizer(model)
+        return model, opt, loco.NoLoCo(model, opt, ctx.comm, sync_every=4, **PAPER)
+    model, opt, algo = build()
+    step = lambda: (algo.step(), algo.zero_grad())  # noqa: E731
+    train_steps(model, opt, ctx.rank, range(6), step)
+    snapshot = copy.deepcopy(algo.state_dict())
+    train_steps(model, opt, ctx.rank, range(6, 12), step)
+    straight = params_of(dict(model.named_parameters()))
+    model, opt, algo = build()
+    algo.load_state_dict(snapshot)
+    step = lambda: (algo.step(), algo.zero_grad())  # noqa: E731
+    train_steps(model, opt, ctx.rank, range(6, 12), step)
+    return straight, params_of(dict(model.named_parameters()))
