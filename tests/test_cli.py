@@ -62,6 +62,10 @@ BAD_INPUTS = [
     (["--codec-block", "3"], "--codec-block", "even integer"),
     (["--fragment-pattern", "random"], "--fragment-pattern", "strided"),
     (["--outer-lr", "0"], "--outer-lr", "> 0"),
+    (["--algorithm", "noloco", "--group-size", "3"], "--group-size", "divides --workers (4)"),
+    (["--algorithm", "noloco", "--group-size", "1"], "--group-size", ">= 2"),
+    (["--algorithm", "noloco", "--gamma", "-1"], "--gamma", ">= 0"),
+    (["--spread-every", "-1"], "--spread-every", ">= 0"),
 ]
 
 
@@ -149,6 +153,30 @@ def test_default_streaming_run_reports_every_sync_and_fragment(corpus, tmp_path)
         assert s["wire_bytes"] == 2 * 1 * (c // 2 + c // 32)
         assert s["seconds_in_flight"] >= s["seconds_waited"] >= 0
     assert summary["peak_sync_bytes_per_worker"] == max(s["wire_bytes"] for s in syncs)
+
+
+def test_noloco_run_reports_replicas_spread_and_average(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(small_run(corpus, out, "--algorithm", "noloco", "--spread-every", "4",
+                          "--final-average", "--workers", "4")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["config"]["outer_momentum"] == 0.5 and summary["config"]["nesterov"] is False
+    r = summary["replicas"]
+    assert len(r["eval_losses"]) == 4 and len(set(r["eval_losses"])) == 4  # pairs only
+    assert r["mean_eval_loss"] == pytest.approx(sum(r["eval_losses"]) / 4)
+    assert summary["final_eval_loss"] == r["average_eval_loss"]  # --final-average
+    # one pairwise exchange of Δ and φ (fp32) per outer step, with the one other worker
+    assert summary["bytes_sent_per_worker"] == 3 * 2 * 4 * summary["model_parameters"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    spread = [r["spread"] for r in records if "spread" in r]
+    assert len(spread) == 3 and all(s > 0 for s in spread)
+    assert "average" in capsys.readouterr().out
+
+
+def test_noloco_warns_outside_the_theory(corpus, tmp_path, capsys):
+    assert main(small_run(corpus, tmp_path / "run", "--algorithm", "noloco", "--gamma", "5",
+                          "--steps", "4")) == 0
+    assert "gamma" in capsys.readouterr().err
 
 
 def test_yaml_config_and_flags_precedence(corpus, tmp_path):

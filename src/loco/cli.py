@@ -55,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     for f in TrainConfig.fields():
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
-        if f.type in (bool, "bool"):
+        if str(f.type).startswith("bool"):
             train.add_argument(flag, action=argparse.BooleanOptionalAction,
                                default=argparse.SUPPRESS, help=help_text)
         else:
@@ -103,6 +103,11 @@ def _train(args: argparse.Namespace) -> int:
           f"({summary['tokens_per_second']:,.0f} tokens/s); sent per worker "
           f"{human_bytes(summary['bytes_sent_per_worker'])}, peak sync "
           f"{human_bytes(summary['peak_sync_bytes_per_worker'])}")
+    if summary.get("replicas"):
+        r = summary["replicas"]
+        print(f"replicas: mean eval loss {r['mean_eval_loss']:.3f}, their average's "
+              f"{r['average_eval_loss']:.3f}" + (" (the final model)" if r["final_average"]
+                                                  else ""))
     print(f"wrote {out}/metrics.jsonl, summary.json, loss.png")
     return 0
 

@@ -16,11 +16,13 @@ from typing import Any
 
 import yaml
 
-ALGORITHM_NAMES = ("streaming", "diloco", "ddp", "local")
+ALGORITHM_NAMES = ("streaming", "diloco", "noloco", "ddp", "local")
 PATTERNS = ("strided", "sequential")
 CODEC_NAMES = ("fp32", "bf16", "fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1")
-#: The papers' outer learning rates, used when --outer-lr is not given.
-DEFAULT_OUTER_LR = {"diloco": 0.7, "streaming": 0.4}
+#: The papers' outer optimizers, used where --outer-lr, --outer-momentum, --[no-]nesterov
+#: are not given: (lr, momentum, Nesterov). NoLoCo's lr and momentum are its β and α.
+OUTER_DEFAULTS = {"diloco": (0.7, 0.9, True), "streaming": (0.4, 0.9, True),
+                  "noloco": (0.7, 0.5, False)}
 LAUNCHER_NAMES = ("threads", "processes", "torchrun")
 DTYPES = ("fp32", "bf16")
 
@@ -42,16 +44,19 @@ class TrainConfig:
     # --- method
     algorithm: str = opt("streaming", "training method: streaming (Streaming DiLoCo: one "
                          "fragment at a time, overlapped, 4-bit), diloco (outer step every H "
-                         "inner steps), ddp (gradients averaged every step), local (no "
-                         "communication)", ALGORITHM_NAMES)
+                         "inner steps), noloco (gossip in random groups, no collective), ddp "
+                         "(gradients averaged every step), local (no communication)",
+                         ALGORITHM_NAMES)
     workers: int = opt(4, "number of workers M (replicas), each with its own data shard")
     sync_every: int = opt(50, "H: inner steps between two syncs of the same parameters; "
                           "larger H sends fewer bytes but lets workers drift further apart")
-    outer_lr: float | None = opt(None, "outer learning rate of the Nesterov SGD (default: the "
-                                 "papers' 0.7 for diloco, 0.4 for streaming)")
-    outer_momentum: float = opt(0.9, "outer momentum of the outer SGD, in [0, 1)")
-    nesterov: bool = opt(True, "Nesterov outer momentum (the paper's); --no-nesterov for "
-                         "heavy-ball")
+    outer_lr: float | None = opt(None, "outer learning rate (NoLoCo's beta) (default: the "
+                                 "papers' 0.7 for diloco and noloco, 0.4 for streaming)")
+    outer_momentum: float | None = opt(None, "outer momentum (NoLoCo's alpha), in [0, 1) "
+                                       "(default: 0.9 for diloco and streaming, 0.5 for noloco)")
+    nesterov: bool | None = opt(None, "Nesterov outer momentum, or --no-nesterov for heavy-ball "
+                                "(default: on for diloco and streaming, off for noloco, as "
+                                "the papers' code)")
     fragments: int = opt(2, "P (streaming): fragments the model's blocks are split into, each "
                          "synced once every H steps, one every H/P steps; must divide H; the "
                          "peak bytes of a sync are those of the largest fragment")
@@ -66,6 +71,15 @@ class TrainConfig:
                      "reduction itself is fp32", CODEC_NAMES)
     codec_block: int = opt(32, "values per power-of-two scale of the 8- and 4-bit codecs; "
                            "larger blocks send fewer scale bytes but clip less evenly")
+    group_size: int = opt(2, "n (noloco): workers per random gossip group, redrawn every outer "
+                          "step; must divide --workers")
+    gamma: float = opt(0.7, "gamma (noloco): pull of each worker's slow weights towards its "
+                       "group's mean")
+    spread_every: int = opt(50, "log the RMS distance of the replicas to their mean every this "
+                            "many steps (noloco, local; 0 disables; a diagnostic all-reduce "
+                            "outside the training bytes)")
+    final_average: bool = opt(False, "noloco, local: end with every replica replaced by the "
+                              "replicas' average, and report that as the final model")
     offload: bool = opt(False, "keep the global copy and outer optimizer state in CPU memory "
                         "(diloco, streaming)")
     # --- inner optimization
@@ -175,8 +189,12 @@ def build_config(yaml_path: str | None = None, overrides: dict[str, Any] | None 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
     """Fill the defaults that depend on other options."""
-    if cfg.outer_lr is None and cfg.algorithm in DEFAULT_OUTER_LR:
-        cfg = dataclasses.replace(cfg, outer_lr=DEFAULT_OUTER_LR[cfg.algorithm])
+    if cfg.algorithm in OUTER_DEFAULTS:
+        lr, momentum, nesterov = OUTER_DEFAULTS[cfg.algorithm]
+        cfg = dataclasses.replace(
+            cfg, outer_lr=lr if cfg.outer_lr is None else cfg.outer_lr,
+            outer_momentum=momentum if cfg.outer_momentum is None else cfg.outer_momentum,
+            nesterov=nesterov if cfg.nesterov is None else cfg.nesterov)
     return cfg
 
 
@@ -186,7 +204,13 @@ def warnings_for(cfg: TrainConfig) -> list[str]:
     if cfg.algorithm == "streaming" and cfg.steps < cfg.sync_every:
         out.append(f"--steps {cfg.steps} is less than --sync-every {cfg.sync_every}: some "
                    "fragments never sync")
-    if cfg.algorithm == "diloco" and cfg.steps % cfg.sync_every:
+    if cfg.algorithm == "noloco":
+        from loco.algorithms.noloco import convergence_warnings
+
+        resolved = resolve(cfg)
+        out += convergence_warnings(resolved.outer_lr, resolved.outer_momentum, cfg.gamma,
+                                    cfg.group_size)
+    if cfg.algorithm in ("diloco", "noloco") and cfg.steps % cfg.sync_every:
         out.append(f"--steps {cfg.steps} is not a multiple of --sync-every {cfg.sync_every}: the "
                    f"last {cfg.steps % cfg.sync_every} inner steps never reach the global "
                    "model that is evaluated")
@@ -221,7 +245,13 @@ def validate(cfg: TrainConfig) -> None:
         v = getattr(cfg, name)
         if v is not None:
             need(math.isfinite(v) and v > 0, name, "must be a number > 0")
-    need(0 <= cfg.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
+    if cfg.outer_momentum is not None:
+        need(0 <= cfg.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
+    need(cfg.spread_every >= 0, "spread_every", "must be an integer >= 0")
+    if cfg.algorithm == "noloco":
+        need(cfg.group_size >= 2 and cfg.workers % cfg.group_size == 0, "group_size",
+             f"must be an integer >= 2 that divides --workers ({cfg.workers})")
+        need(math.isfinite(cfg.gamma) and cfg.gamma >= 0, "gamma", "must be a number >= 0")
     need(0 <= cfg.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
     need(cfg.weight_decay >= 0, "weight_decay", "must be >= 0")
     need(cfg.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")

@@ -21,6 +21,7 @@ import torch
 from tqdm import tqdm
 
 from loco.algorithms import ALGORITHMS, Algorithm
+from loco.algorithms.base import flatten_fp32, unflatten_views
 from loco.config import ConfigError, TrainConfig, resolve, validate, warnings_for
 from loco.data import Corpus, CorpusError, TokenLoader, eval_batches, prepare_corpus
 from loco.model import Transformer, model_config
@@ -67,6 +68,10 @@ def make_algorithm(cfg: TrainConfig, model, optimizer, comm) -> Algorithm:
         kwargs.update(sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
                       outer_momentum=cfg.outer_momentum, nesterov=cfg.nesterov,
                       offload=cfg.offload)
+    if cfg.algorithm == "noloco":
+        kwargs.update(sync_every=cfg.sync_every, group_size=cfg.group_size,
+                      outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, gamma=cfg.gamma,
+                      nesterov=cfg.nesterov, seed=cfg.seed, warn=False)
     if cfg.algorithm == "streaming":
         kwargs.update(fragments=cfg.fragments, pattern=cfg.fragment_pattern,
                       overlap=cfg.overlap, alpha=cfg.alpha, codec=cfg.codec,
@@ -142,6 +147,9 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
         if step == cfg.steps:
             algo.flush()  # the last fragment sent must reach the evaluated global model
         syncs = _drain(algo)
+        spread = None
+        if not algo.replicas_identical and cfg.spread_every and step % cfg.spread_every == 0:
+            spread = replica_spread(algo, ctx.comm)
         if not main:
             continue
         for sync in syncs:
@@ -149,9 +157,10 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
         loss_value = loss.item()
         loss_sum += loss_value
         loss_count += 1
-        record = None
+        record = None if spread is None else {"step": step, "tokens": step * tokens_per_step,
+                                              "spread": spread}
         if step % cfg.log_every == 0 or step == cfg.steps:
-            record = {"step": step, "tokens": step * tokens_per_step,
+            record = {**(record or {}), "step": step, "tokens": step * tokens_per_step,
                       "train_loss": loss_sum / loss_count, "lr": schedule.get_last_lr()[0]}
             loss_sum, loss_count = 0.0, 0
         if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
@@ -177,11 +186,17 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
                            ctx.comm.peak_sent_bytes("train"), mine.ops, mine.seconds, mine.waited,
                            train_seconds], dtype=torch.float64, device=device)
     per_worker = [t.tolist() for t in ctx.comm.all_gather(report, tag="report").wait()]
+    final_batches = list(eval_batches(corpus.val, cfg.batch_size, cfg.seq_len,
+                                      cfg.final_eval_batches, device))
+    replicas = None
+    if not algo.replicas_identical:  # every replica is a model of its own: report them all
+        replicas = replica_report(model, algo, ctx.comm, final_batches, autocast,
+                                  cfg.final_average)
     if not main:
         return {"rank": ctx.rank}
 
-    final_eval = evaluate(model, algo.global_parameters(), eval_batches(
-        corpus.val, cfg.batch_size, cfg.seq_len, cfg.final_eval_batches, device), autocast)
+    final_eval = (replicas["final_eval_loss"] if replicas else
+                  evaluate(model, algo.global_parameters(), final_batches, autocast))
     log.metric({"step": cfg.steps, "tokens": cfg.steps * tokens_per_step, "eval_loss": final_eval,
                 "bytes_sent": mine.sent_bytes, "elapsed": time.perf_counter() - start})
     tokens = cfg.steps * tokens_per_step
@@ -217,6 +232,7 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
         "tokens_per_second": tokens / train_seconds,
         "per_worker": workers,
         "fragments": algo.fragment_stats() if hasattr(algo, "fragment_stats") else None,
+        "replicas": replicas,
         "corpus": {"name": corpus.name, "train_tokens": len(corpus.train),
                    "val_tokens": len(corpus.val), "vocab_size": corpus.vocab_size},
         "device": str(device),
@@ -224,6 +240,38 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     }
     log.finish(summary)
     return summary
+
+
+@torch.no_grad()
+def replica_spread(algo: Algorithm, comm) -> float:
+    """RMS over all parameters of each replica's distance to the replicas' mean (a
+    diagnostic all-reduce, tagged apart from the training traffic)."""
+    flat = flatten_fp32(algo.params)
+    mean = flat.clone()
+    comm.all_reduce_mean(mean, tag="diagnostic").wait()
+    sq = (flat - mean).pow(2).mean().reshape(1)
+    comm.all_reduce_mean(sq, tag="diagnostic").wait()
+    return math.sqrt(sq.item())
+
+
+@torch.no_grad()
+def replica_report(model, algo: Algorithm, comm, batches, autocast, final_average: bool) -> dict:
+    """Every replica's eval loss, their mean, and the eval loss of the replicas' average; with
+    ``final_average`` every replica becomes the average, which is then the final model."""
+    own = evaluate(model, dict(model.named_parameters()), batches, autocast)
+    losses = comm.all_gather(torch.tensor([own], dtype=torch.float64), tag="report").wait()
+    flat = flatten_fp32(algo.params)
+    comm.all_reduce_mean(flat, tag="report").wait()
+    average = dict(zip([n for n, p in model.named_parameters() if p.requires_grad],
+                       unflatten_views(flat, algo.params)))
+    average_loss = evaluate(model, {**dict(model.named_parameters()), **average}, batches,
+                            autocast)
+    if final_average:
+        torch._foreach_copy_(algo.params, unflatten_views(flat, algo.params))
+    losses = [t.item() for t in losses]
+    return {"eval_losses": losses, "mean_eval_loss": sum(losses) / len(losses),
+            "average_eval_loss": average_loss, "final_average": final_average,
+            "final_eval_loss": average_loss if final_average else losses[0]}
 
 
 def _drain(algo: Algorithm) -> list[dict]:

@@ -8,7 +8,7 @@ from loco.algorithms.noloco import NoLoCo
 from loco.algorithms.streaming_diloco import StreamingDiLoCo
 
 #: Names used by the command line.
-ALGORITHMS = {"ddp": DataParallel, "diloco": DiLoCo, "local": Local,
+ALGORITHMS = {"ddp": DataParallel, "diloco": DiLoCo, "local": Local, "noloco": NoLoCo,
               "streaming": StreamingDiLoCo}
 
 __all__ = ["ALGORITHMS", "Algorithm", "DataParallel", "DiLoCo", "Local", "NoLoCo",

@@ -42,6 +42,7 @@ class NoLoCo(Algorithm):
         codec: wire format of Δ (see :mod:`loco.comm.codecs`).
         slow_codec: wire format of φ, fp32 or bf16.
         seed: seed of the groups, the same on every worker.
+        warn: warn when (α, β, γ) leave the region where the paper's theory converges.
     """
 
     replicas_identical = False
@@ -49,7 +50,7 @@ class NoLoCo(Algorithm):
     def __init__(self, model, inner_optimizer, comm, sync_every: int = 50, group_size: int = 2,
                  outer_lr: float = 0.7, outer_momentum: float = 0.5, gamma: float = 0.7,
                  nesterov: bool = False, codec: str = "fp32", codec_block: int = 32,
-                 slow_codec: str = "fp32", seed: int = 0, **kwargs):
+                 slow_codec: str = "fp32", seed: int = 0, warn: bool = True, **kwargs):
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1 (got {sync_every!r})")
         if not isinstance(group_size, int) or group_size < 2 or comm.size % group_size:
@@ -63,7 +64,7 @@ class NoLoCo(Algorithm):
                 raise ValueError(f"{name} must be a number >= 0 (got {v!r})")
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum (α) must be in [0, 1) (got {outer_momentum!r})")
-        for message in convergence_warnings(outer_lr, outer_momentum, gamma, group_size):
+        for message in convergence_warnings(outer_lr, outer_momentum, gamma, group_size) * warn:
             warnings.warn(message, stacklevel=2)
         self.codec = get_codec(codec, codec_block, device=comm.device)
         self.slow_codec = get_codec(slow_codec, device=comm.device)
