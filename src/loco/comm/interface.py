@@ -312,6 +312,80 @@ class Comm:
         return self._submit("exchange", tag, nbytes, len(peers) * nbytes, len(peers) * nbytes,
                             run, participants=members)
 
+    def send(self, tensor: torch.Tensor, dst: int, tag: str = "train") -> Handle:
+        """Send ``tensor`` to worker ``dst``, point to point, asynchronously (see
+        :meth:`sendrecv`); the caller must not modify ``tensor`` until ``wait()`` returns."""
+        return self.sendrecv([(tensor, dst)], [], tag)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: str = "train") -> Handle:
+        """Receive into ``tensor`` from worker ``src`` (see :meth:`sendrecv`); the handle
+        returns ``[tensor]``."""
+        return self.sendrecv([], [(tensor, src)], tag)
+
+    def sendrecv(self, sends, recvs, tag: str = "train") -> Handle:
+        """Post every send ``(tensor, dst)`` and receive ``(tensor, src)``, point to point; the
+        handle completes when all are done and returns the receive buffers, in order.
+
+        An entry may carry a third item, the transport's message tag (an int, 0 if left out):
+        messages between two workers with one tag arrive in the order they were posted.
+
+        A gloo send completes only once the receiver has posted the matching receive, so the
+        communication thread only *posts* these operations, in issue order like every other
+        op, and a helper thread waits for their completion. Any set of point-to-point ops
+        whose sends and receives match therefore completes, whatever order the workers issue
+        and wait on them in ("post all sends and receives of a step, then wait" cannot
+        deadlock). Only this worker and its peers take part: ``participants`` are this worker
+        and the peers, sorted; ``raw`` and ``sent`` bytes are the bytes sent, ``received``
+        the bytes received; ``seconds`` runs from issue to completion.
+        """
+        sends = [(t, int(p), int(rest[0]) if rest else 0) for t, p, *rest in sends]
+        recvs = [(t, int(p), int(rest[0]) if rest else 0) for t, p, *rest in recvs]
+        for t, p, _ in sends + recvs:
+            if not 0 <= p < self.size or p == self.rank:
+                raise ValueError(f"worker {self.rank} cannot exchange with peer {p} "
+                                 f"(group of {self.size})")
+            if not t.is_contiguous():
+                raise ValueError("send and recv need contiguous tensors")
+        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
+        sent, received = sum(nbytes(t) for t, _, _ in sends), sum(nbytes(t) for t, _, _ in recvs)
+        peers = tuple(sorted({p for _, p, _ in sends + recvs} | {self.rank}))
+        op = "sendrecv" if sends and recvs else ("send" if sends else "recv")
+        done: Future = Future()
+        holder: list[OpRecord] = []
+        ready = threading.Event()  # holder is filled as soon as _submit returns
+
+        def finish(works, posted_seconds: float):
+            try:
+                for w in works:
+                    w.wait()
+                if self.device.type == "cuda":
+                    torch.cuda.current_stream(self.device).synchronize()
+            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                done.set_exception(e)
+                return
+            rec = holder[0]
+            rec.seconds = time.perf_counter() - rec.issued_at
+            with self._lock:  # the op was counted when posted; add the time it took since
+                self.stats[tag].seconds += rec.seconds - posted_seconds
+            done.set_result([t for t, _, _ in recvs])
+
+        def post():
+            ready.wait()
+            works = [self.group.send([t], p, k) for t, p, k in sends]
+            works += [self.group.recv([t], p, k) for t, p, k in recvs]
+            posted = time.perf_counter() - holder[0].issued_at
+            threading.Thread(target=finish, args=(works, posted), daemon=True,
+                             name=f"loco-p2p-{self.name}-{self.rank}").start()
+
+        handle = self._submit(op, tag, sent, sent, received, post, participants=peers)
+        holder.append(handle.record)
+        ready.set()
+        # Posting failures surface through the posting future; completion through ``done``.
+        handle._future.add_done_callback(
+            lambda f: f.exception() is not None and not done.done()
+            and done.set_exception(f.exception()))
+        return Handle(done, handle.record, self)
+
     # ------------------------------------------------------------------------------ helpers
     def totals(self, tag: str = "train") -> Counter:
         with self._lock:

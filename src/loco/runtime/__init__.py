@@ -1,5 +1,17 @@
-"""Runtime: start workers (threads, local processes, torchrun) and give each its context."""
+"""Runtime: start workers (threads, local processes, torchrun) and give each its context;
+pipeline stages across the ranks of a replica, with fixed or random routing."""
 
 from loco.runtime.launch import LAUNCHERS, Mesh, WorkerContext, WorkerError, launch, under_torchrun
+from loco.runtime.pipeline import (
+    ROUTINGS,
+    PipelineStage,
+    StageModule,
+    routing_path,
+    routing_permutation,
+    split_stages,
+    stage_bounds,
+)
 
-__all__ = ["LAUNCHERS", "Mesh", "WorkerContext", "WorkerError", "launch", "under_torchrun"]
+__all__ = ["LAUNCHERS", "Mesh", "WorkerContext", "WorkerError", "launch", "under_torchrun",
+           "ROUTINGS", "PipelineStage", "StageModule", "routing_path", "routing_permutation",
+           "split_stages", "stage_bounds"]

@@ -4,6 +4,12 @@
 values in rank order. ``ctx`` is a :class:`WorkerContext` with the rank, the mesh of replicas
 and ``ctx.comm``, the :class:`~loco.comm.Comm` over the replicas.
 
+``launch(fn, workers=R * S, ranks_per_replica=S)`` starts R replicas of S pipeline stages each:
+rank = replica · S + stage. ``ctx.comm`` is then the Comm over the R ranks of this rank's stage
+(its rank there is the replica index), which is what the outer algorithm talks through, and
+``ctx.pipe`` is a Comm over the whole world (rank there = global rank) for the point-to-point
+traffic between stages (see :mod:`loco.runtime.pipeline`). With S = 1, ``ctx.pipe`` is None.
+
 * ``threads`` (default): M threads in this process. Each builds its own gloo process group on
   one shared in-memory store; the traffic is real gloo traffic over loopback. Starts in a
   fraction of a second, so it suits the default run and tests.
@@ -14,8 +20,8 @@ and ``ctx.comm``, the :class:`~loco.comm.Comm` over the replicas.
   when CUDA is present and gloo otherwise. The return list then holds this rank's value only.
 
 Ranks form a mesh of ``replicas × ranks_per_replica``: rank = replica · ranks_per_replica +
-local. The outer algorithms talk across replicas (one Comm per local position); a replica
-spanning several ranks (data or pipeline parallel inside a worker) is where later work goes.
+local. The outer algorithms talk across replicas (one Comm per local position, ``ctx.comm``);
+the ranks of one replica are the stages of a pipeline and talk through ``ctx.pipe``.
 """
 
 from __future__ import annotations
@@ -60,6 +66,10 @@ class Mesh:
         """Global ranks that hold the same position in every replica: the outer group."""
         return [r * self.ranks_per_replica + local for r in range(self.replicas)]
 
+    def rank_of(self, replica: int, local: int) -> int:
+        """Global rank of position ``local`` (the pipeline stage) in ``replica``."""
+        return replica * self.ranks_per_replica + local
+
 
 @dataclass
 class WorkerContext:
@@ -70,6 +80,9 @@ class WorkerContext:
     device: torch.device
     launcher: str
     extras: dict = field(default_factory=dict)
+    # Comm over the whole world (rank = global rank) for traffic between pipeline stages;
+    # None when every replica is a single rank.
+    pipe: Comm | None = None
 
     @property
     def replica(self) -> int:
@@ -78,6 +91,15 @@ class WorkerContext:
     @property
     def local_rank(self) -> int:
         return self.mesh.coords(self.rank)[1]
+
+    @property
+    def stage(self) -> int:
+        """Pipeline stage of this rank (its position inside the replica)."""
+        return self.mesh.coords(self.rank)[1]
+
+    @property
+    def stages(self) -> int:
+        return self.mesh.ranks_per_replica
 
     @property
     def is_main(self) -> bool:
@@ -102,15 +124,16 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
         raise ValueError(f"workers must be >= 1 (got {workers})")
     if kwargs:
         fn = functools.partial(fn, **kwargs)
-    if ranks_per_replica != 1:
-        raise NotImplementedError("workers spanning several ranks are not supported yet")
+    if ranks_per_replica < 1 or workers % ranks_per_replica:
+        raise ValueError(f"workers ({workers}) must be a multiple of ranks_per_replica "
+                         f"({ranks_per_replica}): replicas x pipeline stages")
     if launcher == "torchrun" and not under_torchrun():
         raise ValueError("launcher 'torchrun' needs a process started by torchrun "
                          "(its RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID are missing)")
     if under_torchrun():
         return [_run_from_env(fn, args, workers if launcher != "torchrun" else None,
                               ranks_per_replica, timeout, "torchrun")]
-    mesh = Mesh(workers, ranks_per_replica)
+    mesh = Mesh(workers // ranks_per_replica, ranks_per_replica)
     if launcher == "threads":
         return _launch_threads(fn, args, mesh, timeout)
     return _launch_processes(fn, args, mesh, timeout, max_restarts)
@@ -144,11 +167,18 @@ def _launch_threads(fn, args, mesh: Mesh, timeout: float) -> list:
             group = _gloo_group(dist.PrefixStore(f"loco/outer/{local}", store), replica,
                                 mesh.replicas, timeout, loopback=True)
             comm = Comm(group, replica, mesh.replicas, "cpu", abort_event=failed)
-            ctx = WorkerContext(rank, n, mesh, comm, torch.device("cpu"), "threads")
+            pipe = None
+            if mesh.ranks_per_replica > 1:
+                pipe_group = _gloo_group(dist.PrefixStore("loco/pipe", store), rank, n, timeout,
+                                         loopback=True)
+                pipe = Comm(pipe_group, rank, n, "cpu", name="pipe", abort_event=failed)
+            ctx = WorkerContext(rank, n, mesh, comm, torch.device("cpu"), "threads", pipe=pipe)
             try:
                 results[rank] = fn(ctx, *args)
             finally:
                 comm.close()
+                if pipe is not None:
+                    pipe.close()
         except BaseException as e:  # noqa: BLE001 - reported to the caller below
             errors.append((rank, e, traceback.format_exc()))
             failed.set()
@@ -208,6 +238,8 @@ def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout
     if workers is not None and workers != world:
         raise ValueError(f"--workers is {workers} but torchrun started {world} ranks; "
                          "leave --workers out or make them agree")
+    if world % ranks_per_replica:
+        raise ValueError(f"{world} ranks do not split into replicas of {ranks_per_replica} stages")
     rank = int(os.environ["RANK"])
     use_cuda = launcher == "torchrun" and torch.cuda.is_available()
     if use_cuda:
@@ -228,11 +260,16 @@ def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout
                 if pos == local:
                     group = g
         comm = Comm(group, replica, mesh.replicas, device)
-        ctx = WorkerContext(rank, world, mesh, comm, device, launcher)
+        # Stages talk point to point over the default group, in global ranks.
+        pipe = (Comm(dist.group.WORLD, rank, world, device, name="pipe")
+                if ranks_per_replica > 1 else None)
+        ctx = WorkerContext(rank, world, mesh, comm, device, launcher, pipe=pipe)
         try:
             return fn(ctx, *args)
         finally:
             comm.close()
+            if pipe is not None:
+                pipe.close()
     except BaseException:
         print(f"[loco] worker {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise

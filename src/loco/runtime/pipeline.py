@@ -1,0 +1,372 @@
+"""Pipeline stages across the ranks of a replica, with fixed or random routing between them.
+
+Launched with ``launch(fn, workers=R * S, ranks_per_replica=S)``, every replica is a pipeline
+of S ranks: rank = replica · S + stage. Each rank holds the whole :class:`~loco.model.Transformer`
+object but owns, trains and synchronises only its stage's part, :func:`split_stages`:
+
+* the blocks are cut into S contiguous runs, as equal as possible (earlier stages take the
+  extra block when they do not divide evenly);
+* stage 0 owns the token embedding;
+* stage S−1 owns the final norm and the output head. The head is tied to the embedding, so
+  the last stage keeps its own copy of the embedding matrix (``embed.weight`` of its model),
+  identical to stage 0's at the start. After every backward the two copies' gradients, of
+  stage 0 and stage S−1 of the same replica, are summed point to point, so both receive the
+  gradient the tied matrix would have received and, given the same optimizer, stay identical
+  (as Megatron-LM does with its word embeddings). Outer algorithms average each copy among
+  the replicas of its own stage: equal inputs give equal outputs, so the copies stay equal.
+
+:class:`PipelineStage` runs one training micro-step: stage 0 embeds its replica's batch, the
+activations (and the int64 targets) cross every boundary k → k+1, the last stage computes the
+mean token loss and the activation gradients travel back along the same path. Sequential: no
+micro-batch interleaving.
+
+Routing. ``routing="fixed"``: every replica keeps its own pipeline. ``routing="random"`` (the
+NoLoCo paper's random pipeline routing): sample ``s`` of the batch held by replica ``r`` at stage
+``k`` goes to replica ``π(r)`` at stage ``k+1``, where π = :func:`routing_permutation` of
+(seed, step, s, k). Every rank computes π itself (no messages), each receiving replica gets
+exactly one sample per index ``s`` (the load stays balanced: every rank processes exactly its
+batch size of samples per step) and gradients return the same way. Evaluation
+(:meth:`PipelineStage.evaluate`) always uses fixed routing.
+
+All traffic goes through ``ctx.pipe`` (a :class:`~loco.comm.Comm` over the world), one
+:meth:`~loco.comm.Comm.sendrecv` per boundary and direction, so it is byte-counted under the
+tag given (``"train"`` or ``"eval"``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from loco.model import Transformer
+
+ROUTINGS = ("fixed", "random")
+
+# Transport message tags of the two tensors that cross a boundary together.
+_TAG_ACT, _TAG_TARGET = 1, 2
+
+
+def stage_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Block index ranges ``[start, stop)`` of each stage: contiguous, as equal as possible."""
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1 (got {stages})")
+    if stages > n_layers:
+        raise ValueError(f"{stages} pipeline stages need at least {stages} blocks "
+                         f"(the model has {n_layers})")
+    base, extra = divmod(n_layers, stages)
+    bounds, start = [], 0
+    for k in range(stages):
+        stop = start + base + (1 if k < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class StageModule(nn.Module):
+    """The part of a :class:`Transformer` one pipeline stage owns.
+
+    It shares the model's modules (no copies), and names its parameters as the model does
+    (``embed.weight``, ``blocks.3.attn.qkv.weight``, ``norm.weight``), so an optimizer or an
+    outer algorithm built on it sees exactly this stage's parameters. ``forward`` maps token
+    ids (stage 0) or activations (later stages) to activations, or, on the last stage, to
+    logits through the tied head.
+    """
+
+    def __init__(self, model: Transformer, stage: int, stages: int):
+        super().__init__()
+        self.stage, self.stages = stage, stages
+        self.cfg = model.cfg
+        start, stop = stage_bounds(len(model.blocks), stages)[stage]
+        self.block_range = (start, stop)
+        self.is_first, self.is_last = stage == 0, stage == stages - 1
+        # The last stage keeps its own copy of the embedding as the tied output head.
+        self.embed = model.embed if (self.is_first or self.is_last) else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(start, stop)})
+        self.norm = model.norm if self.is_last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        T = x.shape[1]
+        if T > self.cfg.seq_len:
+            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
+        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        if self.is_first:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x, cos, sin)
+        if self.is_last:
+            x = F.linear(self.norm(x), self.embed.weight)
+        return x
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token loss, exactly as :meth:`Transformer.forward` computes it."""
+        logits = logits.float()
+        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+        if self.cfg.z_loss:
+            loss = loss + self.cfg.z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean()
+        return loss
+
+
+def split_stages(model: Transformer, stages: int) -> list[StageModule]:
+    """The parts of ``model`` owned by each of ``stages`` pipeline stages (see the module doc).
+
+    With one stage the single part owns the whole model (embedding, every block, norm and the
+    tied head). The parts share ``model``'s modules.
+    """
+    return [StageModule(model, k, stages) for k in range(stages)]
+
+
+def routing_permutation(seed: int, step: int, sample: int, boundary: int,
+                        replicas: int) -> list[int]:
+    """π for sample index ``sample`` crossing boundary ``boundary`` (stage k → k+1) at ``step``:
+    the sample held by replica r at stage k goes to replica π[r] at stage k+1.
+
+    A pure function of its arguments (a ``torch.Generator`` seeded from a hash of them), so
+    every rank, and a single-process reference, computes the same permutation.
+    """
+    key = f"loco/pipeline-routing/{seed}/{step}/{sample}/{boundary}".encode()
+    g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
+                                      >> 1)
+    return torch.randperm(replicas, generator=g).tolist()
+
+
+def routing_path(seed: int, step: int, sample: int, origin: int, replicas: int,
+                 stages: int, routing: str = "random") -> list[int]:
+    """Replica visited at every stage by sample ``sample`` of replica ``origin``'s batch."""
+    path = [origin]
+    for k in range(stages - 1):
+        r = path[-1]
+        path.append(routing_permutation(seed, step, sample, k, replicas)[r]
+                    if routing == "random" else r)
+    return path
+
+
+class PipelineStage:
+    """One rank's pipeline stage: runs its part of a training micro-step or an evaluation.
+
+    ``model`` is this rank's full model object (only this stage's part is used and trained;
+    build the optimizer on :meth:`parameters`). ``ctx`` is the launch's WorkerContext; its
+    ``pipe`` Comm carries the traffic between stages. Every batch has ``batch_size`` samples
+    of ``seq_len`` tokens (later stages must know the shapes they receive).
+    """
+
+    def __init__(self, model: Transformer, ctx, batch_size: int, seq_len: int, *,
+                 routing: str = "fixed", seed: int = 0):
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)} (got {routing!r})")
+        self.ctx = ctx
+        self.stages = ctx.mesh.ranks_per_replica
+        self.replicas = ctx.mesh.replicas
+        self.stage = ctx.local_rank
+        self.replica = ctx.replica
+        if self.stages > 1 and ctx.pipe is None:
+            raise ValueError("a pipeline of several stages needs ctx.pipe")
+        self.pipe = ctx.pipe
+        self.module = split_stages(model, self.stages)[self.stage]
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.routing, self.seed = routing, seed
+        self.dtype = next(self.module.parameters()).dtype
+        # For each sample index of the last step, the replica it came from at the previous
+        # stage (this replica for stage 0): every index exactly once, for any routing.
+        self.last_sources: list[int] = []
+        self.samples_processed = 0
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage == self.stages - 1
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def named_parameters(self):
+        return self.module.named_parameters()
+
+    # ------------------------------------------------------------------------ routing plan
+    def _perm(self, step: int, sample: int, boundary: int, routing: str) -> list[int]:
+        if routing == "fixed" or self.replicas == 1:
+            return list(range(self.replicas))
+        return routing_permutation(self.seed, step, sample, boundary, self.replicas)
+
+    def _next_replicas(self, step: int, routing: str) -> list[int]:
+        """Replica at stage+1 that sample s of this rank goes to."""
+        return [self._perm(step, s, self.stage, routing)[self.replica]
+                for s in range(self.batch_size)]
+
+    def _prev_replicas(self, step: int, routing: str) -> list[int]:
+        """Replica at stage-1 that sample s of this rank comes from."""
+        return [self._perm(step, s, self.stage - 1, routing).index(self.replica)
+                for s in range(self.batch_size)]
+
+    @staticmethod
+    def _groups(peers: list[int]) -> dict[int, torch.Tensor]:
+        out: dict[int, list[int]] = {}
+        for s, p in enumerate(peers):
+            out.setdefault(p, []).append(s)
+        return {p: torch.tensor(idx, dtype=torch.long) for p, idx in sorted(out.items())}
+
+    # ------------------------------------------------------------------------ transport
+    def _send(self, tensors: list[tuple[torch.Tensor, int]], peers: list[int], stage: int,
+              tag: str):
+        """Send row s of every tensor to replica ``peers[s]`` at ``stage``; one message per
+        (peer, tensor)."""
+        sends = []
+        for peer, idx in self._groups(peers).items():
+            dst = self.ctx.mesh.rank_of(peer, stage)
+            for t, ttag in tensors:
+                sends.append((t.detach().index_select(0, idx).contiguous(), dst, ttag))
+        return self.pipe.sendrecv(sends, [], tag)
+
+    def _recv(self, specs: list[tuple[tuple, torch.dtype, int]], peers: list[int], stage: int,
+              tag: str) -> list[torch.Tensor]:
+        """Receive row s of every tensor from replica ``peers[s]`` at ``stage``."""
+        groups = self._groups(peers)
+        outs = [torch.empty((self.batch_size, *shape), dtype=dt) for shape, dt, _ in specs]
+        recvs, places = [], []
+        for peer, idx in groups.items():
+            src = self.ctx.mesh.rank_of(peer, stage)
+            for i, (shape, dt, ttag) in enumerate(specs):
+                buf = torch.empty((len(idx), *shape), dtype=dt)
+                recvs.append((buf, src, ttag))
+                places.append((i, idx, buf))
+        self.pipe.sendrecv([], recvs, tag).wait()
+        for i, idx, buf in places:
+            outs[i].index_copy_(0, idx, buf)
+        return outs
+
+    def _act_shape(self) -> tuple:
+        return (self.seq_len, self.module.cfg.d_model)
+
+    def _check_batch(self, batch):
+        if batch is None:
+            raise ValueError("stage 0 needs the batch (x, y)")
+        x, y = batch
+        if tuple(x.shape) != (self.batch_size, self.seq_len) or x.shape != y.shape:
+            raise ValueError(f"expected batches of shape {(self.batch_size, self.seq_len)}, "
+                             f"got x {tuple(x.shape)} and y {tuple(y.shape)}")
+        return x, y
+
+    def _receive_inputs(self, step: int, routing: str, tag: str):
+        sources = self._prev_replicas(step, routing)
+        h, y = self._recv([(self._act_shape(), self.dtype, _TAG_ACT),
+                           ((self.seq_len,), torch.long, _TAG_TARGET)],
+                          sources, self.stage - 1, tag)
+        return sources, h, y
+
+    # ------------------------------------------------------------------------ training
+    def forward_backward(self, batch=None, step: int = 0) -> torch.Tensor | None:
+        """One training micro-step of this stage; gradients accumulate into the parameters.
+
+        ``batch`` is ``(x, y)`` on stage 0 (this replica's batch) and ignored elsewhere.
+        ``step`` seeds the routing and must be the same on every rank. Returns the mean
+        token loss of the samples this rank's last stage processed (a detached scalar), or
+        None on the other stages. With S > 1 the tied embedding gradient is summed between
+        stage 0 and stage S−1 of the replica before this returns.
+        """
+        routing = self.routing
+        if self.stages == 1:
+            x, y = self._check_batch(batch)
+            self.last_sources = [self.replica] * self.batch_size
+            self.samples_processed += self.batch_size
+            with self._tied_grad_sync():
+                loss = self.module.loss(self.module(x), y)
+                loss.backward()
+            return loss.detach()
+
+        pending = []
+        with self._tied_grad_sync():
+            if self.is_first:
+                x, y = self._check_batch(batch)
+                sources, h_in = [self.replica] * self.batch_size, None
+                h = self.module(x)
+            else:
+                sources, h_in, y = self._receive_inputs(step, routing, "train")
+                h_in.requires_grad_(True)
+                h = self.module(h_in)
+            self.last_sources = sources
+            self.samples_processed += self.batch_size
+            loss = None
+            if self.is_last:
+                loss = self.module.loss(h, y)
+                loss.backward()
+            else:
+                dests = self._next_replicas(step, routing)
+                pending.append(self._send([(h, _TAG_ACT), (y, _TAG_TARGET)], dests,
+                                          self.stage + 1, "train"))
+                (grad,) = self._recv([(self._act_shape(), h.dtype, _TAG_ACT)], dests,
+                                     self.stage + 1, "train")
+                h.backward(grad)
+            if not self.is_first:
+                pending.append(self._send([(h_in.grad, _TAG_ACT)], sources, self.stage - 1,
+                                          "train"))
+        for handle in pending:
+            handle.wait()
+        return None if loss is None else loss.detach()
+
+    def _tied_grad_sync(self):
+        """Around a backward: afterwards add the other tied copy's gradient increment."""
+        if self.stages == 1 or not (self.is_first or self.is_last):
+            return contextlib.nullcontext()
+        return _TiedGradSync(self)
+
+    # ------------------------------------------------------------------------ evaluation
+    @torch.no_grad()
+    def evaluate(self, batch=None) -> torch.Tensor | None:
+        """Loss of one batch with fixed routing (each replica's own pipeline), no gradients;
+        traffic is tagged "eval". Returns the loss on the last stage, None elsewhere."""
+        if self.stages == 1:
+            x, y = self._check_batch(batch)
+            return self.module.loss(self.module(x), y)
+        if self.is_first:
+            x, y = self._check_batch(batch)
+            h = self.module(x)
+        else:
+            _, h_in, y = self._receive_inputs(0, "fixed", "eval")
+            h = self.module(h_in)
+        if self.is_last:
+            return self.module.loss(h, y)
+        self._send([(h, _TAG_ACT), (y, _TAG_TARGET)], [self.replica] * self.batch_size,
+                   self.stage + 1, "eval").wait()
+        return None
+
+
+class _TiedGradSync:
+    """Sums the embedding-gradient increments of a backward between stage 0 and stage S−1 of
+    one replica. Only the increment travels, so micro-steps can accumulate gradients; the
+    two increments are added in rank order so both copies end bit-identical."""
+
+    def __init__(self, stage: PipelineStage):
+        self.stage = stage
+        self.weight = stage.module.embed.weight
+
+    def __enter__(self):
+        g = self.weight.grad
+        self.before = None if g is None else g.detach().clone()
+        return self
+
+    def __exit__(self, exc_type, *exc):
+        if exc_type is not None:
+            return False
+        st = self.stage
+        g = self.weight.grad
+        delta = torch.zeros_like(self.weight) if g is None else g.detach().clone()
+        if self.before is not None:
+            delta -= self.before
+        mesh = st.ctx.mesh
+        members = [mesh.rank_of(st.replica, 0), mesh.rank_of(st.replica, st.stages - 1)]
+        first, last = st.pipe.exchange(delta.contiguous(), members, tag="train").wait()
+        total = first + last
+        new = total if self.before is None else self.before + total
+        if self.weight.grad is None:
+            self.weight.grad = new
+        else:
+            self.weight.grad.copy_(new)
+        return False
