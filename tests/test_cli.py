@@ -151,7 +151,9 @@ def test_default_streaming_run_reports_every_sync_and_fragment(corpus, tmp_path)
         c = math.ceil(math.ceil(n / 2) / 32) * 32
         assert s["raw_bytes"] == 4 * n
         assert s["wire_bytes"] == 2 * 1 * (c // 2 + c // 32)
-        assert s["seconds_in_flight"] >= s["seconds_waited"] >= 0
+        # the worker waits at most while the sync is in flight, plus the wake-up of its thread
+        # (the flushed last sync is waited for right after it is sent)
+        assert 0 <= s["seconds_waited"] <= s["seconds_in_flight"] + 0.05
     assert summary["peak_sync_bytes_per_worker"] == max(s["wire_bytes"] for s in syncs)
 
 

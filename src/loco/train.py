@@ -186,8 +186,9 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
                            ctx.comm.peak_sent_bytes("train"), mine.ops, mine.seconds, mine.waited,
                            train_seconds], dtype=torch.float64, device=device)
     per_worker = [t.tolist() for t in ctx.comm.all_gather(report, tag="report").wait()]
-    final_batches = list(eval_batches(corpus.val, cfg.batch_size, cfg.seq_len,
-                                      cfg.final_eval_batches, device))
+    final_batches = (list(eval_batches(corpus.val, cfg.batch_size, cfg.seq_len,
+                                       cfg.final_eval_batches, device))
+                     if main or not algo.replicas_identical else None)
     replicas = None
     if not algo.replicas_identical:  # every replica is a model of its own: report them all
         replicas = replica_report(model, algo, ctx.comm, final_batches, autocast,
@@ -257,15 +258,16 @@ def replica_spread(algo: Algorithm, comm) -> float:
 @torch.no_grad()
 def replica_report(model, algo: Algorithm, comm, batches, autocast, final_average: bool) -> dict:
     """Every replica's eval loss, their mean, and the eval loss of the replicas' average; with
-    ``final_average`` every replica becomes the average, which is then the final model."""
+    ``final_average`` every replica becomes the average, which is then the final model. The
+    average is the same everywhere, so only worker 0 evaluates it."""
     own = evaluate(model, dict(model.named_parameters()), batches, autocast)
     losses = comm.all_gather(torch.tensor([own], dtype=torch.float64), tag="report").wait()
     flat = flatten_fp32(algo.params)
     comm.all_reduce_mean(flat, tag="report").wait()
     average = dict(zip([n for n, p in model.named_parameters() if p.requires_grad],
                        unflatten_views(flat, algo.params)))
-    average_loss = evaluate(model, {**dict(model.named_parameters()), **average}, batches,
-                            autocast)
+    average_loss = (evaluate(model, {**dict(model.named_parameters()), **average}, batches,
+                             autocast) if comm.rank == 0 else None)
     if final_average:
         torch._foreach_copy_(algo.params, unflatten_views(flat, algo.params))
     losses = [t.item() for t in losses]

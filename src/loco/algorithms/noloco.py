@@ -64,8 +64,9 @@ class NoLoCo(Algorithm):
                 raise ValueError(f"{name} must be a number >= 0 (got {v!r})")
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum (α) must be in [0, 1) (got {outer_momentum!r})")
-        for message in convergence_warnings(outer_lr, outer_momentum, gamma, group_size) * warn:
-            warnings.warn(message, stacklevel=2)
+        if warn:
+            for message in convergence_warnings(outer_lr, outer_momentum, gamma, group_size):
+                warnings.warn(message, stacklevel=2)
         self.codec = get_codec(codec, codec_block, device=comm.device)
         self.slow_codec = get_codec(slow_codec, device=comm.device)
         super().__init__(model, inner_optimizer, comm, **kwargs)
