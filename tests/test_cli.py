@@ -66,6 +66,12 @@ BAD_INPUTS = [
     (["--algorithm", "noloco", "--group-size", "1"], "--group-size", ">= 2"),
     (["--algorithm", "noloco", "--gamma", "-1"], "--gamma", ">= 0"),
     (["--spread-every", "-1"], "--spread-every", ">= 0"),
+    (["--stages", "0"], "--stages", "[1, 4]"),
+    (["--stages", "5"], "--stages", "[1, 4]"),
+    (["--model", "tiny", "--stages", "3"], "--stages", "[1, 2]"),
+    (["--routing", "random"], "--routing", "--stages 2 or more"),
+    (["--routing", "shuffled", "--stages", "2"], "--routing", "'fixed', 'random'"),
+    (["--stages", "4", "--fragments", "2"], "--fragments", "[1, 1]"),
 ]
 
 
@@ -228,3 +234,64 @@ def test_warns_when_the_last_round_never_syncs(corpus, tmp_path, capsys):
     assert main(small_run(corpus, tmp_path / "run", "--steps", "10", "--algorithm",
                           "diloco")) == 0  # H = 4
     assert "not a multiple of --sync-every" in capsys.readouterr().err
+
+
+def records_of(out):
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("algorithm", ["diloco", "ddp"])
+def test_pipeline_stages_with_fixed_routing_train_like_the_unsplit_model(corpus, tmp_path,
+                                                                         algorithm):
+    """2 replicas x 2 stages: every loss as with whole-model workers (clipping active, so the
+    gradient norm must span both stages), and the bytes between stages exactly as counted."""
+    from loco.model import model_config
+
+    clip = ["--algorithm", algorithm, "--grad-clip", "0.05"]
+    assert main(small_run(corpus, tmp_path / "whole", *clip)) == 0
+    assert main(small_run(corpus, tmp_path / "piped", *clip, "--stages", "2")) == 0
+    whole, piped = records_of(tmp_path / "whole"), records_of(tmp_path / "piped")
+    for key in ("train_loss", "eval_loss"):
+        a = [(r["step"], r[key]) for r in whole if key in r]
+        b = [(r["step"], r[key]) for r in piped if key in r]
+        assert [s for s, _ in a] == [s for s, _ in b] and len(a) >= 2
+        for (_, x), (_, y) in zip(a, b):
+            assert y == pytest.approx(x, abs=2e-5)
+    summary = json.loads((tmp_path / "piped" / "summary.json").read_text())
+    assert summary["stages"] == 2 and summary["routing"] == "fixed"
+    assert len(summary["per_worker"]) == 4  # ranks
+    # Per step, stage 0 sends its activations (fp32) and the int64 targets, and both stages
+    # swap the tied embedding's gradient (fp32) and their squared gradient norms (fp32).
+    d = model_config("tiny", 300, 32).d_model
+    per_step = 4 * 32 * d * 4 + 4 * 32 * 8 + 300 * d * 4 + 4
+    assert summary["pipeline_bytes_sent_per_rank"] == 12 * per_step
+    assert summary["per_worker"][1]["pipeline_bytes_sent"] == 12 * (per_step - 4 * 32 * 8)
+
+
+def test_noloco_with_random_routing_over_stages(corpus, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(small_run(corpus, out, "--algorithm", "noloco", "--workers", "4", "--stages",
+                          "2", "--routing", "random", "--spread-every", "4")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["workers"] == 4 and summary["stages"] == 2 and summary["routing"] == "random"
+    r = summary["replicas"]
+    assert len(r["eval_losses"]) == 4 and all(math.isfinite(x) for x in r["eval_losses"])
+    assert math.isfinite(r["average_eval_loss"])
+    spread = [x["spread"] for x in records_of(out) if "spread" in x]
+    assert len(spread) == 3 and all(s > 0 for s in spread)
+    assert "random routing" in capsys.readouterr().out
+
+
+def test_pipeline_stages_under_the_processes_launcher(corpus, tmp_path):
+    argv = small_run(corpus, tmp_path / "threads", "--algorithm", "diloco", "--stages", "2")
+    assert main(argv) == 0
+    argv = small_run(corpus, tmp_path / "procs", "--algorithm", "diloco", "--stages", "2",
+                     "--launcher", "processes")
+    res = subprocess.run([sys.executable, "-m", "loco", *argv], capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stderr[-3000:]
+    ref = json.loads((tmp_path / "threads" / "summary.json").read_text())
+    got = json.loads((tmp_path / "procs" / "summary.json").read_text())
+    assert got["launcher"] == "processes" and got["stages"] == 2
+    assert got["pipeline_bytes_sent_per_rank"] == ref["pipeline_bytes_sent_per_rank"]
+    assert got["final_eval_loss"] == pytest.approx(ref["final_eval_loss"], abs=1e-4)

@@ -299,3 +299,68 @@ def test_diloco_over_stages_keeps_tied_copies_and_stage_replicas_in_step():
     # and training moved the weights
     assert not torch.equal(res[(0, 0)]["params"]["embed.weight"],
                            make_model(layers=LAYERS).embed.weight)
+
+
+def train_pipe_worker(ctx, cfg_kwargs, layers, steps):
+    """``loco train``'s own algorithm set-up (make_algorithm) on a pipeline stage."""
+    from loco.config import TrainConfig, resolve
+    from loco.train import adamw, make_algorithm
+
+    cfg = resolve(TrainConfig(**cfg_kwargs))
+    model = make_model(layers=layers)
+    stage = PipelineStage(model, ctx, BATCH, SEQ, routing=cfg.routing, seed=3)
+    algo = make_algorithm(cfg, stage.module, adamw(stage.module, cfg), ctx.comm, stage)
+    for t in range(steps):
+        stage.forward_backward(batch(ctx.replica, t) if stage.is_first else None, t)
+        algo.step()
+        algo.zero_grad()
+    algo.flush()
+    return {"stage": ctx.stage, "replica": ctx.replica,
+            "embed": stage.module.embed.weight.detach().clone()
+            if stage.module.embed is not None else None,
+            "fragments": algo.fragments() if hasattr(algo, "fragments") else None,
+            "outer": [(rec.op, rec.participants) for rec in ctx.comm.records
+                      if rec.tag == "train"],
+            "pipe": [(rec.op, rec.participants) for rec in ctx.pipe.records
+                     if rec.tag == "train"]}
+
+
+def test_streaming_over_uneven_stages_syncs_the_tied_copies_together():
+    """5 blocks over 2 stages (3 + 2): balancing alone would put the embedding in fragment 1
+    on stage 0 but in fragment 0 on the last stage, so its two copies would be synced at
+    different steps and drift apart. Training pins both into fragment 0."""
+    from loco.algorithms.fragments import split_fragments
+
+    model = make_model(layers=5)
+    first, last = split_stages(model, 2)
+    assert "embed.weight" in split_fragments(first, 2)[1]
+    assert "embed.weight" in split_fragments(last, 2)[0]
+
+    R, S = 2, 2
+    cfg = dict(algorithm="streaming", workers=R, stages=S, fragments=2, sync_every=4,
+               overlap=1)
+    res = by_coords(loco.launch(train_pipe_worker, R * S, ranks_per_replica=S,
+                                args=(cfg, 5, 10)))
+    for r in range(R):
+        assert "embed.weight" in res[(r, 0)]["fragments"][0]
+        assert "embed.weight" in res[(r, S - 1)]["fragments"][0]
+        assert torch.equal(res[(r, 0)]["embed"], res[(r, S - 1)]["embed"])
+    assert not torch.equal(res[(0, 0)]["embed"], model.embed.weight)
+
+
+def test_noloco_over_stages_with_random_routing_has_no_collective():
+    """4 replicas x 2 stages: gossip pairs inside each stage, point-to-point traffic between
+    stages; no training operation spans all replicas of a stage, nor the world."""
+    R, S = 4, 2
+    cfg = dict(algorithm="noloco", workers=R, stages=S, routing="random", sync_every=2)
+    res = by_coords(loco.launch(train_pipe_worker, R * S, ranks_per_replica=S,
+                                args=(cfg, LAYERS, 6)))
+    for (r, k), out in res.items():
+        assert len(out["outer"]) == 3  # one gossip exchange per outer step
+        assert all(op == "exchange" and len(p) == 2 < R for op, p in out["outer"])
+        # batched point-to-point messages to the next or previous stage's replicas (and the
+        # tied gradient's pair exchange): never the whole world
+        assert out["pipe"] and all(op in ("send", "recv", "exchange") and len(p) <= R + 1 < R * S
+                                   for op, p in out["pipe"])
+    for r in range(R):  # the tied copies follow the same groups on both stages
+        assert torch.equal(res[(r, 0)]["embed"], res[(r, S - 1)]["embed"])

@@ -156,6 +156,21 @@ def test_explicit_fragments():
         split_fragments(model, [[b[0], b[1]], [b[2], b[3]]])
     with pytest.raises(ValueError, match="exactly one"):
         split_fragments(model, [[model.embed, b[0], b[1]], [b[1], b[2], b[3], model.norm]])
+    # parameter names mix with modules (how a pipeline stage pins its tied embedding)
+    assert split_fragments(model, [[b[0], b[1], "norm.weight"], [b[2], b[3], "embed.weight"]]
+                           )[1][0] == "embed.weight"
+    with pytest.raises(ValueError, match="'head.weight' is not a trainable parameter"):
+        split_fragments(model, [[model.embed, b[0], b[1]], [b[2], b[3], "head.weight"]])
+
+
+def test_blocks_held_in_a_module_dict_are_found():
+    """A pipeline stage holds its share of the blocks in an nn.ModuleDict."""
+    from loco.runtime import split_stages
+
+    last = split_stages(make_model(layers=4), 2)[1]
+    frags = split_fragments(last, 2, "strided")
+    assert all(n.startswith("blocks.2.") for n in frags[0] if n.startswith("blocks."))
+    assert all(n.startswith("blocks.3.") for n in frags[1] if n.startswith("blocks."))
 
 
 @pytest.mark.parametrize("kw,message", [

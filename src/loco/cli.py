@@ -15,6 +15,7 @@ Examples:
   loco train --algorithm streaming --fragments 4 --sync-every 100 --overlap 2 --codec int8
   loco train --algorithm diloco                # DiLoCo: whole model, fp32, every H steps
   loco train --algorithm ddp --steps 200       # data-parallel baseline
+  loco train --algorithm noloco --group-size 2 --gamma 0.7 --stages 2 --routing random
   loco train --model tiny --workers 2 --launcher processes
   torchrun --nproc-per-node 8 -m loco train    # one rank per GPU, NCCL"""
 
@@ -103,6 +104,10 @@ def _train(args: argparse.Namespace) -> int:
           f"({summary['tokens_per_second']:,.0f} tokens/s); sent per worker "
           f"{human_bytes(summary['bytes_sent_per_worker'])}, peak sync "
           f"{human_bytes(summary['peak_sync_bytes_per_worker'])}")
+    if summary.get("stages", 1) > 1:
+        print(f"pipeline: {summary['stages']} stages per replica, {summary['routing']} routing; "
+              f"activations and gradients sent per rank "
+              f"{human_bytes(summary['pipeline_bytes_sent_per_rank'])}")
     if summary.get("replicas"):
         r = summary["replicas"]
         print(f"replicas: mean eval loss {r['mean_eval_loss']:.3f}, their average's "

@@ -24,6 +24,7 @@ CODEC_NAMES = ("fp32", "bf16", "fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1")
 OUTER_DEFAULTS = {"diloco": (0.7, 0.9, True), "streaming": (0.4, 0.9, True),
                   "noloco": (0.7, 0.5, False)}
 LAUNCHER_NAMES = ("threads", "processes", "torchrun")
+ROUTINGS = ("fixed", "random")
 DTYPES = ("fp32", "bf16")
 
 
@@ -48,6 +49,14 @@ class TrainConfig:
                          "(gradients averaged every step), local (no communication)",
                          ALGORITHM_NAMES)
     workers: int = opt(4, "number of workers M (replicas), each with its own data shard")
+    stages: int = opt(1, "S: pipeline stages per replica; the model's blocks are split into S "
+                      "contiguous stages (embedding on the first, head on the last), each on "
+                      "a rank of its own, so a run uses workers x S ranks; outer algorithms "
+                      "sync among the replicas of each stage")
+    routing: str = opt("fixed", "with --stages > 1: fixed (each replica keeps its own "
+                       "pipeline) or random (each sample crosses every stage boundary to a "
+                       "replica drawn from a shared seed, as NoLoCo's random routing); "
+                       "evaluation always uses fixed routing", ROUTINGS)
     sync_every: int = opt(50, "H: inner steps between two syncs of the same parameters; "
                           "larger H sends fewer bytes but lets workers drift further apart")
     outer_lr: float | None = opt(None, "outer learning rate (NoLoCo's beta) (default: the "
@@ -230,6 +239,11 @@ def validate(cfg: TrainConfig) -> None:
         if choices:
             need(getattr(cfg, f.name) in choices, f.name, f"must be one of {', '.join(choices)}")
     need(cfg.model in MODEL_SIZES, "model", f"must be one of {', '.join(MODEL_SIZES)}")
+    layers = MODEL_SIZES[cfg.model]["n_layers"]
+    need(1 <= cfg.stages <= layers, "stages",
+         f"must be in [1, {layers}], the number of blocks of the {cfg.model} model")
+    need(cfg.routing == "fixed" or cfg.stages > 1, "routing",
+         "random routing needs pipeline stages: add --stages 2 or more")
     if cfg.launcher == "torchrun":
         from loco.runtime import under_torchrun
 
@@ -257,9 +271,10 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
     need(cfg.z_loss >= 0, "z_loss", "must be >= 0")
     if cfg.algorithm == "streaming":
-        blocks = MODEL_SIZES[cfg.model]["n_layers"]
+        blocks = layers // cfg.stages  # the smallest stage's blocks
         need(1 <= cfg.fragments <= blocks, "fragments",
-             f"must be in [1, {blocks}], the number of blocks of the {cfg.model} model")
+             f"must be in [1, {blocks}], the number of blocks of the {cfg.model} model"
+             + (f" in its smallest of {cfg.stages} pipeline stages" if cfg.stages > 1 else ""))
         need(cfg.sync_every % cfg.fragments == 0, "fragments",
              f"must divide --sync-every ({cfg.sync_every})")
         per = cfg.sync_every // cfg.fragments

@@ -1,9 +1,10 @@
 """``loco train``: one training job, the same code for every launcher.
 
 :func:`run_training` prepares the data in the calling process (so bad input fails before any
-worker starts), then launches :func:`train_worker` on every worker. Worker 0 evaluates the
-global model, writes ``metrics.jsonl``, ``summary.json`` and ``loss.png`` into the run
-directory and returns the summary.
+worker starts), then launches :func:`train_worker` on every rank. The lead rank (replica 0's
+last pipeline stage, which holds its loss; rank 0 without pipeline stages) writes
+``metrics.jsonl``, ``summary.json`` and ``loss.png`` into the run directory and returns the
+summary. The ranks of replica 0 evaluate the global model together.
 """
 
 from __future__ import annotations
@@ -25,13 +26,19 @@ from loco.algorithms.base import flatten_fp32, unflatten_views
 from loco.config import ConfigError, TrainConfig, resolve, validate, warnings_for
 from loco.data import Corpus, CorpusError, TokenLoader, eval_batches, prepare_corpus
 from loco.model import Transformer, model_config
+from loco.algorithms.fragments import split_fragments
 from loco.runtime import WorkerContext, launch, under_torchrun
+from loco.runtime.pipeline import PipelineStage
 
 
 def run_training(cfg: TrainConfig) -> dict:
     """Validate, prepare data, train on every worker; return worker 0's summary."""
     if under_torchrun():  # torchrun, not --workers, decides how many workers there are
-        cfg = dataclasses.replace(cfg, workers=int(os.environ["WORLD_SIZE"]))
+        world = int(os.environ["WORLD_SIZE"])
+        if world % cfg.stages:
+            raise ConfigError("stages", f"must divide torchrun's world size {world} "
+                              f"(got {cfg.stages})")
+        cfg = dataclasses.replace(cfg, workers=world // cfg.stages)
     validate(cfg)
     cfg = resolve(cfg)
     for message in warnings_for(cfg):
@@ -45,9 +52,10 @@ def run_training(cfg: TrainConfig) -> dict:
     except CorpusError as e:
         raise ConfigError("corpus", str(e)) from None
     check_fits(cfg, corpus)
-    results = launch(train_worker, cfg.workers, cfg.launcher, args=(cfg, corpus),
-                     timeout=cfg.comm_timeout)
-    return results[0]
+    results = launch(train_worker, cfg.workers * cfg.stages, cfg.launcher, args=(cfg, corpus),
+                     ranks_per_replica=cfg.stages, timeout=cfg.comm_timeout)
+    # The lead rank's summary (under torchrun the list holds only this rank's value).
+    return next((r for r in results if "final_eval_loss" in r), results[0])
 
 
 def check_fits(cfg: TrainConfig, corpus: Corpus) -> None:
@@ -60,9 +68,16 @@ def check_fits(cfg: TrainConfig, corpus: Corpus) -> None:
     if len(corpus.val) <= cfg.seq_len:
         raise ConfigError("seq_len", f"the validation split ({len(corpus.val)} tokens) is "
                           f"shorter than one sequence; lower --seq-len or raise --val-fraction")
+    val_windows = (len(corpus.val) - 1) // cfg.seq_len
+    if cfg.stages > 1 and val_windows < cfg.batch_size:  # stages exchange whole batches
+        raise ConfigError("batch_size", f"the validation split has {val_windows} windows of "
+                          f"{cfg.seq_len} tokens but a pipeline evaluates whole batches of "
+                          f"{cfg.batch_size}; lower --batch-size or raise --val-fraction")
 
 
-def make_algorithm(cfg: TrainConfig, model, optimizer, comm) -> Algorithm:
+def make_algorithm(cfg: TrainConfig, model, optimizer, comm,
+                   pipeline: PipelineStage | None = None) -> Algorithm:
+    """The algorithm of ``cfg`` on ``model`` (with pipeline stages: this stage's part)."""
     kwargs = {"max_grad_norm": cfg.grad_clip or None}
     if cfg.algorithm in ("diloco", "streaming"):
         kwargs.update(sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
@@ -73,10 +88,20 @@ def make_algorithm(cfg: TrainConfig, model, optimizer, comm) -> Algorithm:
                       outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, gamma=cfg.gamma,
                       nesterov=cfg.nesterov, seed=cfg.seed, warn=False)
     if cfg.algorithm == "streaming":
-        kwargs.update(fragments=cfg.fragments, pattern=cfg.fragment_pattern,
+        fragments = cfg.fragments
+        if pipeline is not None and pipeline.stages > 1 and model.embed is not None:
+            # The tied embedding's two copies (first and last stage) must be synced at the
+            # same steps to stay identical: both go into fragment 0.
+            names = split_fragments(model, cfg.fragments, cfg.fragment_pattern)
+            fragments = [[n for n in group if n != "embed.weight"] for group in names]
+            fragments[0].append("embed.weight")
+        kwargs.update(fragments=fragments, pattern=cfg.fragment_pattern,
                       overlap=cfg.overlap, alpha=cfg.alpha, codec=cfg.codec,
                       codec_block=cfg.codec_block)
-    return ALGORITHMS[cfg.algorithm](model, optimizer, comm, **kwargs)
+    algo = ALGORITHMS[cfg.algorithm](model, optimizer, comm, **kwargs)
+    if pipeline is not None and pipeline.stages > 1:
+        algo.grad_norm_fn = pipeline.grad_norm  # clip by the whole model's gradient norm
+    return algo
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -99,18 +124,25 @@ def adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
 
 
 @torch.no_grad()
-def evaluate(model, params: dict, batches, autocast) -> float:
-    """Mean token loss of ``params`` (the global model) over ``batches``."""
+def evaluate(model, params: dict, batches, autocast,
+             pipeline: PipelineStage | None = None) -> float | None:
+    """Mean token loss of ``params`` (by name: the global model, a replica or an average)
+    over ``batches``. With pipeline stages every stage of the replica calls this with its
+    own part's ``params``; the loss is returned on the last stage, None elsewhere."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
     for x, y in batches:
-        with autocast:
-            loss = torch.func.functional_call(model, params, (x, y))
-        total += loss.item() * y.numel()
-        count += y.numel()
+        if pipeline is None:
+            with autocast:
+                loss = torch.func.functional_call(model, params, (x, y))
+        else:
+            loss = pipeline.evaluate((x, y), params)
+        if loss is not None:
+            total += loss.item() * y.numel()
+            count += y.numel()
     model.train(was_training)
-    return total / count
+    return total / count if count else None
 
 
 def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
@@ -123,24 +155,36 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     # Every worker builds the same weights from the seed; the algorithm still broadcasts
     # worker 0's and verifies checksums.
     model = Transformer(mcfg, torch.Generator().manual_seed(cfg.seed)).to(device)
-    optimizer = adamw(model, cfg)
+    # With pipeline stages each rank trains and syncs only its stage's part of the model.
+    pipeline = (PipelineStage(model, ctx, cfg.batch_size, cfg.seq_len, routing=cfg.routing,
+                              seed=cfg.seed, autocast=autocast) if ctx.stages > 1 else None)
+    trained = model if pipeline is None else pipeline.module
+    optimizer = adamw(trained, cfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    algo = make_algorithm(cfg, model, optimizer, ctx.comm)
-    loader = TokenLoader(corpus.train, cfg.batch_size, cfg.seq_len, rank=ctx.replica,
-                         world_size=ctx.mesh.replicas, seed=cfg.seed, device=device)
+    algo = make_algorithm(cfg, trained, optimizer, ctx.comm, pipeline)
+    loader = (TokenLoader(corpus.train, cfg.batch_size, cfg.seq_len, rank=ctx.replica,
+                          world_size=ctx.mesh.replicas, seed=cfg.seed, device=device)
+              if ctx.stage == 0 else None)  # later stages receive their inputs
     tokens_per_step = ctx.mesh.replicas * cfg.batch_size * cfg.seq_len
+    world = ctx.pipe or ctx.comm  # every rank: for the end-of-run report
 
-    main = ctx.is_main
+    # The lead rank logs: replica 0's last stage, which computes its loss.
+    main = ctx.rank == ctx.mesh.rank_of(0, ctx.stages - 1)
+    evaluates = ctx.replica == 0  # replica 0's stages evaluate the global model together
     log = RunLog(cfg.out) if main else None
-    bar = tqdm(total=cfg.steps, desc=f"{cfg.algorithm} x{ctx.mesh.replicas}", unit="step",
+    bar = tqdm(total=cfg.steps, desc=f"{cfg.algorithm} x{ctx.mesh.replicas}"
+               + (f"x{ctx.stages} stages" if ctx.stages > 1 else ""), unit="step",
                disable=not (main and cfg.progress), dynamic_ncols=True)
     eval_seconds, loss_sum, loss_count = 0.0, 0.0, 0
     loop_start = time.perf_counter()
     for step in range(1, cfg.steps + 1):
-        x, y = loader.next_batch()
-        with autocast:
-            loss = model(x, y)
-        loss.backward()
+        batch = loader.next_batch() if loader is not None else None
+        if pipeline is None:
+            with autocast:
+                loss = model(*batch)
+            loss.backward()
+        else:  # the loss arrives on the last stage only
+            loss = pipeline.forward_backward(batch, step)
         algo.step()
         schedule.step()
         algo.zero_grad()
@@ -149,7 +193,14 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
         syncs = _drain(algo)
         spread = None
         if not algo.replicas_identical and cfg.spread_every and step % cfg.spread_every == 0:
-            spread = replica_spread(algo, ctx.comm)
+            spread = replica_spread(algo, ctx.comm, pipeline)
+        eval_loss = None
+        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps and evaluates:
+            t0 = time.perf_counter()
+            eval_loss = evaluate(trained, algo.global_parameters(), eval_batches(
+                corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, device), autocast,
+                pipeline)
+            eval_seconds += time.perf_counter() - t0
         if not main:
             continue
         for sync in syncs:
@@ -163,12 +214,9 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
             record = {**(record or {}), "step": step, "tokens": step * tokens_per_step,
                       "train_loss": loss_sum / loss_count, "lr": schedule.get_last_lr()[0]}
             loss_sum, loss_count = 0.0, 0
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps:
-            t0 = time.perf_counter()
+        if eval_loss is not None:
             record = record or {"step": step, "tokens": step * tokens_per_step}
-            record["eval_loss"] = evaluate(model, algo.global_parameters(), eval_batches(
-                corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, device), autocast)
-            eval_seconds += time.perf_counter() - t0
+            record["eval_loss"] = eval_loss
         sent = ctx.comm.totals("train").sent_bytes
         if record is not None:
             record.update(bytes_sent=sent, elapsed=time.perf_counter() - start)
@@ -180,40 +228,48 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     bar.close()
     train_seconds = time.perf_counter() - loop_start - eval_seconds
 
-    # Every worker reports its counters (a tiny gather outside the training traffic).
+    # Every rank reports its counters (a tiny gather outside the training traffic). The
+    # outer algorithm's bytes travel between replicas (ctx.comm); activations, their
+    # gradients and the tied head's gradient travel between stages (ctx.pipe).
     mine = ctx.comm.totals("train")
+    piped = ctx.pipe.totals("train").sent_bytes if ctx.pipe is not None else 0
     report = torch.tensor([mine.sent_bytes, mine.recv_bytes, mine.raw_bytes,
                            ctx.comm.peak_sent_bytes("train"), mine.ops, mine.seconds, mine.waited,
-                           train_seconds], dtype=torch.float64, device=device)
-    per_worker = [t.tolist() for t in ctx.comm.all_gather(report, tag="report").wait()]
+                           train_seconds, piped], dtype=torch.float64, device=device)
+    per_worker = [t.tolist() for t in world.all_gather(report, tag="report").wait()]
     final_batches = (list(eval_batches(corpus.val, cfg.batch_size, cfg.seq_len,
                                        cfg.final_eval_batches, device))
-                     if main or not algo.replicas_identical else None)
+                     if evaluates or not algo.replicas_identical else None)
     replicas = None
     if not algo.replicas_identical:  # every replica is a model of its own: report them all
-        replicas = replica_report(model, algo, ctx.comm, final_batches, autocast,
-                                  cfg.final_average)
+        replicas = replica_report(trained, algo, ctx.comm, final_batches, autocast,
+                                  cfg.final_average, pipeline)
+        final_eval = replicas["final_eval_loss"] if main else None
+    elif evaluates:
+        final_eval = evaluate(trained, algo.global_parameters(), final_batches, autocast,
+                              pipeline)
     if not main:
         return {"rank": ctx.rank}
 
-    final_eval = (replicas["final_eval_loss"] if replicas else
-                  evaluate(model, algo.global_parameters(), final_batches, autocast))
     log.metric({"step": cfg.steps, "tokens": cfg.steps * tokens_per_step, "eval_loss": final_eval,
                 "bytes_sent": mine.sent_bytes, "elapsed": time.perf_counter() - start})
     tokens = cfg.steps * tokens_per_step
     wall = time.perf_counter() - start
     keys = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
-            "comm_seconds", "comm_wait_seconds", "train_seconds")
+            "comm_seconds", "comm_wait_seconds", "train_seconds", "pipeline_bytes_sent")
     workers = [dict(zip(keys, w)) for w in per_worker]
     # The job is done when its slowest worker is: timing worker 0 alone would flatter
     # methods without a barrier, whose workers drift apart in speed.
     train_seconds = max(w["train_seconds"] for w in workers)
     for w in workers:
-        for k in ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs"):
+        for k in ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
+                  "pipeline_bytes_sent"):
             w[k] = int(w[k])
     summary = {
         "algorithm": cfg.algorithm,
         "workers": ctx.mesh.replicas,
+        "stages": ctx.stages,
+        "routing": cfg.routing if ctx.stages > 1 else None,
         "launcher": ctx.launcher,
         "inner_steps": cfg.steps,
         "tokens": tokens,
@@ -224,6 +280,8 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
         "bytes_received_per_worker": max(w["bytes_received"] for w in workers),
         "raw_bytes_per_worker": max(w["raw_bytes"] for w in workers),
         "peak_sync_bytes_per_worker": max(w["peak_sync_bytes"] for w in workers),
+        "pipeline_bytes_sent_per_rank": (max(w["pipeline_bytes_sent"] for w in workers)
+                                         if ctx.stages > 1 else None),
         "syncs": workers[0]["syncs"],
         "comm_seconds": workers[0]["comm_seconds"],
         "comm_wait_seconds": max(w["comm_wait_seconds"] for w in workers),
@@ -244,32 +302,42 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
 
 
 @torch.no_grad()
-def replica_spread(algo: Algorithm, comm) -> float:
-    """RMS over all parameters of each replica's distance to the replicas' mean (a
-    diagnostic all-reduce, tagged apart from the training traffic)."""
-    flat = flatten_fp32(algo.params)
+def replica_spread(algo: Algorithm, comm, pipeline: PipelineStage | None = None) -> float:
+    """RMS over all parameters of each replica's distance to the replicas' mean (diagnostic
+    all-reduces, tagged apart from the training traffic). With pipeline stages every stage
+    measures its own parameters and the sums are combined over all ranks."""
+    params = algo.params if pipeline is None else pipeline.owned_parameters()
+    flat = flatten_fp32(params)
     mean = flat.clone()
     comm.all_reduce_mean(mean, tag="diagnostic").wait()
-    sq = (flat - mean).pow(2).mean().reshape(1)
-    comm.all_reduce_mean(sq, tag="diagnostic").wait()
-    return math.sqrt(sq.item())
+    stats = torch.tensor([(flat - mean).double().pow(2).sum().item(), flat.numel()],
+                         dtype=torch.float64)
+    (comm if pipeline is None else pipeline.pipe).all_reduce_mean(stats, tag="diagnostic").wait()
+    return math.sqrt(stats[0].item() / stats[1].item())
 
 
 @torch.no_grad()
-def replica_report(model, algo: Algorithm, comm, batches, autocast, final_average: bool) -> dict:
+def replica_report(model, algo: Algorithm, comm, batches, autocast, final_average: bool,
+                   pipeline: PipelineStage | None = None) -> dict:
     """Every replica's eval loss, their mean, and the eval loss of the replicas' average; with
     ``final_average`` every replica becomes the average, which is then the final model. The
-    average is the same everywhere, so only worker 0 evaluates it."""
-    own = evaluate(model, dict(model.named_parameters()), batches, autocast)
-    losses = comm.all_gather(torch.tensor([own], dtype=torch.float64), tag="report").wait()
+    average is the same everywhere, so only replica 0 evaluates it. With pipeline stages the
+    losses are known on the last stages; the dict is complete there."""
+    own = evaluate(model, dict(model.named_parameters()), batches, autocast, pipeline)
+    losses = None
+    if own is not None:  # the replicas' last stages (every worker without pipeline stages)
+        losses = comm.all_gather(torch.tensor([own], dtype=torch.float64), tag="report").wait()
     flat = flatten_fp32(algo.params)
     comm.all_reduce_mean(flat, tag="report").wait()
     average = dict(zip([n for n, p in model.named_parameters() if p.requires_grad],
                        unflatten_views(flat, algo.params)))
+    replica = comm.rank  # the outer Comm's rank is the replica index
     average_loss = (evaluate(model, {**dict(model.named_parameters()), **average}, batches,
-                             autocast) if comm.rank == 0 else None)
+                             autocast, pipeline) if replica == 0 else None)
     if final_average:
         torch._foreach_copy_(algo.params, unflatten_views(flat, algo.params))
+    if losses is None:
+        return {}
     losses = [t.item() for t in losses]
     return {"eval_losses": losses, "mean_eval_loss": sum(losses) / len(losses),
             "average_eval_loss": average_loss, "final_average": final_average,

@@ -39,6 +39,9 @@ class Algorithm:
         self.max_grad_norm = max_grad_norm
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner_steps = 0
+        #: How the gradient norm for clipping is measured: None for the norm of this
+        #: worker's parameters; a pipeline stage sets it to the norm over all its stages.
+        self.grad_norm_fn = None
         self._sync_initial_state(init_sync)
 
     # ----------------------------------------------------------------------- initial state
@@ -64,8 +67,16 @@ class Algorithm:
 
     # ----------------------------------------------------------------------------- the loop
     def clip_gradients(self) -> None:
-        if self.max_grad_norm is not None:
+        if self.max_grad_norm is None:
+            return
+        if self.grad_norm_fn is None:
             torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
+            return
+        # As clip_grad_norm_ does, with the norm measured by grad_norm_fn.
+        grads = [p.grad for p in self.params if p.grad is not None]
+        norm = self.grad_norm_fn(self.params)
+        coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+        torch._foreach_mul_(grads, coef.to(grads[0].device) if grads else coef)
 
     def step(self) -> None:
         """One inner step (replaces ``optimizer.step()``); communicates when its turn comes."""

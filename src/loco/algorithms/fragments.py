@@ -7,8 +7,8 @@ head) are placed one at a time, largest first, into the fragment with the fewest
 far, which keeps the peak bytes of one sync as low as whole tensors allow. A tied head shares
 the embedding's tensor and is counted once.
 
-An explicit list gives each fragment as a module or a list of modules; every trainable
-parameter must then appear in exactly one of them.
+An explicit list gives each fragment as a module, a parameter name, or a list of them; every
+trainable parameter must then appear in exactly one of them.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ from torch import nn
 PATTERNS = ("strided", "sequential")
 
 
-def find_blocks(model: nn.Module) -> nn.ModuleList:
-    """The model's repeated blocks: the ``nn.ModuleList`` holding the most parameters."""
-    lists = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m)]
+def find_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks: the ``nn.ModuleList`` (or ``nn.ModuleDict``, as a
+    pipeline stage holds its share of the blocks) with the most parameters."""
+    lists = [list(m.values()) if isinstance(m, nn.ModuleDict) else list(m)
+             for m in model.modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)]
     if not lists:
         raise ValueError("fragments: the model has no nn.ModuleList of blocks to split; pass "
                          "fragments=1 or an explicit list of modules per fragment")
-    return max(lists, key=lambda m: sum(p.numel() for p in m.parameters()))
+    return max(lists, key=lambda blocks: sum(p.numel() for b in blocks for p in b.parameters()))
 
 
 def split_fragments(model: nn.Module, fragments: int | Sequence, pattern: str = "strided"
@@ -73,12 +75,16 @@ def _explicit(fragments: Sequence, named: dict, name_of: dict) -> list[set[str]]
         raise ValueError("fragments: an explicit list needs at least one fragment")
     groups, seen = [], {}
     for i, item in enumerate(fragments):
-        modules = [item] if isinstance(item, nn.Module) else list(item)
-        if not modules or not all(isinstance(m, nn.Module) for m in modules):
-            raise ValueError(f"fragments[{i}] must be a module or a non-empty list of modules")
+        modules = [item] if isinstance(item, (nn.Module, str)) else list(item)
+        if not modules or not all(isinstance(m, (nn.Module, str)) for m in modules):
+            raise ValueError(f"fragments[{i}] must be a module, a parameter name, or a "
+                             "non-empty list of them")
         group = set()
         for m in modules:
-            for t in m.parameters():
+            if isinstance(m, str) and m not in named:
+                raise ValueError(f"fragments[{i}]: {m!r} is not a trainable parameter of the "
+                                 "model")
+            for t in ([named[m]] if isinstance(m, str) else m.parameters()):
                 name = name_of.get(id(t))
                 if name is None:
                     continue  # frozen, or not a parameter of this model

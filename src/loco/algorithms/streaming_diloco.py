@@ -61,8 +61,8 @@ class StreamingDiLoCo(Algorithm):
     Args:
         sync_every: H, inner steps between two syncs of the same fragment.
         fragments: P, the number of fragments the blocks are split into (must divide H and be
-            at most the number of blocks), or an explicit list whose items are modules or
-            lists of modules (see :mod:`loco.algorithms.fragments`).
+            at most the number of blocks), or an explicit list whose items are modules,
+            parameter names, or lists of them (see :mod:`loco.algorithms.fragments`).
         pattern: how blocks are dealt out for an integer P: "strided" or "sequential".
         overlap: τ, inner steps a sync stays in flight before it is applied, 0 <= τ < H / P.
         alpha: α, the share of the local parameters kept when merging, 0 <= α <= 1.

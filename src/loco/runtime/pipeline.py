@@ -156,7 +156,7 @@ class PipelineStage:
     """
 
     def __init__(self, model: Transformer, ctx, batch_size: int, seq_len: int, *,
-                 routing: str = "fixed", seed: int = 0):
+                 routing: str = "fixed", seed: int = 0, autocast=None):
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)} (got {routing!r})")
         self.ctx = ctx
@@ -170,6 +170,9 @@ class PipelineStage:
         self.module = split_stages(model, self.stages)[self.stage]
         self.batch_size, self.seq_len = batch_size, seq_len
         self.routing, self.seed = routing, seed
+        # Mixed precision applies inside each stage; activations cross boundaries in the
+        # parameters' dtype, so a receiver always knows what arrives.
+        self.autocast = autocast if autocast is not None else contextlib.nullcontext()
         self.dtype = next(self.module.parameters()).dtype
         # For each sample index of the last step, the replica it came from at the previous
         # stage (this replica for stage 0): every index exactly once, for any routing.
@@ -189,6 +192,39 @@ class PipelineStage:
 
     def named_parameters(self):
         return self.module.named_parameters()
+
+    def owned_parameters(self) -> list[torch.nn.Parameter]:
+        """This stage's trainable parameters, without the last stage's copy of the tied
+        embedding (stage 0 owns it): each of the model's parameters is owned by exactly one
+        stage, so sums over the stages of a replica (norms, spreads) count it once."""
+        tied = self.module.embed.weight if (self.is_last and self.stages > 1) else None
+        return [p for p in self.module.parameters() if p.requires_grad and p is not tied]
+
+    def grad_norm(self, params) -> torch.Tensor:
+        """The gradient norm of the whole model, from this stage's ``params``: the squared
+        norms of every stage's owned gradients, summed over the replica's stages in stage
+        order (the same float result on each). For ``Algorithm.grad_norm_fn``."""
+        owned = {id(p) for p in self.owned_parameters()}
+        grads = [p.grad.detach().float() for p in params
+                 if id(p) in owned and p.grad is not None]
+        sq = (torch.stack([g.pow(2).sum() for g in grads]).sum() if grads
+              else torch.zeros((), dtype=torch.float32)).reshape(1)
+        if self.stages == 1:
+            return sq.sqrt()[0]
+        members = [self.ctx.mesh.rank_of(self.replica, k) for k in range(self.stages)]
+        parts = self.pipe.exchange(sq, members, tag="train").wait()
+        total = parts[0].clone()
+        for part in parts[1:]:
+            total += part
+        return total.sqrt()[0]
+
+    def _forward(self, inputs, params=None) -> torch.Tensor:
+        with self.autocast:
+            if params is None:
+                out = self.module(inputs)
+            else:
+                out = torch.func.functional_call(self.module, params, (inputs,))
+        return out if self.is_last else out.to(self.dtype)
 
     # ------------------------------------------------------------------------ routing plan
     def _perm(self, step: int, sample: int, boundary: int, routing: str) -> list[int]:
@@ -277,7 +313,7 @@ class PipelineStage:
             self.last_sources = [self.replica] * self.batch_size
             self.samples_processed += self.batch_size
             with self._tied_grad_sync():
-                loss = self.module.loss(self.module(x), y)
+                loss = self.module.loss(self._forward(x), y)
                 loss.backward()
             return loss.detach()
 
@@ -286,11 +322,11 @@ class PipelineStage:
             if self.is_first:
                 x, y = self._check_batch(batch)
                 sources, h_in = [self.replica] * self.batch_size, None
-                h = self.module(x)
+                h = self._forward(x)
             else:
                 sources, h_in, y = self._receive_inputs(step, routing, "train")
                 h_in.requires_grad_(True)
-                h = self.module(h_in)
+                h = self._forward(h_in)
             self.last_sources = sources
             self.samples_processed += self.batch_size
             loss = None
@@ -319,18 +355,21 @@ class PipelineStage:
 
     # ------------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, batch=None) -> torch.Tensor | None:
+    def evaluate(self, batch=None, params: dict | None = None) -> torch.Tensor | None:
         """Loss of one batch with fixed routing (each replica's own pipeline), no gradients;
-        traffic is tagged "eval". Returns the loss on the last stage, None elsewhere."""
+        traffic is tagged "eval". ``params`` (by name, e.g. an algorithm's
+        ``global_parameters()``) replaces this stage's parameters for the call. ``batch`` is
+        used on stage 0 and ignored elsewhere. Returns the loss on the last stage, None
+        elsewhere."""
         if self.stages == 1:
             x, y = self._check_batch(batch)
-            return self.module.loss(self.module(x), y)
+            return self.module.loss(self._forward(x, params), y)
         if self.is_first:
             x, y = self._check_batch(batch)
-            h = self.module(x)
+            h = self._forward(x, params)
         else:
             _, h_in, y = self._receive_inputs(0, "fixed", "eval")
-            h = self.module(h_in)
+            h = self._forward(h_in, params)
         if self.is_last:
             return self.module.loss(h, y)
         self._send([(h, _TAG_ACT), (y, _TAG_TARGET)], [self.replica] * self.batch_size,
