@@ -7,6 +7,8 @@ loss of their average. It also prints bytes sent per worker and the ratio NoLoCo
 
     python benchmarks/noloco.py                        # the default job's model, M = 4 and 8
     python benchmarks/noloco.py --steps 40 --sync-every 20 --model tiny --workers 4
+    python benchmarks/noloco.py --workers 4 --routing-stages 2   # adds NoLoCo over 2 stages
+                                                                  # with random routing
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def main() -> None:
     ap.add_argument("--model", default="small", help="model size")
     ap.add_argument("--eval-batches", type=int, default=100, help="batches in the final eval")
     ap.add_argument("--plot", default="noloco_spread.png", help="PNG of the spread curves")
+    ap.add_argument("--routing-stages", type=int, default=1, help="if > 1, also run NoLoCo "
+                    "with this many pipeline stages per replica and random routing")
     args = ap.parse_args()
 
     rows, spreads = [], {}
@@ -41,19 +45,27 @@ def main() -> None:
                                batch_size=args.batch_size, model=args.model, eval_every=0,
                                final_eval_batches=args.eval_batches, progress=False,
                                spread_every=10)
-            for algo in ("diloco", "noloco"):
-                out = os.path.join(tmp, f"{algo}{m}")
-                print(f"running {algo} with {m} workers ...", flush=True)
-                s = run_training(dataclasses.replace(base, algorithm=algo, out=out))
-                rows.append((m, algo, s))
-                if algo == "noloco":
+            runs = [("diloco", {}), ("noloco", {})]
+            if args.routing_stages > 1:
+                runs.append(("noloco+routing", dict(stages=args.routing_stages,
+                                                    routing="random")))
+            for name, extra in runs:
+                out = os.path.join(tmp, f"{name}{m}")
+                print(f"running {name} with {m} workers ...", flush=True)
+                s = run_training(dataclasses.replace(base, algorithm=name.split("+")[0],
+                                                     out=out, **extra))
+                rows.append((m, name, s))
+                if name.startswith("noloco"):
                     with open(os.path.join(out, "metrics.jsonl")) as f:
                         records = [json.loads(line) for line in f]
-                    spreads[m] = [(r["step"], r["spread"]) for r in records if "spread" in r]
+                    label = f"NoLoCo, M = {m}" + (f", {s['stages']} stages, random routing"
+                                                  if s["stages"] > 1 else "")
+                    spreads[label] = [(r["step"], r["spread"]) for r in records
+                                      if "spread" in r]
 
     print(f"\nmodel {args.model}, {args.steps} steps, H = {args.sync_every}, batch "
           f"{args.batch_size} x 128 per worker")
-    print(f"{'M':>3} {'method':8} {'eval loss':>10} {'replicas mean':>14} {'average':>8} "
+    print(f"{'M':>3} {'method':14} {'eval loss':>10} {'replicas mean':>14} {'average':>8} "
           f"{'vs DiLoCo':>10} {'bytes sent/worker':>18} {'collectives':>12}")
     diloco = {}
     for m, algo, s in rows:
@@ -62,14 +74,14 @@ def main() -> None:
         if algo == "diloco":
             diloco[m] = loss
         collectives = "all-reduce" if algo == "diloco" else "none"
-        print(f"{m:3} {algo:8} {s['final_eval_loss']:10.4f} "
+        print(f"{m:3} {algo:14} {s['final_eval_loss']:10.4f} "
               f"{r.get('mean_eval_loss', float('nan')):14.4f} "
               f"{r.get('average_eval_loss', float('nan')):8.4f} {loss / diloco[m]:10.3f} "
               f"{s['bytes_sent_per_worker']:18,} {collectives:>12}")
     for m, algo, s in rows:
-        if algo == "noloco":
+        if algo.startswith("noloco"):
             ratio = s["replicas"]["mean_eval_loss"] / diloco[m]
-            print(f"M = {m}: NoLoCo (mean of replicas) / DiLoCo eval loss = {ratio:.3f}  "
+            print(f"M = {m}: {algo} (mean of replicas) / DiLoCo eval loss = {ratio:.3f}  "
                   f"{'PASS' if ratio <= 1.03 else 'MISS'} (target <= 1.03)")
 
     import matplotlib
@@ -78,8 +90,8 @@ def main() -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 4))
-    for m, points in spreads.items():
-        ax.plot(*zip(*points), label=f"NoLoCo, M = {m}")
+    for label, points in spreads.items():
+        ax.plot(*zip(*points), label=label)
     ax.set_xlabel("inner step")
     ax.set_ylabel("RMS distance of replicas to their mean")
     ax.set_title("replica spread")

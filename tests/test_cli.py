@@ -72,6 +72,9 @@ BAD_INPUTS = [
     (["--routing", "random"], "--routing", "--stages 2 or more"),
     (["--routing", "shuffled", "--stages", "2"], "--routing", "'fixed', 'random'"),
     (["--stages", "4", "--fragments", "2"], "--fragments", "[1, 1]"),
+    (["--link-bandwidth", "fast"], "--link-bandwidth", "100Mbit"),
+    (["--link-bandwidth", "100MB"], "--link-bandwidth", "100Mbit"),
+    (["--link-latency=-5ms"], "--link-latency", "50ms"),
 ]
 
 
@@ -295,3 +298,58 @@ def test_pipeline_stages_under_the_processes_launcher(corpus, tmp_path):
     assert got["launcher"] == "processes" and got["stages"] == 2
     assert got["pipeline_bytes_sent_per_rank"] == ref["pipeline_bytes_sent_per_rank"]
     assert got["final_eval_loss"] == pytest.approx(ref["final_eval_loss"], abs=1e-4)
+
+
+def test_emulated_link_slows_blocking_reductions_and_is_reported(corpus, tmp_path, capsys):
+    """DataParallel waits for every step's reduction: under a 20 Mbit/s, 30 ms link each one
+    takes at least latency + bytes x 8 / rate, and compute utilization shows it."""
+    out = tmp_path / "run"
+    assert main(small_run(corpus, out, "--algorithm", "ddp", "--link-bandwidth", "20Mbit",
+                          "--link-latency", "30ms")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["link"] == {"bandwidth": "20Mbit", "latency": "30ms"}
+    per_step = summary["bytes_sent_per_worker"] / 12
+    floor = 12 * (0.030 + per_step * 8 / 20e6)
+    for w in summary["per_worker"]:
+        assert w["blocked_seconds"] >= floor * 0.98
+        assert 0 < w["compute_utilization"] < 1
+    assert summary["comm_wait_seconds"] >= floor * 0.98
+    assert summary["train_seconds"] >= floor
+    assert "compute utilization" in capsys.readouterr().out
+    # every rank's own totals, all tags, for comparison with a packet counter
+    ranks = [json.loads((out / "comm" / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["outer"]["train"]["sent_bytes"] for r in ranks] == [
+        w["bytes_sent"] for w in summary["per_worker"]]
+    assert all(r["sent_bytes"] >= r["outer"]["train"]["sent_bytes"] for r in ranks)
+
+
+@pytest.mark.parametrize("argv,option", [
+    (["simulate", "utilization", "--sync-every", "0"], "--sync-every"),
+    (["simulate", "utilization", "--model", "custom"], "--layers"),
+    (["simulate", "latency", "--workers", "6"], "--workers"),
+    (["simulate", "latency", "--trials", "0"], "--trials"),
+])
+def test_simulate_bad_input_is_one_clear_line_and_exit_2(argv, option, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and option in err and "Traceback" not in err
+
+
+def test_simulate_commands_print_json_without_loading_torch(tmp_path):
+    """`loco simulate` is numpy only: it starts without torch and prints its JSON."""
+    code = ("import json, sys, io, contextlib; from loco.cli import main; out = io.StringIO()\n"
+            "with contextlib.redirect_stdout(out):\n"
+            "    assert main(sys.argv[1:]) == 0\n"
+            "data = json.loads(out.getvalue()); assert 'torch' not in sys.modules\n"
+            "print(sorted(data))")
+    res = subprocess.run([sys.executable, "-c", code, "simulate", "utilization", "--model", "1b",
+                          "--json", "--plot", str(tmp_path / "u.png")],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.strip() == "['1b']"
+    assert (tmp_path / "u.png").read_bytes()[:4] == b"\x89PNG"
+    res = subprocess.run([sys.executable, "-m", "loco", "simulate", "latency", "--workers",
+                          "4,8", "--sync-every", "1,10", "--json", "--plot", ""],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert json.loads(res.stdout)["latency_ratio"]

@@ -1,10 +1,30 @@
-"""loco: training language models across workers that talk rarely and little."""
+"""loco: training language models across workers that talk rarely and little.
 
-from loco.algorithms import Algorithm, DataParallel, DiLoCo, Local, NoLoCo, StreamingDiLoCo
-from loco.comm import Comm
-from loco.runtime import Mesh, WorkerContext, WorkerError, launch
+The public names are imported on first use, so that ``loco simulate`` and ``loco --help``
+start without loading torch.
+"""
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["Algorithm", "Comm", "DataParallel", "DiLoCo", "Local", "Mesh", "NoLoCo",
-           "StreamingDiLoCo", "WorkerContext", "WorkerError", "launch", "__version__"]
+_EXPORTS = {
+    "Algorithm": "loco.algorithms", "DataParallel": "loco.algorithms",
+    "DiLoCo": "loco.algorithms", "Local": "loco.algorithms", "NoLoCo": "loco.algorithms",
+    "StreamingDiLoCo": "loco.algorithms", "Comm": "loco.comm", "Mesh": "loco.runtime",
+    "WorkerContext": "loco.runtime", "WorkerError": "loco.runtime", "launch": "loco.runtime",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'loco' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

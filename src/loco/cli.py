@@ -45,7 +45,8 @@ def _metavar(f: dataclasses.Field) -> str:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="loco", description="Train language models across workers that "
-                    "talk rarely and little (Streaming DiLoCo, DiLoCo, data-parallel, local).")
+                    "talk rarely and little (Streaming DiLoCo, DiLoCo, NoLoCo, data-parallel, "
+                    "local), and simulate what each needs at scale.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     train = sub.add_parser("train", help="train a model (default: Streaming DiLoCo on Shakespeare)",
                            description="Train a language model with one of the methods and "
@@ -64,13 +65,42 @@ def build_parser() -> argparse.ArgumentParser:
                                choices=f.metadata.get("choices"),
                                metavar=None if f.metadata.get("choices") else _metavar(f),
                                help=help_text)
+    simulate = sub.add_parser("simulate", help="what each method needs at scale, without "
+                              "training: compute utilization against bandwidth, and latency",
+                              description="Simulators of the papers' scaling arguments.")
+    kinds = simulate.add_subparsers(dest="simulation", required=True, parser_class=Parser)
+    for name, text in SIMULATIONS.items():
+        module = _simulation(name)
+        p = kinds.add_parser(name, help=text, description=(module.__doc__ or text).split(
+            "\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        module.add_arguments(p)
     return parser
+
+
+SIMULATIONS = {
+    "utilization": "bandwidth each method needs for 50-99%% compute utilization (Streaming "
+                   "DiLoCo paper's per-layer model), 1B-100B models",
+    "latency": "NoLoCo's argument: tree all-reduce against pairwise exchange with log-normal "
+               "message times, and stragglers",
+}
+
+
+def _simulation(name: str):
+    import importlib
+
+    return importlib.import_module(f"loco.simulate.{name}")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args)
+    if args.command == "simulate":
+        try:
+            return _simulation(args.simulation).run(args)
+        except ConfigError as e:
+            print(f"loco simulate {args.simulation}: error: {e}", file=sys.stderr)
+            return 2
     return 2
 
 
@@ -104,6 +134,10 @@ def _train(args: argparse.Namespace) -> int:
           f"({summary['tokens_per_second']:,.0f} tokens/s); sent per worker "
           f"{human_bytes(summary['bytes_sent_per_worker'])}, peak sync "
           f"{human_bytes(summary['peak_sync_bytes_per_worker'])}")
+    print(f"compute utilization {summary['compute_utilization']:.1%} (the slowest worker "
+          f"waited {summary['comm_wait_seconds']:.1f} s on communication)"
+          + (f"; emulated link {summary['link']['bandwidth'] or 'unlimited'}, "
+             f"{summary['link']['latency'] or '0 ms'}" if summary.get("link") else ""))
     if summary.get("stages", 1) > 1:
         print(f"pipeline: {summary['stages']} stages per replica, {summary['routing']} routing; "
               f"activations and gradients sent per rank "

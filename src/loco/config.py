@@ -127,6 +127,12 @@ class TrainConfig:
     launcher: str = opt("threads", "how workers run: threads of this process (fast start), "
                         "local processes (torch elastic), or torchrun (detected from its "
                         "environment)", LAUNCHER_NAMES)
+    link_bandwidth: str | None = opt(None, "emulate a slow link of this rate per worker, e.g. "
+                                     "100Mbit or 1Gbit: an operation moving B bytes takes at "
+                                     "least B x 8 / rate, transfers queue, compute goes on "
+                                     "(default: no emulation)")
+    link_latency: str | None = opt(None, "emulated one-way latency added to every "
+                                   "communication, e.g. 50ms (default: none)")
     comm_timeout: float = opt(300.0, "seconds a communication may take before the run "
                               "fails instead of hanging")
 
@@ -283,6 +289,14 @@ def validate(cfg: TrainConfig) -> None:
         need(0 <= cfg.alpha <= 1, "alpha", "must be in [0, 1]")
         need(2 <= cfg.codec_block <= 65536 and cfg.codec_block % 2 == 0, "codec_block",
              "must be an even integer in [2, 65536]")
+    from loco.comm.link import parse_bandwidth, parse_latency
+
+    for name, parse in (("link_bandwidth", parse_bandwidth), ("link_latency", parse_latency)):
+        if getattr(cfg, name) is not None:
+            try:
+                parse(getattr(cfg, name))
+            except ValueError as e:
+                raise ConfigError(name, str(e)) from None
     need(0 < cfg.val_fraction <= 0.5, "val_fraction", "must be in (0, 0.5]")
     need(257 <= cfg.vocab_size <= 1 << 20, "vocab_size",
          "must be in [257, 1048576] (256 byte symbols plus the end-of-text token)")

@@ -27,6 +27,7 @@ from loco.config import ConfigError, TrainConfig, resolve, validate, warnings_fo
 from loco.data import Corpus, CorpusError, TokenLoader, eval_batches, prepare_corpus
 from loco.model import Transformer, model_config
 from loco.algorithms.fragments import split_fragments
+from loco.comm.link import LinkSpec
 from loco.runtime import WorkerContext, launch, under_torchrun
 from loco.runtime.pipeline import PipelineStage
 
@@ -53,7 +54,8 @@ def run_training(cfg: TrainConfig) -> dict:
         raise ConfigError("corpus", str(e)) from None
     check_fits(cfg, corpus)
     results = launch(train_worker, cfg.workers * cfg.stages, cfg.launcher, args=(cfg, corpus),
-                     ranks_per_replica=cfg.stages, timeout=cfg.comm_timeout)
+                     ranks_per_replica=cfg.stages, timeout=cfg.comm_timeout,
+                     link=LinkSpec.parse(cfg.link_bandwidth, cfg.link_latency))
     # The lead rank's summary (under torchrun the list holds only this rank's value).
     return next((r for r in results if "final_eval_loss" in r), results[0])
 
@@ -223,7 +225,8 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
             log.metric(record)
         train_seconds = time.perf_counter() - loop_start - eval_seconds
         bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{step * tokens_per_step / train_seconds:,.0f}",
-                        sent=human_bytes(sent), refresh=False)
+                        sent=human_bytes(sent),
+                        cu=f"{1 - blocked_seconds(ctx) / train_seconds:.0%}", refresh=False)
         bar.update(1)
     bar.close()
     train_seconds = time.perf_counter() - loop_start - eval_seconds
@@ -235,7 +238,8 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     piped = ctx.pipe.totals("train").sent_bytes if ctx.pipe is not None else 0
     report = torch.tensor([mine.sent_bytes, mine.recv_bytes, mine.raw_bytes,
                            ctx.comm.peak_sent_bytes("train"), mine.ops, mine.seconds, mine.waited,
-                           train_seconds, piped], dtype=torch.float64, device=device)
+                           train_seconds, piped, blocked_seconds(ctx)],
+                          dtype=torch.float64, device=device)
     per_worker = [t.tolist() for t in world.all_gather(report, tag="report").wait()]
     final_batches = (list(eval_batches(corpus.val, cfg.batch_size, cfg.seq_len,
                                        cfg.final_eval_batches, device))
@@ -248,6 +252,7 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     elif evaluates:
         final_eval = evaluate(trained, algo.global_parameters(), final_batches, autocast,
                               pipeline)
+    write_comm_totals(cfg.out, ctx)
     if not main:
         return {"rank": ctx.rank}
 
@@ -256,8 +261,11 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     tokens = cfg.steps * tokens_per_step
     wall = time.perf_counter() - start
     keys = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
-            "comm_seconds", "comm_wait_seconds", "train_seconds", "pipeline_bytes_sent")
+            "comm_seconds", "comm_wait_seconds", "train_seconds", "pipeline_bytes_sent",
+            "blocked_seconds")
     workers = [dict(zip(keys, w)) for w in per_worker]
+    for w in workers:  # time computing / time in the training loop
+        w["compute_utilization"] = 1 - w["blocked_seconds"] / w["train_seconds"]
     # The job is done when its slowest worker is: timing worker 0 alone would flatter
     # methods without a barrier, whose workers drift apart in speed.
     train_seconds = max(w["train_seconds"] for w in workers)
@@ -284,7 +292,11 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
                                          if ctx.stages > 1 else None),
         "syncs": workers[0]["syncs"],
         "comm_seconds": workers[0]["comm_seconds"],
-        "comm_wait_seconds": max(w["comm_wait_seconds"] for w in workers),
+        "comm_wait_seconds": max(w["blocked_seconds"] for w in workers),
+        # Mean over ranks of 1 - (time blocked on communication / training-loop time).
+        "compute_utilization": sum(w["compute_utilization"] for w in workers) / len(workers),
+        "link": (None if cfg.link_bandwidth is None and cfg.link_latency is None else
+                 {"bandwidth": cfg.link_bandwidth, "latency": cfg.link_latency}),
         "wall_seconds": wall,
         "train_seconds": train_seconds,  # slowest worker's loop, evaluation excluded
         "eval_seconds": eval_seconds,
@@ -342,6 +354,29 @@ def replica_report(model, algo: Algorithm, comm, batches, autocast, final_averag
     return {"eval_losses": losses, "mean_eval_loss": sum(losses) / len(losses),
             "average_eval_loss": average_loss, "final_average": final_average,
             "final_eval_loss": average_loss if final_average else losses[0]}
+
+
+def write_comm_totals(out: str, ctx: WorkerContext) -> None:
+    """``out/comm/rank<r>.json``: this rank's byte and time totals by tag, for every Comm,
+    after its last operation of the run (what a packet counter on its link should see)."""
+    comms = {"outer": ctx.comm, **({"pipe": ctx.pipe} if ctx.pipe is not None else {})}
+    totals = {name: c.stats.as_dict() for name, c in comms.items()}
+    tags = [t for by_tag in totals.values() for t in by_tag.values()]
+    totals["sent_bytes"] = sum(t["sent_bytes"] for t in tags)
+    totals["recv_bytes"] = sum(t["recv_bytes"] for t in tags)
+    os.makedirs(os.path.join(out, "comm"), exist_ok=True)
+    path = os.path.join(out, "comm", f"rank{ctx.rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"rank": ctx.rank, "replica": ctx.replica, "stage": ctx.stage, **totals}, f,
+                  indent=2)
+    os.replace(path + ".tmp", path)
+
+
+def blocked_seconds(ctx: WorkerContext) -> float:
+    """Time this rank has spent blocked waiting for communication inside the training loop:
+    its training traffic, its pipeline's, and the spread diagnostic."""
+    comms = [ctx.comm] + ([ctx.pipe] if ctx.pipe is not None else [])
+    return sum(c.totals(tag).waited for c in comms for tag in ("train", "diagnostic"))
 
 
 def _drain(algo: Algorithm) -> list[dict]:

@@ -18,6 +18,10 @@ bit-identical on all workers, so replicas never drift apart through rounding.
 Every operation runs on one communication thread per worker, in the order it was issued, so
 collectives line up across workers and compute goes on while bytes move: the overlap is real
 (gloo and NCCL release the GIL while they wait on the network).
+
+With an emulated link (:mod:`loco.comm.link`) an operation also completes no earlier than the
+link allows: a delivery thread hands its result over once its bytes have crossed the link, so
+the communication thread goes on with the next operation meanwhile.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from loco.comm.codecs import Codec
+    from loco.comm.link import EmulatedLink
 
 
 @dataclass
@@ -135,7 +140,8 @@ class Comm:
 
     def __init__(self, group, rank: int, size: int, device: torch.device | str = "cpu",
                  name: str = "replicas", keep_records: bool = True,
-                 abort_event: threading.Event | None = None):
+                 abort_event: threading.Event | None = None,
+                 link: "EmulatedLink | None" = None):
         self.group = group
         self.rank = rank
         self.size = size
@@ -155,6 +161,15 @@ class Comm:
         self._thread = threading.Thread(target=self._serve, name=f"loco-comm-{name}-{rank}",
                                         daemon=True)
         self._thread.start()
+        # An emulated link (None: the transport's own speed) and the thread that completes
+        # operations once their bytes have crossed it.
+        self.link = link
+        self._deliveries: queue.SimpleQueue | None = None
+        if link is not None:
+            self._deliveries = queue.SimpleQueue()
+            self._delivery_thread = threading.Thread(
+                target=self._deliver, name=f"loco-link-{name}-{rank}", daemon=True)
+            self._delivery_thread.start()
 
     def _serve(self) -> None:
         while (item := self._queue.get()) is not None:
@@ -165,13 +180,27 @@ class Comm:
                 except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                     future.set_exception(e)
 
+    def _deliver(self) -> None:
+        while (item := self._deliveries.get()) is not None:
+            deadline, done, outer, finish = item
+            self.link.hold_until(deadline, self._abort_event)
+            finish()
+            if done.exception() is not None:
+                outer.set_exception(done.exception())
+            else:
+                outer.set_result(done.result())
+
     def check_aborted(self) -> None:
         if self._abort_event.is_set():
             raise Aborted(f"worker {self.rank} stopped: another worker failed")
 
     # ----------------------------------------------------------------------------- plumbing
     def _submit(self, op: str, tag: str, raw: int, sent: int, recv: int, fn,
-                participants: tuple[int, ...] | None = None) -> Handle:
+                participants: tuple[int, ...] | None = None,
+                link_bytes: int | None = None) -> Handle:
+        """Queue ``fn`` on the communication thread. With an emulated link the handle
+        completes once ``link_bytes`` (default: the larger of sent and received) have crossed
+        it, counted from the moment the operation starts."""
         if self._closed:
             raise RuntimeError(f"communication of worker {self.rank} is closed")
         self.check_aborted()
@@ -181,24 +210,37 @@ class Comm:
         # hands it to the network.
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
+        link_bytes = max(sent, recv) if link_bytes is None else link_bytes
+        delayed = self.link is not None and link_bytes > 0
+        deadline: list[float] = []
+
+        def finish():
+            rec.seconds = time.perf_counter() - rec.issued_at
+            with self._lock:
+                self.stats.add(rec)
+                if self.keep_records:
+                    self.records.append(rec)
 
         def run():
+            if delayed:
+                deadline.append(self.link.reserve(link_bytes))
             try:
                 return fn()
             finally:
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
-                rec.seconds = time.perf_counter() - rec.issued_at
-                with self._lock:
-                    self.stats.add(rec)
-                    if self.keep_records:
-                        self.records.append(rec)
+                if not delayed:
+                    finish()
 
         future: Future = Future()
         self._queue.put((future, run))
-        return Handle(future, rec, self)
+        if not delayed:
+            return Handle(future, rec, self)
+        outer: Future = Future()
+        future.add_done_callback(lambda f: self._deliveries.put(
+            (deadline[0] if deadline else 0.0, f, outer, finish)))
+        return Handle(outer, rec, self)
 
-    # --------------------------------------------------------------------------- operations
     def all_reduce_mean(self, tensor: torch.Tensor, tag: str = "train",
                         codec: "Codec | None" = None) -> Handle:
         """Average ``tensor`` over all workers, in place, asynchronously.
@@ -354,12 +396,14 @@ class Comm:
         holder: list[OpRecord] = []
         ready = threading.Event()  # holder is filled as soon as _submit returns
 
-        def finish(works, posted_seconds: float):
+        def finish(works, posted_seconds: float, deadline: float | None):
             try:
                 for w in works:
                     w.wait()
                 if self.device.type == "cuda":
                     torch.cuda.current_stream(self.device).synchronize()
+                if deadline is not None:  # the emulated link's share of the time
+                    self.link.hold_until(deadline, self._abort_event)
             except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                 done.set_exception(e)
                 return
@@ -371,13 +415,18 @@ class Comm:
 
         def post():
             ready.wait()
+            deadline = (self.link.reserve(max(sent, received)) if self.link is not None
+                        else None)
             works = [self.group.send([t], p, k) for t, p, k in sends]
             works += [self.group.recv([t], p, k) for t, p, k in recvs]
             posted = time.perf_counter() - holder[0].issued_at
-            threading.Thread(target=finish, args=(works, posted), daemon=True,
+            threading.Thread(target=finish, args=(works, posted, deadline), daemon=True,
                              name=f"loco-p2p-{self.name}-{self.rank}").start()
 
-        handle = self._submit(op, tag, sent, sent, received, post, participants=peers)
+        # The link is reserved when the operations are posted (above), and their completion
+        # waits for it; the posting itself moves nothing.
+        handle = self._submit(op, tag, sent, sent, received, post, participants=peers,
+                              link_bytes=0)
         holder.append(handle.record)
         ready.set()
         # Posting failures surface through the posting future; completion through ``done``.
@@ -415,3 +464,7 @@ class Comm:
             self._queue.put(None)
             if not self._abort_event.is_set():
                 self._thread.join()
+            if self._deliveries is not None:  # every result is handed over first
+                self._deliveries.put(None)
+                if not self._abort_event.is_set():
+                    self._delivery_thread.join()

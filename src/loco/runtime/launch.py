@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from loco.comm import Comm
 from loco.comm.interface import Aborted
+from loco.comm.link import EmulatedLink, LinkSpec
 
 LAUNCHERS = ("threads", "processes", "torchrun")
 DEFAULT_TIMEOUT = 300.0
@@ -116,8 +117,12 @@ def under_torchrun() -> bool:
 
 def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", *,
            args: tuple = (), kwargs: dict | None = None, ranks_per_replica: int = 1,
-           timeout: float = DEFAULT_TIMEOUT, max_restarts: int = 0) -> list:
-    """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the results in rank order."""
+           timeout: float = DEFAULT_TIMEOUT, max_restarts: int = 0,
+           link: LinkSpec | None = None) -> list:
+    """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the results in rank order.
+
+    ``link`` gives every rank an emulated link of that bandwidth and latency, shared by all
+    its communication (:mod:`loco.comm.link`)."""
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)} (got {launcher!r})")
     if workers < 1:
@@ -132,11 +137,11 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
                          "(its RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID are missing)")
     if under_torchrun():
         return [_run_from_env(fn, args, workers if launcher != "torchrun" else None,
-                              ranks_per_replica, timeout, "torchrun")]
+                              ranks_per_replica, timeout, "torchrun", link)]
     mesh = Mesh(workers // ranks_per_replica, ranks_per_replica)
     if launcher == "threads":
-        return _launch_threads(fn, args, mesh, timeout)
-    return _launch_processes(fn, args, mesh, timeout, max_restarts)
+        return _launch_threads(fn, args, mesh, timeout, link)
+    return _launch_processes(fn, args, mesh, timeout, max_restarts, link)
 
 
 # ------------------------------------------------------------------------------- threads
@@ -150,7 +155,7 @@ def _gloo_group(store, rank: int, size: int, timeout: float, loopback: bool):
     return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
-def _launch_threads(fn, args, mesh: Mesh, timeout: float) -> list:
+def _launch_threads(fn, args, mesh: Mesh, timeout: float, link: LinkSpec | None) -> list:
     store = dist.HashStore()
     n = mesh.world_size
     results: list = [None] * n
@@ -166,12 +171,14 @@ def _launch_threads(fn, args, mesh: Mesh, timeout: float) -> list:
             replica, local = mesh.coords(rank)
             group = _gloo_group(dist.PrefixStore(f"loco/outer/{local}", store), replica,
                                 mesh.replicas, timeout, loopback=True)
-            comm = Comm(group, replica, mesh.replicas, "cpu", abort_event=failed)
+            wire = EmulatedLink(link) if link is not None else None  # this worker's link
+            comm = Comm(group, replica, mesh.replicas, "cpu", abort_event=failed, link=wire)
             pipe = None
             if mesh.ranks_per_replica > 1:
                 pipe_group = _gloo_group(dist.PrefixStore("loco/pipe", store), rank, n, timeout,
                                          loopback=True)
-                pipe = Comm(pipe_group, rank, n, "cpu", name="pipe", abort_event=failed)
+                pipe = Comm(pipe_group, rank, n, "cpu", name="pipe", abort_event=failed,
+                            link=wire)
             ctx = WorkerContext(rank, n, mesh, comm, torch.device("cpu"), "threads", pipe=pipe)
             try:
                 results[rank] = fn(ctx, *args)
@@ -206,7 +213,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int) -> list:
+def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
+                      link: LinkSpec | None) -> list:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -218,7 +226,8 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int) -
         max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
     )
     try:
-        out = elastic_launch(config, _process_entry)(fn, args, mesh.ranks_per_replica, timeout)
+        out = elastic_launch(config, _process_entry)(fn, args, mesh.ranks_per_replica, timeout,
+                                                     link)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         raise WorkerError(f"worker {rank} failed (exit code {failure.exitcode}): "
@@ -226,14 +235,14 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int) -
     return [out[r] for r in sorted(out)]
 
 
-def _process_entry(fn, args, ranks_per_replica: int, timeout: float):
+def _process_entry(fn, args, ranks_per_replica: int, timeout: float, link: LinkSpec | None):
     workers = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    return _run_from_env(fn, args, workers, ranks_per_replica, timeout, "processes")
+    return _run_from_env(fn, args, workers, ranks_per_replica, timeout, "processes", link)
 
 
 def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout: float,
-                  launcher: str):
+                  launcher: str, link: LinkSpec | None = None):
     world = int(os.environ["WORLD_SIZE"])
     if workers is not None and workers != world:
         raise ValueError(f"--workers is {workers} but torchrun started {world} ranks; "
@@ -259,9 +268,10 @@ def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout
                 g = dist.new_group(mesh.replica_peers(pos))
                 if pos == local:
                     group = g
-        comm = Comm(group, replica, mesh.replicas, device)
+        wire = EmulatedLink(link) if link is not None else None  # this worker's link
+        comm = Comm(group, replica, mesh.replicas, device, link=wire)
         # Stages talk point to point over the default group, in global ranks.
-        pipe = (Comm(dist.group.WORLD, rank, world, device, name="pipe")
+        pipe = (Comm(dist.group.WORLD, rank, world, device, name="pipe", link=wire)
                 if ranks_per_replica > 1 else None)
         ctx = WorkerContext(rank, world, mesh, comm, device, launcher, pipe=pipe)
         try:

@@ -1,0 +1,369 @@
+"""NoLoCo's latency argument, simulated: a tree all-reduce against a pairwise exchange, and
+the cost of stragglers (``loco simulate latency``).
+
+Two separate Monte Carlo models, both numpy only (no torch), deterministic for a seed.
+
+**Message times (the tree/pair ratio).** One message between two workers takes
+``t = t_c · exp(σ·Z − σ²/2)``, Z standard normal, independently for every message: a
+log-normal time whose *mean* is ``t_c`` for every σ (σ = 0 gives exactly ``t_c``), so a
+growing ratio reflects the spread of message times, not a slower mean.
+
+- Tree all-reduce over N workers (N a power of two): a binary tree, ``log2 N`` levels up,
+  then ``log2 N`` levels down. Up: at every level each parent receives one message from each
+  of its two children and is ready when the slower has arrived (child ready time + its own
+  message). Down: each child receives the result at its parent's arrival time plus its own
+  message; the all-reduce ends when the last of the N leaves has it. At σ = 0 this is
+  ``2·t_c·log2 N``.
+- Pair exchange: the all-reduce of a group of two, i.e. two rounds, in each of which both
+  workers send to each other at once and the round ends when both messages have arrived
+  (read the two rounds as a send and a reply). It has the distribution of the tree at N = 2
+  and costs ``2·t_c`` at σ = 0, the figure of NoLoCo's paper, so the σ = 0 ratio is exactly
+  ``log2 N``. Counting a single crossing of messages (``t_c``) instead would double every
+  ratio here.
+- Ratio = E[tree time] / E[pair time], both means over the samples described below.
+- Bandwidth is ignored (message size does not enter), as are contention and the reduction's
+  arithmetic: this is the latency term only.
+
+**Stragglers (slowdown against H).** Inner-step times are log-normal with mean 1 (the unit of
+time) and spread σ_s, independent across steps and workers (no persistently slow worker).
+Every outer step each worker runs H inner steps (the sum of H draws); an all-reduce over N
+workers then waits for the slowest of the N sums, a pair for the slower of its two.
+Slowdown = E[time per outer step] / (H · mean step time) = E[max of the group's sums] / H;
+1 means no time lost to waiting. Communication time is not included (that is the first
+model). Every outer step starts with the group synchronized: delays do not carry over
+between rounds. For the all-reduce this is exact (it is a barrier for every worker). For
+NoLoCo's pairs it is optimistic: partners change every outer step and there is no global
+barrier, so a worker that waited for a slow partner starts its next round late and passes
+the delay on; since E[max(d + W1, −d + W2)] is smallest at d = 0 (W1, W2 i.i.d.), the
+pair's figures here are a lower bound on its cost per outer step.
+
+**Sampling.** One trial simulates a cluster of ``max(--workers)`` workers: one tree
+all-reduce over all of them, and one outer step of all of them. Every aligned subtree (block)
+of N workers, timed with its own messages (steps) only, is one sample for a group of N, so N
+gets ``trials · max/N`` independent samples; pairs are the blocks of two (for the message
+model, as many pair exchanges as the cluster has pairs). The same draws serve every N, and
+every H (the first H steps of the round), which keeps the tables smooth: the straggler
+slowdown can never fall as N grows. The generator is ``numpy.random.default_rng(seed)``,
+fresh for each σ of the message model (common random numbers across σ) and for the
+straggler model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+
+from loco.config import ConfigError
+
+DEFAULT_WORKERS = "4,8,16,32,64,128,256,512,1024"
+DEFAULT_SIGMAS = "0,0.25,0.5,1.0"
+#: 10% spread of inner-step times: a homogeneous cluster with some jitter from data loading,
+#: kernels and the host. An assumption, not a measurement: set --step-sigma for your hardware.
+DEFAULT_STEP_SIGMA = 0.1
+DEFAULT_SYNC_EVERY = "1,10,50,100,500"
+DEFAULT_TRIALS = 100
+DEFAULT_SEED = 0
+DEFAULT_PLOT = "latency.png"
+MAX_WORKERS = 65536
+MAX_SIGMA = 4.0
+
+
+# --- validation: every bad value names its option and the allowed range
+
+def _check_workers(n: int, option: str = "workers") -> int:
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not (
+            2 <= n <= MAX_WORKERS and n & (n - 1) == 0):
+        raise ConfigError(option, f"must be a power of two in [2, {MAX_WORKERS}], got {n}")
+    return int(n)
+
+
+def _check_sigma(sigma: float, option: str) -> float:
+    if not (0.0 <= sigma <= MAX_SIGMA):  # also rejects NaN
+        raise ConfigError(option, f"must be in [0, {MAX_SIGMA:g}], got {sigma}")
+    return float(sigma)
+
+
+def _check_at_least_one(value: int, option: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ConfigError(option, f"must be an integer >= 1, got {value}")
+    return int(value)
+
+
+def _check_seed(seed: int) -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ConfigError("seed", f"must be an integer >= 0, got {seed}")
+    return int(seed)
+
+
+# --- message times: tree all-reduce against pair exchange
+
+def lognormal(rng: np.random.Generator, sigma: float, size: tuple[int, ...],
+              mean: float = 1.0) -> np.ndarray:
+    """Log-normal draws of mean ``mean``: ``mean · exp(σZ − σ²/2)``; σ = 0 gives ``mean``."""
+    return mean * np.exp(sigma * rng.standard_normal(size) - sigma * sigma / 2)
+
+
+def tree_allreduce_times(n_max: int, sigma: float, *, t_c: float = 1.0,
+                         trials: int = DEFAULT_TRIALS,
+                         rng: np.random.Generator) -> dict[int, np.ndarray]:
+    """Samples of the time of a binary-tree all-reduce (reduce up, broadcast down) over
+    N = 2, 4, ..., ``n_max`` workers whose messages take log-normal times of mean ``t_c``.
+
+    Each trial simulates one all-reduce over ``n_max`` workers; every aligned subtree of N of
+    its leaves, timed with its own messages only, is one sample of an all-reduce over N, so N
+    gets ``trials · n_max / N`` samples (independent: the subtrees share no message)."""
+    _check_workers(n_max)
+    _check_sigma(sigma, "sigmas")
+    _check_at_least_one(trials, "trials")
+    levels = n_max.bit_length() - 1
+    # up: ready[k][:, i] is when the subtree of leaves i·2^k ... (i+1)·2^k − 1 has its sum;
+    # a parent waits for the slower of its two children (child ready time + its message)
+    ready = [np.zeros((trials, n_max))]
+    for _ in range(levels):
+        arrival = ready[-1] + lognormal(rng, sigma, ready[-1].shape, t_c)
+        ready.append(np.maximum(arrival[:, 0::2], arrival[:, 1::2]))
+    # down: reached[d][:, i] is when node i at depth d has the result, counted from the
+    # root's; each child gets it at its parent's time plus its own message
+    reached = [np.zeros((trials, 1))]
+    for _ in range(levels):
+        parents = np.repeat(reached[-1], 2, axis=1)
+        reached.append(parents + lognormal(rng, sigma, parents.shape, t_c))
+    times = {}
+    for k in range(1, levels + 1):
+        last_leaf = reached[levels].reshape(trials, n_max >> k, 1 << k).max(axis=2)
+        times[1 << k] = (ready[k] + last_leaf - reached[levels - k]).ravel()
+    return times
+
+
+def tree_allreduce_time(n: int, sigma: float, *, t_c: float = 1.0, trials: int = DEFAULT_TRIALS,
+                        rng: np.random.Generator) -> np.ndarray:
+    """``trials`` samples of the time of a tree all-reduce over ``n`` workers;
+    ``2·t_c·log2 n`` at σ = 0."""
+    return tree_allreduce_times(n, sigma, t_c=t_c, trials=trials, rng=rng)[n]
+
+
+def pair_exchange_time(sigma: float, *, t_c: float = 1.0, trials: int = DEFAULT_TRIALS,
+                       rng: np.random.Generator) -> np.ndarray:
+    """``trials`` samples of a pair's exchange: two rounds (a send and a reply), each ending
+    when both of the messages the two workers sent each other at once have arrived;
+    ``2·t_c`` at σ = 0."""
+    _check_sigma(sigma, "sigmas")
+    _check_at_least_one(trials, "trials")
+    rounds = lognormal(rng, sigma, (trials, 2, 2), t_c).max(axis=2)
+    return rounds.sum(axis=1)
+
+
+def latency_ratios(workers: Sequence[int], sigma: float, *, trials: int = DEFAULT_TRIALS,
+                   rng: np.random.Generator) -> list[float]:
+    """E[tree all-reduce time over N] / E[pair exchange time] for every N of ``workers``
+    (``log2 N`` at σ = 0), from ``trials`` all-reduces over ``max(workers)`` workers and as
+    many pair exchanges as that cluster has pairs."""
+    sizes = [_check_workers(n) for n in workers]
+    trees = tree_allreduce_times(max(sizes), sigma, trials=trials, rng=rng)
+    pair = pair_exchange_time(sigma, trials=trials * max(sizes) // 2, rng=rng).mean()
+    return [float(trees[n].mean() / pair) for n in sizes]
+
+
+def latency_ratio(n: int, sigma: float, *, trials: int = DEFAULT_TRIALS,
+                  seed: int = DEFAULT_SEED) -> float:
+    """E[tree all-reduce time over ``n`` workers] / E[pair exchange time]; ``log2 n`` at
+    σ = 0. Equal to the table's entry for N = ``n`` when ``n`` is the largest N."""
+    rng = np.random.default_rng(_check_seed(seed))
+    return latency_ratios([n], sigma, trials=trials, rng=rng)[0]
+
+
+# --- stragglers: slowest of the group's H-step sums
+
+def straggler_slowdowns(group_sizes: Sequence[int], sync_every: Sequence[int], sigma: float, *,
+                        trials: int = DEFAULT_TRIALS, rng: np.random.Generator) -> np.ndarray:
+    """Slowdown E[max over a group of its workers' H-step times] / H for every group size
+    (rows) and H (columns), from ``trials`` outer steps of a cluster of ``max(group_sizes)``
+    workers whose inner steps take log-normal times of mean 1 and spread ``sigma``."""
+    sizes = [_check_workers(n) for n in group_sizes]
+    hs = [_check_at_least_one(h, "sync_every") for h in sync_every]
+    _check_sigma(sigma, "step_sigma")
+    _check_at_least_one(trials, "trials")
+    cluster = max(sizes)  # powers of two: every group size divides it
+    columns = np.asarray(hs)
+    out = np.empty((len(sizes), len(hs)))
+    totals = np.zeros((trials, cluster))
+    for step in range(1, max(hs) + 1):
+        totals += lognormal(rng, sigma, totals.shape)
+        due = columns == step
+        if due.any():
+            slowest = [totals.reshape(trials, cluster // n, n).max(axis=2).mean() for n in sizes]
+            out[:, due] = np.array(slowest)[:, None] / step
+    return out
+
+
+def straggler_slowdown(group_size: int, sync_every: int, sigma: float, *,
+                       trials: int = DEFAULT_TRIALS, seed: int = DEFAULT_SEED) -> float:
+    """Slowdown of a group of ``group_size`` workers that meets every ``sync_every`` inner
+    steps (2: a pair), from ``trials`` simulated outer steps; exactly 1 at σ = 0. Equal to
+    the table's entry for the largest N (the draws do not depend on the other N or H)."""
+    rng = np.random.default_rng(_check_seed(seed))
+    return float(straggler_slowdowns([group_size], [sync_every], sigma, trials=trials,
+                                     rng=rng)[0, 0])
+
+
+# --- the command
+
+@dataclass
+class Options:
+    """The checked options of one ``loco simulate latency`` run."""
+
+    workers: list[int]
+    sigmas: list[float]
+    step_sigma: float
+    sync_every: list[int]
+    trials: int
+    seed: int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The flags of ``loco simulate latency``."""
+    parser.add_argument("--workers", default=DEFAULT_WORKERS, metavar="N,N,...",
+                        help="all-reduce group sizes N, powers of two in [2, "
+                        f"{MAX_WORKERS}] (default: {DEFAULT_WORKERS})")
+    parser.add_argument("--sigmas", default=DEFAULT_SIGMAS, metavar="X,X,...",
+                        help="spreads σ of the log-normal message times (mean t_c), each in "
+                        f"[0, {MAX_SIGMA:g}] (default: {DEFAULT_SIGMAS})")
+    parser.add_argument("--step-sigma", type=float, default=DEFAULT_STEP_SIGMA, metavar="X",
+                        help="spread σ_s of the log-normal inner-step times (mean 1), in "
+                        f"[0, {MAX_SIGMA:g}] (default: {DEFAULT_STEP_SIGMA}: 10%% jitter, an "
+                        "assumption for a homogeneous cluster)")
+    parser.add_argument("--sync-every", default=DEFAULT_SYNC_EVERY, metavar="H,H,...",
+                        help=f"inner steps H between syncs, each >= 1 (default: "
+                        f"{DEFAULT_SYNC_EVERY})")
+    parser.add_argument("--trials", type=int, default=DEFAULT_TRIALS, metavar="N",
+                        help="Monte Carlo rounds, >= 1: each simulates one all-reduce over, "
+                        "and one outer step of, a cluster of max(--workers) workers, whose "
+                        "blocks of N are the samples for N (default: "
+                        f"{DEFAULT_TRIALS}; the time grows with trials x max N x max H)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED, metavar="N",
+                        help=f"seed of the random draws, >= 0 (default: {DEFAULT_SEED})")
+    parser.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH",
+                        help=f"PNG to write, '' for none (default: {DEFAULT_PLOT})")
+    parser.add_argument("--json", action="store_true",
+                        help="print the numbers as JSON only, no tables")
+
+
+def _parse_list(text: str, kind: Callable[[str], int | float], option: str) -> list:
+    try:
+        values = [kind(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        noun = "integers" if kind is int else "numbers"
+        raise ConfigError(option, f"expected comma-separated {noun}, got {text!r}") from None
+    if not values:
+        raise ConfigError(option, "needs at least one value")
+    return sorted(set(values))
+
+
+def parse_options(args: argparse.Namespace) -> Options:
+    """The checked options of ``args``; raises :class:`ConfigError` naming a bad one."""
+    return Options(
+        workers=[_check_workers(n) for n in _parse_list(args.workers, int, "workers")],
+        sigmas=[_check_sigma(s, "sigmas") for s in _parse_list(args.sigmas, float, "sigmas")],
+        step_sigma=_check_sigma(args.step_sigma, "step_sigma"),
+        sync_every=[_check_at_least_one(h, "sync_every")
+                    for h in _parse_list(args.sync_every, int, "sync_every")],
+        trials=_check_at_least_one(args.trials, "trials"),
+        seed=_check_seed(args.seed))
+
+
+def simulate(opts: Options) -> dict:
+    """Both models over the options' grid: the numbers ``--json`` prints (less ``plot``).
+
+    Keys: the options (``workers``, ``sigmas``, ``step_sigma``, ``sync_every``, ``trials``,
+    ``seed``; lists sorted, duplicates dropped); ``latency_ratio``: one row per N, one column
+    per σ; ``straggler_slowdown``: ``allreduce`` (one row per N, one column per H), ``pair``
+    (one value per H) and ``allreduce_over_pair`` (shaped as ``allreduce``). ``run`` adds
+    ``plot``: the PNG's path, or null."""
+    by_sigma = [latency_ratios(opts.workers, s, trials=opts.trials,
+                               rng=np.random.default_rng(opts.seed)) for s in opts.sigmas]
+    slow = straggler_slowdowns([2, *opts.workers], opts.sync_every, opts.step_sigma,
+                               trials=opts.trials, rng=np.random.default_rng(opts.seed))
+    pair, allreduce = slow[0], slow[1:]
+    return {**asdict(opts),
+            "latency_ratio": [list(row) for row in zip(*by_sigma)],
+            "straggler_slowdown": {"allreduce": allreduce.tolist(), "pair": pair.tolist(),
+                                   "allreduce_over_pair": (allreduce / pair).tolist()}}
+
+
+def _table(title: str, corner: str, columns: list[str], rows: list[tuple[str, list[float]]],
+           digits: int) -> str:
+    width = max(8, *(len(c) + 1 for c in columns))
+    lines = [title, f"{corner:>6}" + "".join(f"{c:>{width}}" for c in columns)]
+    lines += [f"{name:>6}" + "".join(f"{v:>{width}.{digits}f}" for v in values)
+              for name, values in rows]
+    return "\n".join(lines)
+
+
+def format_tables(result: dict) -> str:
+    """The three readable tables of a :func:`simulate` result."""
+    sigmas = [f"σ={s:g}" for s in result["sigmas"]]
+    hs = [f"H={h}" for h in result["sync_every"]]
+    slow = result["straggler_slowdown"]
+    names = [str(n) for n in result["workers"]]
+    return "\n\n".join([
+        _table("tree all-reduce time / pair exchange time (message times log-normal, mean "
+               "t_c, spread σ; log2 N at σ = 0)", "N", sigmas,
+               list(zip(names, result["latency_ratio"])), 2),
+        _table(f"straggler slowdown: E[time per outer step] / (H · mean step time), inner-step "
+               f"spread σ_s = {result['step_sigma']:g} (rows N: all-reduce over N workers)",
+               "N", hs, [*zip(names, slow["allreduce"]), ("pair", slow["pair"])], 3),
+        _table("all-reduce slowdown / pair slowdown", "N", hs,
+               list(zip(names, slow["allreduce_over_pair"])), 3)])
+
+
+def plot(result: dict, path: str) -> None:
+    """Two panels: the tree/pair ratio against N (one curve per σ) and the straggler
+    slowdown against H (one curve per N, and the pair's)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4.3))
+    FigureCanvasAgg(fig)
+    left, right = fig.subplots(1, 2)
+    workers = result["workers"]
+    for j, sigma in enumerate(result["sigmas"]):
+        left.plot(workers, [row[j] for row in result["latency_ratio"]], "o-",
+                  label=f"σ = {sigma:g}")
+    left.set_xscale("log", base=2)
+    left.set(xlabel="workers N", ylabel="tree all-reduce time / pair exchange time",
+             title="message times log-normal (mean t_c)")
+    left.legend()
+    slow = result["straggler_slowdown"]
+    hs = result["sync_every"]
+    colors = [f"C{i % 10}" for i in range(len(workers))]
+    for n, row, color in zip(workers, slow["allreduce"], colors):
+        right.plot(hs, row, "o-", color=color, label=f"all-reduce, N = {n}")
+    right.plot(hs, slow["pair"], "s--", color="black", label="pair")
+    right.set_xscale("log")
+    right.set(xlabel="inner steps between syncs H", ylabel="slowdown from stragglers",
+              title=f"inner-step times log-normal (σ_s = {result['step_sigma']:g})")
+    right.legend(fontsize=7, ncol=2)
+    for ax in (left, right):
+        ax.grid(alpha=0.3, which="both")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run(args: argparse.Namespace) -> int:
+    """``loco simulate latency``: print the tables (or JSON) and write the PNG; raises
+    :class:`ConfigError` on a bad option, before simulating anything."""
+    result = simulate(parse_options(args))
+    result["plot"] = args.plot or None
+    if args.plot:
+        plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result, indent=1))
+    else:
+        print(format_tables(result))
+        if args.plot:
+            print(f"\nwrote {args.plot}")
+    return 0

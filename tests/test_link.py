@@ -1,0 +1,123 @@
+"""Emulated slow links: parsing, the time an operation takes, queueing, and compute that goes
+on meanwhile."""
+
+import math
+import time
+
+import pytest
+import torch
+
+import loco
+from loco.comm.link import EmulatedLink, LinkSpec, parse_bandwidth, parse_latency
+
+RATE = 8e6  # bits/s: 1 MB per second
+LATENCY = 0.05
+
+
+@pytest.mark.parametrize("text,bits", [("100Mbit", 1e8), ("1Gbit", 1e9), ("1.5gbit/s", 1.5e9),
+                                       ("800kbit", 8e5), ("10mbps", 1e7), ("2e6", 2e6)])
+def test_parse_bandwidth(text, bits):
+    assert parse_bandwidth(text) == pytest.approx(bits)
+
+
+@pytest.mark.parametrize("text,seconds", [("50ms", 0.05), ("0.2s", 0.2), ("300us", 3e-4),
+                                          ("0", 0.0), ("1.5", 1.5)])
+def test_parse_latency(text, seconds):
+    assert parse_latency(text) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("bad", ["fast", "100MB", "0Mbit", "-1Gbit", "", "inf"])
+def test_bad_bandwidth(bad):
+    with pytest.raises(ValueError, match="100Mbit"):
+        parse_bandwidth(bad)
+
+
+@pytest.mark.parametrize("bad", ["soon", "-5ms", "5 min", ""])
+def test_bad_latency(bad):
+    with pytest.raises(ValueError, match="50ms"):
+        parse_latency(bad)
+
+
+def test_queue_arithmetic():
+    link = EmulatedLink(LinkSpec(RATE, LATENCY))
+    # 100 KB takes 0.1 s on the wire plus the latency; a second one queues behind the first,
+    # but their latencies overlap (latency is propagation, not occupancy)
+    assert link.reserve(100_000, start=10.0) == pytest.approx(10.0 + 0.1 + LATENCY)
+    assert link.reserve(100_000, start=10.0) == pytest.approx(10.0 + 0.2 + LATENCY)
+    assert link.reserve(100_000, start=11.0) == pytest.approx(11.0 + 0.1 + LATENCY)  # idle again
+    assert LinkSpec(RATE, LATENCY).seconds(200_000) == pytest.approx(0.25)
+    assert math.isinf(LinkSpec.parse(None, "5ms").bandwidth)
+    assert LinkSpec.parse(None, None) is None
+
+
+def reduce_worker(ctx, n, count):
+    """Issue ``count`` reductions of n fp32 values at once, then wait for each in turn."""
+    tensors = [torch.ones(n) for _ in range(count)]
+    start = time.perf_counter()
+    handles = [ctx.comm.all_reduce_mean(t) for t in tensors]
+    done = []
+    for h in handles:
+        h.wait()
+        done.append(time.perf_counter() - start)
+    return {"done": done, "sent": [h.record.sent_bytes for h in handles],
+            "seconds": [h.record.seconds for h in handles]}
+
+
+def test_an_operation_takes_latency_plus_bytes_over_bandwidth_and_queued_ones_add_up():
+    n = 50_000  # 2 workers: 2 (M-1) ceil(n/M) 4 = 200,000 bytes each way per reduction
+    out = loco.launch(reduce_worker, 2, args=(n, 3), link=LinkSpec(RATE, LATENCY))
+    for r in out:
+        assert r["sent"] == [200_000] * 3
+        one = LATENCY + 200_000 * 8 / RATE  # 0.25 s
+        for k, t in enumerate(r["done"]):
+            # the k-th waits for the k before it to leave the link: latency + (k+1) B/W
+            assert t >= LATENCY + (k + 1) * 0.2 - 1e-3
+            assert t < LATENCY + (k + 1) * 0.2 + 0.5  # and not for much else
+        assert r["seconds"][0] >= one - 1e-3
+
+
+def compute_worker(ctx, n):
+    """Compute for a while with a slow reduction in flight, then wait for it."""
+    t = torch.ones(n)
+    start = time.perf_counter()
+    h = ctx.comm.all_reduce_mean(t)
+    issued = time.perf_counter() - start
+    a = torch.randn(64, 64)
+    for _ in range(200):  # ~ a few ms of work
+        a = torch.tanh(a @ a)
+    computed = time.perf_counter() - start
+    h.wait()
+    return {"issued": issued, "computed": computed, "done": time.perf_counter() - start,
+            "waited": h.record.waited}
+
+
+def test_compute_goes_on_while_the_link_is_busy():
+    n = 250_000  # 1 MB each way: 1 s on the link
+    out = loco.launch(compute_worker, 2, args=(n,), link=LinkSpec(RATE, LATENCY))
+    for r in out:
+        assert r["issued"] < 0.1  # issuing does not block
+        assert r["computed"] < 0.6  # the compute did not wait for the link
+        assert r["done"] >= LATENCY + 1.0 - 1e-3  # the wait did
+        assert r["waited"] >= r["done"] - r["computed"] - 0.05
+
+
+def p2p_worker(ctx):
+    peer = 1 - ctx.rank
+    start = time.perf_counter()
+    got = ctx.comm.exchange(torch.full((25_000,), float(ctx.rank)), [0, 1]).wait()
+    exchanged = time.perf_counter() - start
+    buf = torch.empty(25_000)
+    start = time.perf_counter()
+    ctx.comm.sendrecv([(torch.full((25_000,), float(ctx.rank)), peer)], [(buf, peer)]).wait()
+    sendrecv = time.perf_counter() - start
+    return {"exchange": exchanged, "sendrecv": sendrecv, "values": (got[peer][0].item(),
+                                                                    buf[0].item())}
+
+
+def test_point_to_point_operations_pay_the_link_too():
+    out = loco.launch(p2p_worker, 2, link=LinkSpec(RATE, LATENCY))
+    for rank, r in enumerate(out):
+        assert r["values"] == (1.0 - rank, 1.0 - rank)
+        # 100 KB each way: 0.1 s + latency
+        assert r["exchange"] >= LATENCY + 0.1 - 1e-3
+        assert r["sendrecv"] >= LATENCY + 0.1 - 1e-3
