@@ -150,6 +150,23 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def rope_window(cos: torch.Tensor, sin: torch.Tensor, T: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first T rows of the rotary tables, with a clear error past the model's seq_len."""
+    if T > cos.shape[0]:
+        raise ValueError(f"sequence length {T} exceeds the model's seq_len {cos.shape[0]}")
+    return cos[:T], sin[:T]
+
+
+def token_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0) -> torch.Tensor:
+    """Mean next-token cross-entropy in fp32, plus the optional z-loss."""
+    logits = logits.float()
+    loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
+    if z_loss:
+        # Pulls log Z towards 0 so the softmax normaliser cannot drift (PaLM).
+        loss = loss + z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean()
+    return loss
+
+
 class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig, generator: torch.Generator | None = None):
         super().__init__()
@@ -174,10 +191,7 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, 0.0, std, generator=generator)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        T = idx.shape[1]
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        cos, sin = rope_window(self.rope_cos, self.rope_sin, idx.shape[1])
         x = self.embed(idx)
         for block in self.blocks:
             x = block(x, cos, sin)
@@ -185,12 +199,7 @@ class Transformer(nn.Module):
         logits = F.linear(self.norm(x), self.embed.weight)
         if targets is None:
             return logits
-        logits = logits.float()
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
-        if self.cfg.z_loss:
-            # Pulls log Z towards 0 so the softmax normaliser cannot drift (PaLM).
-            loss = loss + self.cfg.z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean()
-        return loss
+        return token_loss(logits, targets, self.cfg.z_loss)
 
     def num_parameters(self) -> int:
         # parameters() yields each tensor once, so the tied head is not double counted.

@@ -42,7 +42,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from loco.model import Transformer
+from loco.model import Transformer, rope_window, token_loss
 
 ROUTINGS = ("fixed", "random")
 
@@ -91,10 +91,7 @@ class StageModule(nn.Module):
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        T = x.shape[1]
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence length {T} exceeds the model's seq_len {self.cfg.seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]
+        cos, sin = rope_window(self.rope_cos, self.rope_sin, x.shape[1])
         if self.is_first:
             x = self.embed(x)
         for block in self.blocks.values():
@@ -104,12 +101,8 @@ class StageModule(nn.Module):
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token loss, exactly as :meth:`Transformer.forward` computes it."""
-        logits = logits.float()
-        loss = F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.reshape(-1))
-        if self.cfg.z_loss:
-            loss = loss + self.cfg.z_loss * torch.logsumexp(logits, dim=-1).pow(2).mean()
-        return loss
+        """Mean token loss, as :meth:`Transformer.forward` computes it."""
+        return token_loss(logits, targets, self.cfg.z_loss)
 
 
 def split_stages(model: Transformer, stages: int) -> list[StageModule]:
@@ -167,7 +160,7 @@ class PipelineStage:
         if self.stages > 1 and ctx.pipe is None:
             raise ValueError("a pipeline of several stages needs ctx.pipe")
         self.pipe = ctx.pipe
-        self.module = split_stages(model, self.stages)[self.stage]
+        self.module = StageModule(model, self.stage, self.stages)
         self.batch_size, self.seq_len = batch_size, seq_len
         self.routing, self.seed = routing, seed
         # Mixed precision applies inside each stage; activations cross boundaries in the
