@@ -12,20 +12,6 @@ import loco.train
 from loco.cli import main
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    """A small text corpus; its tokenizer (vocab 300) trains in well under a second."""
-    import random
-
-    rng = random.Random(0)
-    words = ("the king queen lord love death night day sword crown heart blood "
-             "speak hear mine thine thou art doth hath").split()
-    d = tmp_path_factory.mktemp("corpus")
-    lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) for _ in range(6000)]
-    (d / "text.txt").write_text("\n".join(lines))
-    return str(d / "text.txt"), str(d / "cache")
-
-
 def small_run(corpus, out, *extra):
     text, cache = corpus
     return ["train", "--model", "tiny", "--workers", "2", "--steps", "12", "--sync-every", "4",

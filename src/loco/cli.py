@@ -7,6 +7,7 @@ import dataclasses
 import os
 import sys
 
+from loco.compare import PRESETS
 from loco.config import ConfigError, TrainConfig, build_config
 
 EPILOG = """Options may also come from a YAML file (--config); flags override it.
@@ -36,11 +37,36 @@ def _flag_type(f: dataclasses.Field):
     return str
 
 
-PATHS = {"corpus", "cache_dir", "out"}
+PATHS = {"corpus", "cache_dir", "out", "resume"}
 
 
 def _metavar(f: dataclasses.Field) -> str:
     return {int: "N", float: "X"}.get(_flag_type(f), "PATH" if f.name in PATHS else "NAME")
+
+
+COMPARE_EPILOG = """Examples:
+  loco compare --preset quick                      # all five methods, about 10 min on a CPU
+  loco compare --algorithms diloco,streaming,s8=streaming --set s8.codec=int8 --steps 200
+  loco compare --link-bandwidth 100Mbit --link-latency 50ms --preset quick
+  loco report runs/compare-20261122-101500         # re-render from the saved runs"""
+
+
+
+def add_train_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """One flag per TrainConfig field (the YAML keys are the same names)."""
+    for f in TrainConfig.fields():
+        if f.name in skip:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
+        if str(f.type).startswith("bool"):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+                                default=argparse.SUPPRESS, help=help_text)
+        else:
+            parser.add_argument(flag, type=_flag_type(f), default=argparse.SUPPRESS,
+                                choices=f.metadata.get("choices"),
+                                metavar=None if f.metadata.get("choices") else _metavar(f),
+                                help=help_text)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -54,17 +80,42 @@ def build_parser() -> argparse.ArgumentParser:
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", metavar="FILE", help="YAML file of options (its keys are "
                        "the flag names); flags given here override it")
-    for f in TrainConfig.fields():
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
-        if str(f.type).startswith("bool"):
-            train.add_argument(flag, action=argparse.BooleanOptionalAction,
-                               default=argparse.SUPPRESS, help=help_text)
-        else:
-            train.add_argument(flag, type=_flag_type(f), default=argparse.SUPPRESS,
-                               choices=f.metadata.get("choices"),
-                               metavar=None if f.metadata.get("choices") else _metavar(f),
-                               help=help_text)
+    add_train_options(train)
+    compare = sub.add_parser(
+        "compare", help="run several methods on the same job and write a side-by-side report",
+        description="Train each method (default: ddp, diloco, streaming with FP4 and overlap, "
+        "noloco, local) on the same model, data, seed and token budget, one after another, "
+        "and write report.md, compare.json and plots into --out, next to each run's own "
+        "directory. Every loco train option may be given once for all methods.",
+        epilog=COMPARE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    compare.add_argument("--algorithms", metavar="LIST", default=argparse.SUPPRESS,
+                         help="comma-separated methods to run, each an algorithm name or "
+                         "LABEL=ALGORITHM for a second run of one with other options "
+                         "(default: ddp,diloco,streaming,noloco,local)")
+    compare.add_argument("--set", metavar="LABEL.OPTION=VALUE", action="append", default=[],
+                         help="an option for one method only, e.g. streaming.fragments=4 or "
+                         "diloco.outer-lr=0.5 (repeatable); options that must be the same for "
+                         "every method (model, steps, workers, data, seed, ...) are refused")
+    compare.add_argument("--preset", choices=list(PRESETS), default=None,
+                         help="quick: every method in <= 10 min on a 2-core CPU; paper: "
+                         "settings close to the papers' for a GPU machine (see the README); "
+                         "options given here override the preset's")
+    compare.add_argument("--config", metavar="FILE", help="YAML file of options for every "
+                         "method, plus optional 'algorithms: [...]' and 'methods: {LABEL: "
+                         "{option: value}}'; flags override it")
+    compare.add_argument("--out", metavar="DIR", default=argparse.SUPPRESS,
+                         help="directory for the report and one run directory per method "
+                         "(default: runs/compare-<time>); finished runs are never overwritten")
+    add_train_options(compare, skip=("algorithm", "out", "resume"))
+    report = sub.add_parser(
+        "report", help="re-render a comparison's report and plots from saved runs",
+        description="Write report.md, compare.json and the plots from finished run "
+        "directories, without training. Each DIR is a run directory (with summary.json) or "
+        "a directory of them, such as a loco compare --out.")
+    report.add_argument("dirs", nargs="+", metavar="DIR", help="run directories, or "
+                        "directories holding run directories")
+    report.add_argument("--out", metavar="DIR", default=None,
+                        help="where to write (default: DIR when a single directory is given)")
     simulate = sub.add_parser("simulate", help="what each method needs at scale, without "
                               "training: compute utilization against bandwidth, and latency",
                               description="Simulators of the papers' scaling arguments.")
@@ -95,6 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args)
+    if args.command == "compare":
+        return _compare(args)
+    if args.command == "report":
+        return _report(args)
     if args.command == "simulate":
         try:
             return _simulation(args.simulation).run(args)
@@ -104,27 +159,47 @@ def main(argv: list[str] | None = None) -> int:
     return 2
 
 
-def _train(args: argparse.Namespace) -> int:
+def _guarded(command: str, fn):
+    """(exit code, fn()): a bad option exits 2 in one line, a worker's failure 1, Ctrl-C 130."""
     from loco.runtime import WorkerError
+
+    try:
+        return 0, fn()
+    except ConfigError as e:
+        print(f"loco {command}: error: {e}", file=sys.stderr)
+        return 2, None
+    except WorkerError as e:
+        print(f"loco {command}: {e}", file=sys.stderr)
+        return 1, None
+    except KeyboardInterrupt:
+        # Worker threads may sit inside gloo; a normal interpreter shutdown would tear the
+        # transport down under them and abort. Nothing is left half-written: summaries,
+        # reports and checkpoints are only ever written whole.
+        print(f"\nloco {command}: interrupted (finished runs and checkpoints are kept)",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(130)
+
+
+def _train(args: argparse.Namespace) -> int:
     from loco.train import human_bytes, run_training
 
     names = {f.name for f in TrainConfig.fields()}
-    try:
-        cfg = build_config(args.config, {k: v for k, v in vars(args).items() if k in names})
-        summary = run_training(cfg)
-    except ConfigError as e:
-        print(f"loco train: error: {e}", file=sys.stderr)
-        return 2
-    except WorkerError as e:
-        print(f"loco train: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        # Worker threads may sit inside gloo; a normal interpreter shutdown would tear the
-        # transport down under them and abort. Nothing is left half-written: summary.json
-        # is only ever written whole, at the end.
-        print("\nloco train: interrupted", file=sys.stderr, flush=True)
-        sys.stdout.flush()
-        os._exit(130)
+
+    def train():
+        given = {k: v for k, v in vars(args).items() if k in names}
+        if given.get("resume"):  # the saved run's options; only how it runs may change
+            from loco.config import load_yaml, resume_config
+
+            file_values = load_yaml(args.config) if args.config else {}
+            cfg = resume_config(given.pop("resume"), {**file_values, **given})
+        else:
+            cfg = build_config(args.config, given)
+        return run_training(cfg)
+
+    code, summary = _guarded("train", train)
+    if code:
+        return code
     if "final_eval_loss" not in summary:  # a torchrun rank other than 0
         return 0
     out = summary["config"]["out"]
@@ -153,3 +228,55 @@ def _train(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from loco import compare
+
+    names = {f.name for f in TrainConfig.fields()} - {"algorithm", "out", "resume"}
+    shared = {k: v for k, v in vars(args).items() if k in names}
+    if "out" in vars(args):
+        shared["out"] = args.out
+    progress = shared.pop("progress", True)
+    plan = None
+
+    def run():
+        nonlocal plan
+        plan = compare.plan(shared, getattr(args, "algorithms", None), args.set, args.preset,
+                            args.config)
+        return compare.run(plan, progress=progress)
+
+    code, numbers = _guarded("compare", run)
+    if code:
+        return code
+    _print_report(plan.out, numbers)
+    return 0
+
+
+def _report(args: argparse.Namespace) -> int:
+    from loco.report import find_runs, write_report
+
+    out = args.out
+    if out is None:
+        if len(args.dirs) != 1:
+            print("loco report: error: --out: give a directory to write into when more than "
+                  "one DIR is given", file=sys.stderr)
+            return 2
+        out = args.dirs[0]
+    try:
+        numbers = write_report(find_runs(args.dirs), out)
+    except ConfigError as e:
+        print(f"loco report: error: {e}", file=sys.stderr)
+        return 2
+    _print_report(out, numbers)
+    return 0
+
+
+def _print_report(out: str, numbers: dict) -> None:
+    """The report's table and claims on the terminal, then where the files are."""
+    with open(os.path.join(out, "report.md")) as f:
+        text = f.read()
+    keep = [line for line in text.split("## Plots")[0].splitlines()[2:]]
+    print("\n".join(keep).strip())
+    print(f"\nwrote {out}/report.md, compare.json and plots; one run directory per method: "
+          f"{', '.join(numbers)}")

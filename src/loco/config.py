@@ -25,6 +25,10 @@ OUTER_DEFAULTS = {"diloco": (0.7, 0.9, True), "streaming": (0.4, 0.9, True),
                   "noloco": (0.7, 0.5, False)}
 LAUNCHER_NAMES = ("threads", "processes", "torchrun")
 ROUTINGS = ("fixed", "random")
+NONFINITE = ("stop", "skip")
+#: Options a resumed run may change: how it runs, not what it computes.
+RESUMABLE = ("launcher", "progress", "comm_timeout", "checkpoint_every", "max_restarts",
+             "on_nonfinite", "resume", "out")
 DTYPES = ("fp32", "bf16")
 
 
@@ -135,6 +139,21 @@ class TrainConfig:
                                    "communication, e.g. 50ms (default: none)")
     comm_timeout: float = opt(300.0, "seconds a communication may take before the run "
                               "fails instead of hanging")
+    # --- reliability
+    checkpoint_every: int = opt(1, "save a checkpoint every this many outer rounds of H "
+                                "(--sync-every) inner steps, and at the end; 0: only at the "
+                                "end. Each rank writes its own file, atomically")
+    resume: str | None = opt(None, "continue the run in this directory from its last "
+                             "checkpoint, exactly; its options are reused, and only "
+                             f"{', '.join('--' + o.replace('_', '-') for o in RESUMABLE[:6])}"
+                             " may change")
+    max_restarts: int = opt(2, "processes launcher: when a worker process dies, restart all "
+                            "of them from the last checkpoint, at most this many times "
+                            "(under torchrun, give torchrun --max-restarts)")
+    on_nonfinite: str = opt("stop", "a non-finite gradient or pseudo-gradient is caught before "
+                            "it reaches the parameters; stop the run (the last checkpoint is "
+                            "the last good state) or skip that step or sync and count it",
+                            NONFINITE)
 
     @classmethod
     def fields(cls) -> list[dataclasses.Field]:
@@ -149,8 +168,9 @@ class TrainConfig:
         return self.workers * self.batch_size * self.seq_len
 
 
-def load_yaml(path: str) -> dict[str, Any]:
-    """Read a YAML config file: data only (safe_load), keys must be known options."""
+def load_yaml(path: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Read a YAML config file: data only (safe_load), keys must be known options (or one of
+    ``extra``, which a command reads itself)."""
     if not os.path.isfile(path):
         raise ConfigError("config", f"file not found: {path}")
     try:
@@ -160,7 +180,7 @@ def load_yaml(path: str) -> dict[str, Any]:
         raise ConfigError("config", f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping of option: value")
-    known = {f.name for f in TrainConfig.fields()}
+    known = {f.name for f in TrainConfig.fields()} | set(extra)
     data = {str(k).replace("-", "_"): v for k, v in data.items()}
     unknown = sorted(set(data) - known)
     if unknown:
@@ -268,6 +288,9 @@ def validate(cfg: TrainConfig) -> None:
     if cfg.outer_momentum is not None:
         need(0 <= cfg.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
     need(cfg.spread_every >= 0, "spread_every", "must be an integer >= 0")
+    need(cfg.checkpoint_every >= 0, "checkpoint_every", "must be an integer >= 0 (0: only at "
+         "the end)")
+    need(0 <= cfg.max_restarts <= 100, "max_restarts", "must be in [0, 100]")
     if cfg.algorithm == "noloco":
         need(cfg.group_size >= 2 and cfg.workers % cfg.group_size == 0, "group_size",
              f"must be an integer >= 2 that divides --workers ({cfg.workers})")
@@ -305,3 +328,38 @@ def validate(cfg: TrainConfig) -> None:
              "path does not exist; give a text file, a .jsonl file, a directory, or 'shakespeare'")
         if os.path.isfile(cfg.corpus):
             need(os.path.getsize(cfg.corpus) > 0, "corpus", "file is empty")
+
+
+def resume_config(directory: str, given: dict[str, Any]) -> TrainConfig:
+    """The configuration of the run being resumed from ``directory``, with ``given`` options
+    (flags or a YAML file) allowed to change only how it runs (RESUMABLE)."""
+    from loco import checkpoint
+
+    if not os.path.isdir(directory):
+        raise ConfigError("resume", f"no such directory: {directory}")
+    try:
+        meta = checkpoint.latest(directory)
+    except checkpoint.CheckpointError as e:
+        raise ConfigError("resume", str(e)) from None
+    if meta is None:
+        raise ConfigError("resume", f"{directory} has no checkpoint "
+                          f"({os.path.join(directory, checkpoint.DIRNAME, 'latest.json')} is "
+                          "missing); nothing to resume")
+    saved = meta.get("config")
+    by_name = {f.name: f for f in TrainConfig.fields()}
+    if not isinstance(saved, dict) or set(saved) - set(by_name):
+        raise ConfigError("resume", f"{directory}'s checkpoint does not record a configuration "
+                          "of this version of loco")
+    values = {k: coerce(by_name[k], v) for k, v in saved.items()}
+    for name, value in given.items():
+        value = coerce(by_name[name], value)
+        if name not in RESUMABLE and value != values.get(name):
+            raise ConfigError(name, f"differs from the run being resumed ({values.get(name)!r}); "
+                              "a resumed run keeps its options except "
+                              f"{', '.join('--' + o.replace('_', '-') for o in RESUMABLE[:6])}")
+        values[name] = value
+    try:
+        checkpoint.check_files(directory, meta)
+    except checkpoint.CheckpointError as e:
+        raise ConfigError("resume", str(e)) from None
+    return TrainConfig(**{**values, "resume": directory, "out": directory})

@@ -21,6 +21,7 @@ from datetime import datetime
 import torch
 from tqdm import tqdm
 
+from loco import checkpoint
 from loco.algorithms import ALGORITHMS, Algorithm
 from loco.algorithms.base import flatten_fp32, unflatten_views
 from loco.config import ConfigError, TrainConfig, resolve, validate, warnings_for
@@ -28,12 +29,26 @@ from loco.data import Corpus, CorpusError, TokenLoader, eval_batches, prepare_co
 from loco.model import Transformer, model_config
 from loco.algorithms.fragments import split_fragments
 from loco.comm.link import LinkSpec
+from loco.algorithms.base import NonFiniteError
+from loco.comm.interface import Aborted
 from loco.runtime import WorkerContext, launch, under_torchrun
+from loco.runtime.faults import Fault, InjectedFault
 from loco.runtime.pipeline import PipelineStage
 
 
 def run_training(cfg: TrainConfig) -> dict:
     """Validate, prepare data, train on every worker; return worker 0's summary."""
+    cfg = prepare_config(cfg)
+    for message in warnings_for(cfg):
+        print(f"loco train: warning: {message}", file=sys.stderr)
+    corpus = prepare_data(cfg)
+    check_fits(cfg, corpus)
+    return launch_training(cfg, corpus)
+
+
+def prepare_config(cfg: TrainConfig) -> TrainConfig:
+    """Validated, with the defaults that depend on other options (and torchrun's world size)
+    filled in; raises ConfigError before anything runs."""
     if under_torchrun():  # torchrun, not --workers, decides how many workers there are
         world = int(os.environ["WORLD_SIZE"])
         if world % cfg.stages:
@@ -42,19 +57,40 @@ def run_training(cfg: TrainConfig) -> dict:
         cfg = dataclasses.replace(cfg, workers=world // cfg.stages)
     validate(cfg)
     cfg = resolve(cfg)
-    for message in warnings_for(cfg):
-        print(f"loco train: warning: {message}", file=sys.stderr)
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=os.path.join(
             "runs", f"{cfg.algorithm}-{datetime.now():%Y%m%d-%H%M%S}"))
+    if cfg.resume is None and restart_count() == 0:
+        try:
+            held = checkpoint.latest(cfg.out)
+        except checkpoint.CheckpointError:
+            held = True
+        if held:
+            raise ConfigError("out", f"{cfg.out} holds a checkpointed run; continue it with "
+                              f"--resume {cfg.out}, or choose another --out (nothing is "
+                              "overwritten)")
+    return cfg
+
+
+def restart_count() -> int:
+    """How many times torch elastic (the processes launcher, torchrun) restarted the workers."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
+def prepare_data(cfg: TrainConfig) -> Corpus:
+    """The tokenized corpus (trained and cached on first use)."""
     try:
-        corpus = prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.val_fraction, cfg.cache_dir,
-                                cfg.text_field, progress=cfg.progress)
+        return prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.val_fraction, cfg.cache_dir,
+                              cfg.text_field, progress=cfg.progress)
     except CorpusError as e:
         raise ConfigError("corpus", str(e)) from None
-    check_fits(cfg, corpus)
+
+
+def launch_training(cfg: TrainConfig, corpus: Corpus) -> dict:
+    """Train a prepared config on every rank; return the lead rank's summary."""
     results = launch(train_worker, cfg.workers * cfg.stages, cfg.launcher, args=(cfg, corpus),
                      ranks_per_replica=cfg.stages, timeout=cfg.comm_timeout,
+                     max_restarts=cfg.max_restarts,
                      link=LinkSpec.parse(cfg.link_bandwidth, cfg.link_latency))
     # The lead rank's summary (under torchrun the list holds only this rank's value).
     return next((r for r in results if "final_eval_loss" in r), results[0])
@@ -80,7 +116,7 @@ def check_fits(cfg: TrainConfig, corpus: Corpus) -> None:
 def make_algorithm(cfg: TrainConfig, model, optimizer, comm,
                    pipeline: PipelineStage | None = None) -> Algorithm:
     """The algorithm of ``cfg`` on ``model`` (with pipeline stages: this stage's part)."""
-    kwargs = {"max_grad_norm": cfg.grad_clip or None}
+    kwargs = {"max_grad_norm": cfg.grad_clip or None, "on_nonfinite": cfg.on_nonfinite}
     if cfg.algorithm in ("diloco", "streaming"):
         kwargs.update(sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
                       outer_momentum=cfg.outer_momentum, nesterov=cfg.nesterov,
@@ -173,61 +209,115 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     # The lead rank logs: replica 0's last stage, which computes its loss.
     main = ctx.rank == ctx.mesh.rank_of(0, ctx.stages - 1)
     evaluates = ctx.replica == 0  # replica 0's stages evaluate the global model together
-    log = RunLog(cfg.out) if main else None
-    bar = tqdm(total=cfg.steps, desc=f"{cfg.algorithm} x{ctx.mesh.replicas}"
+    # Resume from the last complete checkpoint: asked for (--resume), or after torch elastic
+    # restarted the workers because one of them died.
+    state, loop = None, {"loss_sum": 0.0, "loss_count": 0, "eval_seconds": 0.0,
+                         "train_seconds": 0.0, "metrics_bytes": 0}
+    if cfg.resume is not None or restart_count() > 0:
+        meta = checkpoint.latest(cfg.out)
+        if meta is not None:
+            state = checkpoint.load_rank(cfg.out, int(meta["step"]), ctx.rank, device)
+            restore(state, algo, schedule, loader, ctx)
+            loop = state["loop"]
+    first = 1 if state is None else int(state["step"]) + 1
+    fault = Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None
+    log = RunLog(cfg.out, resume_at=loop["metrics_bytes"] if state else None) if main else None
+    bar = tqdm(total=cfg.steps, initial=first - 1,
+               desc=f"{cfg.algorithm} x{ctx.mesh.replicas}"
                + (f"x{ctx.stages} stages" if ctx.stages > 1 else ""), unit="step",
                disable=not (main and cfg.progress), dynamic_ncols=True)
-    eval_seconds, loss_sum, loss_count = 0.0, 0.0, 0
-    loop_start = time.perf_counter()
-    for step in range(1, cfg.steps + 1):
-        batch = loader.next_batch() if loader is not None else None
-        if pipeline is None:
-            with autocast:
-                loss = model(*batch)
-            loss.backward()
-        else:  # the loss arrives on the last stage only
-            loss = pipeline.forward_backward(batch, step)
-        algo.step()
-        schedule.step()
-        algo.zero_grad()
-        if step == cfg.steps:
-            algo.flush()  # the last fragment sent must reach the evaluated global model
-        syncs = _drain(algo)
-        spread = None
-        if not algo.replicas_identical and cfg.spread_every and step % cfg.spread_every == 0:
-            spread = replica_spread(algo, ctx.comm, pipeline)
-        eval_loss = None
-        if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps and evaluates:
-            t0 = time.perf_counter()
-            eval_loss = evaluate(trained, algo.global_parameters(), eval_batches(
-                corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, device), autocast,
-                pipeline)
-            eval_seconds += time.perf_counter() - t0
-        if not main:
-            continue
-        for sync in syncs:
-            log.metric({"event": "sync", **sync})
-        loss_value = loss.item()
-        loss_sum += loss_value
-        loss_count += 1
-        record = None if spread is None else {"step": step, "tokens": step * tokens_per_step,
-                                              "spread": spread}
-        if step % cfg.log_every == 0 or step == cfg.steps:
-            record = {**(record or {}), "step": step, "tokens": step * tokens_per_step,
-                      "train_loss": loss_sum / loss_count, "lr": schedule.get_last_lr()[0]}
-            loss_sum, loss_count = 0.0, 0
-        if eval_loss is not None:
-            record = record or {"step": step, "tokens": step * tokens_per_step}
-            record["eval_loss"] = eval_loss
-        sent = ctx.comm.totals("train").sent_bytes
-        if record is not None:
-            record.update(bytes_sent=sent, elapsed=time.perf_counter() - start)
-            log.metric(record)
-        train_seconds = time.perf_counter() - loop_start - eval_seconds
-        bar.set_postfix(loss=f"{loss_value:.3f}", tok_s=f"{step * tokens_per_step / train_seconds:,.0f}",
-                        sent=human_bytes(sent),
-                        cu=f"{1 - blocked_seconds(ctx) / train_seconds:.0%}", refresh=False)
-        bar.update(1)
+    eval_seconds, loss_sum, loss_count = loop["eval_seconds"], loop["loss_sum"], loop["loss_count"]
+    loop_start = time.perf_counter() - loop["train_seconds"] - eval_seconds
+    every = cfg.checkpoint_every * cfg.sync_every
+
+    def save(step: int) -> None:
+        """Every rank writes its state; once all have, the lead marks the checkpoint done."""
+        checkpoint.save_rank(cfg.out, step, ctx.rank, {
+            "step": step, "algorithm": algo.state_dict(), "schedule": schedule.state_dict(),
+            "loader": loader.state_dict() if loader is not None else None,
+            "rng": torch.get_rng_state(), "comm": ctx.comm.state_dict(),
+            "pipe": ctx.pipe.state_dict() if ctx.pipe is not None else None,
+            "loop": {"loss_sum": loss_sum, "loss_count": loss_count,
+                     "eval_seconds": eval_seconds,
+                     "train_seconds": time.perf_counter() - loop_start - eval_seconds,
+                     "metrics_bytes": log.tell() if log is not None else 0}})
+        world.barrier(tag="checkpoint")
+        if main:
+            checkpoint.commit(cfg.out, step, {"world_size": ctx.world_size,
+                                              "algorithm": cfg.algorithm,
+                                              "config": cfg.to_dict()})
+
+    step = first
+    try:
+        for step in range(first, cfg.steps + 1):
+            if fault is not None:
+                fault.before_step(step, ctx.comm)
+            batch = loader.next_batch() if loader is not None else None
+            if pipeline is None:
+                with autocast:
+                    loss = model(*batch)
+                loss.backward()
+            else:  # the loss arrives on the last stage only
+                loss = pipeline.forward_backward(batch, step)
+            if fault is not None:
+                fault.after_backward(step, algo.params)
+            algo.step()
+            schedule.step()
+            algo.zero_grad()
+            if step == cfg.steps:
+                algo.flush()  # the last fragment sent must reach the evaluated global model
+            syncs = _drain(algo)
+            spread = None
+            if not algo.replicas_identical and cfg.spread_every and step % cfg.spread_every == 0:
+                spread = replica_spread(algo, ctx.comm, pipeline)
+            eval_loss = None
+            if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps and evaluates:
+                t0 = time.perf_counter()
+                eval_loss = evaluate(trained, algo.global_parameters(), eval_batches(
+                    corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, device),
+                    autocast, pipeline)
+                eval_seconds += time.perf_counter() - t0
+            if main:
+                for sync in syncs:
+                    log.metric({"event": "sync", **sync})
+                loss_value = loss.item()
+                loss_sum += loss_value
+                loss_count += 1
+                record = (None if spread is None else
+                          {"step": step, "tokens": step * tokens_per_step, "spread": spread})
+                if step % cfg.log_every == 0 or step == cfg.steps:
+                    record = {**(record or {}), "step": step, "tokens": step * tokens_per_step,
+                              "train_loss": loss_sum / loss_count,
+                              "lr": schedule.get_last_lr()[0]}
+                    loss_sum, loss_count = 0.0, 0
+                if eval_loss is not None:
+                    record = record or {"step": step, "tokens": step * tokens_per_step}
+                    record["eval_loss"] = eval_loss
+                sent = ctx.comm.issued_bytes("train")  # at issue: the same whatever the timing
+                if record is not None:
+                    record.update(bytes_sent=sent, elapsed=time.perf_counter() - start)
+                    log.metric(record)
+                train_seconds = time.perf_counter() - loop_start - eval_seconds
+                bar.set_postfix(loss=f"{loss_value:.3f}",
+                                tok_s=f"{(step - first + 1) * tokens_per_step / max(train_seconds - loop['train_seconds'], 1e-9):,.0f}",
+                                sent=human_bytes(sent),
+                                cu=f"{1 - blocked_seconds(ctx) / train_seconds:.0%}",
+                                refresh=False)
+                bar.update(1)
+            if (every and step % every == 0) or step == cfg.steps:
+                save(step)
+    except (Aborted, KeyboardInterrupt):
+        raise
+    except Exception as e:  # name the worker and the step; expected failures in one line
+        where = f"worker {ctx.rank} failed at step {step}"
+        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
+            raise TrainingError(f"{where}: a communication took longer than --comm-timeout "
+                                f"{cfg.comm_timeout:g} s; a peer stopped answering or is "
+                                f"far too slow ({str(e).splitlines()[0][:200]})",
+                                brief=True) from e
+        raise TrainingError(f"{where}: {type(e).__name__}: {e}",
+                            brief=isinstance(e, (NonFiniteError, InjectedFault,
+                                                 checkpoint.CheckpointError))) from e
     bar.close()
     train_seconds = time.perf_counter() - loop_start - eval_seconds
 
@@ -238,7 +328,8 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     piped = ctx.pipe.totals("train").sent_bytes if ctx.pipe is not None else 0
     report = torch.tensor([mine.sent_bytes, mine.recv_bytes, mine.raw_bytes,
                            ctx.comm.peak_sent_bytes("train"), mine.ops, mine.seconds, mine.waited,
-                           train_seconds, piped, blocked_seconds(ctx)],
+                           train_seconds, piped, blocked_seconds(ctx),
+                           algo.skipped["inner_steps"], algo.skipped["syncs"]],
                           dtype=torch.float64, device=device)
     per_worker = [t.tolist() for t in world.all_gather(report, tag="report").wait()]
     final_batches = (list(eval_batches(corpus.val, cfg.batch_size, cfg.seq_len,
@@ -262,7 +353,7 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     wall = time.perf_counter() - start
     keys = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
             "comm_seconds", "comm_wait_seconds", "train_seconds", "pipeline_bytes_sent",
-            "blocked_seconds")
+            "blocked_seconds", "skipped_inner_steps", "skipped_syncs")
     workers = [dict(zip(keys, w)) for w in per_worker]
     for w in workers:  # time computing / time in the training loop
         w["compute_utilization"] = 1 - w["blocked_seconds"] / w["train_seconds"]
@@ -271,7 +362,7 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     train_seconds = max(w["train_seconds"] for w in workers)
     for w in workers:
         for k in ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
-                  "pipeline_bytes_sent"):
+                  "pipeline_bytes_sent", "skipped_inner_steps", "skipped_syncs"):
             w[k] = int(w[k])
     summary = {
         "algorithm": cfg.algorithm,
@@ -295,6 +386,12 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
         "comm_wait_seconds": max(w["blocked_seconds"] for w in workers),
         # Mean over ranks of 1 - (time blocked on communication / training-loop time).
         "compute_utilization": sum(w["compute_utilization"] for w in workers) / len(workers),
+        # Non-finite gradients and pseudo-gradients skipped (--on-nonfinite skip), summed
+        # over ranks; a sync skipped by all its workers counts once per worker.
+        "nonfinite_skipped": {"inner_steps": sum(w["skipped_inner_steps"] for w in workers),
+                              "syncs": sum(w["skipped_syncs"] for w in workers)},
+        "resumed_from_step": None if state is None else int(state["step"]),
+        "restarts": restart_count(),
         "link": (None if cfg.link_bandwidth is None and cfg.link_latency is None else
                  {"bandwidth": cfg.link_bandwidth, "latency": cfg.link_latency}),
         "wall_seconds": wall,
@@ -307,6 +404,7 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
         "corpus": {"name": corpus.name, "train_tokens": len(corpus.train),
                    "val_tokens": len(corpus.val), "vocab_size": corpus.vocab_size},
         "device": str(device),
+        "machine": machine_info(device),
         "config": cfg.to_dict(),
     }
     log.finish(summary)
@@ -372,11 +470,51 @@ def write_comm_totals(out: str, ctx: WorkerContext) -> None:
     os.replace(path + ".tmp", path)
 
 
+def machine_info(device: torch.device) -> dict:
+    """What the run ran on, for reports: host, CPU, accelerator and library versions."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu,
+            "cpu_count": os.cpu_count(),
+            "accelerator": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                            else None),
+            "python": platform.python_version(), "torch": torch.__version__}
+
+
 def blocked_seconds(ctx: WorkerContext) -> float:
     """Time this rank has spent blocked waiting for communication inside the training loop:
     its training traffic, its pipeline's, and the spread diagnostic."""
     comms = [ctx.comm] + ([ctx.pipe] if ctx.pipe is not None else [])
     return sum(c.totals(tag).waited for c in comms for tag in ("train", "diagnostic"))
+
+
+class TrainingError(RuntimeError):
+    """A worker's failure, with its rank and step. ``brief``: an expected failure (bad
+    numbers, an injected fault, a bad checkpoint) that needs no traceback."""
+
+    def __init__(self, message: str, brief: bool = False):
+        super().__init__(message)
+        self.brief = brief
+
+
+def restore(state: dict, algo: Algorithm, schedule, loader: TokenLoader | None,
+            ctx: WorkerContext) -> None:
+    """Put a worker back where its checkpoint left it."""
+    algo.load_state_dict(state["algorithm"])
+    schedule.load_state_dict(state["schedule"])
+    if loader is not None:
+        loader.load_state_dict(state["loader"])
+    torch.set_rng_state(state["rng"].cpu())
+    ctx.comm.load_state_dict(state["comm"])
+    if ctx.pipe is not None:
+        ctx.pipe.load_state_dict(state["pipe"])
 
 
 def _drain(algo: Algorithm) -> list[dict]:
@@ -400,11 +538,26 @@ def human_bytes(n: float) -> str:
 class RunLog:
     """The run directory: metrics.jsonl as training goes, summary.json and loss.png at the end."""
 
-    def __init__(self, out: str):
+    def __init__(self, out: str, resume_at: int | None = None):
+        """``resume_at``: continue a resumed run's metrics.jsonl, cut at that many bytes (its
+        size at the checkpoint), so that no record is lost or repeated."""
         os.makedirs(out, exist_ok=True)
         self.out = out
         self.records: list[dict] = []
-        self._metrics = open(os.path.join(out, "metrics.jsonl"), "w", buffering=1)
+        path = os.path.join(out, "metrics.jsonl")
+        if resume_at is None:
+            self._metrics = open(path, "w", buffering=1)
+            return
+        with open(path, "r+b") as f:
+            f.truncate(resume_at)
+        with open(path) as f:
+            self.records = [json.loads(line) for line in f if line.strip()]
+        self._metrics = open(path, "a", buffering=1)
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        self._metrics.flush()
+        return self._metrics.tell()
 
     def metric(self, record: dict) -> None:
         self.records.append(record)

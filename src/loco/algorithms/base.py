@@ -13,12 +13,21 @@ data-parallel training clips the averaged gradient, as DDP does.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
 from loco.comm import Comm
 
 INIT_SYNC_MODES = ("broadcast", "verify")
+#: What to do with a non-finite gradient or pseudo-gradient: raise NonFiniteError, or skip
+#: that inner step or sync (and count it).
+NONFINITE_POLICIES = ("stop", "skip")
+
+
+class NonFiniteError(ArithmeticError):
+    """A non-finite gradient or pseudo-gradient, caught before it reached any parameter."""
 
 
 class Algorithm:
@@ -28,7 +37,11 @@ class Algorithm:
     replicas_identical = True
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm, *,
-                 max_grad_norm: float | None = None, init_sync: str = "broadcast"):
+                 max_grad_norm: float | None = None, init_sync: str = "broadcast",
+                 on_nonfinite: str = "stop"):
+        if on_nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES} "
+                             f"(got {on_nonfinite!r})")
         if init_sync not in INIT_SYNC_MODES:
             raise ValueError(f"init_sync must be one of {INIT_SYNC_MODES} (got {init_sync!r})")
         if max_grad_norm is not None and max_grad_norm <= 0:
@@ -42,6 +55,9 @@ class Algorithm:
         #: How the gradient norm for clipping is measured: None for the norm of this
         #: worker's parameters; a pipeline stage sets it to the norm over all its stages.
         self.grad_norm_fn = None
+        self.on_nonfinite = on_nonfinite
+        #: Inner steps and syncs skipped because of non-finite values (``on_nonfinite="skip"``).
+        self.skipped = {"inner_steps": 0, "syncs": 0}
         self._sync_initial_state(init_sync)
 
     # ----------------------------------------------------------------------- initial state
@@ -66,17 +82,44 @@ class Algorithm:
         self.comm.verify_identical(state, what="initial weights")
 
     # ----------------------------------------------------------------------------- the loop
-    def clip_gradients(self) -> None:
-        if self.max_grad_norm is None:
-            return
-        if self.grad_norm_fn is None:
-            torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
-            return
-        # As clip_grad_norm_ does, with the norm measured by grad_norm_fn.
+    def clip_gradients(self) -> float:
+        """Clip the gradient to ``max_grad_norm`` (if set); return its norm before clipping."""
         grads = [p.grad for p in self.params if p.grad is not None]
-        norm = self.grad_norm_fn(self.params)
-        coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
-        torch._foreach_mul_(grads, coef.to(grads[0].device) if grads else coef)
+        if self.grad_norm_fn is not None:  # the norm over all pipeline stages
+            norm = self.grad_norm_fn(self.params)
+        elif self.max_grad_norm is not None:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        else:
+            norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
+        if self.max_grad_norm is not None and grads:  # as clip_grad_norm_ does
+            coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            torch._foreach_mul_(grads, coef.to(grads[0].device))
+        return float(norm)
+
+    def inner_update(self) -> bool:
+        """Clip and apply the inner optimizer, unless the gradient is non-finite (then raise
+        or, with ``on_nonfinite="skip"``, leave the parameters as they are). Every worker
+        that sees the same gradient (data-parallel, pipeline stages) decides the same."""
+        if not math.isfinite(self.clip_gradients()):
+            self.nonfinite("gradient", "inner_steps", self.inner_steps + 1)
+            return False
+        self.inner_optimizer.step()
+        return True
+
+    def finite(self, tensor: torch.Tensor, what: str) -> bool:
+        """Whether a reduced pseudo-gradient is finite; if not, raise or count a skipped
+        sync. The reduced value is the same on every worker of the sync, and so is the
+        decision."""
+        if bool(torch.isfinite(tensor).all()):
+            return True
+        self.nonfinite(what, "syncs", self.inner_steps)
+        return False
+
+    def nonfinite(self, what: str, counter: str, step: int) -> None:
+        if self.on_nonfinite == "stop":
+            raise NonFiniteError(f"non-finite {what} at step {step}, caught before it reached "
+                                 "the parameters (--on-nonfinite stop)")
+        self.skipped[counter] += 1
 
     def step(self) -> None:
         """One inner step (replaces ``optimizer.step()``); communicates when its turn comes."""
@@ -97,12 +140,13 @@ class Algorithm:
         """Everything needed to continue: model, inner optimizer, counters, outer state."""
         return {"model": self.model.state_dict(),
                 "inner_optimizer": self.inner_optimizer.state_dict(),
-                "inner_steps": self.inner_steps}
+                "inner_steps": self.inner_steps, "skipped": dict(self.skipped)}
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.inner_steps = int(state["inner_steps"])
+        self.skipped = {k: int(v) for k, v in state.get("skipped", self.skipped).items()}
 
 
 def flatten_fp32(tensors, out: torch.Tensor | None = None) -> torch.Tensor:

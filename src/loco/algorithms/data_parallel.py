@@ -27,6 +27,5 @@ class DataParallel(Algorithm):
         self.comm.all_reduce_mean(self._grads, tag="train").wait()
         for p, g in zip(self.params, unflatten_views(self._grads, self.params)):
             p.grad.copy_(g)
-        self.clip_gradients()
-        self.inner_optimizer.step()
+        self.inner_update()  # the averaged gradient: every worker decides the same
         self.inner_steps += 1

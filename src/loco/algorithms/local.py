@@ -13,6 +13,5 @@ class Local(Algorithm):
     replicas_identical = False
 
     def step(self) -> None:
-        self.clip_gradients()
-        self.inner_optimizer.step()
+        self.inner_update()
         self.inner_steps += 1

@@ -82,8 +82,7 @@ class NoLoCo(Algorithm):
         return gossip_groups(self.seed, outer_step, self.comm.size, self.group_size)
 
     def step(self) -> None:
-        self.clip_gradients()
-        self.inner_optimizer.step()
+        self.inner_update()
         self.inner_steps += 1
         if self.inner_steps % self.sync_every == 0:
             self.outer_step()
@@ -99,6 +98,11 @@ class NoLoCo(Algorithm):
         # Every member decodes the same bytes in the same order: the means agree bit for bit.
         mean_delta = sum(self.codec.decode(b[:split], (n,)) for b in received) / len(group)
         mean_slow = sum(self.slow_codec.decode(b[split:], (n,)) for b in received) / len(group)
+        if not (self.finite(mean_delta, "pseudo-gradient") and self.finite(mean_slow,
+                                                                            "slow weights")):
+            torch._foreach_copy_(self.params, self.slow_params)  # skipped: back to φ_i
+            self.outer_steps += 1
+            return
         g = mean_delta.mul_(self.beta).sub_(self.slow.sub(mean_slow).mul_(self.gamma))
         self.momentum.mul_(self.alpha).add_(g)  # δ ← α δ + β mean(Δ) − γ (φ − mean φ)
         self.slow.add_(self.momentum.mul(self.alpha).add_(g) if self.nesterov else self.momentum)

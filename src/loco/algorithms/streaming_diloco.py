@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -53,6 +54,7 @@ class _InFlight:
     fragment: Fragment
     handle: Handle | None  # None once the result is known (restored from a checkpoint)
     sent_at: int
+    record: dict | None = None  # the operation's counters, when restored from a checkpoint
 
 
 class StreamingDiLoCo(Algorithm):
@@ -125,8 +127,7 @@ class StreamingDiLoCo(Algorithm):
 
     # ----------------------------------------------------------------------------- the loop
     def step(self) -> None:
-        self.clip_gradients()
-        self.inner_optimizer.step()
+        self.inner_update()
         self.inner_steps += 1
         t = self.inner_steps
         fragment = self._due.get(t % self.sync_every)
@@ -156,6 +157,13 @@ class StreamingDiLoCo(Algorithm):
         fragment = flight.fragment
         if flight.handle is not None:
             flight.handle.wait()  # Δ̄_p, decoded, in fp32
+        if not self.finite(fragment.delta, f"pseudo-gradient (fragment {fragment.index})"):
+            # Skipped: the global fragment stays; the replicas restart from it.
+            torch._foreach_copy_(fragment.params, [g.to(p.device, p.dtype) for g, p in
+                                                   zip(fragment.global_params, fragment.params)])
+            self.outer_steps += 1
+            self._log(fragment, flight)
+            return
         if fragment.grad is not fragment.delta:  # offloaded: Δ̄ comes to the CPU
             fragment.grad.copy_(fragment.delta)
         fragment.outer_optimizer.step()
@@ -175,9 +183,10 @@ class StreamingDiLoCo(Algorithm):
             torch._foreach_lerp_(params, global_params, 1 - self.alpha)
 
     def _log(self, fragment: Fragment, flight: _InFlight) -> None:
-        if flight.handle is None:
+        if flight.handle is None and flight.record is None:
             return
-        rec = flight.handle.record
+        rec = (flight.handle.record if flight.handle is not None
+               else SimpleNamespace(**flight.record))
         stats = fragment.stats
         stats["raw_bytes"] += rec.raw_bytes
         stats["bytes_sent"] += rec.sent_bytes
@@ -211,12 +220,17 @@ class StreamingDiLoCo(Algorithm):
             flight = self._in_flight
             if flight.handle is not None:
                 flight.handle.wait()
+            rec = flight.handle.record if flight.handle is not None else None
             in_flight = {"fragment": flight.fragment.index, "sent_at": flight.sent_at,
-                         "delta": flight.fragment.delta.clone()}
+                         "delta": flight.fragment.delta.clone(),
+                         "record": flight.record if rec is None else {
+                             k: getattr(rec, k) for k in ("raw_bytes", "sent_bytes",
+                                                          "recv_bytes", "seconds", "waited")}}
         return {**super().state_dict(), "outer_steps": self.outer_steps,
                 "fragments": [{"global_params": f.global_flat.clone(),
                                "outer_optimizer": f.outer_optimizer.state_dict(),
-                               "syncs": f.syncs} for f in self.fragment_list],
+                               "syncs": f.syncs, "stats": dict(f.stats)}
+                              for f in self.fragment_list],
                 "in_flight": in_flight}
 
     def load_state_dict(self, state: dict) -> None:
@@ -229,11 +243,13 @@ class StreamingDiLoCo(Algorithm):
             f.global_flat.copy_(s["global_params"])
             f.outer_optimizer.load_state_dict(s["outer_optimizer"])
             f.syncs = int(s["syncs"])
+            f.stats.update({k: int(v) for k, v in s.get("stats", {}).items()})
         self._in_flight = None
         if state["in_flight"] is not None:
             fragment = self.fragment_list[state["in_flight"]["fragment"]]
             fragment.delta.copy_(state["in_flight"]["delta"])
-            self._in_flight = _InFlight(fragment, None, int(state["in_flight"]["sent_at"]))
+            self._in_flight = _InFlight(fragment, None, int(state["in_flight"]["sent_at"]),
+                                        state["in_flight"].get("record"))
 
 
 __all__ = ["PATTERNS", "StreamingDiLoCo"]

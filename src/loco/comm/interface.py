@@ -31,7 +31,7 @@ import math
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
@@ -73,6 +73,7 @@ class Counter:
     recv_bytes: int = 0
     seconds: float = 0.0
     waited: float = 0.0
+    peak_sent_bytes: int = 0  # the largest single operation
 
 
 @dataclass
@@ -88,12 +89,16 @@ class CommStats:
         c.sent_bytes += rec.sent_bytes
         c.recv_bytes += rec.recv_bytes
         c.seconds += rec.seconds
+        c.peak_sent_bytes = max(c.peak_sent_bytes, rec.sent_bytes)
 
     def __getitem__(self, tag: str) -> Counter:
         return self.by_tag[tag]
 
     def as_dict(self) -> dict:
         return {tag: asdict(c) for tag, c in self.by_tag.items()}
+
+
+RECORDS_KEPT = 100_000
 
 
 class Aborted(RuntimeError):
@@ -148,7 +153,10 @@ class Comm:
         self.device = torch.device(device)
         self.name = name
         self.stats = CommStats()
-        self.records: list[OpRecord] = []
+        # The latest operations, for tests and inspection (bounded: a long run must not
+        # grow without end; the counters above hold the totals).
+        self.records: deque[OpRecord] = deque(maxlen=RECORDS_KEPT)
+        self._issued: dict[str, int] = defaultdict(int)  # bytes handed over, by tag
         self.keep_records = keep_records
         self._lock = threading.Lock()
         self._closed = False
@@ -206,6 +214,8 @@ class Comm:
         self.check_aborted()
         rec = OpRecord(op, tag, raw, sent, recv, participants or tuple(range(self.size)),
                        time.perf_counter())
+        with self._lock:
+            self._issued[tag] += sent
         # A CUDA tensor must be fully written by the compute stream before another thread
         # hands it to the network.
         if self.device.type == "cuda":
@@ -440,9 +450,32 @@ class Comm:
         with self._lock:
             return Counter(**asdict(self.stats[tag]))
 
+    def issued_bytes(self, tag: str = "train") -> int:
+        """Bytes of the operations issued so far, finished or not: unlike ``totals``, the
+        same at the same step whatever the timing of operations in flight."""
+        with self._lock:
+            return self._issued[tag]
+
     def peak_sent_bytes(self, tag: str = "train") -> int:
         with self._lock:
-            return max((r.sent_bytes for r in self.records if r.tag == tag), default=0)
+            return self.stats[tag].peak_sent_bytes
+
+    def barrier(self, tag: str = "setup") -> None:
+        """Wait until every worker of this Comm got here (a one-value all-reduce)."""
+        self.all_reduce_mean(torch.zeros(1, device=self.device), tag=tag).wait()
+
+    def state_dict(self) -> dict:
+        """The counters, for a checkpoint: a resumed run reports the bytes of the whole run."""
+        with self._lock:
+            return {"stats": self.stats.as_dict(), "issued": dict(self._issued)}
+
+    def load_state_dict(self, state: dict) -> None:
+        with self._lock:
+            self.stats = CommStats()
+            for tag, counter in state["stats"].items():
+                self.stats.by_tag[tag] = Counter(**counter)
+            self.records.clear()
+            self._issued = defaultdict(int, {k: int(v) for k, v in state["issued"].items()})
 
     def verify_identical(self, tensors, what: str = "parameters") -> None:
         """Fail loudly unless every worker holds bit-identical ``tensors``."""

@@ -201,7 +201,10 @@ def _launch_threads(fn, args, mesh: Mesh, timeout: float, link: LinkSpec | None)
         torch.set_num_threads(prev_threads)
     if errors:
         # The cause is the first worker that failed on its own; the rest were stopped.
-        rank, _, trace = next((e for e in errors if not isinstance(e[1], Aborted)), errors[0])
+        rank, error, trace = next((e for e in errors if not isinstance(e[1], Aborted)),
+                                  errors[0])
+        if getattr(error, "brief", False):  # an expected failure: its message says it all
+            raise WorkerError(str(error))
         raise WorkerError(f"worker {rank} failed:\n{trace}")
     return results
 
@@ -230,8 +233,11 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
                                                      link)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
+        message = failure.message
+        if isinstance(message, dict):  # torch elastic's error file: the exception's text
+            message = message.get("message")
         raise WorkerError(f"worker {rank} failed (exit code {failure.exitcode}): "
-                          f"{failure.message or 'see its output above'}") from None
+                          f"{message or 'see its output above'}") from None
     return [out[r] for r in sorted(out)]
 
 
@@ -239,6 +245,21 @@ def _process_entry(fn, args, ranks_per_replica: int, timeout: float, link: LinkS
     workers = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     return _run_from_env(fn, args, workers, ranks_per_replica, timeout, "processes", link)
+
+
+def _attempt_store(rank: int, world: int, timeout: float):
+    """The rendezvous store of torch elastic's environment, under a prefix of its own for
+    each restart: after a worker died, the store still holds the dead attempt's addresses,
+    and a restarted group reading them would try to connect to a process that is gone."""
+    td = datetime.timedelta(seconds=timeout)
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # the agent hosts it
+        store = dist.TCPStore(host, port, world, is_master=False, timeout=td)
+    else:
+        store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=td,
+                              multi_tenant=True)
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"loco/attempt{attempt}", store)
 
 
 def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout: float,
@@ -257,7 +278,9 @@ def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout
     else:
         device = torch.device("cpu")
     mesh = Mesh(world // ranks_per_replica, ranks_per_replica)
-    dist.init_process_group("nccl" if use_cuda else "gloo",
+    dist.init_process_group("nccl" if use_cuda else "gloo", store=_attempt_store(rank, world,
+                                                                               timeout),
+                            rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout),
                             **({"device_id": device} if use_cuda else {}))
     try:

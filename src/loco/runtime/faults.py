@@ -1,0 +1,78 @@
+"""Fault injection, for tests and drills: make one worker fail at one step.
+
+Set ``LOCO_FAULT=RANK:STEP[:KIND]`` in the environment of ``loco train`` (worker processes
+inherit it). Worker RANK then fails at inner step STEP of a fresh run; a run that resumed
+from a checkpoint, or that torch elastic restarted, is left alone, so that recovery can be
+watched. Kinds:
+
+- ``raise`` (default): an exception in the worker.
+- ``exit``: the worker process exits with code 1 (processes launcher, torchrun).
+- ``kill``: the worker process is killed with SIGKILL (processes launcher, torchrun).
+- ``hang``: the worker stops answering, as a peer whose machine froze; under the threads
+  launcher it gives up once the others have failed.
+- ``nan``: the worker's gradient becomes NaN at that step (for ``--on-nonfinite``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from dataclasses import dataclass
+
+KINDS = ("raise", "exit", "kill", "hang", "nan")
+ENV = "LOCO_FAULT"
+
+
+class InjectedFault(RuntimeError):
+    """The failure LOCO_FAULT asked for."""
+
+
+@dataclass
+class Fault:
+    rank: int
+    step: int
+    kind: str = "raise"
+
+    @classmethod
+    def parse(cls, text: str) -> "Fault":
+        parts = text.split(":")
+        try:
+            rank, step = int(parts[0]), int(parts[1])
+            kind = parts[2] if len(parts) > 2 else "raise"
+        except (ValueError, IndexError):
+            raise ValueError(f"{ENV} must look like RANK:STEP[:KIND] (got {text!r})") from None
+        if kind not in KINDS or len(parts) > 3:
+            raise ValueError(f"{ENV}: KIND must be one of {', '.join(KINDS)} (got {text!r})")
+        return cls(rank, step, kind)
+
+    @classmethod
+    def for_rank(cls, rank: int) -> "Fault | None":
+        """This rank's fault from the environment, or None."""
+        text = os.environ.get(ENV)
+        if not text:
+            return None
+        fault = cls.parse(text)
+        return fault if fault.rank == rank else None
+
+    def before_step(self, step: int, comm) -> None:
+        """Called by the worker before inner step ``step``."""
+        if step != self.step or self.kind == "nan":
+            return
+        if self.kind == "exit":
+            os._exit(1)
+        if self.kind == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.kind == "hang":
+            while True:  # until the run is aborted (threads); processes are killed
+                comm.check_aborted()
+                time.sleep(0.05)
+        raise InjectedFault(f"injected fault ({os.environ.get(ENV)})")
+
+    def after_backward(self, step: int, params) -> None:
+        """Called after the backward pass of inner step ``step``."""
+        if step == self.step and self.kind == "nan":
+            for p in params:
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+                    return

@@ -1,0 +1,244 @@
+"""``loco compare`` and ``loco report``: every method on one job, a report whose numbers are
+the runs' own, re-rendered identically from disk, and bad plans refused before training."""
+
+import json
+import os
+
+import pytest
+
+import loco.train
+from loco import compare
+from loco.cli import main
+from loco.config import ConfigError
+from loco.report import METHODS
+
+PLOTS = ("loss_vs_tokens.png", "loss_vs_bytes.png", "bytes_vs_time.png", "spread.png")
+
+
+def job(corpus, out, *extra):
+    text, cache = corpus
+    return ["compare", "--model", "tiny", "--workers", "2", "--steps", "16", "--sync-every", "8",
+            "--seq-len", "32", "--batch-size", "4", "--vocab-size", "300", "--eval-every", "8",
+            "--eval-batches", "2", "--final-eval-batches", "4", "--log-every", "2",
+            "--corpus", text, "--cache-dir", cache, "--out", str(out), "--no-progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def compared(corpus, tmp_path_factory):
+    """All five methods plus a labelled second Streaming run in fp32, trained once."""
+    out = tmp_path_factory.mktemp("compare") / "cmp"
+    argv = job(corpus, out, "--algorithms", "ddp,diloco,streaming,noloco,local,wide=streaming",
+               "--set", "wide.codec=fp32", "--set", "noloco.spread-every=4",
+               "--set", "local.spread-every=4")
+    assert main(argv) == 0
+    return out
+
+
+def table_rows(report: str) -> dict[str, list[str]]:
+    """The first markdown table of a report, by method name."""
+    lines = report.split("\n| method |", 1)[1].split("\n\n", 1)[0].splitlines()[2:]
+    cells = [[c.strip() for c in line.strip("|").split("|")] for line in lines]
+    return {row[0]: row for row in cells}
+
+
+def test_compare_writes_report_json_plots_and_one_run_per_method(compared):
+    for name in ("report.md", "compare.json", *PLOTS):
+        assert (compared / name).stat().st_size > 0, name
+    for label in ("ddp", "diloco", "streaming", "noloco", "local", "wide"):
+        for name in ("metrics.jsonl", "summary.json", "loss.png"):
+            assert (compared / label / name).exists(), (label, name)
+    numbers = json.loads((compared / "compare.json").read_text())
+    assert list(numbers) == ["ddp", "diloco", "streaming", "wide", "noloco", "local"]
+    assert numbers["wide"]["config"]["codec"] == "fp32"
+    assert numbers["streaming"]["config"]["codec"] == "fp4_e3m0"
+    # Same job for every method: model, data, seed and tokens.
+    for key in ("tokens", "model_parameters", "inner_steps", "workers"):
+        assert len({n[key] for n in numbers.values()}) == 1, key
+    assert len({n["config"]["seed"] for n in numbers.values()}) == 1
+
+
+def test_report_numbers_are_the_runs_summaries(compared):
+    numbers = json.loads((compared / "compare.json").read_text())
+    rows = table_rows((compared / "report.md").read_text())
+    ddp = json.loads((compared / "ddp" / "summary.json").read_text())
+    for label, entry in numbers.items():
+        summary = json.loads((compared / label / "summary.json").read_text())
+        assert {k: entry[k] for k in summary} == summary  # every field of the run's summary
+        name = METHODS[label] if label in METHODS else f"{label} (Streaming DiLoCo)"
+        row = rows[name]
+        assert float(row[2]) == round(summary["final_eval_loss"], 4)
+        gap = 100 * (summary["final_eval_loss"] / ddp["final_eval_loss"] - 1)
+        assert float(row[3].rstrip("%")) == pytest.approx(gap, abs=0.005)
+        assert int(row[4].replace(",", "")) == summary["bytes_sent_per_worker"]
+        assert int(row[5].replace(",", "")) == summary["peak_sync_bytes_per_worker"]
+        assert float(row[7]) == round(summary["wall_seconds"], 1)
+        assert int(row[8].replace(",", "")) == round(summary["tokens_per_second"])
+        if summary["bytes_sent_per_worker"]:
+            ratio = ddp["bytes_sent_per_worker"] / summary["bytes_sent_per_worker"]
+            assert entry["compare"]["ddp_bytes_over_bytes"] == pytest.approx(ratio)
+    assert rows["Local"][6] == "∞" and numbers["local"]["bytes_sent_per_worker"] == 0
+    # DataParallel sends every step, the others every H steps or never.
+    assert numbers["ddp"]["bytes_sent_per_worker"] > numbers["diloco"]["bytes_sent_per_worker"]
+    assert numbers["wide"]["bytes_sent_per_worker"] > numbers["streaming"]["bytes_sent_per_worker"]
+
+
+def test_metrics_carry_what_the_plots_need(compared):
+    def records(label):
+        return [json.loads(x) for x in (compared / label / "metrics.jsonl").read_text().splitlines()]
+
+    for label in ("noloco", "local"):
+        assert sum("spread" in r for r in records(label)) == 4  # every 4 of 16 steps
+    final = records("diloco")[-1]
+    assert final["step"] == 16 and "eval_loss" in final and final["bytes_sent"] > 0
+
+
+def test_loco_report_reproduces_the_report_from_disk(compared, tmp_path, capsys):
+    before = {n: (compared / n).read_bytes() for n in ("report.md", "compare.json")}
+    for name in ("report.md", "compare.json", *PLOTS):
+        (compared / name).unlink()
+    assert main(["report", str(compared)]) == 0
+    assert {n: (compared / n).read_bytes() for n in before} == before
+    assert all((compared / p).exists() for p in PLOTS)
+    assert "| DataParallel |" in capsys.readouterr().out
+    # Runs picked from elsewhere: the table is the same, the run paths relative to --out.
+    other = tmp_path / "two"
+    assert main(["report", str(compared / "streaming"), str(compared / "diloco"),
+                 "--out", str(other)]) == 0
+    again = json.loads((other / "compare.json").read_text())
+    assert list(again) == ["diloco", "streaming"]
+    assert again["streaming"]["compare"]["run_dir"] == os.path.relpath(compared / "streaming",
+                                                                        other)
+    rows = table_rows((other / "report.md").read_text())
+    assert rows["Streaming DiLoCo"][4] == table_rows(before["report.md"].decode())[
+        "Streaming DiLoCo"][4]
+
+
+def test_report_claims_check_the_papers_targets(compared):
+    report = (compared / "report.md").read_text()
+    claims = report.split("## The papers' claims on this run", 1)[1].split("##", 1)[0]
+    for claim in ("Streaming DiLoCo eval loss within 2% of DiLoCo's",
+                  "DiLoCo eval loss within 5% of DataParallel's",
+                  "NoLoCo eval loss within 3% of DiLoCo's",
+                  "DataParallel sends at least 100× the bytes of Streaming DiLoCo",
+                  "Streaming DiLoCo's peak sync about P=2× below DiLoCo's"):
+        assert claim in claims
+    numbers = json.loads((compared / "compare.json").read_text())
+    peak = (numbers["diloco"]["peak_sync_bytes_per_worker"]
+            / numbers["streaming"]["peak_sync_bytes_per_worker"])
+    assert numbers["streaming"]["compare"]["diloco_peak_over_peak"] == pytest.approx(peak)
+
+
+BAD_PLANS = [
+    (["--algorithms", "ddp,sgd"], "--algorithms", "unknown method 'sgd'"),
+    (["--algorithms", "diloco,diloco"], "--algorithms", "listed twice"),
+    (["--algorithms", "Big=diloco"], "--algorithms", "lower-case"),
+    (["--algorithms", ","], "--algorithms", "at least one"),
+    (["--set", "streaming.steps=10"], "--steps", "same for every method"),
+    (["--set", "diloco.workers=4"], "--workers", "same for every method"),
+    (["--set", "ddp.fragments=4"], "--fragments", "does not apply to ddp"),
+    (["--set", "local.gamma=0.5"], "--gamma", "does not apply to local"),
+    (["--set", "sgd.lr=1"], "--set", "no method 'sgd'"),
+    (["--set", "streaming.fragments"], "--set", "LABEL.OPTION=VALUE"),
+    (["--set", "streaming.bogus=1"], "--set", "unknown option 'bogus'"),
+    (["--set", "streaming.fragments=two"], "--set", "expected int"),
+    (["--set", "streaming.fragments=99"], "method 'streaming': --fragments", "must be in [1, 2]"),
+    (["--set", "streaming.overlap=7"], "method 'streaming': --overlap", "[0, 4)"),
+    (["--workers", "3"], "method 'noloco': --group-size", "divides --workers (3)"),
+    (["--launcher", "torchrun"], "--launcher", "loco report"),
+    (["--steps", "0"], "method 'ddp': --steps", ">= 1"),
+    (["--link-bandwidth", "10MB"], "--link-bandwidth", "100Mbit"),
+    (["--preset", "huge"], "--preset", "invalid choice"),
+]
+
+
+@pytest.mark.parametrize("extra,option,allowed", BAD_PLANS,
+                         ids=[" ".join(e) for e, _, _ in BAD_PLANS])
+def test_bad_plans_fail_in_one_line_before_any_training(extra, option, allowed, corpus,
+                                                        tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    out = tmp_path / "cmp"
+    try:
+        code = main(job(corpus, out, *extra))
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err, err
+    assert option in err and allowed in err, err
+    assert not out.exists()  # nothing was started or written
+
+
+def test_yaml_methods_and_a_finished_run_are_checked_first(corpus, tmp_path, capsys,
+                                                           monkeypatch):
+    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    cfg = tmp_path / "cmp.yaml"
+    cfg.write_text("algorithms: [diloco, streaming]\nmethods:\n  noloco: {gamma: 0.5}\n")
+    assert main(job(corpus, tmp_path / "a", "--config", str(cfg))) == 2
+    assert "'methods' names 'noloco'" in capsys.readouterr().err
+    (tmp_path / "b" / "ddp").mkdir(parents=True)
+    (tmp_path / "b" / "ddp" / "summary.json").write_text("{}")
+    assert main(job(corpus, tmp_path / "b")) == 2
+    assert "already holds a finished run 'ddp'" in capsys.readouterr().err
+
+
+def test_yaml_config_gives_methods_and_options(tmp_path):
+    cfg = tmp_path / "cmp.yaml"
+    cfg.write_text("algorithms: diloco,s4=streaming\nsteps: 60\nmethods:\n"
+                   "  s4: {fragments: 2, codec: int8}\n")
+    plan = compare.plan({"sync_every": 20}, config_file=str(cfg))
+    assert [(m.label, m.algorithm) for m in plan.methods] == [("diloco", "diloco"),
+                                                              ("s4", "streaming")]
+    assert [c.steps for c in plan.configs] == [60, 60]
+    assert plan.configs[1].codec == "int8" and plan.configs[1].sync_every == 20
+
+
+@pytest.mark.parametrize("preset", sorted(compare.PRESETS))
+def test_presets_give_every_method_the_same_job(preset, monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    plan = compare.plan({}, preset=preset)
+    assert [m.label for m in plan.methods] == list(compare.DEFAULT_ALGORITHMS)
+    for option in compare.SHARED:
+        if option not in ("out",):
+            assert len({getattr(c, option) for c in plan.configs}) == 1, option
+    streaming = plan.configs[plan.methods.index(
+        next(m for m in plan.methods if m.algorithm == "streaming"))]
+    assert streaming.codec == "fp4_e3m0" and streaming.overlap == 1
+    # Flags override the preset.
+    assert compare.plan({"steps": 60}, preset=preset).configs[0].steps == 60
+
+
+def test_paper_preset_matches_the_papers_shape(monkeypatch):
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    from loco.model import MODEL_SIZES
+
+    plan = compare.plan({}, preset="paper")
+    by = {m.algorithm: c for m, c in zip(plan.methods, plan.configs)}
+    assert by["diloco"].sync_every == by["streaming"].sync_every == 100
+    layers = MODEL_SIZES[by["streaming"].model]["n_layers"]
+    assert layers // by["streaming"].fragments == 3  # 3 layers per fragment
+    assert by["ddp"].workers == 4
+
+
+def test_follow_metrics_waits_for_whole_lines(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    seen = []
+    follow = compare.FollowMetrics(str(path), seen.append, interval=60)
+    follow._poll()  # no file yet
+    path.write_text('{"step": 1}\n{"step": 2, "train_')
+    follow._poll()
+    assert seen == [{"step": 1}]
+    with open(path, "a") as f:
+        f.write('loss": 3.5}\n{"event": "sync"}\n')
+    follow._poll()
+    assert seen == [{"step": 1}, {"step": 2, "train_loss": 3.5}]
+
+
+def test_report_of_nothing_is_a_clear_error(tmp_path, capsys):
+    assert main(["report", str(tmp_path)]) == 2
+    assert "holds no finished run" in capsys.readouterr().err
+    assert main(["report", str(tmp_path), str(tmp_path)]) == 2
+    assert "--out" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="no such directory"):
+        from loco.report import find_runs
+
+        find_runs([str(tmp_path / "missing")])

@@ -1,0 +1,259 @@
+"""Reliability: exact resume, a lost worker, timeouts, non-finite numbers, bad input."""
+
+import json
+import math
+import os
+import time
+
+import pytest
+import torch
+
+import loco.train
+from loco import checkpoint
+from loco.cli import main
+
+ALGORITHMS = ["ddp", "diloco", "streaming", "noloco"]
+
+
+def job(corpus, out, *extra):
+    """16 steps, H = 4: checkpoints at steps 4, 8, 12 and 16."""
+    text, cache = corpus
+    return ["train", "--model", "tiny", "--workers", "2", "--steps", "16", "--sync-every", "4",
+            "--seq-len", "32", "--batch-size", "4", "--vocab-size", "300", "--eval-every", "8",
+            "--eval-batches", "2", "--final-eval-batches", "4", "--log-every", "2",
+            "--spread-every", "4", "--corpus", text, "--cache-dir", cache, "--out", str(out),
+            "--no-progress", *extra]
+
+
+def records(out):
+    """metrics.jsonl without wall-clock fields."""
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    drop = {"elapsed", "seconds_in_flight", "seconds_waited"}
+    return [{k: v for k, v in json.loads(x).items() if k not in drop} for x in lines]
+
+
+def final_state(out, rank):
+    meta = checkpoint.latest(str(out))
+    return checkpoint.load_rank(str(out), meta["step"], rank)
+
+
+def assert_same_tensors(a, b, path=""):
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            assert_same_tensors(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tensors(x, y, f"{path}[{i}]")
+    else:
+        assert a == b, path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(corpus, tmp_path_factory):
+    """Each algorithm's run without interruption, once."""
+    runs = {}
+    for algorithm in ALGORITHMS:
+        out = tmp_path_factory.mktemp("full") / algorithm
+        assert main(job(corpus, out, "--algorithm", algorithm)) == 0
+        runs[algorithm] = out
+    return runs
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_interrupted_and_resumed_run_is_bit_identical(algorithm, uninterrupted, corpus,
+                                                      tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    monkeypatch.setenv("LOCO_FAULT", "1:11")  # worker 1 fails at step 11, after checkpoint 8
+    assert main(job(corpus, out, "--algorithm", algorithm)) == 1
+    assert "worker 1 failed at step 11: InjectedFault" in capsys.readouterr().err
+    assert checkpoint.latest(str(out))["step"] == 8
+    state = final_state(out, 0)
+    if algorithm == "streaming":  # H/P = 2: fragment sent at step 8 is still in flight
+        assert state["algorithm"]["in_flight"] is not None
+        assert state["algorithm"]["in_flight"]["sent_at"] == 8
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 0
+    full = uninterrupted[algorithm]
+    assert records(out) == records(full)
+    for rank in range(2):
+        a, b = final_state(out, rank), final_state(full, rank)
+        assert a["step"] == b["step"] == 16
+        assert_same_tensors(a["algorithm"], b["algorithm"])  # model, optimizers, outer state
+    sa = json.loads((out / "summary.json").read_text())
+    sb = json.loads((full / "summary.json").read_text())
+    for key in ("final_eval_loss", "bytes_sent_per_worker", "peak_sync_bytes_per_worker",
+                "syncs", "tokens"):
+        assert sa[key] == sb[key], key
+    assert sa["resumed_from_step"] == 8 and sb["resumed_from_step"] is None
+
+
+def test_a_killed_worker_process_is_restarted_from_the_checkpoint(uninterrupted, corpus,
+                                                                  tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.setenv("LOCO_FAULT", "1:10:kill")  # SIGKILL worker 1 at step 10
+    assert main(job(corpus, out, "--algorithm", "diloco", "--launcher", "processes",
+                    "--max-restarts", "1")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["restarts"] == 1 and summary["resumed_from_step"] == 8
+    full = uninterrupted["diloco"]
+    assert records(out) == records(full)
+    for rank in range(2):
+        assert_same_tensors(final_state(out, rank)["algorithm"]["model"],
+                            final_state(full, rank)["algorithm"]["model"])
+
+
+def test_a_failing_thread_stops_the_run_promptly_and_leaves_a_usable_checkpoint(
+        corpus, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    monkeypatch.setenv("LOCO_FAULT", "0:6")
+    t0 = time.perf_counter()
+    assert main(job(corpus, out, "--algorithm", "diloco")) == 1
+    assert time.perf_counter() - t0 < 30
+    err = capsys.readouterr().err
+    assert "worker 0 failed at step 6: InjectedFault" in err and "Traceback" not in err
+    assert checkpoint.latest(str(out))["step"] == 4
+    for rank in range(2):
+        assert final_state(out, rank)["step"] == 4
+    assert not (out / "summary.json").exists()
+
+
+def test_a_peer_that_stops_answering_fails_the_run_within_the_timeout(corpus, tmp_path,
+                                                                      monkeypatch, capsys):
+    monkeypatch.setenv("LOCO_FAULT", "1:6:hang")  # worker 1 freezes; worker 0 syncs at 8
+    t0 = time.perf_counter()
+    assert main(job(corpus, tmp_path / "run", "--algorithm", "diloco",
+                    "--comm-timeout", "3")) == 1
+    took = time.perf_counter() - t0
+    err = capsys.readouterr().err
+    assert "--comm-timeout 3" in err and "worker 0 failed at step 8" in err
+    assert took < 3 + 20  # the timeout, plus start-up and the steps before it
+
+
+@pytest.mark.parametrize("algorithm", ["ddp", "diloco"])
+def test_nonfinite_gradient_skip_counts_and_keeps_parameters_finite(algorithm, corpus,
+                                                                    tmp_path, monkeypatch):
+    out = tmp_path / "run"
+    monkeypatch.setenv("LOCO_FAULT", "1:6:nan")
+    assert main(job(corpus, out, "--algorithm", algorithm, "--on-nonfinite", "skip")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    # DataParallel averages the NaN into both workers' gradient: both skip step 6.
+    assert summary["nonfinite_skipped"]["inner_steps"] == (2 if algorithm == "ddp" else 1)
+    assert math.isfinite(summary["final_eval_loss"])
+    for rank in range(2):
+        for t in final_state(out, rank)["algorithm"]["model"].values():
+            assert torch.isfinite(t).all()
+
+
+def test_nonfinite_gradient_stop_names_worker_and_step(corpus, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    monkeypatch.setenv("LOCO_FAULT", "1:6:nan")
+    assert main(job(corpus, out, "--algorithm", "diloco", "--on-nonfinite", "stop")) == 1
+    err = capsys.readouterr().err
+    assert "worker 1 failed at step 6: NonFiniteError: non-finite gradient at step 6" in err
+    state = final_state(out, 1)  # the last good state
+    assert state["step"] == 4
+    assert all(torch.isfinite(t).all() for t in state["algorithm"]["model"].values())
+
+
+def test_nonfinite_pseudo_gradient_is_skipped_before_the_global_parameters():
+    from loco import DiLoCo, launch
+
+    def worker(ctx):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 4)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        algo = DiLoCo(model, opt, ctx.comm, sync_every=2, on_nonfinite="skip")
+        before = {k: v.clone() for k, v in algo.global_parameters().items()}
+        for step in range(2):
+            model(torch.ones(2, 4)).sum().backward()
+            if step == 1 and ctx.rank == 1:  # finite gradient, exploded weights
+                with torch.no_grad():
+                    model.weight.fill_(float("inf"))
+            algo.step()
+            algo.zero_grad()
+        algo.flush()
+        after = algo.global_parameters()
+        return (algo.skipped["syncs"], all(torch.equal(before[k], after[k]) for k in before),
+                all(torch.isfinite(p).all() for p in model.parameters()))
+
+    assert launch(worker, 2) == [(1, True, True)] * 2
+
+
+def test_checkpoints_are_plain_data_never_arbitrary_objects(tmp_path):
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("echo owned > " + str(tmp_path / "owned"),))
+
+    path = checkpoint.rank_file(str(tmp_path), 4, 0)
+    os.makedirs(os.path.dirname(path))
+    torch.save({"step": 4, "evil": Evil()}, path)
+    with pytest.raises(checkpoint.CheckpointError, match="rank0000.pt is corrupt"):
+        checkpoint.load_rank(str(tmp_path), 4, 0)
+    assert not (tmp_path / "owned").exists()
+
+
+def test_checkpoint_files_are_replaced_whole(tmp_path):
+    checkpoint.save_rank(str(tmp_path), 4, 0, {"step": 4, "x": torch.arange(3)})
+    checkpoint.commit(str(tmp_path), 4, {"world_size": 1})
+    checkpoint.save_rank(str(tmp_path), 8, 0, {"step": 8, "x": torch.arange(5)})
+    assert checkpoint.latest(str(tmp_path))["step"] == 4  # not yet committed
+    checkpoint.commit(str(tmp_path), 8, {"world_size": 1})
+    assert checkpoint.latest(str(tmp_path))["step"] == 8
+    assert not os.path.exists(checkpoint.step_dir(str(tmp_path), 4))  # older ones pruned
+    assert [f for f in os.listdir(checkpoint.step_dir(str(tmp_path), 8))] == ["rank0000.pt"]
+
+
+@pytest.fixture(scope="module")
+def finished(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("done") / "run"
+    assert main(job(corpus, out, "--algorithm", "diloco")) == 0
+    return out
+
+
+def bad_inputs(out):
+    return [
+        (["--checkpoint-every", "-1"], "--checkpoint-every", ">= 0"),
+        (["--max-restarts", "-1"], "--max-restarts", "[0, 100]"),
+        (["--on-nonfinite", "ignore"], "--on-nonfinite", "invalid choice"),
+        (["--resume", str(out.parent / "nowhere")], "--resume", "no such directory"),
+        (["--resume", str(out.parent)], "--resume", "has no checkpoint"),
+        (["--out", str(out)], "--out", f"--resume {out}"),
+    ]
+
+
+def test_bad_reliability_inputs_fail_before_any_worker(finished, corpus, capsys, monkeypatch):
+    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    for extra, option, allowed in bad_inputs(finished):
+        argv = job(corpus, finished.parent / "other") + extra
+        if extra[0] == "--out":  # the finished run's own directory
+            argv = job(corpus, finished)
+        if extra[0] == "--resume":
+            argv = ["train", *extra]
+        try:
+            code = main(argv)
+        except SystemExit as e:
+            code = e.code
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and len(err.splitlines()) == 1, (extra, err)
+        assert option in err and allowed in err, (extra, err)
+
+
+def test_resume_refuses_changed_options_and_names_a_corrupt_file(finished, capsys,
+                                                                 monkeypatch):
+    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    assert main(["train", "--resume", str(finished), "--lr", "0.1"]) == 2
+    err = capsys.readouterr().err
+    assert "--lr: differs from the run being resumed (0.003)" in err
+    # Options about how it runs may change.
+    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: [{"rank": 0}])
+    assert main(["train", "--resume", str(finished), "--comm-timeout", "60",
+                 "--launcher", "processes"]) == 0
+    path = checkpoint.rank_file(str(finished), 16, 1)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    assert main(["train", "--resume", str(finished)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "rank0001.pt is corrupt or truncated" in err
