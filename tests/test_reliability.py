@@ -3,6 +3,8 @@
 import json
 import math
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -90,14 +92,24 @@ def test_interrupted_and_resumed_run_is_bit_identical(algorithm, uninterrupted, 
     assert sa["resumed_from_step"] == 8 and sb["resumed_from_step"] is None
 
 
-def test_a_killed_worker_process_is_restarted_from_the_checkpoint(uninterrupted, corpus,
+@pytest.mark.parametrize("how", ["processes", "torchrun"])
+def test_a_killed_worker_process_is_restarted_from_the_checkpoint(how, uninterrupted, corpus,
                                                                   tmp_path, monkeypatch):
     out = tmp_path / "run"
     monkeypatch.setenv("LOCO_FAULT", "1:10:kill")  # SIGKILL worker 1 at step 10
-    assert main(job(corpus, out, "--algorithm", "diloco", "--launcher", "processes",
-                    "--max-restarts", "1")) == 0
+    argv = job(corpus, out, "--algorithm", "diloco")
+    if how == "processes":
+        assert main(argv + ["--launcher", "processes", "--max-restarts", "1"]) == 0
+    else:
+        i = argv.index("--workers")
+        del argv[i:i + 2]  # torchrun decides the number of workers
+        res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                              "--nproc-per-node", "2", "--max-restarts", "1", "-m", "loco",
+                              *argv], capture_output=True, text=True, timeout=240)
+        assert res.returncode == 0, res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["restarts"] == 1 and summary["resumed_from_step"] == 8
+    assert summary["launcher"] == how
     full = uninterrupted["diloco"]
     assert records(out) == records(full)
     for rank in range(2):
