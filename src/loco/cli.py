@@ -263,11 +263,9 @@ def _report(args: argparse.Namespace) -> int:
                   "one DIR is given", file=sys.stderr)
             return 2
         out = args.dirs[0]
-    try:
-        numbers = write_report(find_runs(args.dirs), out)
-    except ConfigError as e:
-        print(f"loco report: error: {e}", file=sys.stderr)
-        return 2
+    code, numbers = _guarded("report", lambda: write_report(find_runs(args.dirs), out))
+    if code:
+        return code
     _print_report(out, numbers)
     return 0
 

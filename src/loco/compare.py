@@ -213,7 +213,9 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
     if values.get("resume"):
         raise ConfigError("resume", "loco compare starts fresh runs; continue one method's "
                           "run with loco train --resume OUT/LABEL, then loco report OUT")
-    if values.get("launcher") == "torchrun" or _under_torchrun():
+    from loco.runtime import under_torchrun
+
+    if values.get("launcher") == "torchrun" or under_torchrun():
         raise ConfigError("launcher", "loco compare runs its methods one after another in "
                           "this process (threads or processes); under torchrun, run loco "
                           "train once per method and then loco report on their directories")
@@ -249,16 +251,12 @@ class MethodError(ConfigError):
         self.option = error.option
 
 
-def _under_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
-
-
 def run(p: Plan, progress: bool = True) -> dict[str, dict]:
     """Train every method of the plan, one after another, then write the report. Returns
     ``compare.json``'s contents."""
     from tqdm import tqdm
 
-    from loco.report import load_run, write_report
+    from loco.report import load_run, order_key, write_report
     from loco.train import check_fits, human_bytes, launch_training, prepare_data
 
     for w in p.warnings:
@@ -287,8 +285,6 @@ def run(p: Plan, progress: bool = True) -> dict[str, dict]:
                   f"{summary['wall_seconds']:.0f} s")
         runs.append(load_run(cfg.out, m.label))
     bar.close()
-    from loco.report import order_key
-
     return write_report(sorted(runs, key=order_key), p.out)
 
 

@@ -23,14 +23,13 @@ from tqdm import tqdm
 
 from loco import checkpoint
 from loco.algorithms import ALGORITHMS, Algorithm
-from loco.algorithms.base import flatten_fp32, unflatten_views
+from loco.algorithms.base import NonFiniteError, flatten_fp32, unflatten_views
+from loco.algorithms.fragments import split_fragments
+from loco.comm.interface import Aborted
+from loco.comm.link import LinkSpec
 from loco.config import ConfigError, TrainConfig, resolve, validate, warnings_for
 from loco.data import Corpus, CorpusError, TokenLoader, eval_batches, prepare_corpus
 from loco.model import Transformer, model_config
-from loco.algorithms.fragments import split_fragments
-from loco.comm.link import LinkSpec
-from loco.algorithms.base import NonFiniteError
-from loco.comm.interface import Aborted
 from loco.runtime import WorkerContext, launch, under_torchrun
 from loco.runtime.faults import Fault, InjectedFault
 from loco.runtime.pipeline import PipelineStage
@@ -298,8 +297,9 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
                     record.update(bytes_sent=sent, elapsed=time.perf_counter() - start)
                     log.metric(record)
                 train_seconds = time.perf_counter() - loop_start - eval_seconds
+                this_run = max(train_seconds - loop["train_seconds"], 1e-9)  # since (re)start
                 bar.set_postfix(loss=f"{loss_value:.3f}",
-                                tok_s=f"{(step - first + 1) * tokens_per_step / max(train_seconds - loop['train_seconds'], 1e-9):,.0f}",
+                                tok_s=f"{(step - first + 1) * tokens_per_step / this_run:,.0f}",
                                 sent=human_bytes(sent),
                                 cu=f"{1 - blocked_seconds(ctx) / train_seconds:.0%}",
                                 refresh=False)
