@@ -339,3 +339,42 @@ def test_simulate_commands_print_json_without_loading_torch(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-2000:]
     assert json.loads(res.stdout)["latency_ratio"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["simulate", "utilization", "--model", "1b"],
+    ["simulate", "utilization", "--model", "1b", "--json"],
+    ["simulate", "latency", "--workers", "4,8", "--sync-every", "1,10", "--trials", "5"],
+    ["simulate", "latency", "--workers", "4,8", "--sync-every", "1,10", "--trials", "5",
+     "--json"],
+    ["--help"], ["train", "--help"], ["compare", "--help"], ["report", "--help"],
+    ["simulate", "utilization", "--help"], ["simulate", "latency", "--help"],
+], ids=" ".join)
+def test_commands_write_no_file_unless_asked(argv, tmp_path, monkeypatch, capsys):
+    """A command writes only where it is told (--plot, --out): nothing in the working
+    directory by default, with or without --json."""
+    monkeypatch.chdir(tmp_path)
+    try:
+        assert main(argv) == 0
+    except SystemExit as done:  # --help
+        assert done.code == 0
+    assert list(tmp_path.iterdir()) == []
+    if "--json" in argv:
+        json.loads(capsys.readouterr().out)  # nothing but the JSON on stdout
+
+
+def test_report_of_one_run_writes_into_it_only(corpus, tmp_path, monkeypatch):
+    """`loco report DIR` writes into DIR and nowhere else; --out elsewhere leaves DIR as it
+    was."""
+    out = tmp_path / "run"
+    assert main(small_run(corpus, out)) == 0
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    before = sorted(p.name for p in out.iterdir())
+    assert main(["report", str(out), "--out", str(tmp_path / "elsewhere")]) == 0
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert list(work.iterdir()) == []
+    assert (tmp_path / "elsewhere" / "report.md").exists()
+    assert main(["report", str(out)]) == 0
+    assert (out / "report.md").exists() and list(work.iterdir()) == []

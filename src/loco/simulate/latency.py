@@ -67,7 +67,6 @@ DEFAULT_STEP_SIGMA = 0.1
 DEFAULT_SYNC_EVERY = "1,10,50,100,500"
 DEFAULT_TRIALS = 100
 DEFAULT_SEED = 0
-DEFAULT_PLOT = "latency.png"
 MAX_WORKERS = 65536
 MAX_SIGMA = 4.0
 
@@ -246,8 +245,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"{DEFAULT_TRIALS}; the time grows with trials x max N x max H)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED, metavar="N",
                         help=f"seed of the random draws, >= 0 (default: {DEFAULT_SEED})")
-    parser.add_argument("--plot", default=DEFAULT_PLOT, metavar="PATH",
-                        help=f"PNG to write, '' for none (default: {DEFAULT_PLOT})")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="write a PNG of both models to PATH (default: no file is written)")
     parser.add_argument("--json", action="store_true",
                         help="print the numbers as JSON only, no tables")
 
@@ -364,6 +363,5 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result, indent=1))
     else:
         print(format_tables(result))
-        if args.plot:
-            print(f"\nwrote {args.plot}")
+        print(f"\nwrote {args.plot}" if args.plot else "\n(add --plot PATH to draw these)")
     return 0

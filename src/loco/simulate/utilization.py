@@ -377,9 +377,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--targets", default=",".join(target_key(t) for t in TARGETS),
                         help="comma-separated compute utilizations in (0, 1) to find the "
                         "bandwidth for (default: 0.5,0.8,0.9,0.95,0.99)")
-    parser.add_argument("--plot", default="utilization.png",
-                        help="PNG of CU against bandwidth, one panel per model; an empty "
-                        "string skips it (default: utilization.png)")
+    parser.add_argument("--plot", default=None, metavar="PATH",
+                        help="write a PNG of CU against bandwidth, one panel per model, to "
+                        "PATH (default: no file is written)")
     parser.add_argument("--json", action="store_true",
                         help="print only {model: {method: {target: Gbit/s}}} as JSON, null "
                         "where unreachable (default: a readable table)")
@@ -457,6 +457,8 @@ def run(args: argparse.Namespace) -> int:
                           for model, methods in results.items()}, indent=2))
     else:
         print(format_table(results, specs, targets, s))
+        if not args.plot:
+            print("\n(add --plot PATH to draw CU against bandwidth)")
     if args.plot:
         path = plot(specs, args.plot, _plot_range(results), targets, **settings)
         print(f"plot: {path}", file=sys.stderr if args.json else sys.stdout)
