@@ -215,8 +215,10 @@ def test_same_job_under_processes_and_torchrun_matches_threads(corpus, tmp_path,
     got = json.loads((tmp_path / how / "summary.json").read_text())
     assert got["launcher"] == how and got["workers"] == 2
     assert got["bytes_sent_per_worker"] == ref["bytes_sent_per_worker"]
-    # same maths; only a different intra-op thread count could change float rounding
-    assert got["final_eval_loss"] == pytest.approx(ref["final_eval_loss"], abs=1e-4)
+    # The same operations on the same CPU: bit-identical. (torchrun gives each process one
+    # intra-op thread, the threads launcher cores ÷ workers; the tiny model's operations are
+    # below torch's parallel grain, so the count splits nothing: checked with 1 to 16.)
+    assert got["final_eval_loss"] == ref["final_eval_loss"]
 
 
 def test_warns_when_the_last_round_never_syncs(corpus, tmp_path, capsys):
@@ -229,6 +231,7 @@ def records_of(out):
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("algorithm", ["diloco", "ddp"])
 def test_pipeline_stages_with_fixed_routing_train_like_the_unsplit_model(corpus, tmp_path,
                                                                          algorithm):
@@ -244,8 +247,11 @@ def test_pipeline_stages_with_fixed_routing_train_like_the_unsplit_model(corpus,
         a = [(r["step"], r[key]) for r in whole if key in r]
         b = [(r["step"], r[key]) for r in piped if key in r]
         assert [s for s, _ in a] == [s for s, _ in b] and len(a) >= 2
+        # The stage boundary groups the matmul sums and the clipping norm differently, a few
+        # ulps per step; AdamW carries them 12 steps. Losses lie in [4, 8), ulp 2^-21: 16 ulps
+        # (measured: at most 1/3 ulp, on the generic, AVX2 and AVX-512 kernels).
         for (_, x), (_, y) in zip(a, b):
-            assert y == pytest.approx(x, abs=2e-5)
+            assert y == pytest.approx(x, abs=16 * 2.0**-21)
     summary = json.loads((tmp_path / "piped" / "summary.json").read_text())
     assert summary["stages"] == 2 and summary["routing"] == "fixed"
     assert len(summary["per_worker"]) == 4  # ranks
@@ -283,7 +289,7 @@ def test_pipeline_stages_under_the_processes_launcher(corpus, tmp_path):
     got = json.loads((tmp_path / "procs" / "summary.json").read_text())
     assert got["launcher"] == "processes" and got["stages"] == 2
     assert got["pipeline_bytes_sent_per_rank"] == ref["pipeline_bytes_sent_per_rank"]
-    assert got["final_eval_loss"] == pytest.approx(ref["final_eval_loss"], abs=1e-4)
+    assert got["final_eval_loss"] == ref["final_eval_loss"]  # as above: bit-identical
 
 
 def test_emulated_link_slows_blocking_reductions_and_is_reported(corpus, tmp_path, capsys):

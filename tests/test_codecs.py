@@ -8,6 +8,8 @@ import torch
 
 from loco.comm.codecs import CODEC_NAMES, get_codec
 
+pytestmark = pytest.mark.numerics
+
 SCALED = ("fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1")
 BITS = {"fp32": 32, "bf16": 16, "fp8_e4m3": 8, "int8": 8, "fp4_e3m0": 4, "fp4_e2m1": 4}
 FMT_MAX = {"fp8_e4m3": 448.0, "int8": 127.0, "fp4_e3m0": 16.0, "fp4_e2m1": 6.0}

@@ -7,7 +7,10 @@ import pytest
 
 import loco
 from loco.algorithms.noloco import convergence_warnings
-from workers import diloco_worker, make_model, make_optimizer, max_diff, noloco_worker, reference_noloco
+from workers import (diloco_worker, make_model, make_optimizer, max_diff, noloco_worker,
+                     reference_noloco, ulps)
+
+pytestmark = pytest.mark.numerics
 
 PAPER = dict(outer_lr=0.7, outer_momentum=0.5, gamma=0.7)
 
@@ -19,8 +22,10 @@ def test_matches_reference(workers, group_size, nesterov):
     out = loco.launch(noloco_worker, workers, args=(steps,),
                       kwargs=dict(sync_every=H, group_size=group_size, nesterov=nesterov, **PAPER))
     ref = reference_noloco(workers, steps, H, group_size, 0.7, 0.5, 0.7, nesterov)
+    # The reference writes the outer step with the same tensor operations in the same order
+    # (group means summed in group order, then divided by n): bit for bit on any CPU.
     for r, expected in zip(out, ref):
-        assert max_diff(r["params"], expected) < 1e-5
+        assert max_diff(r["params"], expected) == 0
     if group_size < workers:  # replicas stay different: only pairs talked
         assert max_diff(out[0]["params"], out[1]["params"]) > 1e-6
 
@@ -42,7 +47,10 @@ def test_one_group_of_all_workers_is_diloco_with_heavy_ball():
                       kwargs=dict(sync_every=H, group_size=M, outer_lr=0.7, outer_momentum=0.9,
                                   gamma=0.7))
     dil = loco.launch(diloco_worker, M, args=(steps, H, 0.7, 0.9, False))
-    assert max_diff(nol[0]["params"], dil[0]["params"]) < 1e-5
+    # The same step written two ways: NoLoCo's δ ← αδ + β·mean(Δ), φ ← φ + δ against
+    # DiLoCo's m ← μm + Δ̄, θ ← θ − lr·m; each rounds (and fuses) differently, about 2
+    # roundings of θ per outer step (measured: at most 1.5 ulps).
+    assert max_diff(nol[0]["params"], dil[0]["params"]) <= ulps(dil[0]["params"], 2 * steps // H)
 
 
 def test_no_operation_during_training_involves_all_workers_and_bytes_are_exact():

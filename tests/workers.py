@@ -58,12 +58,20 @@ def diloco_worker(ctx, steps, sync_every, outer_lr, outer_momentum, nesterov=Tru
     return {"params": params_of(algo.global_parameters()), "sent": ctx.comm.totals().sent_bytes}
 
 
-def ddp_worker(ctx, steps, clip=None):
+def ddp_worker(ctx, steps, clip=None, optimizer=make_optimizer):
+    """DataParallel; also returns the gradient every step applied (averaged and clipped)."""
     model = make_model()
-    opt = make_optimizer(model)
+    opt = optimizer(model)
     algo = loco.DataParallel(model, opt, ctx.comm, max_grad_norm=clip)
-    train_steps(model, opt, ctx.rank, range(steps), lambda: (algo.step(), algo.zero_grad()))
-    return {"params": params_of(algo.global_parameters()), "sent": ctx.comm.totals().sent_bytes}
+    grads = []
+
+    def step():
+        algo.step()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        algo.zero_grad()
+    train_steps(model, opt, ctx.rank, range(steps), step)
+    return {"params": params_of(algo.global_parameters()), "sent": ctx.comm.totals().sent_bytes,
+            "grads": grads}
 
 
 def streaming_worker(ctx, steps, layers=4, step_hook=None, **kw):
@@ -192,23 +200,42 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     return out
 
 
-def reference_big_batch(workers, steps, clip=None):
-    """One process training on every worker's batch at once (batch workers x BATCH)."""
+def reference_big_batch(workers, steps, clip=None, optimizer=make_optimizer):
+    """One process training on every worker's batch at once (batch workers x BATCH); returns
+    the parameters and the gradient every step applied."""
     model = make_model()
-    opt = make_optimizer(model)
+    opt = optimizer(model)
+    grads = []
     for t in range(steps):
         xs, ys = zip(*(batch(m, t) for m in range(workers)))
         model(torch.cat(xs), torch.cat(ys)).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         opt.step()
         opt.zero_grad()
-    return params_of(dict(model.named_parameters()))
+    return params_of(dict(model.named_parameters())), grads
 
 
 def max_diff(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+# --------------------------------------------------------------------------- tolerances
+# A result and its single-process reference, computed on the same CPU, agree bit for bit
+# when both run the same operations in the same order; the tests then assert equality, on
+# every instruction set. Where the reference is written another way (by hand, or grouping a
+# sum differently), rounding may differ: a multiply-add fused into one rounding (FMA) by the
+# AVX2/AVX-512 kernels and rounded twice by the generic ones, or a sum added up in another
+# order. Such a tolerance counts the rounding errors that can differ, in units of
+# EPS * max|value|, which is at least one unit in the last place (ulp) of every value.
+EPS = torch.finfo(torch.float32).eps  # 2^-23, the ulp of values in [1, 2)
+
+
+def ulps(values: dict, n: float) -> float:
+    """n ulps of the largest magnitude among ``values`` (name -> tensor)."""
+    return n * EPS * max(v.abs().max().item() for v in values.values())
 
 
 # --------------------------------------------------------------------------- NoLoCo
