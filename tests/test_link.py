@@ -15,7 +15,8 @@ LATENCY = 0.05
 
 
 @pytest.mark.parametrize("text,bits", [("100Mbit", 1e8), ("1Gbit", 1e9), ("1.5gbit/s", 1.5e9),
-                                       ("800kbit", 8e5), ("10mbps", 1e7), ("2e6", 2e6)])
+                                       ("800kbit", 8e5), ("10mbps", 1e7), ("10Mbps", 1e7),
+                                       ("2e6", 2e6), ("1E6", 1e6)])
 def test_parse_bandwidth(text, bits):
     assert parse_bandwidth(text) == pytest.approx(bits)
 
@@ -26,7 +27,8 @@ def test_parse_latency(text, seconds):
     assert parse_latency(text) == pytest.approx(seconds)
 
 
-@pytest.mark.parametrize("bad", ["fast", "100MB", "0Mbit", "-1Gbit", "", "inf"])
+@pytest.mark.parametrize("bad", ["fast", "100MB", "10MBps", "10MB/s", "1GBit", "0Mbit",
+                                 "-1Gbit", "", "inf"])
 def test_bad_bandwidth(bad):
     with pytest.raises(ValueError, match="100Mbit"):
         parse_bandwidth(bad)
@@ -121,3 +123,11 @@ def test_point_to_point_operations_pay_the_link_too():
         # 100 KB each way: 0.1 s + latency
         assert r["exchange"] >= LATENCY + 0.1 - 1e-3
         assert r["sendrecv"] >= LATENCY + 0.1 - 1e-3
+
+
+@pytest.mark.parametrize("kw", [dict(bandwidth=0), dict(bandwidth=-1.0),
+                                dict(bandwidth=math.nan), dict(latency=-0.1),
+                                dict(latency=math.inf)])
+def test_link_spec_refuses_bad_values(kw):
+    with pytest.raises(ValueError, match="LinkSpec: (bandwidth|latency)"):
+        LinkSpec(**kw)

@@ -30,15 +30,27 @@ from dataclasses import dataclass
 
 _PREFIXES = {"": 1.0, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}
 _LATENCY_UNITS = {"s": 1.0, "ms": 1e-3, "us": 1e-6}
-_NUMBER = r"(\d+(?:\.\d*)?(?:e[+-]?\d+)?|\.\d+)"
+_NUMBER = r"(\d+(?:\.\d*)?(?:[eE][+-]?\d+)?|\.\d+)"
 
 
 def parse_bandwidth(text: str) -> float:
     """Bits per second from ``"100Mbit"``, ``"1.5Gbit/s"``, ``"800kbit"``, ``"10Mbps"`` (a
     bare number is bits per second; bytes are not accepted, to avoid a factor 8 mistake).
-    Raises ValueError otherwise."""
-    m = re.fullmatch(_NUMBER + r"\s*(?:([kmgt]?)(?:bit(?:/s|ps)?|bps))?", text.strip().lower())
-    value = float(m.group(1)) * _PREFIXES[m.group(2) or ""] if m else math.nan
+
+    Args:
+        text: a number > 0, optionally followed by ``bit``, ``bit/s``, ``bitps`` or ``bps``
+            with an optional prefix k, M, G or T (powers of 1000, any case). The unit's b
+            must be lower case: ``B`` means bytes (``10MBps``, ``10MB/s``) and is refused.
+
+    Returns:
+        The rate in bits per second, finite and > 0.
+
+    Raises:
+        ValueError: anything else (a unit of bytes, a rate <= 0, not finite).
+    """
+    # Case-insensitive but for the unit's b: lower-cased, 10MBps (bytes) would read as 10Mbps.
+    m = re.fullmatch(_NUMBER + r"\s*(?:([kmgtKMGT]?)(?:bit(?:/s|ps)?|bps))?", text.strip())
+    value = float(m.group(1)) * _PREFIXES[(m.group(2) or "").lower()] if m else math.nan
     if not (value > 0 and math.isfinite(value)):
         raise ValueError(f"expected a rate > 0 such as 100Mbit, 1Gbit or 800kbit "
                          f"(got {text!r})")
@@ -46,7 +58,17 @@ def parse_bandwidth(text: str) -> float:
 
 
 def parse_latency(text: str) -> float:
-    """Seconds from ``"50ms"``, ``"0.2s"``, ``"300us"`` (a bare number is seconds)."""
+    """Seconds from ``"50ms"``, ``"0.2s"``, ``"300us"`` (a bare number is seconds).
+
+    Args:
+        text: a number >= 0, optionally followed by ``s``, ``ms`` or ``us``.
+
+    Returns:
+        The delay in seconds, finite and >= 0.
+
+    Raises:
+        ValueError: anything else.
+    """
     m = re.fullmatch(_NUMBER + r"\s*(s|ms|us)?", text.strip().lower())
     value = float(m.group(1)) * _LATENCY_UNITS[m.group(2) or "s"] if m else math.nan
     if not (value >= 0 and math.isfinite(value)):
@@ -56,21 +78,50 @@ def parse_latency(text: str) -> float:
 
 @dataclass(frozen=True)
 class LinkSpec:
-    """A link's speed: ``bandwidth`` in bits per second (inf: unlimited), ``latency`` in s."""
+    """A link's speed: ``bandwidth`` in bits per second (inf: unlimited), ``latency`` in s.
+
+    Args:
+        bandwidth: bits per second, > 0; default ``math.inf`` (unlimited).
+        latency: one-way delay added to every operation, in seconds, >= 0; default 0.
+
+    Raises:
+        ValueError: a bandwidth <= 0 or a negative or infinite latency.
+    """
 
     bandwidth: float = math.inf
     latency: float = 0.0
 
+    def __post_init__(self):
+        if not self.bandwidth > 0:  # also refuses NaN
+            raise ValueError(f"LinkSpec: bandwidth must be > 0 bits/s (got {self.bandwidth!r})")
+        if not (self.latency >= 0 and math.isfinite(self.latency)):
+            raise ValueError(f"LinkSpec: latency must be >= 0 s and finite "
+                             f"(got {self.latency!r})")
+
     @classmethod
     def parse(cls, bandwidth: str | None, latency: str | None) -> "LinkSpec | None":
-        """From the command line's strings; None when neither is given."""
+        """From the command line's strings; None when neither is given.
+
+        Args:
+            bandwidth: a rate for [`parse_bandwidth`][loco.comm.link.parse_bandwidth], or
+                None for unlimited.
+            latency: a delay for [`parse_latency`][loco.comm.link.parse_latency], or None
+                for 0.
+
+        Raises:
+            ValueError: a string that does not parse.
+        """
         if bandwidth is None and latency is None:
             return None
         return cls(math.inf if bandwidth is None else parse_bandwidth(bandwidth),
                    0.0 if latency is None else parse_latency(latency))
 
     def seconds(self, nbytes: int) -> float:
-        """Time for ``nbytes`` on an idle link: latency + bytes · 8 / bandwidth."""
+        """Time for ``nbytes`` on an idle link: latency + bytes · 8 / bandwidth.
+
+        Args:
+            nbytes: bytes to move, >= 0.
+        """
         return self.latency + nbytes * 8 / self.bandwidth
 
     def __str__(self) -> str:
@@ -80,7 +131,16 @@ class LinkSpec:
 
 
 class EmulatedLink:
-    """One worker's link, shared by all its Comms: a FIFO of transfers (see the module doc)."""
+    """One worker's link, shared by all its Comms: a FIFO of transfers.
+
+    A transfer of B bytes occupies the link for ``B · 8 / bandwidth`` seconds, behind the
+    transfers queued before it (first come, first served); the latency is added once after
+    its last byte and does not occupy the link. The Comm's operation completes no earlier
+    than that.
+
+    Args:
+        spec: the link's bandwidth and latency.
+    """
 
     def __init__(self, spec: LinkSpec):
         self.spec = spec
@@ -89,7 +149,15 @@ class EmulatedLink:
 
     def reserve(self, nbytes: int, start: float | None = None) -> float:
         """Queue a transfer of ``nbytes`` that starts at ``start`` (default now); return the
-        time.perf_counter() at which it has arrived."""
+        time.perf_counter() at which it has arrived.
+
+        It begins when the link is free (after the transfers queued before it), occupies
+        the link for ``nbytes · 8 / bandwidth`` and arrives ``latency`` after that.
+
+        Args:
+            nbytes: bytes to move, >= 0.
+            start: the ``time.perf_counter()`` it is ready to go; default None (now).
+        """
         start = time.perf_counter() if start is None else start
         with self._lock:
             begin = max(start, self._free_at)
@@ -98,7 +166,12 @@ class EmulatedLink:
 
     @staticmethod
     def hold_until(deadline: float, aborted: threading.Event | None = None) -> None:
-        """Sleep until ``deadline`` (a time.perf_counter() value), waking early on abort."""
+        """Sleep until ``deadline`` (a time.perf_counter() value), waking early on abort.
+
+        Args:
+            deadline: the ``time.perf_counter()`` to sleep until.
+            aborted: an event that ends the wait early (checked every 50 ms); default None.
+        """
         while (left := deadline - time.perf_counter()) > 0:
             if aborted is not None and aborted.is_set():
                 return
