@@ -1,1 +1,191 @@
-"""MkDocs hooks (placeholder; the docstring check lands here)."""
+"""MkDocs hooks: fail the build on an incomplete API reference, generate the options table.
+
+* ``on_pre_build`` runs :func:`docstring_problems` on ``docs/reference`` and logs a warning for
+  each problem, so ``mkdocs build --strict`` fails on a missing or incomplete docstring.
+* ``on_page_markdown`` replaces ``<!-- loco-train-options -->`` with a table of every
+  ``loco train`` option, generated from :class:`loco.config.TrainConfig`.
+
+Only the standard library is imported here (loco on use), so the tests can load this file
+without mkdocs installed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+import importlib
+import inspect
+import logging
+import re
+from pathlib import Path
+
+log = logging.getLogger("mkdocs.plugins.loco")
+
+DIRECTIVE = re.compile(r"^:::\s+([\w.]+)\s*$", re.MULTILINE)
+MARKER = "<!-- loco-train-options -->"
+
+
+# ------------------------------------------------------------------------ docstring checker
+def directives(reference_dir: str | Path) -> list[str]:
+    """The dotted paths of every ``::: path`` directive in ``reference_dir/*.md``."""
+    return [path for page in sorted(Path(reference_dir).glob("*.md"))
+            for path in DIRECTIVE.findall(page.read_text(encoding="utf-8"))]
+
+
+def resolve(path: str):
+    """Import the object a dotted path names: the longest importable module, then attributes."""
+    parts = path.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for name in parts[i:]:
+            obj = getattr(obj, name)
+        return obj
+    raise ImportError(f"no module in {path}")
+
+
+def args_section(doc: str | None) -> set[str]:
+    """The names listed in a Google-style ``Args:`` section: ``name:``, ``name (type):``,
+    ``*args:``, ``**kwargs:`` at the section's first indentation level."""
+    lines = inspect.cleandoc(doc or "").splitlines()
+    names: set[str] = set()
+    for i, line in enumerate(lines):
+        if line.strip() not in ("Args:", "Arguments:"):
+            continue
+        header, entry = len(line) - len(line.lstrip()), None
+        for body in lines[i + 1:]:
+            indent = len(body) - len(body.lstrip())
+            if body.strip() and indent <= header:
+                break  # the section ends where the text comes back to its header's level
+            if body.strip() and (entry is None or indent == entry):
+                entry = indent
+                match = re.match(r"\s*(\*{0,2}\w+)\s*(\([^)]*\))?:", body)
+                if match:
+                    names.add(match.group(1))
+    return names
+
+
+def parameters(func, skip_first: bool) -> list[str]:
+    """Parameter names of ``func`` as written in ``Args:`` (``*args``, ``**kwargs``)."""
+    try:
+        params = list(inspect.signature(func).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    stars = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}
+    return [stars.get(p.kind, "") + p.name for p in params[1 if skip_first else 0:]]
+
+
+def _in_package(obj, package: str) -> bool:
+    return (getattr(obj, "__module__", None) or "").split(".")[0] == package
+
+
+def _check_args(where: str, doc: str | None, params: list[str], documented=()) -> list[str]:
+    listed = args_section(doc)
+    return ([f"{where}: parameter {p} is not in Args" for p in params
+             if p not in listed and p not in documented]
+            + [f"{where}: Args lists {name}, which is not a parameter"
+               for name in sorted(listed - set(params))])
+
+
+def _check_function(where: str, func, is_method: bool = False) -> list[str]:
+    if not (func.__doc__ or "").strip():
+        return [f"{where}: no docstring"]
+    return _check_args(where, func.__doc__, parameters(func, skip_first=is_method))
+
+
+def _check_class(where: str, cls: type) -> list[str]:
+    """The class, its ``__init__`` arguments and every public method or property it defines
+    or inherits from a class of its own package (loco's, not torch's or the builtins')."""
+    package = where.split(".")[0]
+    problems = [] if (cls.__doc__ or "").strip() else [f"{where}: no docstring"]
+    owner = next(k for k in cls.__mro__ if "__init__" in vars(k))
+    if _in_package(owner, package):  # merge_init_into_class: Args of the class
+        doc = (cls.__doc__ or "") + "\n\n" + (vars(owner)["__init__"].__doc__ or "")
+        # A dataclass field with a help text is documented by it (the options table).
+        helped = {f.name for f in dataclasses.fields(cls) if f.metadata.get("help")} \
+            if dataclasses.is_dataclass(cls) else set()
+        problems += _check_args(where, doc, parameters(cls.__init__, skip_first=True), helped)
+    for name in dir(cls):
+        if name.startswith("_"):
+            continue
+        owner = next((k for k in cls.__mro__ if name in vars(k)), None)
+        if owner is None or not _in_package(owner, package):
+            continue  # inherited from torch, the standard library, ...
+        member, qualified = vars(owner)[name], f"{owner.__module__}.{owner.__qualname__}.{name}"
+        if isinstance(member, property):
+            if not (member.__doc__ or "").strip():
+                problems.append(f"{qualified}: no docstring")
+        elif isinstance(member, (staticmethod, classmethod)):
+            problems += _check_function(qualified, member.__func__,
+                                        is_method=isinstance(member, classmethod))
+        elif inspect.isfunction(member):
+            problems += _check_function(qualified, member, is_method=True)
+    return problems
+
+
+def docstring_problems(reference_dir: str | Path) -> list[str]:
+    """Every gap in the docstrings of the objects the reference pages document, one string
+    each: a missing docstring (on the object, or on a public method or property it defines or
+    inherits from a class of its package), a parameter that ``Args:`` does not list (for a
+    class: of its ``__init__``, documented in the class docstring), an ``Args:`` entry that is
+    not a parameter, a directive that does not import. Module-level constants need only exist;
+    a dataclass field with a ``metadata["help"]`` text (TrainConfig's) is documented by it.
+
+    Args:
+        reference_dir: folder of the reference pages (``docs/reference``); every
+            ``::: dotted.path`` line of its ``*.md`` files is checked.
+
+    Returns:
+        The problems, in page order, without duplicates; empty when the reference is
+        complete.
+    """
+    problems: list[str] = []
+    for path in directives(reference_dir):
+        try:
+            obj = resolve(path)
+        except (ImportError, AttributeError) as err:
+            problems.append(f"{path}: cannot import ({err})")
+            continue
+        if inspect.ismodule(obj):
+            found = [] if (obj.__doc__ or "").strip() else [f"{path}: no docstring"]
+        elif inspect.isclass(obj):
+            found = _check_class(path, obj)
+        elif callable(obj):
+            found = _check_function(path, obj)
+        else:
+            found = []  # a constant: it exists
+        problems += [p for p in found if p not in problems]
+    return problems
+
+
+# ------------------------------------------------------------------------- options table
+def _cell(text: str) -> str:
+    return html.escape(str(text), quote=False).replace("|", "\\|").replace("\n", " ")
+
+
+def options_table() -> str:
+    """A Markdown table of every ``loco train`` option (flag, YAML key, default, choices,
+    help), from :class:`loco.config.TrainConfig` as ``loco.cli.add_train_options`` reads it."""
+    from loco.config import TrainConfig
+
+    rows = ["| Flag | YAML key | Default | Choices | Help |", "|---|---|---|---|---|"]
+    for f in TrainConfig.fields():
+        name = f.name.replace("_", "-")
+        flag = f"--[no-]{name}" if str(f.type).startswith("bool") else f"--{name}"
+        default = "—" if f.default is None else f"`{f.default}`"
+        choices = ", ".join(f"`{c}`" for c in f.metadata.get("choices") or ()) or "—"
+        rows.append(f"| `{flag}` | `{f.name}` | {default} | {choices} | "
+                    f"{_cell(f.metadata['help'])} |")
+    return "\n".join(rows)
+
+
+# ---------------------------------------------------------------------------------- hooks
+def on_pre_build(config) -> None:
+    for problem in docstring_problems(Path(config["docs_dir"]) / "reference"):
+        log.warning("API reference: %s", problem)
+
+
+def on_page_markdown(markdown: str, page, config, files) -> str:
+    return markdown.replace(MARKER, options_table()) if MARKER in markdown else markdown

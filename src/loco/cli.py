@@ -45,7 +45,7 @@ def _metavar(f: dataclasses.Field) -> str:
 
 
 COMPARE_EPILOG = """Examples:
-  loco compare --preset quick                      # all five methods, about 10 min on a CPU
+  loco compare --preset quick                      # all five methods, about 8 min on 2 CPU cores
   loco compare --algorithms diloco,streaming,s8=streaming --set s8.codec=int8 --steps 200
   loco compare --link-bandwidth 100Mbit --link-latency 50ms --preset quick
   loco report runs/compare-20261122-101500         # re-render from the saved runs"""
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "every method (model, steps, workers, data, seed, ...) are refused")
     compare.add_argument("--preset", choices=list(PRESETS), default=None,
                          help="quick: every method in <= 10 min on a 2-core CPU; paper: "
-                         "settings close to the papers' for a GPU machine (see the README); "
+                         "settings close to the papers' for a GPU machine (see docs/compare.md); "
                          "options given here override the preset's")
     compare.add_argument("--config", metavar="FILE", help="YAML file of options for every "
                          "method, plus optional 'algorithms: [...]' and 'methods: {LABEL: "

@@ -33,7 +33,16 @@ DTYPES = ("fp32", "bf16")
 
 
 class ConfigError(ValueError):
-    """A bad option: ``option`` is the flag's name, the message says what is allowed."""
+    """A bad option: ``option`` is the flag's name, the message says what is allowed.
+
+    The message reads ``--option-name: message``; the command line prints it in one line
+    and exits with code 2.
+
+    Args:
+        option: the option's name, as a field name (``sync_every``) or a flag without the
+            dashes.
+        message: what is wrong and what is allowed.
+    """
 
     def __init__(self, option: str, message: str):
         self.option = option
@@ -46,6 +55,17 @@ def opt(default, help: str, choices: tuple | None = None, **kw):
 
 @dataclass
 class TrainConfig:
+    """Every option of ``loco train``, with its default.
+
+    Each field is a flag (``sync_every``: ``--sync-every``) and a key of the YAML
+    ``--config`` file; its help text is ``field.metadata["help"]`` and its allowed values,
+    where they are a list, ``field.metadata["choices"]``; ``loco train --help`` and the
+    options table of the API reference list them all.
+    Build one with [`build_config`][loco.config.build_config] (which converts YAML values),
+    fill the defaults that depend on the algorithm with
+    [`resolve`][loco.config.resolve], and check it with [`validate`][loco.config.validate].
+    """
+
     # --- method
     algorithm: str = opt("streaming", "training method: streaming (Streaming DiLoCo: one "
                          "fragment at a time, overlapped, 4-bit), diloco (outer step every H "
@@ -157,9 +177,11 @@ class TrainConfig:
 
     @classmethod
     def fields(cls) -> list[dataclasses.Field]:
+        """The option fields, in the order of the command line's help."""
         return list(dataclasses.fields(cls))
 
     def to_dict(self) -> dict[str, Any]:
+        """The options by field name (what ``summary.json`` and the checkpoints record)."""
         return dataclasses.asdict(self)
 
     @property
@@ -170,7 +192,19 @@ class TrainConfig:
 
 def load_yaml(path: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     """Read a YAML config file: data only (safe_load), keys must be known options (or one of
-    ``extra``, which a command reads itself)."""
+    ``extra``, which a command reads itself).
+
+    Args:
+        path: the YAML file, a mapping of option: value (keys with ``-`` or ``_``).
+        extra: further keys allowed besides the TrainConfig fields; default none.
+
+    Returns:
+        The values by field name (dashes turned into underscores), not yet converted.
+
+    Raises:
+        ConfigError: the file is missing, not valid YAML, not a mapping, or has an unknown
+            key.
+    """
     if not os.path.isfile(path):
         raise ConfigError("config", f"file not found: {path}")
     try:
@@ -214,6 +248,20 @@ def coerce(field_: dataclasses.Field, value: Any) -> Any:
 
 
 def build_config(yaml_path: str | None = None, overrides: dict[str, Any] | None = None) -> TrainConfig:
+    """A TrainConfig from the defaults, a YAML file and overrides, in that precedence.
+
+    Every value is converted to its field's type; ranges are checked later, by
+    [`validate`][loco.config.validate].
+
+    Args:
+        yaml_path: a YAML ``--config`` file (see [`load_yaml`][loco.config.load_yaml]);
+            default None (none).
+        overrides: values by field name that win over the file's (the flags given);
+            default None (none).
+
+    Raises:
+        ConfigError: a bad file, an unknown key, or a value of the wrong type.
+    """
     values: dict[str, Any] = {}
     if yaml_path:
         values.update(load_yaml(yaml_path))
@@ -223,7 +271,17 @@ def build_config(yaml_path: str | None = None, overrides: dict[str, Any] | None 
 
 
 def resolve(cfg: TrainConfig) -> TrainConfig:
-    """Fill the defaults that depend on other options."""
+    """Fill the defaults that depend on other options.
+
+    ``outer_lr``, ``outer_momentum`` and ``nesterov`` left at None get the papers' values
+    for the algorithm (``OUTER_DEFAULTS``); other algorithms keep None.
+
+    Args:
+        cfg: the configuration.
+
+    Returns:
+        A new TrainConfig (``cfg`` is not changed).
+    """
     if cfg.algorithm in OUTER_DEFAULTS:
         lr, momentum, nesterov = OUTER_DEFAULTS[cfg.algorithm]
         cfg = dataclasses.replace(
@@ -234,7 +292,15 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
 
 
 def warnings_for(cfg: TrainConfig) -> list[str]:
-    """Legal settings that are probably not what the user meant."""
+    """Legal settings that are probably not what the user meant.
+
+    Args:
+        cfg: a valid configuration.
+
+    Returns:
+        One message per such setting (e.g. ``--steps`` not a multiple of ``--sync-every``,
+            NoLoCo's (α, β, γ) outside the paper's convergence region); empty if none.
+    """
     out = []
     if cfg.algorithm == "streaming" and cfg.steps < cfg.sync_every:
         out.append(f"--steps {cfg.steps} is less than --sync-every {cfg.sync_every}: some "
@@ -253,7 +319,33 @@ def warnings_for(cfg: TrainConfig) -> list[str]:
 
 
 def validate(cfg: TrainConfig) -> None:
-    """Check every option; raise ConfigError for the first that is out of range."""
+    """Check every option; raise ConfigError for the first that is out of range.
+
+    The checks, in order:
+
+    - an option with choices (and ``model``) is one of them;
+    - ``stages`` in [1, the model's blocks]; random ``routing`` needs ``stages`` > 1;
+      ``launcher`` torchrun only in a process torchrun started;
+    - ``workers``, ``steps``, ``batch_size``, ``sync_every``, ``log_every``,
+      ``eval_batches``, ``final_eval_batches`` >= 1; ``seq_len`` >= 2; ``eval_every``,
+      ``warmup``, ``spread_every``, ``checkpoint_every`` >= 0;
+    - ``lr``, ``outer_lr``, ``comm_timeout`` finite and > 0; ``outer_momentum`` in [0, 1);
+      ``max_restarts`` in [0, 100]; ``min_lr_ratio`` in [0, 1]; ``weight_decay``,
+      ``grad_clip``, ``z_loss`` >= 0;
+    - noloco: ``group_size`` >= 2 and dividing ``workers``; ``gamma`` finite and >= 0;
+    - streaming: ``fragments`` in [1, the blocks of the smallest stage] and dividing
+      ``sync_every``; ``overlap`` in [0, H/P); ``alpha`` in [0, 1]; ``codec_block`` even,
+      in [2, 65536];
+    - ``link_bandwidth`` and ``link_latency`` parse; ``val_fraction`` in (0, 0.5];
+      ``vocab_size`` in [257, 1048576]; ``corpus`` is ``shakespeare`` or an existing path
+      (a file must not be empty).
+
+    Args:
+        cfg: the configuration to check.
+
+    Raises:
+        ConfigError: the first option out of range, naming what is allowed.
+    """
     from loco.model import MODEL_SIZES
 
     def need(ok: bool, option: str, message: str):
@@ -332,7 +424,21 @@ def validate(cfg: TrainConfig) -> None:
 
 def resume_config(directory: str, given: dict[str, Any]) -> TrainConfig:
     """The configuration of the run being resumed from ``directory``, with ``given`` options
-    (flags or a YAML file) allowed to change only how it runs (RESUMABLE)."""
+    (flags or a YAML file) allowed to change only how it runs (RESUMABLE).
+
+    Args:
+        directory: the run directory, with a checkpoint.
+        given: options given for the resumed run, by field name; only those of
+            ``RESUMABLE`` may differ from the saved ones.
+
+    Returns:
+        The saved configuration with the given changes, ``resume`` and ``out`` set to
+            ``directory``.
+
+    Raises:
+        ConfigError: no such directory, no usable checkpoint, or a changed option that is
+            not resumable.
+    """
     from loco import checkpoint
 
     if not os.path.isdir(directory):

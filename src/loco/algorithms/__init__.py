@@ -7,9 +7,9 @@ from loco.algorithms.local import Local
 from loco.algorithms.noloco import NoLoCo
 from loco.algorithms.streaming_diloco import StreamingDiLoCo
 
-#: Names used by the command line.
 ALGORITHMS = {"ddp": DataParallel, "diloco": DiLoCo, "local": Local, "noloco": NoLoCo,
               "streaming": StreamingDiLoCo}
+"""The algorithms by the names the command line uses (``--algorithm``)."""
 
 __all__ = ["ALGORITHMS", "Algorithm", "DataParallel", "DiLoCo", "Local", "NoLoCo",
            "StreamingDiLoCo"]

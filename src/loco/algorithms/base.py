@@ -21,20 +21,56 @@ from torch import nn
 from loco.comm import Comm
 
 INIT_SYNC_MODES = ("broadcast", "verify")
+"""How the workers' initial state is made identical (``init_sync`` of ``Algorithm``)."""
 #: What to do with a non-finite gradient or pseudo-gradient: raise NonFiniteError, or skip
 #: that inner step or sync (and count it).
 NONFINITE_POLICIES = ("stop", "skip")
 
 
 class NonFiniteError(ArithmeticError):
-    """A non-finite gradient or pseudo-gradient, caught before it reached any parameter."""
+    """A non-finite gradient or pseudo-gradient, caught before it reached any parameter.
+
+    Raised by an [`Algorithm`][loco.algorithms.base.Algorithm] built with
+    ``on_nonfinite="stop"`` (the default); the parameters still hold the last finite state.
+    """
 
 
 class Algorithm:
-    """Base class: the model, its inner optimizer, the communication and the step counter."""
+    """Base class: the model, its inner optimizer, the communication and the step counter.
 
-    #: Whether every worker holds the same global parameters (so one worker may evaluate).
+    A subclass implements [`step`][loco.algorithms.base.Algorithm.step] (and
+    [`flush`][loco.algorithms.base.Algorithm.flush] if it leaves communication in flight);
+    the loop calls ``algo.step()`` and ``algo.zero_grad()`` where it would call the
+    optimizer's. Building one is collective: every worker of ``comm`` must build its own at
+    the same point, since the initial state is synchronized then.
+
+    Args:
+        model: the worker's replica of the model; its parameters with ``requires_grad`` are
+            the ones trained and synchronized. Every worker must build the same
+            architecture.
+        inner_optimizer: the optimizer over ``model``'s parameters (e.g. AdamW), stepped
+            once per inner step; its state stays local to the worker.
+        comm: the communication among the M workers that share the outer algorithm,
+            ``ctx.comm`` of [`launch`][loco.runtime.launch.launch].
+        max_grad_norm: clip the gradient's total norm to this before every inner step
+            (data-parallel: the averaged gradient); must be > 0. Default None: no clipping.
+        init_sync: how the workers start identical: ``"broadcast"`` (default) copies the
+            parameters and buffers of worker 0 to every worker, then compares checksums;
+            ``"verify"`` only compares them (the workers must have built identical models,
+            e.g. from one seed).
+        on_nonfinite: what a non-finite gradient or pseudo-gradient does: ``"stop"``
+            (default) raises [`NonFiniteError`][loco.algorithms.base.NonFiniteError] before
+            it reaches a parameter; ``"skip"`` skips that inner step or sync and counts it in
+            ``skipped``.
+
+    Raises:
+        ValueError: ``max_grad_norm`` <= 0, or ``init_sync`` or ``on_nonfinite`` not one of
+            the values above.
+        RuntimeError: the workers' initial state differs (checksums disagree).
+    """
+
     replicas_identical = True
+    """Whether every worker holds the same global parameters (so one worker may evaluate)."""
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm, *,
                  max_grad_norm: float | None = None, init_sync: str = "broadcast",
@@ -52,12 +88,15 @@ class Algorithm:
         self.max_grad_norm = max_grad_norm
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner_steps = 0
-        #: How the gradient norm for clipping is measured: None for the norm of this
-        #: worker's parameters; a pipeline stage sets it to the norm over all its stages.
+        """Inner steps taken so far (t), the counter every sync is scheduled by."""
         self.grad_norm_fn = None
+        """How the gradient norm for clipping is measured: None for the norm of this
+        worker's parameters; a pipeline stage sets it to the norm over all its stages
+        ([`PipelineStage.grad_norm`][loco.runtime.pipeline.PipelineStage.grad_norm])."""
         self.on_nonfinite = on_nonfinite
-        #: Inner steps and syncs skipped because of non-finite values (``on_nonfinite="skip"``).
         self.skipped = {"inner_steps": 0, "syncs": 0}
+        """Inner steps and syncs skipped because of non-finite values
+        (``on_nonfinite="skip"``)."""
         self._sync_initial_state(init_sync)
 
     # ----------------------------------------------------------------------- initial state
@@ -83,7 +122,15 @@ class Algorithm:
 
     # ----------------------------------------------------------------------------- the loop
     def clip_gradients(self) -> float:
-        """Clip the gradient to ``max_grad_norm`` (if set); return its norm before clipping."""
+        """Clip the gradient to ``max_grad_norm`` (if set); return its norm before clipping.
+
+        The norm is that of this worker's trainable parameters, or ``grad_norm_fn``'s (the
+        whole model's, for a pipeline stage). Parameters without a gradient are left out.
+
+        Returns:
+            The total gradient norm before clipping (inf or nan if the gradient is not
+                finite).
+        """
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.grad_norm_fn is not None:  # the norm over all pipeline stages
             norm = self.grad_norm_fn(self.params)
@@ -99,7 +146,14 @@ class Algorithm:
     def inner_update(self) -> bool:
         """Clip and apply the inner optimizer, unless the gradient is non-finite (then raise
         or, with ``on_nonfinite="skip"``, leave the parameters as they are). Every worker
-        that sees the same gradient (data-parallel, pipeline stages) decides the same."""
+        that sees the same gradient (data-parallel, pipeline stages) decides the same.
+
+        Returns:
+            True if the optimizer stepped, False if the step was skipped.
+
+        Raises:
+            NonFiniteError: the gradient is not finite and ``on_nonfinite`` is ``"stop"``.
+        """
         if not math.isfinite(self.clip_gradients()):
             self.nonfinite("gradient", "inner_steps", self.inner_steps + 1)
             return False
@@ -109,40 +163,84 @@ class Algorithm:
     def finite(self, tensor: torch.Tensor, what: str) -> bool:
         """Whether a reduced pseudo-gradient is finite; if not, raise or count a skipped
         sync. The reduced value is the same on every worker of the sync, and so is the
-        decision."""
+        decision.
+
+        Args:
+            tensor: the reduced value to check (every element).
+            what: what it is, for the error message (e.g. ``"pseudo-gradient"``).
+
+        Returns:
+            True if every element is finite; False if not and the sync is skipped.
+
+        Raises:
+            NonFiniteError: an element is not finite and ``on_nonfinite`` is ``"stop"``.
+        """
         if bool(torch.isfinite(tensor).all()):
             return True
         self.nonfinite(what, "syncs", self.inner_steps)
         return False
 
     def nonfinite(self, what: str, counter: str, step: int) -> None:
+        """Handle a non-finite value by the ``on_nonfinite`` policy: raise, or count a skip.
+
+        Args:
+            what: what was not finite, for the error message.
+            counter: the key of ``skipped`` to increment: ``"inner_steps"`` or ``"syncs"``.
+            step: the inner step it happened at, for the error message.
+
+        Raises:
+            NonFiniteError: ``on_nonfinite`` is ``"stop"``.
+        """
         if self.on_nonfinite == "stop":
             raise NonFiniteError(f"non-finite {what} at step {step}, caught before it reached "
                                  "the parameters (--on-nonfinite stop)")
         self.skipped[counter] += 1
 
     def step(self) -> None:
-        """One inner step (replaces ``optimizer.step()``); communicates when its turn comes."""
+        """One inner step (replaces ``optimizer.step()``); communicates when its turn comes.
+
+        Call it on every worker after ``backward()``, the same number of times: the syncs are
+        scheduled by the step counter, so the workers meet without a word.
+        """
         raise NotImplementedError
 
     def flush(self) -> None:
         """Finish communication still in flight; call it after the last step."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset the gradients (replaces ``optimizer.zero_grad()``).
+
+        Args:
+            set_to_none: set the gradients to None instead of zeroing them (default True),
+                as ``torch.optim.Optimizer.zero_grad``.
+        """
         self.inner_optimizer.zero_grad(set_to_none=set_to_none)
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
-        """The parameters to evaluate, by name (usable with ``torch.func.functional_call``)."""
+        """The parameters to evaluate, by name (usable with ``torch.func.functional_call``).
+
+        Here the model's own parameters; outer algorithms return their global copy.
+        """
         return dict(self.model.named_parameters())
 
     # -------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
-        """Everything needed to continue: model, inner optimizer, counters, outer state."""
+        """Everything needed to continue: model, inner optimizer, counters, outer state.
+
+        Returns:
+            A dict of tensors and numbers for ``torch.save``; each worker saves its own.
+        """
         return {"model": self.model.state_dict(),
                 "inner_optimizer": self.inner_optimizer.state_dict(),
                 "inner_steps": self.inner_steps, "skipped": dict(self.skipped)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what [`state_dict`][loco.algorithms.base.Algorithm.state_dict] saved, so
+        training continues exactly.
+
+        Args:
+            state: a dict from ``state_dict()`` of an algorithm built the same way.
+        """
         self.model.load_state_dict(state["model"])
         self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.inner_steps = int(state["inner_steps"])

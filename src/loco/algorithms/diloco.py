@@ -13,23 +13,43 @@ no overlap, full precision and α = 0, and it runs through the same code.
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from torch import nn
+
 from loco.algorithms.streaming_diloco import StreamingDiLoCo
+from loco.comm import Comm
 
 
 class DiLoCo(StreamingDiLoCo):
     """DiLoCo outer loop around any inner optimizer.
 
+    Streaming DiLoCo with one fragment, no overlap, α = 0 and fp32 pseudo-gradients: every H
+    inner steps the whole model is synchronized, and training waits for it.
+
     Args:
-        sync_every: H, inner steps between outer steps.
-        outer_lr: outer learning rate (paper: 0.7).
-        outer_momentum: outer momentum μ (paper: 0.9).
-        nesterov: Nesterov momentum (paper) or heavy-ball.
-        offload: keep the global copy and the outer momentum in CPU memory.
+        model: the worker's replica of the model (see
+            [`Algorithm`][loco.algorithms.base.Algorithm]).
+        inner_optimizer: the inner optimizer over ``model``'s parameters (paper: AdamW).
+        comm: the communication among the M workers (``ctx.comm``).
+        sync_every: H, inner steps between outer steps; an integer >= 1, default 500 (the
+            paper's).
+        outer_lr: outer learning rate, > 0; default 0.7 (the paper's).
+        outer_momentum: outer momentum μ, in [0, 1); default 0.9 (the paper's).
+        nesterov: Nesterov momentum (default True, the paper's) or heavy-ball (False).
+        offload: keep the global copy and the outer momentum in CPU memory (default False).
+        **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
+            ``max_grad_norm``, ``init_sync``, ``on_nonfinite``.
+
+    Raises:
+        ValueError: an argument outside the ranges above.
     """
 
-    def __init__(self, model, inner_optimizer, comm, sync_every: int = 500,
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
+                 sync_every: int = 500,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 offload: bool = False, **kwargs):
+                 offload: bool = False, **kwargs: Any):
         super().__init__(model, inner_optimizer, comm, sync_every=sync_every, fragments=1,
                          overlap=0, alpha=0.0, codec="fp32", outer_lr=outer_lr,
                          outer_momentum=outer_momentum, nesterov=nesterov, offload=offload,

@@ -18,11 +18,22 @@ from collections.abc import Sequence
 from torch import nn
 
 PATTERNS = ("strided", "sequential")
+"""How the blocks are dealt out to an integer number of fragments."""
 
 
 def find_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks: the ``nn.ModuleList`` (or ``nn.ModuleDict``, as a
-    pipeline stage holds its share of the blocks) with the most parameters."""
+    pipeline stage holds its share of the blocks) with the most parameters.
+
+    Args:
+        model: the model to search, at any depth.
+
+    Returns:
+        The blocks, in order.
+
+    Raises:
+        ValueError: the model holds no non-empty ``nn.ModuleList`` or ``nn.ModuleDict``.
+    """
     lists = [list(m.values()) if isinstance(m, nn.ModuleDict) else list(m)
              for m in model.modules() if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and len(m)]
     if not lists:
@@ -33,7 +44,28 @@ def find_blocks(model: nn.Module) -> list[nn.Module]:
 
 def split_fragments(model: nn.Module, fragments: int | Sequence, pattern: str = "strided"
                     ) -> list[list[str]]:
-    """The names of the trainable parameters of each fragment, in the model's order."""
+    """The names of the trainable parameters of each fragment, in the model's order.
+
+    Args:
+        model: the model to split; only parameters with ``requires_grad`` are placed.
+        fragments: P, an integer >= 1 and at most the number of blocks (see
+            [`find_blocks`][loco.algorithms.fragments.find_blocks]); 1 puts the whole model in
+            one fragment. Or an explicit non-empty list of fragments, each a module, a
+            parameter name, or a non-empty list of them; every trainable parameter must then
+            be in exactly one fragment.
+        pattern: how an integer P > 1 deals the blocks out: ``"strided"`` (default, block i
+            to fragment i mod P) or ``"sequential"`` (contiguous runs of blocks). Parameters
+            outside the blocks go, largest first, to the fragment with the fewest elements.
+
+    Returns:
+        One list of parameter names per fragment, each in the order of
+            ``model.named_parameters()``.
+
+    Raises:
+        ValueError: P out of range, an unknown ``pattern``, no blocks to split, or an
+            explicit list that misses a parameter, repeats one, or names something that is
+            not a trainable parameter of the model.
+    """
     named = {n: p for n, p in model.named_parameters() if p.requires_grad}
     name_of = {id(p): n for n, p in named.items()}
     if isinstance(fragments, int) and not isinstance(fragments, bool):

@@ -20,37 +20,71 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import Any
 
 import torch
+from torch import nn
 
 from loco.algorithms.base import Algorithm, flatten_fp32, unflatten_views
+from loco.comm import Comm
 from loco.comm.codecs import get_codec
 
 SLOW_CODECS = ("fp32", "bf16")
+"""Wire formats allowed for the slow weights φ: at least bf16."""
 
 
 class NoLoCo(Algorithm):
     """NoLoCo outer loop around any inner optimizer.
 
+    Every H inner steps each worker i swaps its pseudo-gradient ``Δ_i = θ_i − φ_i`` and its
+    slow weights φ_i with the n − 1 other members of a random group G, point to point, forms
+    the group means in fp32 and steps
+    ``δ_i ← α·δ_i + β·mean_G(Δ) − γ·(φ_i − mean_G(φ))``, ``φ_i ← φ_i + δ_i``,
+    ``θ_i ← φ_i``. No collective over all M workers: the replicas differ between groups
+    (``replicas_identical`` is False), and each evaluates its own.
+
     Args:
-        sync_every: H, inner steps between outer steps (paper: 50).
-        group_size: n, workers per gossip group (paper: 2); must divide the worker count.
-        outer_lr: β (paper: 0.7).
-        outer_momentum: α (paper: 0.5).
-        gamma: γ, the pull towards the group's mean slow weights (0.7, as the official code).
-        nesterov: add the Nesterov look-ahead to the heavy-ball step.
-        codec: wire format of Δ (see :mod:`loco.comm.codecs`).
-        slow_codec: wire format of φ, fp32 or bf16.
-        seed: seed of the groups, the same on every worker.
-        warn: warn when (α, β, γ) leave the region where the paper's theory converges.
+        model: the worker's replica of the model (see
+            [`Algorithm`][loco.algorithms.base.Algorithm]).
+        inner_optimizer: the inner optimizer over ``model``'s parameters (paper: AdamW).
+        comm: the communication among the M workers (``ctx.comm``).
+        sync_every: H, inner steps between outer steps; an integer >= 1, default 50 (the
+            paper's).
+        group_size: n, workers per gossip group; an integer >= 2 that divides the number of
+            workers M (``comm.size``); default 2 (the paper's).
+        outer_lr: β, the weight of the group's mean pseudo-gradient; a finite number >= 0,
+            default 0.7 (the paper's).
+        outer_momentum: α, the outer momentum, in [0, 1); default 0.5 (the paper's).
+        gamma: γ, the pull towards the group's mean slow weights; a finite number >= 0,
+            default 0.7 (as the official code).
+        nesterov: add the Nesterov look-ahead to the heavy-ball step (default False, as the
+            official code).
+        codec: wire format of Δ, one of [`CODEC_NAMES`][loco.comm.codecs.CODEC_NAMES];
+            default ``"fp32"``.
+        codec_block: values per power-of-two scale of the 8- and 4-bit codecs, an integer in
+            [2, 65536] (even for the 4-bit ones); default 32; ignored for fp32 and bf16.
+        slow_codec: wire format of φ, ``"fp32"`` (default) or ``"bf16"``.
+        seed: seed of the groups, the same on every worker; default 0.
+        warn: warn (``UserWarning``) when (α, β, γ) leave the region where the paper's
+            theory converges (see
+            [`convergence_warnings`][loco.algorithms.noloco.convergence_warnings]); default
+            True.
+        **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
+            ``max_grad_norm``, ``init_sync``, ``on_nonfinite``.
+
+    Raises:
+        ValueError: an argument outside the ranges above.
+        RuntimeError: the codec cannot run on ``comm``'s device, or the workers' initial
+            state differs.
     """
 
     replicas_identical = False
 
-    def __init__(self, model, inner_optimizer, comm, sync_every: int = 50, group_size: int = 2,
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
+                 sync_every: int = 50, group_size: int = 2,
                  outer_lr: float = 0.7, outer_momentum: float = 0.5, gamma: float = 0.7,
                  nesterov: bool = False, codec: str = "fp32", codec_block: int = 32,
-                 slow_codec: str = "fp32", seed: int = 0, warn: bool = True, **kwargs):
+                 slow_codec: str = "fp32", seed: int = 0, warn: bool = True, **kwargs: Any):
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1 (got {sync_every!r})")
         if not isinstance(group_size, int) or group_size < 2 or comm.size % group_size:
@@ -73,15 +107,24 @@ class NoLoCo(Algorithm):
         self.sync_every, self.group_size, self.seed = sync_every, group_size, seed
         self.beta, self.alpha, self.gamma, self.nesterov = outer_lr, outer_momentum, gamma, nesterov
         self.outer_steps = 0
+        """Outer steps taken (or skipped) so far."""
         self.slow = flatten_fp32(self.params)  # φ_i, private to this worker
         self.slow_params = unflatten_views(self.slow, self.params)
         self.momentum = torch.zeros_like(self.slow)  # δ_i
 
     def groups(self, outer_step: int) -> list[list[int]]:
-        """The groups of outer step ``outer_step``: the same on every worker, no message."""
+        """The groups of outer step ``outer_step``: the same on every worker, no message.
+
+        Args:
+            outer_step: the outer step's index (0 for the first), >= 0.
+
+        Returns:
+            M / n groups of n worker ranks each, every rank in exactly one.
+        """
         return gossip_groups(self.seed, outer_step, self.comm.size, self.group_size)
 
     def step(self) -> None:
+        """One inner step; every H-th also takes the outer step with this worker's group."""
         self.inner_update()
         self.inner_steps += 1
         if self.inner_steps % self.sync_every == 0:
@@ -89,6 +132,9 @@ class NoLoCo(Algorithm):
 
     @torch.no_grad()
     def outer_step(self) -> None:
+        """Swap Δ and φ with this outer step's group, then update δ, φ and θ (see
+        [`NoLoCo`][loco.algorithms.noloco.NoLoCo]). Called by [`step`][loco.algorithms.noloco.NoLoCo.step] every H inner
+        steps; every member of the group must call it at the same outer step."""
         group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
         n = self.slow.numel()
         delta = flatten_fp32(self.params).sub_(self.slow)  # Δ_i = θ_i − φ_i
@@ -110,10 +156,20 @@ class NoLoCo(Algorithm):
         self.outer_steps += 1
 
     def state_dict(self) -> dict:
+        """The base state plus the outer step counter, the slow weights φ and the momentum δ.
+
+        Returns:
+            A dict for ``torch.save``.
+        """
         return {**super().state_dict(), "outer_steps": self.outer_steps,
                 "slow": self.slow.clone(), "momentum": self.momentum.clone()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what [`state_dict`][loco.algorithms.noloco.NoLoCo.state_dict] saved.
+
+        Args:
+            state: a dict from ``state_dict()`` of a NoLoCo built the same way.
+        """
         super().load_state_dict(state)
         self.outer_steps = int(state["outer_steps"])
         self.slow.copy_(state["slow"])
@@ -121,7 +177,20 @@ class NoLoCo(Algorithm):
 
 
 def gossip_groups(seed: int, outer_step: int, workers: int, size: int) -> list[list[int]]:
-    """A random permutation of the workers drawn from (seed, outer step), cut into groups."""
+    """A random permutation of the workers drawn from (seed, outer step), cut into groups.
+
+    A pure function of its arguments (a ``torch.Generator`` seeded from them), so every
+    worker derives the same groups without a message.
+
+    Args:
+        seed: the run's seed of the groups.
+        outer_step: the outer step's index, >= 0.
+        workers: M, the number of workers.
+        size: n, workers per group; should divide M (otherwise the last group is smaller).
+
+    Returns:
+        The groups, each a sorted list of ranks, every rank in exactly one.
+    """
     g = torch.Generator().manual_seed(seed * 1_000_003 + outer_step)
     order = torch.randperm(workers, generator=g).tolist()
     return [sorted(order[i:i + size]) for i in range(0, workers, size)]
@@ -129,7 +198,17 @@ def gossip_groups(seed: int, outer_step: int, workers: int, size: int) -> list[l
 
 def convergence_warnings(beta: float, alpha: float, gamma: float, n: int) -> list[str]:
     """Where (α, β, γ) leave the region in which the paper's theory guarantees convergence
-    (noisy quadratic, SGD inner steps): β > α, and α·c < γ < c·√(2 + α²), c = √(n/(2(n−1)))."""
+    (noisy quadratic, SGD inner steps): β > α, and α·c < γ < c·√(2 + α²), c = √(n/(2(n−1))).
+
+    Args:
+        beta: β, the outer learning rate.
+        alpha: α, the outer momentum.
+        gamma: γ, the pull towards the group's mean slow weights.
+        n: the group size, >= 2.
+
+    Returns:
+        One message per condition that fails; empty inside the region.
+    """
     out = []
     if not beta > alpha:
         out.append(f"NoLoCo: outer_lr (β={beta}) <= outer_momentum (α={alpha}); the paper's "

@@ -23,12 +23,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
+from typing import Any
 
 import torch
+from torch import nn
 
 from loco.algorithms.base import Algorithm, flatten_fp32, unflatten_views
 from loco.algorithms.fragments import PATTERNS, split_fragments
-from loco.comm import Handle
+from loco.comm import Comm, Handle
 from loco.comm.codecs import get_codec
 
 
@@ -60,25 +62,61 @@ class _InFlight:
 class StreamingDiLoCo(Algorithm):
     """Streaming DiLoCo outer loop around any inner optimizer.
 
+    Fragment p of the P fragments is sent after inner step t when
+    ``t % H == ((p + 1) H / P) % H``: its pseudo-gradient ``Δ_{m,p} = θ^g_p − θ_{m,p}`` is
+    encoded with the codec and averaged over the M workers while training goes on. τ inner
+    steps later the outer step ``θ^g_p ← OuterOpt_p(θ^g_p, Δ̄_p)`` (SGD, fp32) is applied and
+    merged into the working copy: ``θ_{m,p} ← α · θ_{m,p} + (1 − α) · θ^g_p``. With P = 1,
+    τ = 0, α = 0 and fp32 it is DiLoCo.
+
     Args:
-        sync_every: H, inner steps between two syncs of the same fragment.
-        fragments: P, the number of fragments the blocks are split into (must divide H and be
-            at most the number of blocks), or an explicit list whose items are modules,
-            parameter names, or lists of them (see :mod:`loco.algorithms.fragments`).
-        pattern: how blocks are dealt out for an integer P: "strided" or "sequential".
-        overlap: τ, inner steps a sync stays in flight before it is applied, 0 <= τ < H / P.
-        alpha: α, the share of the local parameters kept when merging, 0 <= α <= 1.
-        codec: wire format of the pseudo-gradients (see :mod:`loco.comm.codecs`).
-        codec_block: values per scale of the scaled codecs.
-        outer_lr, outer_momentum, nesterov: the outer SGD (paper: 0.4, 0.9, Nesterov).
-        offload: keep the global copy and the outer optimizer state in CPU memory.
+        model: the worker's replica of the model (see
+            [`Algorithm`][loco.algorithms.base.Algorithm]).
+        inner_optimizer: the inner optimizer over ``model``'s parameters (paper: AdamW).
+        comm: the communication among the M workers (``ctx.comm``).
+        sync_every: H, inner steps between two syncs of the same fragment; an integer >= 1,
+            default 100.
+        fragments: P, the number of fragments the blocks are split into, an integer in
+            [1, number of blocks] that divides H (default 1: the whole model at once); or an
+            explicit list whose items are modules, parameter names, or lists of them (see
+            [`split_fragments`][loco.algorithms.fragments.split_fragments]), whose length
+            must then divide H.
+        pattern: how blocks are dealt out for an integer P > 1: ``"strided"`` (default, the
+            paper's: block i to fragment i mod P) or ``"sequential"`` (contiguous runs).
+        overlap: τ, inner steps a sync stays in flight before it is applied; an integer with
+            0 <= τ < H / P, default 1 (0: applied right after it was sent, no overlap).
+        alpha: α, the share of the local parameters kept when a synced fragment is merged
+            back, 0 <= α <= 1; default 0.5 (0: replaced by the global value).
+        codec: wire format of the pseudo-gradients, one of
+            [`CODEC_NAMES`][loco.comm.codecs.CODEC_NAMES]; default ``"fp4_e3m0"`` (4-bit, the
+            paper's). The reduction itself is fp32.
+        codec_block: values per power-of-two scale of the 8- and 4-bit codecs, an integer in
+            [2, 65536] (even for the 4-bit ones); default 32; ignored for fp32 and bf16.
+        outer_lr: learning rate of the outer SGD, > 0; default 0.4 (the paper's).
+        outer_momentum: momentum of the outer SGD, in [0, 1); default 0.9 (the paper's).
+        nesterov: Nesterov momentum (default True, the paper's) or heavy-ball (False);
+            without effect when ``outer_momentum`` is 0.
+        offload: keep the global copy θ^g and the outer optimizer state in CPU memory
+            instead of on the parameters' device (default False).
+        **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
+            ``max_grad_norm``, ``init_sync``, ``on_nonfinite``.
+
+    Raises:
+        ValueError: an argument outside the ranges above (also from
+            [`split_fragments`][loco.algorithms.fragments.split_fragments] for a bad
+            ``fragments`` or ``pattern``, and from
+            [`get_codec`][loco.comm.codecs.get_codec] for a bad ``codec`` or
+            ``codec_block``).
+        RuntimeError: the codec cannot run on ``comm``'s device, or the workers' initial
+            state differs.
     """
 
-    def __init__(self, model, inner_optimizer, comm, sync_every: int = 100,
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
+                 sync_every: int = 100,
                  fragments: int | Sequence = 1, pattern: str = "strided", overlap: int = 1,
                  alpha: float = 0.5, codec: str = "fp4_e3m0", codec_block: int = 32,
                  outer_lr: float = 0.4, outer_momentum: float = 0.9, nesterov: bool = True,
-                 offload: bool = False, **kwargs):
+                 offload: bool = False, **kwargs: Any):
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1 (got {sync_every!r})")
         names = split_fragments(model, fragments, pattern)
@@ -100,7 +138,11 @@ class StreamingDiLoCo(Algorithm):
         self.pattern = pattern
         self.offload = offload
         self.outer_steps = 0
-        self.sync_log: list[dict] = []  # one record per applied sync, for the caller to drain
+        """Syncs applied (or skipped) so far, over all fragments."""
+        self.sync_log: list[dict] = []
+        """One record per applied sync, for the caller to drain: ``step`` (when it was
+        sent), ``applied_step``, ``fragment``, ``raw_bytes``, ``wire_bytes``,
+        ``received_bytes``, ``seconds_in_flight`` and ``seconds_waited``."""
         self._in_flight: _InFlight | None = None
         outer_device = torch.device("cpu") if offload else self.params[0].device
         by_name = dict(model.named_parameters())
@@ -127,6 +169,8 @@ class StreamingDiLoCo(Algorithm):
 
     # ----------------------------------------------------------------------------- the loop
     def step(self) -> None:
+        """One inner step; then, if a fragment is due, start its sync, and apply the sync
+        sent τ steps ago (waiting for it only if it has not arrived yet)."""
         self.inner_update()
         self.inner_steps += 1
         t = self.inner_steps
@@ -209,12 +253,20 @@ class StreamingDiLoCo(Algorithm):
                  "syncs": f.syncs, **f.stats} for f in self.fragment_list]
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
+        """The global copy θ^g of every synced parameter, on the parameters' device, by name
+        (the same on every worker); a parameter in no fragment (frozen) is the model's own."""
         by_id = {id(p): g for f in self.fragment_list for p, g in zip(f.params, f.global_params)}
         return {n: by_id[id(p)].to(p.device) if id(p) in by_id else p
                 for n, p in self.model.named_parameters()}
 
     # -------------------------------------------------------------------------- checkpoints
     def state_dict(self) -> dict:
+        """The base state plus every fragment's global copy and outer optimizer, and the
+        sync in flight, if any (waited for: its result is fixed once sent).
+
+        Returns:
+            A dict for ``torch.save``.
+        """
         in_flight = None
         if self._in_flight is not None:  # its result is fixed once sent: store it
             flight = self._in_flight
@@ -234,6 +286,16 @@ class StreamingDiLoCo(Algorithm):
                 "in_flight": in_flight}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore what
+        [`state_dict`][loco.algorithms.streaming_diloco.StreamingDiLoCo.state_dict] saved,
+        including the sync in flight, so the run continues exactly.
+
+        Args:
+            state: a dict from ``state_dict()`` of a StreamingDiLoCo built the same way.
+
+        Raises:
+            ValueError: the checkpoint has a different number of fragments.
+        """
         super().load_state_dict(state)
         if len(state["fragments"]) != len(self.fragment_list):
             raise ValueError(f"checkpoint has {len(state['fragments'])} fragments, this run "

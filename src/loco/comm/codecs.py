@@ -31,17 +31,32 @@ in E2M1. Re-encoding decoded values is lossless. Scaled codecs cannot represent 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 CODEC_NAMES = ("fp32", "bf16", "fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1")
+"""The wire formats: two casts (32 and 16 bits per value) and four scaled formats (8 and 4
+bits per value plus one scale byte per block)."""
 F32_MAX = torch.finfo(torch.float32).max
 MAX_BLOCK = 65536
+"""The largest ``block`` a scaled codec accepts."""
 
 
 class Codec:
-    """Base class: flat-tensor encode/decode on top of the row-wise ``encode_rows``."""
+    """Base class: flat-tensor encode/decode on top of the row-wise ``encode_rows``.
+
+    Get one with [`get_codec`][loco.comm.codecs.get_codec]; a subclass implements
+    ``encode_rows`` and ``decode_rows``. A row of ``c`` values (a multiple of ``align``) is
+    encoded into exactly ``row_bytes(c)`` bytes, ``[value bytes][scale bytes]``, on its own,
+    so rows can be cut apart and sent to different workers.
+
+    Args:
+        name: the codec's name, one of [`CODEC_NAMES`][loco.comm.codecs.CODEC_NAMES].
+        block: values per scale, for the scaled codecs; default None (no scales: the
+            casts).
+    """
 
     name: str
     bits: int  # bits per value on the wire, scales excluded
@@ -51,28 +66,94 @@ class Codec:
         self.align = block or 1  # rows hold whole blocks so each row carries its own scales
 
     def padded(self, numel: int) -> int:
+        """``numel`` rounded up to a multiple of ``align`` (whole blocks).
+
+        Args:
+            numel: a number of values, >= 0.
+        """
         return -(-numel // self.align) * self.align
 
     def row_bytes(self, c: int) -> int:
+        """Bytes of one encoded row of ``c`` values: ``c · bits / 8`` plus one scale byte
+        per block.
+
+        Args:
+            c: values in the row, a multiple of ``align``.
+
+        Raises:
+            ValueError: ``c`` is not a multiple of ``align``.
+        """
         if c % self.align:
             raise ValueError(f"{self}: row length {c} is not a multiple of {self.align}")
         return c * self.bits // 8 + (c // self.block if self.block else 0)
 
     def encoded_nbytes(self, numel: int) -> int:
+        """Bytes of [`encode`][loco.comm.codecs.Codec.encode] of ``numel`` values (padded to
+        whole blocks, scales included).
+
+        Args:
+            numel: a number of values, >= 0.
+        """
         return self.row_bytes(self.padded(numel))
 
     def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode every row on its own.
+
+        Args:
+            x: an fp32 tensor of shape ``(rows, c)``, ``c`` a multiple of ``align``.
+
+        Returns:
+            A uint8 tensor of shape ``(rows, row_bytes(c))``, never aliasing ``x``.
+
+        Raises:
+            ValueError: a wrong dtype or shape, or (scaled codecs) a NaN or an infinity.
+        """
         raise NotImplementedError
 
     def decode_rows(self, buf: torch.Tensor, c: int) -> torch.Tensor:
+        """Decode rows that [`encode_rows`][loco.comm.codecs.Codec.encode_rows] made.
+
+        Args:
+            buf: a uint8 tensor of shape ``(rows, row_bytes(c))``.
+            c: values per row.
+
+        Returns:
+            An fp32 tensor of shape ``(rows, c)``.
+        """
         raise NotImplementedError
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """Encode a tensor of any shape and dtype as one row (zero-padded to whole blocks).
+
+        Args:
+            x: the values; converted to fp32 first.
+
+        Returns:
+            A 1-D uint8 tensor of ``encoded_nbytes(x.numel())`` bytes.
+
+        Raises:
+            ValueError: (scaled codecs) ``x`` holds a NaN or an infinity.
+        """
         flat = x.detach().reshape(-1).to(torch.float32)
         flat = F.pad(flat, (0, self.padded(flat.numel()) - flat.numel()))
         return self.encode_rows(flat.view(1, flat.numel())).view(-1)
 
-    def decode(self, buf: torch.Tensor, shape, dtype=torch.float32) -> torch.Tensor:
+    def decode(self, buf: torch.Tensor, shape: Sequence[int],
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Decode what [`encode`][loco.comm.codecs.Codec.encode] made of a tensor of
+        ``shape``.
+
+        Args:
+            buf: the encoded bytes, a uint8 tensor of ``encoded_nbytes(numel)`` elements.
+            shape: the shape of the original tensor.
+            dtype: the dtype of the result; default fp32.
+
+        Returns:
+            A new tensor of ``shape`` and ``dtype``.
+
+        Raises:
+            ValueError: ``buf`` is not uint8 or has the wrong number of bytes.
+        """
         shape = torch.Size(shape)
         numel = shape.numel()
         if buf.dtype != torch.uint8 or buf.numel() != self.encoded_nbytes(numel):
@@ -233,11 +314,25 @@ def _make(name: str, block: int) -> Codec:
     return Fp4Codec(name, block, E3M0_GRID if name == "fp4_e3m0" else E2M1_GRID)
 
 
-def get_codec(name: str, block: int = 32, device=None) -> Codec:
+def get_codec(name: str, block: int = 32, device: torch.device | str | None = None) -> Codec:
     """The codec ``name`` (one of CODEC_NAMES); ``block`` is ignored for fp32 and bf16.
 
     With ``device``, a round trip of exactly representable values runs there first, so a
     device that cannot run the format (e.g. no float8) fails now, not mid-training.
+
+    Args:
+        name: one of [`CODEC_NAMES`][loco.comm.codecs.CODEC_NAMES]: ``"fp32"``, ``"bf16"``,
+            ``"fp8_e4m3"``, ``"int8"``, ``"fp4_e3m0"`` or ``"fp4_e2m1"``.
+        block: values per power-of-two scale of the scaled codecs, an integer in
+            [2, 65536], even for the 4-bit ones (two values share a byte); default 32.
+        device: a device to try the codec on first; default None (no check).
+
+    Returns:
+        The codec.
+
+    Raises:
+        ValueError: an unknown ``name`` or a ``block`` out of range.
+        RuntimeError: the codec cannot run on ``device``.
     """
     if name not in CODEC_NAMES:
         raise ValueError(f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)}")

@@ -32,10 +32,11 @@ import queue
 import threading
 import time
 from collections import defaultdict, deque
+from collections.abc import Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -47,7 +48,21 @@ if TYPE_CHECKING:
 
 @dataclass
 class OpRecord:
-    """One communication operation as this worker saw it."""
+    """One communication operation as this worker saw it.
+
+    Args:
+        op: the operation: ``"all_reduce_mean"``, ``"broadcast"``, ``"all_gather"``,
+            ``"exchange"``, ``"send"``, ``"recv"`` or ``"sendrecv"``.
+        tag: what the bytes were for (``"train"``, ``"setup"``, ``"eval"``, ...), the key
+            of the totals in [`CommStats`][loco.comm.interface.CommStats].
+        raw_bytes: the size of the tensor the caller asked to reduce or send.
+        sent_bytes: bytes this worker put on the wire.
+        recv_bytes: bytes this worker took off the wire.
+        participants: ranks (in the Comm's group) taking part, sorted.
+        issued_at: ``time.perf_counter()`` when the caller issued it.
+        seconds: issue to completion: time in flight, including queueing (0.0 until done).
+        waited: time the caller spent blocked in ``Handle.wait()`` (0.0 until waited on).
+    """
 
     op: str
     tag: str
@@ -60,6 +75,7 @@ class OpRecord:
     waited: float = 0.0  # time the caller spent blocked in Handle.wait()
 
     def as_dict(self) -> dict:
+        """The record as a JSON-ready dict (``participants`` as a list)."""
         d = asdict(self)
         d["participants"] = list(self.participants)
         return d
@@ -67,6 +83,18 @@ class OpRecord:
 
 @dataclass
 class Counter:
+    """Totals of the operations of one tag on one worker.
+
+    Args:
+        ops: operations completed.
+        raw_bytes: sum of their raw bytes (the sizes of the tensors the callers passed).
+        sent_bytes: bytes sent on the wire.
+        recv_bytes: bytes received from the wire.
+        seconds: sum of their times in flight, issue to completion.
+        waited: time callers spent blocked in ``Handle.wait()``.
+        peak_sent_bytes: the sent bytes of the largest single operation.
+    """
+
     ops: int = 0
     raw_bytes: int = 0
     sent_bytes: int = 0
@@ -78,11 +106,23 @@ class Counter:
 
 @dataclass
 class CommStats:
-    """Per-worker totals, split by tag ("train", "setup", "eval", ...)."""
+    """Per-worker totals, split by tag ("train", "setup", "eval", ...).
+
+    ``stats[tag]`` is the [`Counter`][loco.comm.interface.Counter] of that tag (a new, zero
+    one for a tag not seen yet).
+
+    Args:
+        by_tag: the counters by tag; default empty (a ``defaultdict`` of zero counters).
+    """
 
     by_tag: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
 
     def add(self, rec: OpRecord) -> None:
+        """Count a completed operation under its tag (``waited`` is counted by the handle).
+
+        Args:
+            rec: the operation's record.
+        """
         c = self.by_tag[rec.tag]
         c.ops += 1
         c.raw_bytes += rec.raw_bytes
@@ -95,28 +135,57 @@ class CommStats:
         return self.by_tag[tag]
 
     def as_dict(self) -> dict:
+        """The counters as JSON-ready dicts, by tag."""
         return {tag: asdict(c) for tag, c in self.by_tag.items()}
 
 
 RECORDS_KEPT = 100_000
+"""How many of the latest operation records a Comm keeps (``Comm.records``)."""
 
 
 class Aborted(RuntimeError):
-    """Raised in a worker whose peers gave up (another worker failed)."""
+    """Raised in a worker whose peers gave up (another worker failed).
+
+    [`launch`][loco.runtime.launch.launch] reports the worker that failed first, not the
+    ones it stopped.
+    """
 
 
 class Handle:
-    """An operation in flight. ``wait()`` blocks until it is done and returns its result."""
+    """An operation in flight. ``wait()`` blocks until it is done and returns its result.
 
-    def __init__(self, future: Future, record: OpRecord, comm: "Comm"):
+    Made by the [`Comm`][loco.comm.interface.Comm] methods, not by the caller.
+
+    Args:
+        future: completes with the operation's result (or its exception).
+        record: the operation's record, filled in as it completes.
+        comm: the Comm that issued it (for aborts and the ``waited`` counter).
+    """
+
+    def __init__(self, future: Future, record: OpRecord, comm: Comm):
         self._future = future
         self.record = record
+        """The operation's [`OpRecord`][loco.comm.interface.OpRecord]: its bytes at once,
+        its times once it is done."""
         self._comm = comm
 
     def done(self) -> bool:
+        """Whether the operation has completed (successfully or not), without blocking."""
         return self._future.done()
 
-    def wait(self):
+    def wait(self) -> torch.Tensor | list[torch.Tensor]:
+        """Block until the operation is done and return its result; the time spent waiting
+        is added to the record and to the tag's ``waited`` total.
+
+        Returns:
+            What the operation returns: the reduced tensor (``all_reduce_mean``,
+                ``broadcast``), a list of tensors (``all_gather``, ``exchange``, ``recv``,
+                ``sendrecv``: the receive buffers), or an empty list (``send``).
+
+        Raises:
+            Aborted: another worker failed while this one was waiting.
+            Exception: whatever the operation raised (e.g. a transport timeout).
+        """
         t0 = time.perf_counter()
         while True:
             try:
@@ -138,21 +207,43 @@ def _chunk_elems(numel: int, parts: int) -> int:
 class Comm:
     """Asynchronous, byte-counting communication among the workers of one process group.
 
-    ``group`` is a ``torch.distributed`` process group (or backend) object; its methods are
-    called directly, so the same code serves a group created with ``init_process_group`` and
-    one of several groups that threads of one process own on a shared store.
+    Every operation is issued on one communication thread, in order, and returns a
+    [`Handle`][loco.comm.interface.Handle] at once; every worker of the group must issue the
+    same collectives in the same order. [`launch`][loco.runtime.launch.launch] builds the
+    Comms of a run (``ctx.comm``, ``ctx.pipe``); build one yourself only around your own
+    process group.
+
+    Args:
+        group: a ``torch.distributed`` process group (or backend) object; its methods are
+            called directly, so the same code serves a group created with
+            ``init_process_group`` and one of several groups that threads of one process own
+            on a shared store.
+        rank: this worker's rank in ``group``, in [0, size).
+        size: the number of workers in ``group`` (M), >= 1.
+        device: where the tensors live (``"cpu"`` for gloo, a CUDA device for NCCL); default
+            ``"cpu"``.
+        name: a name for the threads and error messages; default ``"replicas"``.
+        keep_records: keep the latest [`OpRecord`][loco.comm.interface.OpRecord]s in
+            ``records`` (at most ``RECORDS_KEPT``); default True. The totals in ``stats`` are
+            kept either way.
+        abort_event: an event the launcher sets when any worker fails, so that waits here
+            end promptly with [`Aborted`][loco.comm.interface.Aborted]; default None (a
+            private event).
+        link: an emulated slow link ([`EmulatedLink`][loco.comm.link.EmulatedLink]) that
+            every operation passes through; default None (the transport's own speed).
     """
 
-    def __init__(self, group, rank: int, size: int, device: torch.device | str = "cpu",
+    def __init__(self, group: Any, rank: int, size: int, device: torch.device | str = "cpu",
                  name: str = "replicas", keep_records: bool = True,
                  abort_event: threading.Event | None = None,
-                 link: "EmulatedLink | None" = None):
+                 link: EmulatedLink | None = None):
         self.group = group
         self.rank = rank
         self.size = size
         self.device = torch.device(device)
         self.name = name
         self.stats = CommStats()
+        """Totals by tag, of completed operations."""
         # The latest operations, for tests and inspection (bounded: a long run must not
         # grow without end; the counters above hold the totals).
         self.records: deque[OpRecord] = deque(maxlen=RECORDS_KEPT)
@@ -199,6 +290,7 @@ class Comm:
                 outer.set_result(done.result())
 
     def check_aborted(self) -> None:
+        """Raise [`Aborted`][loco.comm.interface.Aborted] if another worker has failed."""
         if self._abort_event.is_set():
             raise Aborted(f"worker {self.rank} stopped: another worker failed")
 
@@ -252,7 +344,7 @@ class Comm:
         return Handle(outer, rec, self)
 
     def all_reduce_mean(self, tensor: torch.Tensor, tag: str = "train",
-                        codec: "Codec | None" = None) -> Handle:
+                        codec: Codec | None = None) -> Handle:
         """Average ``tensor`` over all workers, in place, asynchronously.
 
         The caller must not touch ``tensor`` until ``wait()`` returns. Without a codec the
@@ -260,6 +352,23 @@ class Comm:
         algorithms require). With a codec (an fp32 tensor) every worker encodes its chunks,
         the owner of a chunk decodes and averages it in fp32 and encodes the mean, and all
         workers decode the gathered means: only encoded bytes travel, in both directions.
+
+        Each worker sends and receives ``2 (M − 1)`` chunks of ``ceil(n / M)`` values (with a
+        codec, rounded up to whole blocks, with their scales).
+
+        Args:
+            tensor: the contiguous tensor to average, overwritten with the mean; fp32 when a
+                codec is given.
+            tag: the tag its bytes are counted under; default ``"train"``.
+            codec: wire format of the values (see
+                [`get_codec`][loco.comm.codecs.get_codec]); default None: the tensor's own
+                dtype, unencoded.
+
+        Returns:
+            A handle whose ``wait()`` returns ``tensor``'s flat view, holding the mean.
+
+        Raises:
+            ValueError: ``tensor`` is not contiguous, or not fp32 with a codec.
         """
         if not tensor.is_contiguous():
             raise ValueError("all_reduce_mean needs a contiguous tensor")
@@ -307,6 +416,15 @@ class Comm:
 
         Done as point-to-point sends from ``src`` so the bytes are exact: the source sends
         ``(M - 1) * nbytes``, every other worker receives ``nbytes``.
+
+        Args:
+            tensor: the source's data on ``src``; the buffer it is copied into elsewhere
+                (same shape and dtype on every worker).
+            src: the rank that sends, in [0, M); default 0.
+            tag: the tag its bytes are counted under; default ``"setup"``.
+
+        Returns:
+            A handle whose ``wait()`` returns ``tensor``.
         """
         m, nbytes = self.size, tensor.numel() * tensor.element_size()
         sent = (m - 1) * nbytes if self.rank == src else 0
@@ -324,7 +442,15 @@ class Comm:
         return self._submit("broadcast", tag, nbytes, sent, recv, run)
 
     def all_gather(self, tensor: torch.Tensor, tag: str = "setup") -> Handle:
-        """Gather one equally shaped tensor from every worker; the handle returns the list."""
+        """Gather one equally shaped tensor from every worker; the handle returns the list.
+
+        Args:
+            tensor: this worker's tensor (same shape and dtype on every worker).
+            tag: the tag its bytes are counted under; default ``"setup"``.
+
+        Returns:
+            A handle whose ``wait()`` returns M new tensors, in rank order.
+        """
         m, nbytes = self.size, tensor.numel() * tensor.element_size()
 
         def run():
@@ -337,13 +463,27 @@ class Comm:
 
         return self._submit("all_gather", tag, nbytes, (m - 1) * nbytes, (m - 1) * nbytes, run)
 
-    def exchange(self, tensor: torch.Tensor, members, tag: str = "train") -> Handle:
+    def exchange(self, tensor: torch.Tensor, members: Iterable[int], tag: str = "train"
+                 ) -> Handle:
         """Swap ``tensor`` with the other ``members`` of a group (ranks, this one included),
         point to point; the handle returns every member's tensor, in ``members`` order.
 
         Only the group's workers take part: nothing waits for the rest of the world. Each
         member sends its tensor to the others and receives theirs: ``(n - 1) * nbytes`` each
         way for a group of n.
+
+        Args:
+            tensor: this worker's tensor (same shape and dtype on every member).
+            members: the ranks of the group, this one included, in any order; every member
+                must call ``exchange`` with the same group.
+            tag: the tag its bytes are counted under; default ``"train"``.
+
+        Returns:
+            A handle whose ``wait()`` returns every member's tensor, in sorted rank order
+                (this worker's own ``tensor`` among them).
+
+        Raises:
+            ValueError: this worker is not in ``members``.
         """
         members = tuple(sorted(members))
         if self.rank not in members:
@@ -366,15 +506,35 @@ class Comm:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: str = "train") -> Handle:
         """Send ``tensor`` to worker ``dst``, point to point, asynchronously (see
-        :meth:`sendrecv`); the caller must not modify ``tensor`` until ``wait()`` returns."""
+        [`sendrecv`][loco.comm.interface.Comm.sendrecv]); the caller must not modify
+        ``tensor`` until ``wait()`` returns.
+
+        Args:
+            tensor: the contiguous tensor to send.
+            dst: the receiving rank, in [0, M) and not this one.
+            tag: the tag its bytes are counted under; default ``"train"``.
+
+        Returns:
+            A handle whose ``wait()`` returns an empty list.
+        """
         return self.sendrecv([(tensor, dst)], [], tag)
 
     def recv(self, tensor: torch.Tensor, src: int, tag: str = "train") -> Handle:
-        """Receive into ``tensor`` from worker ``src`` (see :meth:`sendrecv`); the handle
-        returns ``[tensor]``."""
+        """Receive into ``tensor`` from worker ``src`` (see
+        [`sendrecv`][loco.comm.interface.Comm.sendrecv]); the handle returns ``[tensor]``.
+
+        Args:
+            tensor: the contiguous buffer to receive into (the sender's shape and dtype).
+            src: the sending rank, in [0, M) and not this one.
+            tag: the tag its bytes are counted under; default ``"train"``.
+
+        Returns:
+            A handle whose ``wait()`` returns ``[tensor]``.
+        """
         return self.sendrecv([], [(tensor, src)], tag)
 
-    def sendrecv(self, sends, recvs, tag: str = "train") -> Handle:
+    def sendrecv(self, sends: Sequence[tuple], recvs: Sequence[tuple], tag: str = "train"
+                 ) -> Handle:
         """Post every send ``(tensor, dst)`` and receive ``(tensor, src)``, point to point; the
         handle completes when all are done and returns the receive buffers, in order.
 
@@ -389,6 +549,20 @@ class Comm:
         deadlock). Only this worker and its peers take part: ``participants`` are this worker
         and the peers, sorted; ``raw`` and ``sent`` bytes are the bytes sent, ``received``
         the bytes received; ``seconds`` runs from issue to completion.
+
+        Args:
+            sends: ``(tensor, dst)`` or ``(tensor, dst, message_tag)`` items: contiguous
+                tensors to send to rank ``dst`` (in [0, M), not this one).
+            recvs: ``(tensor, src)`` or ``(tensor, src, message_tag)`` items: contiguous
+                buffers to receive into from rank ``src``.
+            tag: the tag the bytes are counted under; default ``"train"``.
+
+        Returns:
+            A handle whose ``wait()`` returns the receive buffers, in the order of ``recvs``.
+
+        Raises:
+            ValueError: a peer out of range or this worker itself, or a non-contiguous
+                tensor.
         """
         sends = [(t, int(p), int(rest[0]) if rest else 0) for t, p, *rest in sends]
         recvs = [(t, int(p), int(rest[0]) if rest else 0) for t, p, *rest in recvs]
@@ -447,21 +621,39 @@ class Comm:
 
     # ------------------------------------------------------------------------------ helpers
     def totals(self, tag: str = "train") -> Counter:
+        """A copy of the totals of one tag, of the operations completed so far.
+
+        Args:
+            tag: the tag; default ``"train"`` (zero totals for a tag never used).
+        """
         with self._lock:
             return Counter(**asdict(self.stats[tag]))
 
     def issued_bytes(self, tag: str = "train") -> int:
         """Bytes of the operations issued so far, finished or not: unlike ``totals``, the
-        same at the same step whatever the timing of operations in flight."""
+        same at the same step whatever the timing of operations in flight.
+
+        Args:
+            tag: the tag; default ``"train"``.
+        """
         with self._lock:
             return self._issued[tag]
 
     def peak_sent_bytes(self, tag: str = "train") -> int:
+        """The sent bytes of the largest single completed operation of one tag.
+
+        Args:
+            tag: the tag; default ``"train"``.
+        """
         with self._lock:
             return self.stats[tag].peak_sent_bytes
 
     def barrier(self, tag: str = "setup") -> None:
-        """Wait until every worker of this Comm got here (a one-value all-reduce)."""
+        """Wait until every worker of this Comm got here (a one-value all-reduce).
+
+        Args:
+            tag: the tag its bytes are counted under; default ``"setup"``.
+        """
         self.all_reduce_mean(torch.zeros(1, device=self.device), tag=tag).wait()
 
     def state_dict(self) -> dict:
@@ -470,6 +662,12 @@ class Comm:
             return {"stats": self.stats.as_dict(), "issued": dict(self._issued)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the counters of [`state_dict`][loco.comm.interface.Comm.state_dict]
+        (the records are cleared).
+
+        Args:
+            state: a dict from ``state_dict()``.
+        """
         with self._lock:
             self.stats = CommStats()
             for tag, counter in state["stats"].items():
@@ -477,8 +675,19 @@ class Comm:
             self.records.clear()
             self._issued = defaultdict(int, {k: int(v) for k, v in state["issued"].items()})
 
-    def verify_identical(self, tensors, what: str = "parameters") -> None:
-        """Fail loudly unless every worker holds bit-identical ``tensors``."""
+    def verify_identical(self, tensors: Iterable[torch.Tensor], what: str = "parameters"
+                         ) -> None:
+        """Fail loudly unless every worker holds bit-identical ``tensors``.
+
+        Compares SHA-256 checksums with an all-gather (tag ``"setup"``); collective.
+
+        Args:
+            tensors: the tensors to compare, in the same order on every worker.
+            what: what they are, for the error message; default ``"parameters"``.
+
+        Raises:
+            RuntimeError: some worker's checksum differs from worker 0's.
+        """
         h = hashlib.sha256()
         for t in tensors:
             h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())

@@ -45,35 +45,72 @@ from loco.comm.interface import Aborted
 from loco.comm.link import EmulatedLink, LinkSpec
 
 LAUNCHERS = ("threads", "processes", "torchrun")
+"""How the workers run: threads of this process, local processes, or ranks of torchrun."""
 DEFAULT_TIMEOUT = 300.0
+"""Seconds a communication may take before it fails (``timeout`` of ``launch``)."""
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """Ranks laid out as ``replicas × ranks_per_replica``."""
+    """Ranks laid out as ``replicas × ranks_per_replica``: rank = replica · S + local.
+
+    Args:
+        replicas: R (the M workers of the outer algorithm), >= 1.
+        ranks_per_replica: S, the pipeline stages of each replica, >= 1; default 1.
+    """
 
     replicas: int
     ranks_per_replica: int = 1
 
     @property
     def world_size(self) -> int:
+        """All ranks: replicas × ranks_per_replica."""
         return self.replicas * self.ranks_per_replica
 
     def coords(self, rank: int) -> tuple[int, int]:
-        """(replica, local rank inside the replica) of a global rank."""
+        """(replica, local rank inside the replica) of a global rank.
+
+        Args:
+            rank: a global rank, in [0, world_size).
+        """
         return divmod(rank, self.ranks_per_replica)
 
     def replica_peers(self, local: int) -> list[int]:
-        """Global ranks that hold the same position in every replica: the outer group."""
+        """Global ranks that hold the same position in every replica: the outer group.
+
+        Args:
+            local: the position inside a replica (the pipeline stage), in [0, S).
+        """
         return [r * self.ranks_per_replica + local for r in range(self.replicas)]
 
     def rank_of(self, replica: int, local: int) -> int:
-        """Global rank of position ``local`` (the pipeline stage) in ``replica``."""
+        """Global rank of position ``local`` (the pipeline stage) in ``replica``.
+
+        Args:
+            replica: the replica, in [0, R).
+            local: the position inside it, in [0, S).
+        """
         return replica * self.ranks_per_replica + local
 
 
 @dataclass
 class WorkerContext:
+    """What one rank knows about the run; [`launch`][loco.runtime.launch.launch] passes it to
+    the function as its first argument.
+
+    Args:
+        rank: this rank's global rank, in [0, world_size).
+        world_size: all ranks of the run, replicas × ranks_per_replica.
+        mesh: the layout of the ranks.
+        comm: the [`Comm`][loco.comm.interface.Comm] over the replicas of this rank's stage
+            (its rank there is the replica index): what the outer algorithm talks through.
+        device: this rank's device (a CUDA device under torchrun with GPUs, else CPU).
+        launcher: how it was started: ``"threads"``, ``"processes"`` or ``"torchrun"``.
+        extras: free room for the caller's own per-rank values; default empty.
+        pipe: a Comm over the whole world (rank there = global rank) for the traffic
+            between pipeline stages; None (default) when every replica is a single rank.
+    """
+
     rank: int
     world_size: int
     mesh: Mesh
@@ -87,10 +124,12 @@ class WorkerContext:
 
     @property
     def replica(self) -> int:
+        """The replica this rank belongs to (its rank in ``comm``)."""
         return self.mesh.coords(self.rank)[0]
 
     @property
     def local_rank(self) -> int:
+        """This rank's position inside its replica (the same as ``stage``)."""
         return self.mesh.coords(self.rank)[1]
 
     @property
@@ -100,18 +139,26 @@ class WorkerContext:
 
     @property
     def stages(self) -> int:
+        """S, the pipeline stages of every replica."""
         return self.mesh.ranks_per_replica
 
     @property
     def is_main(self) -> bool:
+        """Whether this is global rank 0."""
         return self.rank == 0
 
 
 class WorkerError(RuntimeError):
-    """A worker raised; the message names the worker and carries its traceback."""
+    """A worker raised; the message names the worker and carries its traceback.
+
+    [`launch`][loco.runtime.launch.launch] raises it for the first worker that failed on
+    its own (not for those stopped because of it).
+    """
 
 
 def under_torchrun() -> bool:
+    """Whether this process is a rank started by torchrun (from its environment variables
+    ``TORCHELASTIC_RUN_ID`` and ``RANK``)."""
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
@@ -121,8 +168,41 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
            link: LinkSpec | None = None) -> list:
     """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the results in rank order.
 
-    ``link`` gives every rank an emulated link of that bandwidth and latency, shared by all
-    its communication (:mod:`loco.comm.link`)."""
+    Under torchrun (detected from the environment, whatever ``launcher`` says) this process
+    is one rank: it runs ``fn`` once and returns a one-item list.
+
+    Args:
+        fn: the function each rank runs; its first argument is the rank's
+            [`WorkerContext`][loco.runtime.launch.WorkerContext]. Must be picklable (a
+            module-level function) for the ``"processes"`` launcher.
+        workers: all ranks, R replicas × S stages, >= 1 and a multiple of
+            ``ranks_per_replica``; default 2. Under torchrun it must equal torchrun's world
+            size, unless ``launcher`` is ``"torchrun"`` (then torchrun's is used).
+        launcher: ``"threads"`` (default: threads of this process on gloo over loopback,
+            starts in a fraction of a second), ``"processes"`` (local processes by torch
+            elastic) or ``"torchrun"`` (only valid in a process torchrun started).
+        args: positional arguments passed to ``fn`` after the context; default none.
+        kwargs: keyword arguments passed to ``fn``; default none.
+        ranks_per_replica: S, pipeline stages per replica, >= 1 and dividing ``workers``;
+            default 1.
+        timeout: seconds a communication may take before it fails instead of hanging;
+            default 300.
+        max_restarts: ``"processes"`` only: how many times torch elastic restarts all
+            workers after one died; default 0.
+        link: an emulated link of that bandwidth and latency for every rank, shared by all
+            its communication (see [`LinkSpec`][loco.comm.link.LinkSpec]); default None
+            (the transport's own speed).
+
+    Returns:
+        ``fn``'s return value of every rank, in rank order (under torchrun: this rank's
+            only).
+
+    Raises:
+        ValueError: an unknown ``launcher``, ``workers`` < 1 or not a multiple of
+            ``ranks_per_replica``, or ``"torchrun"`` outside torchrun.
+        WorkerError: a worker raised (its traceback is in the message); under torchrun
+            the rank's own exception propagates instead.
+    """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)} (got {launcher!r})")
     if workers < 1:

@@ -37,6 +37,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
@@ -44,14 +46,31 @@ import torch.nn.functional as F
 
 from loco.model import Transformer, rope_window, token_loss
 
+if TYPE_CHECKING:
+    from loco.runtime.launch import WorkerContext
+
 ROUTINGS = ("fixed", "random")
+"""How samples cross the stage boundaries: each replica's own pipeline, or a random one."""
 
 # Transport message tags of the two tensors that cross a boundary together.
 _TAG_ACT, _TAG_TARGET = 1, 2
 
 
 def stage_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Block index ranges ``[start, stop)`` of each stage: contiguous, as equal as possible."""
+    """Block index ranges ``[start, stop)`` of each stage: contiguous, as equal as possible.
+
+    Earlier stages take the extra block when ``stages`` does not divide ``n_layers``.
+
+    Args:
+        n_layers: the model's blocks.
+        stages: S, an integer in [1, n_layers].
+
+    Returns:
+        S ranges ``(start, stop)`` covering ``[0, n_layers)`` in order.
+
+    Raises:
+        ValueError: ``stages`` < 1 or more than ``n_layers``.
+    """
     if stages < 1:
         raise ValueError(f"stages must be >= 1 (got {stages})")
     if stages > n_layers:
@@ -67,13 +86,18 @@ def stage_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
 
 
 class StageModule(nn.Module):
-    """The part of a :class:`Transformer` one pipeline stage owns.
+    """The part of a ``Transformer`` (``loco.model``) one pipeline stage owns.
 
     It shares the model's modules (no copies), and names its parameters as the model does
     (``embed.weight``, ``blocks.3.attn.qkv.weight``, ``norm.weight``), so an optimizer or an
     outer algorithm built on it sees exactly this stage's parameters. ``forward`` maps token
     ids (stage 0) or activations (later stages) to activations, or, on the last stage, to
     logits through the tied head.
+
+    Args:
+        model: the whole model (``loco.model.Transformer``), whose modules are shared.
+        stage: this part's stage, in [0, stages).
+        stages: S, in [1, the model's number of blocks].
     """
 
     def __init__(self, model: Transformer, stage: int, stages: int):
@@ -91,6 +115,16 @@ class StageModule(nn.Module):
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's part of the forward pass.
+
+        Args:
+            x: token ids ``(batch, seq)`` on stage 0, activations ``(batch, seq, d_model)``
+                on later stages.
+
+        Returns:
+            Activations ``(batch, seq, d_model)``, or on the last stage logits
+                ``(batch, seq, vocab)``.
+        """
         cos, sin = rope_window(self.rope_cos, self.rope_sin, x.shape[1])
         if self.is_first:
             x = self.embed(x)
@@ -101,15 +135,30 @@ class StageModule(nn.Module):
         return x
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token loss, as :meth:`Transformer.forward` computes it."""
+        """Mean token loss, as ``Transformer.forward`` computes it (with its z-loss).
+
+        Args:
+            logits: the last stage's output, ``(batch, seq, vocab)``.
+            targets: the next-token ids, ``(batch, seq)``.
+        """
         return token_loss(logits, targets, self.cfg.z_loss)
 
 
 def split_stages(model: Transformer, stages: int) -> list[StageModule]:
-    """The parts of ``model`` owned by each of ``stages`` pipeline stages (see the module doc).
+    """The parts of ``model`` owned by each of ``stages`` pipeline stages.
 
-    With one stage the single part owns the whole model (embedding, every block, norm and the
+    The blocks are cut into S contiguous runs, as equal as possible
+    ([`stage_bounds`][loco.runtime.pipeline.stage_bounds]); stage 0 owns the token
+    embedding, stage S − 1 the final norm and the output head, which is tied to the
+    embedding, so the last stage keeps its own copy of the embedding matrix. With one stage the single part owns the whole model (embedding, every block, norm and the
     tied head). The parts share ``model``'s modules.
+
+    Args:
+        model: the whole model (``loco.model.Transformer``).
+        stages: S, in [1, the model's number of blocks].
+
+    Raises:
+        ValueError: ``stages`` out of range.
     """
     return [StageModule(model, k, stages) for k in range(stages)]
 
@@ -121,6 +170,16 @@ def routing_permutation(seed: int, step: int, sample: int, boundary: int,
 
     A pure function of its arguments (a ``torch.Generator`` seeded from a hash of them), so
     every rank, and a single-process reference, computes the same permutation.
+
+    Args:
+        seed: the run's routing seed.
+        step: the training step, the same on every rank.
+        sample: the sample's index in the batch, in [0, batch_size).
+        boundary: k, the boundary between stage k and stage k + 1, in [0, S − 1).
+        replicas: R, the number of replicas.
+
+    Returns:
+        A permutation of ``range(replicas)``.
     """
     key = f"loco/pipeline-routing/{seed}/{step}/{sample}/{boundary}".encode()
     g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
@@ -130,7 +189,22 @@ def routing_permutation(seed: int, step: int, sample: int, boundary: int,
 
 def routing_path(seed: int, step: int, sample: int, origin: int, replicas: int,
                  stages: int, routing: str = "random") -> list[int]:
-    """Replica visited at every stage by sample ``sample`` of replica ``origin``'s batch."""
+    """Replica visited at every stage by sample ``sample`` of replica ``origin``'s batch.
+
+    Args:
+        seed: the run's routing seed.
+        step: the training step.
+        sample: the sample's index in the batch.
+        origin: the replica whose stage 0 embedded the sample, in [0, replicas).
+        replicas: R, the number of replicas.
+        stages: S, the pipeline stages.
+        routing: ``"random"`` (default) follows
+            [`routing_permutation`][loco.runtime.pipeline.routing_permutation] at every
+            boundary; any other value (``"fixed"``) stays on ``origin``.
+
+    Returns:
+        S replica indices, the first ``origin``.
+    """
     path = [origin]
     for k in range(stages - 1):
         r = path[-1]
@@ -142,14 +216,35 @@ def routing_path(seed: int, step: int, sample: int, origin: int, replicas: int,
 class PipelineStage:
     """One rank's pipeline stage: runs its part of a training micro-step or an evaluation.
 
-    ``model`` is this rank's full model object (only this stage's part is used and trained;
-    build the optimizer on :meth:`parameters`). ``ctx`` is the launch's WorkerContext; its
-    ``pipe`` Comm carries the traffic between stages. Every batch has ``batch_size`` samples
-    of ``seq_len`` tokens (later stages must know the shapes they receive).
+    Build the optimizer (and the outer algorithm) on
+    [`parameters`][loco.runtime.pipeline.PipelineStage.parameters] or ``stage.module``, and
+    set the algorithm's ``grad_norm_fn`` to
+    [`grad_norm`][loco.runtime.pipeline.PipelineStage.grad_norm] so clipping sees the whole
+    model's norm.
+
+    Args:
+        model: this rank's full model object (``loco.model.Transformer``); only this
+            stage's part is used and trained.
+        ctx: the launch's [`WorkerContext`][loco.runtime.launch.WorkerContext]; its
+            ``pipe`` Comm carries the traffic between stages (required when S > 1), its mesh
+            gives the stage (``ctx.local_rank``) and the replica.
+        batch_size: samples per batch of every replica, >= 1 (later stages must know the
+            shapes they receive).
+        seq_len: tokens per sample.
+        routing: ``"fixed"`` (default: every replica keeps its own pipeline) or
+            ``"random"`` (each sample crosses every boundary to a replica drawn by
+            [`routing_permutation`][loco.runtime.pipeline.routing_permutation]).
+        seed: the routing seed, the same on every rank; default 0.
+        autocast: a context manager entered around each stage's forward (e.g.
+            ``torch.autocast("cpu", torch.bfloat16)``); default None (none).
+
+    Raises:
+        ValueError: an unknown ``routing``, or S > 1 without ``ctx.pipe``.
     """
 
-    def __init__(self, model: Transformer, ctx, batch_size: int, seq_len: int, *,
-                 routing: str = "fixed", seed: int = 0, autocast=None):
+    def __init__(self, model: Transformer, ctx: WorkerContext, batch_size: int, seq_len: int,
+                 *, routing: str = "fixed", seed: int = 0,
+                 autocast: contextlib.AbstractContextManager | None = None):
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)} (got {routing!r})")
         self.ctx = ctx
@@ -174,16 +269,20 @@ class PipelineStage:
 
     @property
     def is_first(self) -> bool:
+        """Whether this is stage 0 (it embeds the tokens)."""
         return self.stage == 0
 
     @property
     def is_last(self) -> bool:
+        """Whether this is stage S − 1 (it computes the loss)."""
         return self.stage == self.stages - 1
 
-    def parameters(self):
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """This stage's parameters (those of ``module``), for its optimizer."""
         return self.module.parameters()
 
-    def named_parameters(self):
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """This stage's parameters by the model's names (``blocks.3.attn.qkv.weight``)."""
         return self.module.named_parameters()
 
     def owned_parameters(self) -> list[torch.nn.Parameter]:
@@ -193,10 +292,20 @@ class PipelineStage:
         tied = self.module.embed.weight if (self.is_last and self.stages > 1) else None
         return [p for p in self.module.parameters() if p.requires_grad and p is not tied]
 
-    def grad_norm(self, params) -> torch.Tensor:
+    def grad_norm(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
         """The gradient norm of the whole model, from this stage's ``params``: the squared
         norms of every stage's owned gradients, summed over the replica's stages in stage
-        order (the same float result on each). For ``Algorithm.grad_norm_fn``."""
+        order (the same float result on each). For ``Algorithm.grad_norm_fn``.
+
+        Collective over the replica's stages (with S > 1): every stage must call it.
+
+        Args:
+            params: this stage's parameters whose gradients count (those of the algorithm);
+                the last stage's copy of the tied embedding is left out.
+
+        Returns:
+            The norm, a 0-d fp32 tensor.
+        """
         owned = {id(p) for p in self.owned_parameters()}
         grads = [p.grad.detach().float() for p in params
                  if id(p) in owned and p.grad is not None]
@@ -291,7 +400,8 @@ class PipelineStage:
         return sources, h, y
 
     # ------------------------------------------------------------------------ training
-    def forward_backward(self, batch=None, step: int = 0) -> torch.Tensor | None:
+    def forward_backward(self, batch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                         step: int = 0) -> torch.Tensor | None:
         """One training micro-step of this stage; gradients accumulate into the parameters.
 
         ``batch`` is ``(x, y)`` on stage 0 (this replica's batch) and ignored elsewhere.
@@ -299,6 +409,15 @@ class PipelineStage:
         token loss of the samples this rank's last stage processed (a detached scalar), or
         None on the other stages. With S > 1 the tied embedding gradient is summed between
         stage 0 and stage S−1 of the replica before this returns.
+
+        Args:
+            batch: ``(x, y)`` token ids and targets of shape ``(batch_size, seq_len)`` on
+                stage 0; ignored elsewhere (default None).
+            step: the training step, which seeds the random routing; the same on every rank
+                (default 0).
+
+        Raises:
+            ValueError: stage 0 got no batch, or one of the wrong shape.
         """
         routing = self.routing
         if self.stages == 1:
@@ -348,12 +467,22 @@ class PipelineStage:
 
     # ------------------------------------------------------------------------ evaluation
     @torch.no_grad()
-    def evaluate(self, batch=None, params: dict | None = None) -> torch.Tensor | None:
+    def evaluate(self, batch: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 params: dict | None = None) -> torch.Tensor | None:
         """Loss of one batch with fixed routing (each replica's own pipeline), no gradients;
         traffic is tagged "eval". ``params`` (by name, e.g. an algorithm's
         ``global_parameters()``) replaces this stage's parameters for the call. ``batch`` is
         used on stage 0 and ignored elsewhere. Returns the loss on the last stage, None
-        elsewhere."""
+        elsewhere.
+
+        Args:
+            batch: ``(x, y)`` of shape ``(batch_size, seq_len)`` on stage 0; ignored
+                elsewhere (default None).
+            params: parameters by name to evaluate instead of the stage's own; default None.
+
+        Raises:
+            ValueError: stage 0 got no batch, or one of the wrong shape.
+        """
         if self.stages == 1:
             x, y = self._check_batch(batch)
             return self.module.loss(self._forward(x, params), y)

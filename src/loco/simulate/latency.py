@@ -102,7 +102,14 @@ def _check_seed(seed: int) -> int:
 
 def lognormal(rng: np.random.Generator, sigma: float, size: tuple[int, ...],
               mean: float = 1.0) -> np.ndarray:
-    """Log-normal draws of mean ``mean``: ``mean · exp(σZ − σ²/2)``; σ = 0 gives ``mean``."""
+    """Log-normal draws of mean ``mean``: ``mean · exp(σZ − σ²/2)``; σ = 0 gives ``mean``.
+
+    Args:
+        rng: the generator of the draws.
+        sigma: σ, the spread (the standard deviation of the underlying normal), >= 0.
+        size: the shape of the result.
+        mean: the mean of every draw; default 1.
+    """
     return mean * np.exp(sigma * rng.standard_normal(size) - sigma * sigma / 2)
 
 
@@ -114,7 +121,21 @@ def tree_allreduce_times(n_max: int, sigma: float, *, t_c: float = 1.0,
 
     Each trial simulates one all-reduce over ``n_max`` workers; every aligned subtree of N of
     its leaves, timed with its own messages only, is one sample of an all-reduce over N, so N
-    gets ``trials · n_max / N`` samples (independent: the subtrees share no message)."""
+    gets ``trials · n_max / N`` samples (independent: the subtrees share no message).
+
+    Args:
+        n_max: the largest group, a power of two in [2, 65536].
+        sigma: σ, the spread of the message times, in [0, 4].
+        t_c: the mean time of one message; default 1.
+        trials: simulated all-reduces over ``n_max`` workers, >= 1; default 100.
+        rng: the generator of the draws (``numpy.random.default_rng(seed)``).
+
+    Returns:
+        For every N = 2, 4, ..., ``n_max``, the ``trials · n_max / N`` sampled times.
+
+    Raises:
+        ConfigError: an argument out of range.
+    """
     _check_workers(n_max)
     _check_sigma(sigma, "sigmas")
     _check_at_least_one(trials, "trials")
@@ -141,7 +162,18 @@ def tree_allreduce_times(n_max: int, sigma: float, *, t_c: float = 1.0,
 def tree_allreduce_time(n: int, sigma: float, *, t_c: float = 1.0, trials: int = DEFAULT_TRIALS,
                         rng: np.random.Generator) -> np.ndarray:
     """``trials`` samples of the time of a tree all-reduce over ``n`` workers;
-    ``2·t_c·log2 n`` at σ = 0."""
+    ``2·t_c·log2 n`` at σ = 0.
+
+    Args:
+        n: N, a power of two in [2, 65536].
+        sigma: σ, the spread of the message times, in [0, 4].
+        t_c: the mean time of one message; default 1.
+        trials: samples, >= 1; default 100.
+        rng: the generator of the draws (``numpy.random.default_rng(seed)``).
+
+    Raises:
+        ConfigError: an argument out of range.
+    """
     return tree_allreduce_times(n, sigma, t_c=t_c, trials=trials, rng=rng)[n]
 
 
@@ -149,7 +181,17 @@ def pair_exchange_time(sigma: float, *, t_c: float = 1.0, trials: int = DEFAULT_
                        rng: np.random.Generator) -> np.ndarray:
     """``trials`` samples of a pair's exchange: two rounds (a send and a reply), each ending
     when both of the messages the two workers sent each other at once have arrived;
-    ``2·t_c`` at σ = 0."""
+    ``2·t_c`` at σ = 0.
+
+    Args:
+        sigma: σ, the spread of the message times, in [0, 4].
+        t_c: the mean time of one message; default 1.
+        trials: samples, >= 1; default 100.
+        rng: the generator of the draws (``numpy.random.default_rng(seed)``).
+
+    Raises:
+        ConfigError: an argument out of range.
+    """
     _check_sigma(sigma, "sigmas")
     _check_at_least_one(trials, "trials")
     rounds = lognormal(rng, sigma, (trials, 2, 2), t_c).max(axis=2)
@@ -160,7 +202,20 @@ def latency_ratios(workers: Sequence[int], sigma: float, *, trials: int = DEFAUL
                    rng: np.random.Generator) -> list[float]:
     """E[tree all-reduce time over N] / E[pair exchange time] for every N of ``workers``
     (``log2 N`` at σ = 0), from ``trials`` all-reduces over ``max(workers)`` workers and as
-    many pair exchanges as that cluster has pairs."""
+    many pair exchanges as that cluster has pairs.
+
+    Args:
+        workers: the group sizes N, each a power of two in [2, 65536].
+        sigma: σ, the spread of the message times, in [0, 4].
+        trials: simulated all-reduces over ``max(workers)`` workers, >= 1; default 100.
+        rng: the generator of the draws (``numpy.random.default_rng(seed)``).
+
+    Returns:
+        One ratio per N, in the order of ``workers``.
+
+    Raises:
+        ConfigError: an argument out of range.
+    """
     sizes = [_check_workers(n) for n in workers]
     trees = tree_allreduce_times(max(sizes), sigma, trials=trials, rng=rng)
     pair = pair_exchange_time(sigma, trials=trials * max(sizes) // 2, rng=rng).mean()
@@ -170,7 +225,17 @@ def latency_ratios(workers: Sequence[int], sigma: float, *, trials: int = DEFAUL
 def latency_ratio(n: int, sigma: float, *, trials: int = DEFAULT_TRIALS,
                   seed: int = DEFAULT_SEED) -> float:
     """E[tree all-reduce time over ``n`` workers] / E[pair exchange time]; ``log2 n`` at
-    σ = 0. Equal to the table's entry for N = ``n`` when ``n`` is the largest N."""
+    σ = 0. Equal to the table's entry for N = ``n`` when ``n`` is the largest N.
+
+    Args:
+        n: N, a power of two in [2, 65536].
+        sigma: σ, the spread of the message times, in [0, 4].
+        trials: simulated all-reduces, >= 1; default 100.
+        seed: seed of the draws, an integer >= 0; default 0.
+
+    Raises:
+        ConfigError: an argument out of range.
+    """
     rng = np.random.default_rng(_check_seed(seed))
     return latency_ratios([n], sigma, trials=trials, rng=rng)[0]
 
@@ -181,7 +246,22 @@ def straggler_slowdowns(group_sizes: Sequence[int], sync_every: Sequence[int], s
                         trials: int = DEFAULT_TRIALS, rng: np.random.Generator) -> np.ndarray:
     """Slowdown E[max over a group of its workers' H-step times] / H for every group size
     (rows) and H (columns), from ``trials`` outer steps of a cluster of ``max(group_sizes)``
-    workers whose inner steps take log-normal times of mean 1 and spread ``sigma``."""
+    workers whose inner steps take log-normal times of mean 1 and spread ``sigma``.
+
+    Args:
+        group_sizes: the group sizes N, each a power of two in [2, 65536].
+        sync_every: the values of H, each an integer >= 1.
+        sigma: σ_s, the spread of the inner-step times, in [0, 4].
+        trials: simulated outer steps, >= 1; default 100.
+        rng: the generator of the draws (``numpy.random.default_rng(seed)``).
+
+    Returns:
+        An array of shape ``(len(group_sizes), len(sync_every))``; every entry >= 1 up to
+            sampling noise, exactly 1 at σ_s = 0.
+
+    Raises:
+        ConfigError: an argument out of range.
+    """
     sizes = [_check_workers(n) for n in group_sizes]
     hs = [_check_at_least_one(h, "sync_every") for h in sync_every]
     _check_sigma(sigma, "step_sigma")
@@ -203,7 +283,18 @@ def straggler_slowdown(group_size: int, sync_every: int, sigma: float, *,
                        trials: int = DEFAULT_TRIALS, seed: int = DEFAULT_SEED) -> float:
     """Slowdown of a group of ``group_size`` workers that meets every ``sync_every`` inner
     steps (2: a pair), from ``trials`` simulated outer steps; exactly 1 at σ = 0. Equal to
-    the table's entry for the largest N (the draws do not depend on the other N or H)."""
+    the table's entry for the largest N (the draws do not depend on the other N or H).
+
+    Args:
+        group_size: N, a power of two in [2, 65536].
+        sync_every: H, inner steps between syncs, >= 1.
+        sigma: σ_s, the spread of the inner-step times, in [0, 4].
+        trials: simulated outer steps, >= 1; default 100.
+        seed: seed of the draws, an integer >= 0; default 0.
+
+    Raises:
+        ConfigError: an argument out of range.
+    """
     rng = np.random.default_rng(_check_seed(seed))
     return float(straggler_slowdowns([group_size], [sync_every], sigma, trials=trials,
                                      rng=rng)[0, 0])
@@ -213,7 +304,19 @@ def straggler_slowdown(group_size: int, sync_every: int, sigma: float, *,
 
 @dataclass
 class Options:
-    """The checked options of one ``loco simulate latency`` run."""
+    """The checked options of one ``loco simulate latency`` run.
+
+    Build it with [`parse_options`][loco.simulate.latency.parse_options], which checks the
+    ranges.
+
+    Args:
+        workers: the group sizes N, powers of two in [2, 65536], sorted.
+        sigmas: the spreads σ of the message times, each in [0, 4], sorted.
+        step_sigma: σ_s, the spread of the inner-step times, in [0, 4].
+        sync_every: the values of H, each >= 1, sorted.
+        trials: Monte Carlo rounds, >= 1.
+        seed: seed of the draws, >= 0.
+    """
 
     workers: list[int]
     sigmas: list[float]
@@ -263,7 +366,16 @@ def _parse_list(text: str, kind: Callable[[str], int | float], option: str) -> l
 
 
 def parse_options(args: argparse.Namespace) -> Options:
-    """The checked options of ``args``; raises :class:`ConfigError` naming a bad one."""
+    """The checked options of ``args``; raises ``ConfigError`` naming a bad one.
+
+    Args:
+        args: parsed flags of ``loco simulate latency``: ``workers``, ``sigmas`` and
+            ``sync_every`` as comma-separated strings, ``step_sigma``, ``trials``, ``seed``.
+
+    Raises:
+        ConfigError: a value that does not parse or is out of range (see
+            [`Options`][loco.simulate.latency.Options]).
+    """
     return Options(
         workers=[_check_workers(n) for n in _parse_list(args.workers, int, "workers")],
         sigmas=[_check_sigma(s, "sigmas") for s in _parse_list(args.sigmas, float, "sigmas")],
@@ -281,7 +393,11 @@ def simulate(opts: Options) -> dict:
     ``seed``; lists sorted, duplicates dropped); ``latency_ratio``: one row per N, one column
     per σ; ``straggler_slowdown``: ``allreduce`` (one row per N, one column per H), ``pair``
     (one value per H) and ``allreduce_over_pair`` (shaped as ``allreduce``). ``run`` adds
-    ``plot``: the PNG's path, or null."""
+    ``plot``: the PNG's path, or null.
+
+    Args:
+        opts: the checked options.
+    """
     by_sigma = [latency_ratios(opts.workers, s, trials=opts.trials,
                                rng=np.random.default_rng(opts.seed)) for s in opts.sigmas]
     slow = straggler_slowdowns([2, *opts.workers], opts.sync_every, opts.step_sigma,
@@ -303,7 +419,11 @@ def _table(title: str, corner: str, columns: list[str], rows: list[tuple[str, li
 
 
 def format_tables(result: dict) -> str:
-    """The three readable tables of a :func:`simulate` result."""
+    """The three readable tables of a [`simulate`][loco.simulate.latency.simulate] result.
+
+    Args:
+        result: what ``simulate`` returned.
+    """
     sigmas = [f"σ={s:g}" for s in result["sigmas"]]
     hs = [f"H={h}" for h in result["sync_every"]]
     slow = result["straggler_slowdown"]
@@ -321,7 +441,12 @@ def format_tables(result: dict) -> str:
 
 def plot(result: dict, path: str) -> None:
     """Two panels: the tree/pair ratio against N (one curve per σ) and the straggler
-    slowdown against H (one curve per N, and the pair's)."""
+    slowdown against H (one curve per N, and the pair's). Needs matplotlib.
+
+    Args:
+        result: what [`simulate`][loco.simulate.latency.simulate] returned.
+        path: the PNG file to write.
+    """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 

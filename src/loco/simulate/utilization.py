@@ -71,6 +71,8 @@ import numpy as np
 from loco.config import ConfigError
 
 METHODS = ("data_parallel", "diloco", "streaming", "streaming_overlap", "streaming_overlap_fp4")
+"""The simulated methods: data-parallel, DiLoCo, Streaming DiLoCo without overlap, with
+overlap τ, and with overlap and FP4 values."""
 LABELS = {"data_parallel": "Data-parallel", "diloco": "DiLoCo", "streaming": "Streaming DiLoCo",
           "streaming_overlap": "Streaming DiLoCo, overlap",
           "streaming_overlap_fp4": "Streaming DiLoCo, overlap, FP4"}
@@ -78,13 +80,21 @@ LABELS = {"data_parallel": "Data-parallel", "diloco": "DiLoCo", "streaming": "St
 #: DiLoCo is drawn dashed on top.
 STYLES = {"diloco": {"linestyle": "--", "zorder": 3}}
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
+"""The compute utilizations the table finds the bandwidth for, by default."""
 WARMUP_PERIODS = 2
 MEASURED_PERIODS = 2
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """A model as the simulator sees it: its layers, its compute time per step, its size."""
+    """A model as the simulator sees it: its layers, its compute time per step, its size.
+
+    Args:
+        name: a label for tables and plots.
+        layers: L, the number of layers, an integer >= 1.
+        step_time: seconds of compute per training step, finite and > 0.
+        params: the parameter count, finite and > 0 (spread evenly over the layers).
+    """
 
     name: str
     layers: int
@@ -92,16 +102,32 @@ class ModelSpec:
     params: float
 
     def describe(self) -> str:
+        """One line for tables and plots: layers, step time, parameters."""
         return f"{self.layers} layers, {self.step_time:g} s per step, {self.params:.3g} params"
 
 
 PRESETS = {"1b": ModelSpec("1b", 24, 0.1, 1e9), "10b": ModelSpec("10b", 48, 0.8, 1e10),
            "100b": ModelSpec("100b", 108, 4.9, 1e11)}
+"""The Streaming DiLoCo paper's three models: layers and step times as it gives them."""
 
 
 @dataclass(frozen=True)
 class Settings:
-    """The method options shared by every model: see :func:`add_arguments` for each one."""
+    """The method options shared by every model (the flags of ``loco simulate utilization``).
+
+    Args:
+        H: inner steps between two syncs of the same parameters (DiLoCo, Streaming), >= 1;
+            default 100.
+        layers_per_fragment: layers in each Streaming fragment, in [1, layers]; default 3.
+            P = ceil(layers / layers_per_fragment).
+        overlap: τ, steps of compute a Streaming reduction runs under before it must be
+            merged, in [0, H/P); default 1.
+        bits: bits per value on the wire for every method but the FP4 variant, in
+            [1, 64]; default 16.
+        fp4_bits: bits per value for ``streaming_overlap_fp4``, in [1, 64]; default 4.
+        workers: W, workers in the ring all-reduce, >= 2; default 2.
+        latency_s: one-way latency per message in seconds, finite and >= 0; default 0.
+    """
 
     H: int = 100
     layers_per_fragment: int = 3
@@ -113,12 +139,27 @@ class Settings:
 
 
 def fragments(spec: ModelSpec, layers_per_fragment: int) -> int:
-    """P, the number of Streaming DiLoCo fragments."""
+    """P, the number of Streaming DiLoCo fragments: ceil(layers / layers_per_fragment).
+
+    Args:
+        spec: the model.
+        layers_per_fragment: layers in each fragment, >= 1.
+    """
     return math.ceil(spec.layers / layers_per_fragment)
 
 
 def check(spec: ModelSpec, settings: Settings) -> None:
-    """Raise :class:`ConfigError` naming the first option outside its range."""
+    """Raise ``ConfigError`` naming the first option outside its range.
+
+    Args:
+        spec: the model; ``layers`` an integer >= 1, ``step_time`` and ``params`` finite and
+            > 0.
+        settings: the method options, in the ranges [`Settings`][loco.simulate.utilization.Settings]
+            gives (``overlap`` below H/P for this model's P).
+
+    Raises:
+        ConfigError: an option out of range (``loco.config.ConfigError``).
+    """
     s = settings
     if isinstance(spec.layers, bool) or not isinstance(spec.layers, int) or spec.layers < 1:
         raise ConfigError("layers", f"must be an integer >= 1, got {spec.layers}")
@@ -153,6 +194,15 @@ class Plan:
 
     ``issues[i]`` are the reductions issued when operation i ends, ``waits[i]`` those that must
     be done before it starts; ``window`` is the measured range of operations [first, end).
+
+    Args:
+        durations: seconds of every compute operation, in program order.
+        issues: operation index -> indices (into ``transfer_bytes``) of the reductions
+            issued when it ends.
+        waits: operation index -> indices of the reductions that must be done before it
+            starts.
+        transfer_bytes: the bytes of every reduction.
+        window: ``(first, end)``, the operations measured.
     """
 
     durations: list[float]
@@ -171,7 +221,12 @@ def _link(plan: Plan, after: int, before: int, nbytes: float) -> None:
 
 def data_parallel_plan(spec: ModelSpec, bits: int) -> Plan:
     """Per-layer graph: F_1..F_L, then A_L, W_L, ..., A_1, W_1; layer l's gradient is
-    reduced after W_l and the next step's F_l waits for it."""
+    reduced after W_l and the next step's F_l waits for it.
+
+    Args:
+        spec: the model.
+        bits: bits per value on the wire.
+    """
     L, op = spec.layers, spec.step_time / (3 * spec.layers)
     steps = WARMUP_PERIODS + MEASURED_PERIODS + 1
     per_step = 3 * L
@@ -189,7 +244,15 @@ def outer_plan(spec: ModelSpec, H: int, fragment_layers: list[int], overlap: int
                bits: int) -> Plan:
     """Step-level graph of H-step rounds: fragment p's reduction is issued after step
     ceil((p+1)·H/P) − 1 of each round and step t+overlap+1 waits for it (DiLoCo: one
-    fragment of every layer, overlap 0)."""
+    fragment of every layer, overlap 0).
+
+    Args:
+        spec: the model.
+        H: inner steps per round, >= 1.
+        fragment_layers: the layers of each of the P fragments.
+        overlap: τ, steps a reduction runs under, in [0, H/P).
+        bits: bits per value on the wire.
+    """
     P = len(fragment_layers)
     steps = (WARMUP_PERIODS + MEASURED_PERIODS) * H + 1
     plan = Plan([spec.step_time] * steps, {}, {}, [],
@@ -203,6 +266,17 @@ def outer_plan(spec: ModelSpec, H: int, fragment_layers: list[int], overlap: int
 
 
 def plan_for(method: str, spec: ModelSpec, settings: Settings) -> Plan:
+    """The program of one worker for ``method``.
+
+    Args:
+        method: one of [`METHODS`][loco.simulate.utilization.METHODS].
+        spec: the model.
+        settings: the method options (not checked here; see
+            [`check`][loco.simulate.utilization.check]).
+
+    Raises:
+        ValueError: an unknown ``method``.
+    """
     s = settings
     if method == "data_parallel":
         return data_parallel_plan(spec, s.bits)
@@ -220,13 +294,34 @@ def plan_for(method: str, spec: ModelSpec, settings: Settings) -> Plan:
 
 def allreduce_seconds(nbytes: float, bandwidth_gbps: float, workers: int,
                       latency_s: float) -> float:
-    """Ring all-reduce: 2(W−1) messages of B/W bytes, each paying the latency."""
+    """Ring all-reduce: 2(W−1) messages of B/W bytes, each paying the latency.
+
+    Args:
+        nbytes: B, the bytes reduced.
+        bandwidth_gbps: each worker's link in Gbit/s (1e9 bit/s), > 0; ``math.inf``
+            allowed.
+        workers: W, >= 2.
+        latency_s: seconds per message, >= 0.
+
+    Returns:
+        ``2(W−1)·latency + 2(W−1)/W·B·8/bandwidth`` seconds.
+    """
     hops = 2 * (workers - 1)
     return hops * latency_s + hops / workers * nbytes * 8 / (bandwidth_gbps * 1e9)
 
 
 def simulate(plan: Plan, bandwidth_gbps: float, workers: int, latency_s: float) -> float:
-    """Run the timeline; return compute time / wall time over the measured window."""
+    """Run the timeline; return compute time / wall time over the measured window.
+
+    Args:
+        plan: one worker's program.
+        bandwidth_gbps: each worker's link in Gbit/s, > 0; ``math.inf`` allowed.
+        workers: W, workers in the ring all-reduce, >= 2.
+        latency_s: seconds per message, >= 0.
+
+    Returns:
+        The compute utilization, in (0, 1].
+    """
     cost = [allreduce_seconds(b, bandwidth_gbps, workers, latency_s)
             for b in plan.transfer_bytes]
     done = [0.0] * len(cost)
@@ -247,7 +342,25 @@ def utilization(method: str, spec: ModelSpec, bandwidth_gbps: float, *, H: int =
                 layers_per_fragment: int = 3, overlap: int = 1, bits: int = 16,
                 fp4_bits: int = 4, workers: int = 2, latency_s: float = 0.0) -> float:
     """Compute utilization in [0, 1] of ``method`` on ``spec`` with a link of
-    ``bandwidth_gbps`` Gbit/s per worker (``math.inf`` allowed)."""
+    ``bandwidth_gbps`` Gbit/s per worker (``math.inf`` allowed).
+
+    Args:
+        method: one of [`METHODS`][loco.simulate.utilization.METHODS].
+        spec: the model, e.g. ``PRESETS["1b"]``.
+        bandwidth_gbps: each worker's link in Gbit/s (1e9 bit/s), > 0; ``math.inf``
+            allowed.
+        H: inner steps between two syncs of the same parameters, >= 1; default 100.
+        layers_per_fragment: layers per Streaming fragment, in [1, layers]; default 3.
+        overlap: τ, in [0, H/P); default 1.
+        bits: bits per value on the wire, in [1, 64]; default 16.
+        fp4_bits: bits per value of the FP4 variant, in [1, 64]; default 4.
+        workers: W, workers in the ring all-reduce, >= 2; default 2.
+        latency_s: one-way latency per message in seconds, finite and >= 0; default 0.
+
+    Raises:
+        ConfigError: an option out of range (see [`check`][loco.simulate.utilization.check]).
+        ValueError: ``bandwidth_gbps`` <= 0 or an unknown ``method``.
+    """
     s = Settings(H, layers_per_fragment, overlap, bits, fp4_bits, workers, latency_s)
     check(spec, s)
     if not bandwidth_gbps > 0:
@@ -258,7 +371,22 @@ def utilization(method: str, spec: ModelSpec, bandwidth_gbps: float, *, H: int =
 def required_bandwidth(method: str, spec: ModelSpec, target: float, *, rel_tol: float = 1e-6,
                        **settings: Any) -> float:
     """The lowest bandwidth (Gbit/s, to ``rel_tol``) at which ``method`` reaches ``target``
-    CU; ``math.inf`` when even an infinite bandwidth does not (latency caps CU)."""
+    CU; ``math.inf`` when even an infinite bandwidth does not (latency caps CU).
+
+    Found by bisection on a log scale: CU never falls as the bandwidth grows.
+
+    Args:
+        method: one of [`METHODS`][loco.simulate.utilization.METHODS].
+        spec: the model.
+        target: the compute utilization to reach, in (0, 1).
+        rel_tol: relative precision of the result, > 0; default 1e-6.
+        **settings: the fields of [`Settings`][loco.simulate.utilization.Settings] (``H``,
+            ``layers_per_fragment``, ``overlap``, ``bits``, ``fp4_bits``, ``workers``,
+            ``latency_s``); the defaults for those left out.
+
+    Raises:
+        ConfigError: ``target`` or a setting out of range.
+    """
     if not 0 < target < 1:
         raise ConfigError("targets", f"each target must be in (0, 1), got {target}")
     s = Settings(**settings)
@@ -292,7 +420,19 @@ def table(specs: dict[str, ModelSpec] | None = None, targets: tuple[float, ...] 
           methods: tuple[str, ...] = METHODS,
           **settings: Any) -> dict[str, dict[str, dict[str, float]]]:
     """``{model: {method: {"0.5": gbps, ...}}}``, the bandwidth each method needs for each
-    target CU (``math.inf`` where unreachable); the presets by default."""
+    target CU (``math.inf`` where unreachable); the presets by default.
+
+    Args:
+        specs: the models by name; default None ([`PRESETS`][loco.simulate.utilization.PRESETS]).
+        targets: compute utilizations, each in (0, 1); default
+            [`TARGETS`][loco.simulate.utilization.TARGETS].
+        methods: the methods, from [`METHODS`][loco.simulate.utilization.METHODS]; default
+            all.
+        **settings: the fields of [`Settings`][loco.simulate.utilization.Settings].
+
+    Raises:
+        ConfigError: a target or a setting out of range.
+    """
     specs = PRESETS if specs is None else specs
     return {name: {m: {target_key(t): required_bandwidth(m, spec, t, **settings)
                        for t in targets} for m in methods}
@@ -301,7 +441,22 @@ def table(specs: dict[str, ModelSpec] | None = None, targets: tuple[float, ...] 
 
 def plot(specs: dict[str, ModelSpec], path: str | Path, bandwidths: np.ndarray | None = None,
          targets: tuple[float, ...] = TARGETS, **settings: Any) -> Path:
-    """Draw CU against bandwidth (log axis), one curve per method, one panel per model."""
+    """Draw CU against bandwidth (log axis), one curve per method, one panel per model.
+
+    Needs matplotlib.
+
+    Args:
+        specs: the models by name.
+        path: the PNG file to write.
+        bandwidths: the bandwidths in Gbit/s to evaluate, each > 0; default None (97 points
+            from 0.01 to 10^4 Gbit/s).
+        targets: target CUs to mark with horizontal lines; default
+            [`TARGETS`][loco.simulate.utilization.TARGETS].
+        **settings: the fields of [`Settings`][loco.simulate.utilization.Settings].
+
+    Returns:
+        ``path``, as a ``Path``.
+    """
     import matplotlib
 
     matplotlib.use("Agg")

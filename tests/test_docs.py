@@ -1,0 +1,121 @@
+"""The documentation: a complete API reference, a generated options table, a nav that holds
+every page. Runs without mkdocs: docs/hooks.py imports only the standard library (and loco)."""
+
+import importlib.util
+import textwrap
+from pathlib import Path
+
+import pytest
+import yaml
+
+import loco
+from loco.config import TrainConfig
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+REFERENCE = DOCS / "reference"
+
+
+@pytest.fixture(scope="module")
+def hooks():
+    spec = importlib.util.spec_from_file_location("loco_docs_hooks", DOCS / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_reference_docstrings_are_complete(hooks):
+    assert hooks.docstring_problems(REFERENCE) == []
+
+
+def test_checker_reports_gaps(hooks, tmp_path, monkeypatch):
+    (tmp_path / "throwaway_api.py").write_text(textwrap.dedent('''
+        def bare(x):
+            return x
+
+        def partial(a, b, *rest, **options):
+            """Documents some of its arguments.
+
+            Args:
+                a: documented.
+                *rest: documented.
+                ghost: not a parameter.
+            """
+
+        def complete(a, **kw):
+            """Everything documented.
+
+            Args:
+                a (int): first.
+                    A continuation line: not an entry.
+                **kw: the rest.
+            """
+
+        class Thing:
+            """A class whose constructor and one method lack documentation."""
+
+            def __init__(self, size):
+                self.size = size
+
+            def grow(self):
+                return self.size + 1
+
+            def _private(self):
+                pass
+
+        LIMIT = 3
+    '''))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    pages = tmp_path / "reference"
+    pages.mkdir()
+    (pages / "api.md").write_text("# API\n\n" + "\n\n".join(
+        f"::: throwaway_api.{name}" for name in
+        ("bare", "partial", "complete", "Thing", "LIMIT", "missing")) + "\n")
+    problems = hooks.docstring_problems(pages)
+    assert "throwaway_api.bare: no docstring" in problems
+    assert "throwaway_api.partial: parameter b is not in Args" in problems
+    assert "throwaway_api.partial: parameter **options is not in Args" in problems
+    assert "throwaway_api.partial: Args lists ghost, which is not a parameter" in problems
+    assert "throwaway_api.Thing: parameter size is not in Args" in problems
+    assert "throwaway_api.Thing.grow: no docstring" in problems
+    assert any(p.startswith("throwaway_api.missing: cannot import") for p in problems)
+    assert not [p for p in problems if "complete" in p or "LIMIT" in p or "_private" in p]
+    assert len(problems) == 7, problems
+
+
+def test_every_public_name_is_in_the_reference(hooks):
+    documented = {id(hooks.resolve(path)) for path in hooks.directives(REFERENCE)}
+    missing = [name for name in loco.__all__
+               if name != "__version__" and id(getattr(loco, name)) not in documented]
+    assert missing == []
+
+
+def test_options_table_has_every_field(hooks):
+    table = hooks.options_table()
+    rows = table.splitlines()[2:]
+    fields = TrainConfig.fields()
+    assert len(rows) == len(fields)
+    for field, row in zip(fields, rows):
+        assert f"| `{field.name}` |" in row
+        assert row.count("|") - row.count("\\|") == 6, row  # five cells, escaped | inside
+    assert "`--[no-]progress`" in table and "`--sync-every`" in table
+    page = (REFERENCE / "config.md").read_text()
+    assert hooks.MARKER in page
+    assert hooks.MARKER not in hooks.on_page_markdown(page, None, None, None)
+
+
+def _nav_pages(entry) -> list[str]:
+    if isinstance(entry, str):
+        return [entry]
+    if isinstance(entry, list):
+        return [p for item in entry for p in _nav_pages(item)]
+    return [p for value in entry.values() for p in _nav_pages(value)]
+
+
+def test_nav_holds_every_page():
+    config = yaml.safe_load((ROOT / "mkdocs.yml").read_text())
+    nav = _nav_pages(config["nav"])
+    pages = sorted(str(p.relative_to(DOCS)) for p in DOCS.rglob("*.md"))
+    assert sorted(set(nav)) == sorted(nav), "a page is in the nav twice"
+    assert [p for p in pages if p not in nav] == [], "pages missing from the nav"
+    assert [p for p in nav if not (DOCS / p).is_file()] == [], "nav entries without a page"
