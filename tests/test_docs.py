@@ -119,3 +119,17 @@ def test_nav_holds_every_page():
     assert sorted(set(nav)) == sorted(nav), "a page is in the nav twice"
     assert [p for p in pages if p not in nav] == [], "pages missing from the nav"
     assert [p for p in nav if not (DOCS / p).is_file()] == [], "nav entries without a page"
+
+
+def test_readme_is_short_and_its_links_resolve():
+    """The README stays a front page (what, why, two commands, the API, links); every file it
+    links or shows exists, so a page moved in docs/ cannot leave it pointing nowhere."""
+    import re
+
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 250
+    targets = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", text)
+    local = [t for t in targets if not t.startswith(("http://", "https://"))]
+    assert local and all((ROOT / t).exists() for t in local), \
+        [t for t in local if not (ROOT / t).exists()]
+    assert "make demo" in text and "make test" in text
