@@ -106,7 +106,11 @@ def test_a_killed_worker_process_is_restarted_from_the_checkpoint(how, uninterru
         res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                               "--nproc-per-node", "2", "--max-restarts", "1", "-m", "loco",
                               *argv], capture_output=True, text=True, timeout=240)
-        assert res.returncode == 0, res.stderr[-3000:]
+        # every worker's own report first: a restarted attempt's can be far from the tail
+        lines = res.stderr.splitlines()
+        reports = [line for i, line in enumerate(lines) if "terminate" in line
+                   or any("[loco] worker" in before for before in lines[max(0, i - 25):i + 1])]
+        assert res.returncode == 0, "\n".join(reports[-120:]) + "\n...\n" + res.stderr[-3000:]
     summary = json.loads((out / "summary.json").read_text())
     assert summary["restarts"] == 1 and summary["resumed_from_step"] == 8
     assert summary["launcher"] == how
