@@ -75,13 +75,14 @@ class GridModel(nn.Module):
         self.embed = nn.Parameter(grid(rng, 8, 64))
         self.blocks = nn.ModuleList(GridBlock(rng) for _ in range(BLOCKS))
 
-    def loss(self, worker: int, step: int) -> torch.Tensor:
+    def draws(self, worker: int, step: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(c, t) for every parameter: c in eighths, t in sixteenths of [-1, 1]."""
         rng = random.Random(1000 * worker + step)
-        total = torch.zeros(())
-        for p in self.parameters():
-            c, t = grid(rng, p.numel(), 8), grid(rng, p.numel(), 16)
-            total = total + (c * (p - t).abs()).sum()
-        return total
+        return [(grid(rng, p.numel(), 8), grid(rng, p.numel(), 16)) for p in self.parameters()]
+
+    def loss(self, worker: int, step: int) -> torch.Tensor:
+        return sum((c * (p - t).abs()).sum()
+                   for p, (c, t) in zip(self.parameters(), self.draws(worker, step)))
 
 
 def history_worker(ctx, fragments, overlap, alpha, codec):
@@ -134,9 +135,7 @@ def test_the_grid_run_is_exact():
     eighths), with nothing rounded away."""
     model = GridModel()
     model.loss(1, 3).backward()
-    rng = random.Random(1003)
-    for p in model.parameters():
-        c, t = grid(rng, p.numel(), 8), grid(rng, p.numel(), 16)
+    for p, (c, t) in zip(model.parameters(), model.draws(1, 3)):
         assert torch.equal(p.grad, c * torch.sign(p.detach() - t))
         assert torch.equal(p.grad * 8, (p.grad * 8).round())
 
