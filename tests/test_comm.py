@@ -89,3 +89,146 @@ def test_launch_rejects_bad_arguments():
         loco.launch(lambda ctx: None, 2, "mpi")
     with pytest.raises(ValueError, match="workers"):
         loco.launch(lambda ctx: None, 0)
+
+
+# ------------------------------------------------------------------ devices, NCCL's needs
+def test_every_operation_refuses_a_tensor_on_another_device():
+    """A CPU tensor handed to a NCCL Comm would crash in NCCL; the Comm says what is wrong
+    before anything is issued (``meta`` stands in for the other device here)."""
+    def fn(ctx):
+        meta = torch.empty(8, device="meta")
+        cpu = torch.zeros(8)
+        calls = [lambda: ctx.comm.all_reduce_mean(meta),
+                 lambda: ctx.comm.broadcast(meta),
+                 lambda: ctx.comm.all_gather(meta),
+                 lambda: ctx.comm.exchange(meta, [0, 1]),
+                 lambda: ctx.comm.sendrecv([(cpu, 1 - ctx.rank)], [(meta, 1 - ctx.rank)]),
+                 lambda: ctx.comm.send(meta, 1 - ctx.rank),
+                 lambda: ctx.comm.recv(meta, 1 - ctx.rank)]
+        messages = []
+        for call in calls:
+            with pytest.raises(ValueError, match="tensor on meta .* live on cpu") as e:
+                call()
+            messages.append(str(e.value))
+        ctx.comm.all_reduce_mean(cpu).wait()  # nothing half-issued is left behind
+        return messages, ctx.comm.totals("train").ops, ctx.comm.issued_bytes("train")
+    for messages, ops, issued in loco.launch(fn, 2):
+        assert all("device=comm.device" in m for m in messages)
+        assert ops == 1 and issued == 2 * 4 * 4
+
+
+def spy_p2p_worker(ctx):
+    """NoLoCo-style exchange and a send/receive pair to the same peer, under a process
+    group: both must go through one batch_isend_irecv call each (one NCCL group)."""
+    import torch.distributed as dist
+
+    calls = []
+    original = dist.batch_isend_irecv
+
+    def spy(ops):
+        calls.append(sorted((op.op.__name__, op.group_peer) for op in ops))
+        return original(ops)
+
+    dist.batch_isend_irecv = spy
+    peer = 1 - ctx.rank
+    got = ctx.comm.exchange(torch.full((5,), float(ctx.rank)), [0, 1]).wait()
+    buf = torch.empty(3)
+    ctx.comm.sendrecv([(torch.full((3,), 10.0 + ctx.rank), peer)], [(buf, peer)]).wait()
+    return (isinstance(ctx.comm.group, dist.ProcessGroup), calls,
+            [t[0].item() for t in got], buf[0].item())
+
+
+def test_point_to_point_is_posted_as_one_batch_on_a_process_group():
+    for rank, (is_pg, calls, got, received) in enumerate(
+            loco.launch(spy_p2p_worker, 2, "processes")):
+        peer = 1 - rank
+        assert is_pg
+        assert calls == [[("irecv", peer), ("isend", peer)]] * 2
+        assert got == [0.0, 1.0] and received == 10.0 + peer
+
+
+class FakeWork:
+    def wait(self):
+        return True
+
+
+class OrderGroup:
+    """A one-member stand-in for a process group that records the thread and order of the
+    collectives it runs."""
+
+    def __init__(self, name, log):
+        self.name, self.log = name, log
+
+    def allgather(self, outs, ins):
+        import threading
+        self.log.append((self.name, ins[0].item(), threading.current_thread().name))
+        outs[0][0].copy_(ins[0])
+        return FakeWork()
+
+
+def test_comms_sharing_a_thread_issue_in_one_order_on_one_thread():
+    """What a CUDA rank gets from the launcher: its Comms share one CommThread, so their
+    operations reach the transport in the order the rank issued them (NCCL's need)."""
+    from loco.comm.interface import Comm, CommThread
+
+    log = []
+    thread = CommThread("loco-comm-shared")
+    outer = Comm(OrderGroup("outer", log), 0, 2, thread=thread)
+    pipe = Comm(OrderGroup("pipe", log), 0, 2, name="pipe", thread=thread)
+    order = [("outer", 0), ("pipe", 1), ("pipe", 2), ("outer", 3), ("pipe", 4), ("outer", 5)]
+    handles = [(outer if c == "outer" else pipe).all_gather(torch.tensor([float(v)]))
+               for c, v in order]
+    for h in handles:
+        h.wait()
+    outer.close()
+    assert thread._thread.is_alive()  # the pipe Comm still uses it
+    pipe.close()
+    assert not thread._thread.is_alive()
+    assert [(c, int(v)) for c, v, _ in log] == order
+    assert {t for _, _, t in log} == {"loco-comm-shared"}
+
+
+def test_handles_use_the_device_hand_over_protocol():
+    """The Comm calls its stream hand-over as CUDA needs it: ``issue`` on the caller's thread
+    with every tensor of the operation, ``run`` on the communication thread, ``hand_over``
+    on the waiting thread with the result; ``done()`` asks ``finished``."""
+    import threading
+
+    from loco.comm.streams import HostSync
+
+    class Recording(HostSync):
+        def __init__(self):
+            self.calls = []
+
+        def issue(self, tensors):
+            self.calls.append(("issue", threading.current_thread().name,
+                               [t.data_ptr() for t in tensors]))
+            return "ready"
+
+        def run(self, ready, fn):
+            self.calls.append(("run", threading.current_thread().name, ready))
+            return fn(), "done-mark"
+
+        def finished(self, done):
+            self.calls.append(("finished", done))
+            return True
+
+        def hand_over(self, done, result):
+            self.calls.append(("hand_over", threading.current_thread().name, done,
+                               result.data_ptr()))
+
+    def fn(ctx):
+        rec = Recording()
+        ctx.comm._streams = rec
+        t = torch.ones(4)
+        h = ctx.comm.all_reduce_mean(t)
+        while not h.done():
+            time.sleep(0.001)
+        h.wait()
+        return rec.calls, t.data_ptr(), threading.current_thread().name
+
+    for rank, (calls, ptr, me) in enumerate(loco.launch(fn, 2)):
+        assert calls[0] == ("issue", me, [ptr])
+        assert calls[1] == ("run", f"loco-comm-replicas-{rank}", "ready")
+        assert ("finished", "done-mark") in calls
+        assert calls[-1] == ("hand_over", me, "done-mark", ptr)

@@ -131,3 +131,69 @@ def test_point_to_point_operations_pay_the_link_too():
 def test_link_spec_refuses_bad_values(kw):
     with pytest.raises(ValueError, match="LinkSpec: (bandwidth|latency)"):
         LinkSpec(**kw)
+
+
+def late_peer_worker(ctx, n, late):
+    """Worker 1 issues its reduction ``late`` seconds after worker 0."""
+    if ctx.rank == 1:
+        time.sleep(late)
+    start = time.perf_counter()
+    ctx.comm.all_reduce_mean(torch.ones(n)).wait()
+    return time.perf_counter() - start
+
+
+def test_a_late_peer_delays_completion_by_its_lateness():
+    """The link is charged from when the data exists on both ends: a reduction whose peer
+    issues it 0.4 s late cannot have crossed a 0.4 s link before 0.8 s (it used to complete
+    at 0.4 s, the link charged from this worker's own issue)."""
+    n = 100_000  # 2 workers: 400 KB each way, 0.4 s at 1 MB/s
+    on_time, late = loco.launch(late_peer_worker, 2, args=(n, 0.4),
+                                link=LinkSpec(RATE, LATENCY))
+    transfer = 2 * LATENCY + 0.4  # two dependent phases: two latencies
+    assert on_time >= 0.4 + transfer - 1e-3
+    assert late >= transfer - 1e-3 and late < transfer + 0.3
+
+
+def latency_worker(ctx):
+    out = {}
+    for name, op in [("all_reduce_mean", lambda: ctx.comm.all_reduce_mean(torch.ones(2))),
+                     ("all_gather", lambda: ctx.comm.all_gather(torch.ones(2), tag="train")),
+                     ("exchange", lambda: ctx.comm.exchange(torch.ones(2), [0, 1]))]:
+        start = time.perf_counter()
+        op().wait()
+        out[name] = time.perf_counter() - start
+    start = time.perf_counter()
+    ctx.comm.all_reduce_mean(torch.ones(250_000), tag="diagnostic").wait()
+    out["diagnostic"] = time.perf_counter() - start
+    out["diagnostic_bytes"] = ctx.comm.totals("diagnostic").sent_bytes
+    return out
+
+
+def test_latency_is_paid_per_dependent_phase_and_diagnostics_skip_the_link():
+    from loco.comm.interface import UNMETERED_TAGS
+
+    slow = 0.2
+    assert "diagnostic" in UNMETERED_TAGS and "train" not in UNMETERED_TAGS
+    for r in loco.launch(latency_worker, 2, link=LinkSpec(RATE, slow)):
+        assert r["all_reduce_mean"] >= 2 * slow - 1e-3  # reduce-scatter, then all-gather
+        assert r["all_gather"] >= slow - 1e-3 and r["all_gather"] < 2 * slow
+        assert r["exchange"] >= slow - 1e-3 and r["exchange"] < 2 * slow
+        # 1 MB each way would take 1 s on the link; a diagnostic is counted, not delayed
+        assert r["diagnostic"] < 0.5 and r["diagnostic_bytes"] == 1_000_000
+
+
+def late_sender_worker(ctx, late):
+    buf = torch.empty(50_000)
+    start = time.perf_counter()
+    if ctx.rank == 0:
+        ctx.comm.recv(buf, 1).wait()
+    else:
+        time.sleep(late)
+        ctx.comm.send(torch.ones(50_000), 0).wait()
+    return time.perf_counter() - start
+
+
+def test_a_receive_posted_early_waits_for_the_late_sender_and_the_link():
+    late = 0.3
+    receiver, _ = loco.launch(late_sender_worker, 2, args=(late,), link=LinkSpec(RATE, LATENCY))
+    assert receiver >= late + LATENCY + 0.2 - 1e-3  # 200 KB at 1 MB/s after the send

@@ -27,12 +27,13 @@ the communication thread goes on with the next operation meanwhile.
 from __future__ import annotations
 
 import hashlib
+import heapq
 import math
 import queue
 import threading
 import time
 from collections import defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import asdict, dataclass, field
@@ -40,6 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+
+from loco.comm.streams import streams_for
 
 if TYPE_CHECKING:
     from loco.comm.codecs import Codec
@@ -142,6 +145,11 @@ class CommStats:
 RECORDS_KEPT = 100_000
 """How many of the latest operation records a Comm keeps (``Comm.records``)."""
 
+UNMETERED_TAGS = frozenset({"diagnostic", "report"})
+"""Tags whose bytes are counted but that do not pass through an emulated link: measurements
+loco takes for its own reports (the replicas' spread, the end-of-run totals), which the
+method itself would not send, so they neither delay training nor occupy the link."""
+
 
 class Aborted(RuntimeError):
     """Raised in a worker whose peers gave up (another worker failed).
@@ -157,9 +165,10 @@ class Handle:
     Made by the [`Comm`][loco.comm.interface.Comm] methods, not by the caller.
 
     Args:
-        future: completes with the operation's result (or its exception).
+        future: completes with ``(result, completion mark)`` (or the operation's exception).
         record: the operation's record, filled in as it completes.
-        comm: the Comm that issued it (for aborts and the ``waited`` counter).
+        comm: the Comm that issued it (for aborts, the ``waited`` counter and the hand-over
+            of CUDA results).
     """
 
     def __init__(self, future: Future, record: OpRecord, comm: Comm):
@@ -171,11 +180,15 @@ class Handle:
 
     def done(self) -> bool:
         """Whether the operation has completed (successfully or not), without blocking."""
-        return self._future.done()
+        if not self._future.done():
+            return False
+        return (self._future.exception() is not None
+                or self._comm._streams.finished(self._future.result()[1]))
 
     def wait(self) -> torch.Tensor | list[torch.Tensor]:
         """Block until the operation is done and return its result; the time spent waiting
-        is added to the record and to the tag's ``waited`` total.
+        is added to the record and to the tag's ``waited`` total. On CUDA the caller's
+        stream is ordered after the transfer (an event; the CPU does not wait for the GPU).
 
         Returns:
             What the operation returns: the reduced tensor (``all_reduce_mean``,
@@ -189,15 +202,89 @@ class Handle:
         t0 = time.perf_counter()
         while True:
             try:
-                result = self._future.result(timeout=0.05)
+                result, done = self._future.result(timeout=0.05)
                 break
             except FutureTimeout:
                 self._comm.check_aborted()
+        self._comm._streams.hand_over(done, result)
         waited = time.perf_counter() - t0
         self.record.waited += waited
         with self._comm._lock:
             self._comm.stats[self.record.tag].waited += waited
         return result
+
+
+class CommThread:
+    """The thread that issues communication operations, one after another in issue order.
+
+    Every [`Comm`][loco.comm.interface.Comm] issues through one. Comms that share one issue
+    all their operations in a single order: NCCL needs that when one process drives several
+    communicators (operations on different communicators, issued in different orders on
+    different ranks, can hang), so the launcher gives all Comms of a CUDA rank one thread;
+    the CUDA thread never blocks on the network (NCCL work is only queued on streams). Over
+    gloo, whose groups do not constrain one another and whose collectives block the thread
+    that runs them, every Comm keeps its own thread, so that one group's slow collective
+    does not hold back another group's traffic.
+
+    Args:
+        name: the thread's name.
+    """
+
+    def __init__(self, name: str):
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._users = 0
+        self._lock = threading.Lock()
+        # A daemon: a thread stuck in the transport must not keep a failed run alive.
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        while (item := self._queue.get()) is not None:
+            future, fn = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    fn()
+                except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+                    if not future.done():
+                        future.set_exception(e)
+
+    def submit(self, future: Future, fn: Callable[[], None]) -> None:
+        """Queue ``fn`` (which completes ``future`` itself); an exception it raises
+        completes ``future`` instead.
+
+        Args:
+            future: the operation's future.
+            fn: the callable to run on the thread.
+        """
+        self._queue.put((future, fn))
+
+    def attach(self) -> None:
+        """Count one more Comm that issues through this thread."""
+        with self._lock:
+            self._users += 1
+
+    def release(self, join: bool = True) -> None:
+        """One Comm is done with the thread; the last one stops it, after what was queued.
+
+        Args:
+            join: wait for the thread to finish (not when the run was aborted: it may be
+                stuck in the transport); default True.
+        """
+        with self._lock:
+            self._users -= 1
+            last = self._users == 0
+        if last:
+            self._queue.put(None)
+            if join:
+                self._thread.join()
+
+
+@dataclass
+class _Posted:
+    """Point-to-point work posted on gloo, to be completed by a blocking wait elsewhere."""
+
+    works: list
+    result: Any
 
 
 def _chunk_elems(numel: int, parts: int) -> int:
@@ -207,21 +294,22 @@ def _chunk_elems(numel: int, parts: int) -> int:
 class Comm:
     """Asynchronous, byte-counting communication among the workers of one process group.
 
-    Every operation is issued on one communication thread, in order, and returns a
+    Every operation is issued on a communication thread, in order, and returns a
     [`Handle`][loco.comm.interface.Handle] at once; every worker of the group must issue the
     same collectives in the same order. [`launch`][loco.runtime.launch.launch] builds the
     Comms of a run (``ctx.comm``, ``ctx.pipe``); build one yourself only around your own
-    process group.
+    process group. Every tensor handed to it must live on its ``device``.
 
     Args:
         group: a ``torch.distributed`` process group (or backend) object; its methods are
             called directly, so the same code serves a group created with
             ``init_process_group`` and one of several groups that threads of one process own
             on a shared store.
-        rank: this worker's rank in ``group``, in [0, size).
+        rank: this worker's rank in ``group``, in [0, size) (for the outer Comm, the
+            replica index; for the pipeline's, the global rank).
         size: the number of workers in ``group`` (M), >= 1.
         device: where the tensors live (``"cpu"`` for gloo, a CUDA device for NCCL); default
-            ``"cpu"``.
+            ``"cpu"``. A CUDA device without an index means the current one.
         name: a name for the threads and error messages; default ``"replicas"``.
         keep_records: keep the latest [`OpRecord`][loco.comm.interface.OpRecord]s in
             ``records`` (at most ``RECORDS_KEPT``); default True. The totals in ``stats`` are
@@ -230,17 +318,22 @@ class Comm:
             end promptly with [`Aborted`][loco.comm.interface.Aborted]; default None (a
             private event).
         link: an emulated slow link ([`EmulatedLink`][loco.comm.link.EmulatedLink]) that
-            every operation passes through; default None (the transport's own speed).
+            every operation passes through (but those of ``UNMETERED_TAGS``); default None
+            (the transport's own speed).
+        thread: the [`CommThread`][loco.comm.interface.CommThread] to issue through, shared
+            with other Comms of this worker; default None (a thread of its own).
     """
 
     def __init__(self, group: Any, rank: int, size: int, device: torch.device | str = "cpu",
                  name: str = "replicas", keep_records: bool = True,
                  abort_event: threading.Event | None = None,
-                 link: EmulatedLink | None = None):
+                 link: EmulatedLink | None = None, thread: CommThread | None = None):
         self.group = group
         self.rank = rank
         self.size = size
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.name = name
         self.stats = CommStats()
         """Totals by tag, of completed operations."""
@@ -254,95 +347,137 @@ class Comm:
         # Set by the launcher when any worker fails, so that waits here end promptly instead
         # of sitting out the transport's timeout.
         self._abort_event = abort_event or threading.Event()
-        # The communication thread is a daemon: one stuck in the transport must not keep
-        # the process alive after the run has failed.
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._thread = threading.Thread(target=self._serve, name=f"loco-comm-{name}-{rank}",
-                                        daemon=True)
-        self._thread.start()
+        self._streams = streams_for(self.device)
+        self._thread = thread or CommThread(f"loco-comm-{name}-{rank}")
+        self._thread.attach()
         # An emulated link (None: the transport's own speed) and the thread that completes
-        # operations once their bytes have crossed it.
+        # operations once their bytes have crossed it, earliest deadline first.
         self.link = link
-        self._deliveries: queue.SimpleQueue | None = None
+        self._due: list = []  # heap of (deadline, sequence, record, future, value)
+        self._due_cv = threading.Condition()
+        self._sequence = 0
+        self._draining = False
         if link is not None:
-            self._deliveries = queue.SimpleQueue()
             self._delivery_thread = threading.Thread(
                 target=self._deliver, name=f"loco-link-{name}-{rank}", daemon=True)
             self._delivery_thread.start()
 
-    def _serve(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-                    future.set_exception(e)
-
     def _deliver(self) -> None:
-        while (item := self._deliveries.get()) is not None:
-            deadline, done, outer, finish = item
-            self.link.hold_until(deadline, self._abort_event)
-            finish()
-            if done.exception() is not None:
-                outer.set_exception(done.exception())
-            else:
-                outer.set_result(done.result())
+        while True:
+            with self._due_cv:
+                if not self._due:
+                    if self._draining:
+                        return
+                    self._due_cv.wait(0.05)
+                    continue
+                left = self._due[0][0] - time.perf_counter()
+                if left > 0 and not self._abort_event.is_set():
+                    self._due_cv.wait(min(left, 0.05))
+                    continue
+                _, _, rec, future, value = heapq.heappop(self._due)
+            self._finish(rec)
+            future.set_result(value)
 
     def check_aborted(self) -> None:
         """Raise [`Aborted`][loco.comm.interface.Aborted] if another worker has failed."""
         if self._abort_event.is_set():
-            raise Aborted(f"worker {self.rank} stopped: another worker failed")
+            raise Aborted(f"{self.name} rank {self.rank} stopped: another worker failed")
+
+    def _check_devices(self, op: str, tensors: Sequence[torch.Tensor]) -> None:
+        for t in tensors:
+            if t.device != self.device:
+                raise ValueError(
+                    f"{op}: a tensor on {t.device} was handed to the {self.name} Comm, whose "
+                    f"tensors live on {self.device}; create communication buffers with "
+                    f"device=comm.device")
 
     # ----------------------------------------------------------------------------- plumbing
     def _submit(self, op: str, tag: str, raw: int, sent: int, recv: int, fn,
-                participants: tuple[int, ...] | None = None,
-                link_bytes: int | None = None) -> Handle:
-        """Queue ``fn`` on the communication thread. With an emulated link the handle
-        completes once ``link_bytes`` (default: the larger of sent and received) have crossed
-        it, counted from the moment the operation starts."""
+                tensors: Sequence[torch.Tensor], participants: tuple[int, ...] | None = None,
+                phases: int = 1) -> Handle:
+        """Queue ``fn`` on the communication thread (``tensors``: every tensor it reads or
+        writes, all on this Comm's device). ``fn`` returns the operation's result, or a
+        ``_Posted`` whose works a helper thread waits for. With an emulated link the handle
+        completes once the larger of sent and received bytes have crossed it, counted from
+        the moment the transport completed (every participant had joined), plus one latency
+        per dependent phase."""
         if self._closed:
-            raise RuntimeError(f"communication of worker {self.rank} is closed")
+            raise RuntimeError(f"the {self.name} Comm of rank {self.rank} is closed")
         self.check_aborted()
+        self._check_devices(op, tensors)
         rec = OpRecord(op, tag, raw, sent, recv, participants or tuple(range(self.size)),
                        time.perf_counter())
         with self._lock:
             self._issued[tag] += sent
-        # A CUDA tensor must be fully written by the compute stream before another thread
-        # hands it to the network.
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        link_bytes = max(sent, recv) if link_bytes is None else link_bytes
-        delayed = self.link is not None and link_bytes > 0
-        deadline: list[float] = []
-
-        def finish():
-            rec.seconds = time.perf_counter() - rec.issued_at
-            with self._lock:
-                self.stats.add(rec)
-                if self.keep_records:
-                    self.records.append(rec)
+        ready = self._streams.issue(tensors)  # the caller's work so far comes first
+        future: Future = Future()
 
         def run():
-            if delayed:
-                deadline.append(self.link.reserve(link_bytes))
-            try:
-                return fn()
-            finally:
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
-                if not delayed:
-                    finish()
+            result, done = self._streams.run(ready, fn)
+            if isinstance(result, _Posted):
+                threading.Thread(target=self._await_posted, args=(result, rec, future, phases),
+                                 name=f"loco-p2p-{self.name}-{self.rank}", daemon=True).start()
+            else:
+                self._complete(rec, future, result, done, phases)
 
-        future: Future = Future()
-        self._queue.put((future, run))
-        if not delayed:
-            return Handle(future, rec, self)
-        outer: Future = Future()
-        future.add_done_callback(lambda f: self._deliveries.put(
-            (deadline[0] if deadline else 0.0, f, outer, finish)))
-        return Handle(outer, rec, self)
+        self._thread.submit(future, run)
+        return Handle(future, rec, self)
 
+    def _await_posted(self, posted: _Posted, rec: OpRecord, future: Future, phases: int):
+        try:
+            for w in posted.works:
+                w.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits
+            future.set_exception(e)
+            return
+        self._complete(rec, future, posted.result, None, phases)
+
+    def _complete(self, rec: OpRecord, future: Future, result, done, phases: int) -> None:
+        """The transport is done: finish now, or once the link has carried the bytes."""
+        nbytes = max(rec.sent_bytes, rec.recv_bytes)
+        if self.link is None or nbytes == 0 or rec.tag in UNMETERED_TAGS:
+            self._finish(rec)
+            future.set_result((result, done))
+            return
+        self._streams.synchronize(done)  # the data exists on every end from now on
+        with self._due_cv:
+            deadline = self.link.reserve(nbytes, phases=phases)
+            self._sequence += 1
+            heapq.heappush(self._due, (deadline, self._sequence, rec, future, (result, done)))
+            self._due_cv.notify()
+
+    def _finish(self, rec: OpRecord) -> None:
+        rec.seconds = time.perf_counter() - rec.issued_at
+        with self._lock:
+            self.stats.add(rec)
+            if self.keep_records:
+                self.records.append(rec)
+
+    def _post(self, sends: Sequence[tuple], recvs: Sequence[tuple]) -> list:
+        """Post sends and receives ``(tensor, peer, message tag)`` together. On a process
+        group: ``batch_isend_irecv``, one NCCL group, so that a send and a receive between
+        the same two ranks cannot block each other (gloo runs them one by one). On a bare
+        gloo backend (the threads launcher's groups, which torch.distributed's registry does
+        not know): one call each, which gloo runs independently."""
+        if isinstance(self.group, dist.ProcessGroup):
+            ops = [dist.P2POp(dist.isend, t, group=self.group, group_peer=p, tag=k)
+                   for t, p, k in sends]
+            ops += [dist.P2POp(dist.irecv, t, group=self.group, group_peer=p, tag=k)
+                    for t, p, k in recvs]
+            return dist.batch_isend_irecv(ops) if ops else []
+        return ([self.group.send([t], p, k) for t, p, k in sends]
+                + [self.group.recv([t], p, k) for t, p, k in recvs])
+
+    def _posted(self, works: list, result: Any) -> Any:
+        """What a point-to-point body returns: on CUDA the works are ordered on the stream
+        (``wait()`` does not block the CPU) and the result is final; on gloo a ``_Posted``."""
+        if self._streams.blocking_completion:
+            return _Posted(works, result)
+        for w in works:
+            w.wait()
+        return result
+
+    # ---------------------------------------------------------------------------- operations
     def all_reduce_mean(self, tensor: torch.Tensor, tag: str = "train",
                         codec: Codec | None = None) -> Handle:
         """Average ``tensor`` over all workers, in place, asynchronously.
@@ -384,8 +519,9 @@ class Comm:
             chunk = codec.padded(_chunk_elems(n, m))
             row_bytes = codec.row_bytes(chunk)
         wire = 2 * (m - 1) * row_bytes
+        # Two dependent phases (reduce-scatter, then all-gather): two latencies on a link.
         return self._submit("all_reduce_mean", tag, n * b, wire, wire,
-                            lambda: self._reduce_mean(flat, chunk, codec))
+                            lambda: self._reduce_mean(flat, chunk, codec), [flat], phases=2)
 
     def _reduce_mean(self, flat: torch.Tensor, chunk: int, codec) -> torch.Tensor:
         m, n = self.size, flat.numel()
@@ -432,14 +568,14 @@ class Comm:
 
         def run():
             if self.rank == src:
-                works = [self.group.send([tensor], dst, 0) for dst in range(m) if dst != src]
-                for w in works:
-                    w.wait()
-            elif m > 1:
-                self.group.recv([tensor], src, 0).wait()
+                works = self._post([(tensor, dst, 0) for dst in range(m) if dst != src], [])
+            else:
+                works = self._post([], [(tensor, src, 0)]) if m > 1 else []
+            for w in works:
+                w.wait()
             return tensor
 
-        return self._submit("broadcast", tag, nbytes, sent, recv, run)
+        return self._submit("broadcast", tag, nbytes, sent, recv, run, [tensor])
 
     def all_gather(self, tensor: torch.Tensor, tag: str = "setup") -> Handle:
         """Gather one equally shaped tensor from every worker; the handle returns the list.
@@ -461,7 +597,8 @@ class Comm:
                 self.group.allgather([out], [tensor]).wait()
             return out
 
-        return self._submit("all_gather", tag, nbytes, (m - 1) * nbytes, (m - 1) * nbytes, run)
+        return self._submit("all_gather", tag, nbytes, (m - 1) * nbytes, (m - 1) * nbytes, run,
+                            [tensor])
 
     def exchange(self, tensor: torch.Tensor, members: Iterable[int], tag: str = "train"
                  ) -> Handle:
@@ -470,10 +607,11 @@ class Comm:
 
         Only the group's workers take part: nothing waits for the rest of the world. Each
         member sends its tensor to the others and receives theirs: ``(n - 1) * nbytes`` each
-        way for a group of n.
+        way for a group of n. The sends and receives are posted together, as one NCCL group
+        (see [`sendrecv`][loco.comm.interface.Comm.sendrecv]).
 
         Args:
-            tensor: this worker's tensor (same shape and dtype on every member).
+            tensor: this worker's contiguous tensor (same shape and dtype on every member).
             members: the ranks of the group, this one included, in any order; every member
                 must call ``exchange`` with the same group.
             tag: the tag its bytes are counted under; default ``"train"``.
@@ -483,26 +621,17 @@ class Comm:
                 (this worker's own ``tensor`` among them).
 
         Raises:
-            ValueError: this worker is not in ``members``.
+            ValueError: this worker is not in ``members``, a member out of range, or a
+                tensor not on this Comm's device.
         """
         members = tuple(sorted(members))
         if self.rank not in members:
-            raise ValueError(f"worker {self.rank} is not in the group {members}")
-        nbytes = tensor.numel() * tensor.element_size()
+            raise ValueError(f"{self.name} rank {self.rank} is not in the group {members}")
         peers = [r for r in members if r != self.rank]
-
-        def run():
-            out = {self.rank: tensor}
-            for r in peers:
-                out[r] = torch.empty_like(tensor)
-            works = [self.group.send([tensor], r, 0) for r in peers]
-            works += [self.group.recv([out[r]], r, 0) for r in peers]
-            for w in works:
-                w.wait()
-            return [out[r] for r in members]
-
-        return self._submit("exchange", tag, nbytes, len(peers) * nbytes, len(peers) * nbytes,
-                            run, participants=members)
+        out = {self.rank: tensor, **{r: torch.empty_like(tensor) for r in peers}}
+        return self._p2p("exchange", tag, tensor.numel() * tensor.element_size(),
+                         [(tensor, r) for r in peers], [(out[r], r) for r in peers],
+                         [out[r] for r in members])
 
     def send(self, tensor: torch.Tensor, dst: int, tag: str = "train") -> Handle:
         """Send ``tensor`` to worker ``dst``, point to point, asynchronously (see
@@ -541,14 +670,18 @@ class Comm:
         An entry may carry a third item, the transport's message tag (an int, 0 if left out):
         messages between two workers with one tag arrive in the order they were posted.
 
-        A gloo send completes only once the receiver has posted the matching receive, so the
-        communication thread only *posts* these operations, in issue order like every other
-        op, and a helper thread waits for their completion. Any set of point-to-point ops
-        whose sends and receives match therefore completes, whatever order the workers issue
-        and wait on them in ("post all sends and receives of a step, then wait" cannot
-        deadlock). Only this worker and its peers take part: ``participants`` are this worker
-        and the peers, sorted; ``raw`` and ``sent`` bytes are the bytes sent, ``received``
-        the bytes received; ``seconds`` runs from issue to completion.
+        The sends and receives of one call are posted together: on a process group with
+        ``torch.distributed.batch_isend_irecv``, which NCCL runs as one group (NCCL needs a
+        send and a receive between the same two ranks in one group, or both block). The
+        communication thread only *posts* them, in issue order like every other operation:
+        on CUDA their completion is an event on the Comm's stream; on gloo, which reports a
+        point-to-point completion only through a blocking wait, a helper thread waits for
+        them. Any set of point-to-point operations whose sends and receives match therefore
+        completes, whatever order the workers issue and wait on them in ("post all sends and
+        receives of a step, then wait" cannot deadlock). Only this worker and its peers take
+        part: ``participants`` are this worker and the peers, sorted; ``raw`` and ``sent``
+        bytes are the bytes sent, ``received`` the bytes received; ``seconds`` runs from
+        issue to completion.
 
         Args:
             sends: ``(tensor, dst)`` or ``(tensor, dst, message_tag)`` items: contiguous
@@ -561,63 +694,30 @@ class Comm:
             A handle whose ``wait()`` returns the receive buffers, in the order of ``recvs``.
 
         Raises:
-            ValueError: a peer out of range or this worker itself, or a non-contiguous
-                tensor.
+            ValueError: a peer out of range or this worker itself, a non-contiguous tensor,
+                or one not on this Comm's device.
         """
+        op = "sendrecv" if sends and recvs else ("send" if sends else "recv")
+        raw = sum(t.numel() * t.element_size() for t, *_ in sends)
+        return self._p2p(op, tag, raw, sends, recvs, [t for t, *_ in recvs])
+
+    def _p2p(self, op: str, tag: str, raw: int, sends: Sequence[tuple],
+             recvs: Sequence[tuple], result: Any) -> Handle:
+        """Validate, count and post point-to-point sends and receives (see ``sendrecv``)."""
         sends = [(t, int(p), int(rest[0]) if rest else 0) for t, p, *rest in sends]
         recvs = [(t, int(p), int(rest[0]) if rest else 0) for t, p, *rest in recvs]
         for t, p, _ in sends + recvs:
             if not 0 <= p < self.size or p == self.rank:
-                raise ValueError(f"worker {self.rank} cannot exchange with peer {p} "
+                raise ValueError(f"{self.name} rank {self.rank} cannot exchange with peer {p} "
                                  f"(group of {self.size})")
             if not t.is_contiguous():
-                raise ValueError("send and recv need contiguous tensors")
+                raise ValueError(f"{op} needs contiguous tensors")
         nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
         sent, received = sum(nbytes(t) for t, _, _ in sends), sum(nbytes(t) for t, _, _ in recvs)
         peers = tuple(sorted({p for _, p, _ in sends + recvs} | {self.rank}))
-        op = "sendrecv" if sends and recvs else ("send" if sends else "recv")
-        done: Future = Future()
-        holder: list[OpRecord] = []
-        ready = threading.Event()  # holder is filled as soon as _submit returns
-
-        def finish(works, posted_seconds: float, deadline: float | None):
-            try:
-                for w in works:
-                    w.wait()
-                if self.device.type == "cuda":
-                    torch.cuda.current_stream(self.device).synchronize()
-                if deadline is not None:  # the emulated link's share of the time
-                    self.link.hold_until(deadline, self._abort_event)
-            except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-                done.set_exception(e)
-                return
-            rec = holder[0]
-            rec.seconds = time.perf_counter() - rec.issued_at
-            with self._lock:  # the op was counted when posted; add the time it took since
-                self.stats[tag].seconds += rec.seconds - posted_seconds
-            done.set_result([t for t, _, _ in recvs])
-
-        def post():
-            ready.wait()
-            deadline = (self.link.reserve(max(sent, received)) if self.link is not None
-                        else None)
-            works = [self.group.send([t], p, k) for t, p, k in sends]
-            works += [self.group.recv([t], p, k) for t, p, k in recvs]
-            posted = time.perf_counter() - holder[0].issued_at
-            threading.Thread(target=finish, args=(works, posted, deadline), daemon=True,
-                             name=f"loco-p2p-{self.name}-{self.rank}").start()
-
-        # The link is reserved when the operations are posted (above), and their completion
-        # waits for it; the posting itself moves nothing.
-        handle = self._submit(op, tag, sent, sent, received, post, participants=peers,
-                              link_bytes=0)
-        holder.append(handle.record)
-        ready.set()
-        # Posting failures surface through the posting future; completion through ``done``.
-        handle._future.add_done_callback(
-            lambda f: f.exception() is not None and not done.done()
-            and done.set_exception(f.exception()))
-        return Handle(done, handle.record, self)
+        return self._submit(op, tag, raw, sent, received,
+                            lambda: self._posted(self._post(sends, recvs), result),
+                            [t for t, _, _ in sends + recvs], participants=peers)
 
     # ------------------------------------------------------------------------------ helpers
     def totals(self, tag: str = "train") -> Counter:
@@ -700,13 +800,15 @@ class Comm:
                 f"(sha256 checksums disagree); broadcast the initial state from worker 0")
 
     def close(self) -> None:
-        """Finish what was issued, then stop the communication thread."""
+        """Finish what was issued, then stop the communication thread (the last of the Comms
+        sharing it stops it) and the link's delivery thread."""
         if not self._closed:
             self._closed = True
-            self._queue.put(None)
-            if not self._abort_event.is_set():
-                self._thread.join()
-            if self._deliveries is not None:  # every result is handed over first
-                self._deliveries.put(None)
-                if not self._abort_event.is_set():
+            joined = not self._abort_event.is_set()  # after an abort it may be stuck
+            self._thread.release(join=joined)
+            if self.link is not None:  # every result is handed over first
+                with self._due_cv:
+                    self._draining = True
+                    self._due_cv.notify()
+                if joined:
                     self._delivery_thread.join()

@@ -9,13 +9,18 @@ the link only decides the earliest moment the operation may complete:
   what it receives: the link is full duplex) occupies it for B · 8 / bandwidth seconds.
   Transfers queue on the link one behind another, first come first served, as packets do
   behind a token-bucket rate limiter (``tc ... tbf``).
-* Latency is propagation delay: it is added once to every operation, after its last byte has
-  left, and it does not occupy the link (a second transfer may start while the first is
-  still travelling).
+* Latency is propagation delay: it is added once per dependent phase of an operation (one
+  for a send, a broadcast or an all-gather; two for a mean all-reduce, whose all-gather
+  needs its reduce-scatter's result), after its last byte has left, and it does not occupy
+  the link (a second transfer may start while the first is still travelling).
+* An operation starts when its data exists on both ends: when the real transfer completed,
+  which is only once every participant has issued it. A peer that issues 1 s late delays
+  everyone's completion by that second, as it would on a real link.
 
-So an operation that starts at ``s`` on an idle link completes no earlier than
-``s + latency + B · 8 / bandwidth``, and k operations issued together complete no earlier
-than ``latency + (B_1 + … + B_k) · 8 / bandwidth`` after the first starts. The waiting
+So an operation of k phases that every participant has issued by ``s`` completes no earlier
+than ``s + k · latency + B · 8 / bandwidth`` on an idle link, and operations issued together
+queue: the j-th completes no earlier than ``k · latency + (B_1 + … + B_j) · 8 / bandwidth``
+after the first starts. The waiting
 happens on the communication thread's side: the worker that issued the operation computes
 on until it calls ``wait()``, so overlapped methods hide the link and blocking ones pay it.
 """
@@ -147,22 +152,26 @@ class EmulatedLink:
         self._free_at = 0.0  # when the link has sent everything queued so far
         self._lock = threading.Lock()
 
-    def reserve(self, nbytes: int, start: float | None = None) -> float:
+    def reserve(self, nbytes: int, start: float | None = None, phases: int = 1) -> float:
         """Queue a transfer of ``nbytes`` that starts at ``start`` (default now); return the
         time.perf_counter() at which it has arrived.
 
         It begins when the link is free (after the transfers queued before it), occupies
-        the link for ``nbytes · 8 / bandwidth`` and arrives ``latency`` after that.
+        the link for ``nbytes · 8 / bandwidth`` and arrives ``phases · latency`` after that:
+        an operation of k dependent phases (a phase waits for the previous one's data, as
+        the all-gather of a mean all-reduce waits for its reduce-scatter) pays the latency k
+        times.
 
         Args:
             nbytes: bytes to move, >= 0.
             start: the ``time.perf_counter()`` it is ready to go; default None (now).
+            phases: dependent phases of the operation, >= 1; default 1.
         """
         start = time.perf_counter() if start is None else start
         with self._lock:
             begin = max(start, self._free_at)
             self._free_at = begin + nbytes * 8 / self.spec.bandwidth
-            return self._free_at + self.spec.latency
+            return self._free_at + phases * self.spec.latency
 
     @staticmethod
     def hold_until(deadline: float, aborted: threading.Event | None = None) -> None:

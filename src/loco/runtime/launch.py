@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from loco.comm import Comm
-from loco.comm.interface import Aborted
+from loco.comm.interface import Aborted, CommThread
 from loco.comm.link import EmulatedLink, LinkSpec
 
 LAUNCHERS = ("threads", "processes", "torchrun")
@@ -68,7 +68,7 @@ class Mesh:
         return self.replicas * self.ranks_per_replica
 
     def coords(self, rank: int) -> tuple[int, int]:
-        """(replica, local rank inside the replica) of a global rank.
+        """(replica, stage: the position inside the replica) of a global rank.
 
         Args:
             rank: a global rank, in [0, world_size).
@@ -126,11 +126,6 @@ class WorkerContext:
     def replica(self) -> int:
         """The replica this rank belongs to (its rank in ``comm``)."""
         return self.mesh.coords(self.rank)[0]
-
-    @property
-    def local_rank(self) -> int:
-        """This rank's position inside its replica (the same as ``stage``)."""
-        return self.mesh.coords(self.rank)[1]
 
     @property
     def stage(self) -> int:
@@ -372,10 +367,12 @@ def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout
                 if pos == local:
                     group = g
         wire = EmulatedLink(link) if link is not None else None  # this worker's link
-        comm = Comm(group, replica, mesh.replicas, device, link=wire)
+        # NCCL: one thread issues every operation of this rank, in one order (CommThread).
+        thread = CommThread(f"loco-comm-{rank}") if use_cuda else None
+        comm = Comm(group, replica, mesh.replicas, device, link=wire, thread=thread)
         # Stages talk point to point over the default group, in global ranks.
-        pipe = (Comm(dist.group.WORLD, rank, world, device, name="pipe", link=wire)
-                if ranks_per_replica > 1 else None)
+        pipe = (Comm(dist.group.WORLD, rank, world, device, name="pipe", link=wire,
+                     thread=thread) if ranks_per_replica > 1 else None)
         ctx = WorkerContext(rank, world, mesh, comm, device, launcher, pipe=pipe)
         try:
             return fn(ctx, *args)

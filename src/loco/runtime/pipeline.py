@@ -227,7 +227,7 @@ class PipelineStage:
             stage's part is used and trained.
         ctx: the launch's [`WorkerContext`][loco.runtime.launch.WorkerContext]; its
             ``pipe`` Comm carries the traffic between stages (required when S > 1), its mesh
-            gives the stage (``ctx.local_rank``) and the replica.
+            gives the stage (``ctx.stage``) and the replica.
         batch_size: samples per batch of every replica, >= 1 (later stages must know the
             shapes they receive).
         seq_len: tokens per sample.
@@ -250,11 +250,13 @@ class PipelineStage:
         self.ctx = ctx
         self.stages = ctx.mesh.ranks_per_replica
         self.replicas = ctx.mesh.replicas
-        self.stage = ctx.local_rank
+        self.stage = ctx.stage
         self.replica = ctx.replica
         if self.stages > 1 and ctx.pipe is None:
             raise ValueError("a pipeline of several stages needs ctx.pipe")
         self.pipe = ctx.pipe
+        # Every tensor that travels between stages lives on the transport's device.
+        self.device = ctx.pipe.device if ctx.pipe is not None else ctx.device
         self.module = StageModule(model, self.stage, self.stages)
         self.batch_size, self.seq_len = batch_size, seq_len
         self.routing, self.seed = routing, seed
@@ -310,7 +312,7 @@ class PipelineStage:
         grads = [p.grad.detach().float() for p in params
                  if id(p) in owned and p.grad is not None]
         sq = (torch.stack([g.pow(2).sum() for g in grads]).sum() if grads
-              else torch.zeros((), dtype=torch.float32)).reshape(1)
+              else torch.zeros((), dtype=torch.float32, device=self.device)).reshape(1)
         if self.stages == 1:
             return sq.sqrt()[0]
         members = [self.ctx.mesh.rank_of(self.replica, k) for k in range(self.stages)]
@@ -344,12 +346,12 @@ class PipelineStage:
         return [self._perm(step, s, self.stage - 1, routing).index(self.replica)
                 for s in range(self.batch_size)]
 
-    @staticmethod
-    def _groups(peers: list[int]) -> dict[int, torch.Tensor]:
+    def _groups(self, peers: list[int]) -> dict[int, torch.Tensor]:
         out: dict[int, list[int]] = {}
         for s, p in enumerate(peers):
             out.setdefault(p, []).append(s)
-        return {p: torch.tensor(idx, dtype=torch.long) for p, idx in sorted(out.items())}
+        return {p: torch.tensor(idx, dtype=torch.long, device=self.device)
+                for p, idx in sorted(out.items())}
 
     # ------------------------------------------------------------------------ transport
     def _send(self, tensors: list[tuple[torch.Tensor, int]], peers: list[int], stage: int,
@@ -367,12 +369,13 @@ class PipelineStage:
               tag: str) -> list[torch.Tensor]:
         """Receive row s of every tensor from replica ``peers[s]`` at ``stage``."""
         groups = self._groups(peers)
-        outs = [torch.empty((self.batch_size, *shape), dtype=dt) for shape, dt, _ in specs]
+        outs = [torch.empty((self.batch_size, *shape), dtype=dt, device=self.device)
+                for shape, dt, _ in specs]
         recvs, places = [], []
         for peer, idx in groups.items():
             src = self.ctx.mesh.rank_of(peer, stage)
             for i, (shape, dt, ttag) in enumerate(specs):
-                buf = torch.empty((len(idx), *shape), dtype=dt)
+                buf = torch.empty((len(idx), *shape), dtype=dt, device=self.device)
                 recvs.append((buf, src, ttag))
                 places.append((i, idx, buf))
         self.pipe.sendrecv([], recvs, tag).wait()
