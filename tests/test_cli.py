@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import loco.train
-from loco.cli import main
+from loco.cli import build_parser, main
 
 
 def small_run(corpus, out, *extra):
@@ -43,7 +43,8 @@ BAD_INPUTS = [
     (["--fragments", "8"], "--fragments", "[1, 4]"),
     (["--overlap", "25"], "--overlap", "[0, 25)"),
     (["--overlap", "-1"], "--overlap", "[0, 25)"),
-    (["--alpha", "1.5"], "--alpha", "[0, 1]"),
+    (["--mixing", "1.5"], "--mixing", "[0, 1]"),
+    (["--alpha", "1.5"], "--mixing", "[0, 1]"),  # the old name still works
     (["--codec", "fp5"], "--codec", "fp4_e3m0"),
     (["--codec-block", "3"], "--codec-block", "even integer"),
     (["--fragment-pattern", "random"], "--fragment-pattern", "strided"),
@@ -384,3 +385,20 @@ def test_report_of_one_run_writes_into_it_only(corpus, tmp_path, monkeypatch):
     assert (tmp_path / "elsewhere" / "report.md").exists()
     assert main(["report", str(out)]) == 0
     assert (out / "report.md").exists() and list(work.iterdir()) == []
+
+
+def test_old_option_names_are_read_as_the_new_ones(tmp_path):
+    """--alpha was renamed --mixing (NoLoCo's momentum is also called alpha); the old name
+    still works in YAML files, on the command line and in --set, and names the new one."""
+    from loco.config import ConfigError, build_config, canonical
+
+    cfg_file = tmp_path / "old.yaml"
+    cfg_file.write_text("alpha: 0.25\n")
+    assert build_config(str(cfg_file), {}).mixing == 0.25
+    assert build_config(None, {"alpha": 0.75}).mixing == 0.75
+    both = tmp_path / "both.yaml"
+    both.write_text("alpha: 0.25\nmixing: 0.5\n")
+    with pytest.raises(ConfigError, match="mixing.*given twice"):
+        build_config(str(both), {})
+    assert canonical({"alpha": 0.1, "fragments": 2}) == {"mixing": 0.1, "fragments": 2}
+    assert build_parser().parse_args(["train", "--alpha", "0.3"]).mixing == 0.3

@@ -9,15 +9,15 @@ whatever its instruction set: the tests assert equality, not closeness."""
 
 import math
 import time
+from collections import deque
 
 import pytest
 import torch
 
 import loco
 from loco.algorithms.fragments import split_fragments
-from loco.comm.codecs import get_codec
-from workers import (batch, diloco_worker, make_model, make_optimizer, max_diff, reference_streaming,
-                     resume_worker, streaming_worker)
+from workers import (batch, diloco_worker, make_model, make_optimizer, max_diff, params_of,
+                     reference_streaming, resume_worker, streaming_worker)
 
 pytestmark = pytest.mark.numerics
 
@@ -204,15 +204,92 @@ def test_bad_arguments_raise_clear_errors(kw, message):
         comm.close()
 
 
+def outer_tensors(algo) -> list[torch.Tensor]:
+    """Every fragment's global copy (flat and its views) and outer momentum."""
+    return [t for f in algo.fragment_list
+            for t in (f.global_flat, *f.global_params,
+                      *(s["momentum_buffer"] for s in f.outer_optimizer.state.values()))]
+
+
 def test_offload_keeps_outer_state_on_cpu_and_changes_nothing():
+    """With offload the global copies and the outer momentum are CPU tensors in storage of
+    their own (never the model's), the global copies pinned exactly when CUDA is there; and
+    the run is bit for bit the one without offload. On a CPU-only machine the parameters are
+    in CPU memory anyway, so the move itself is checked where CUDA is
+    (``test_offload_moves_the_outer_state_off_the_gpu``) and the pinning request by
+    ``test_offload_asks_for_pinned_memory_only_with_cuda``."""
     kw = dict(sync_every=H, fragments=2, overlap=1)
     plain = loco.launch(streaming_worker, 2, args=(H,), kwargs=kw)
-
-    def worker(ctx):
-        out = streaming_worker(ctx, H, offload=True, **kw)
-        return out
-    off = loco.launch(worker, 2)
+    algos = {}
+    off = loco.launch(streaming_worker, 2, args=(H,),
+                      kwargs={**kw, "offload": True,
+                              "step_hook": lambda a: algos.setdefault(a.comm.rank, a)})
     assert max_diff(plain[0]["params"], off[0]["params"]) == 0
+    for algo in algos.values():
+        model = {p.untyped_storage().data_ptr() for p in algo.model.parameters()}
+        tensors = outer_tensors(algo)
+        assert len(tensors) == 2 * len(algo.params) + 2  # a momentum per parameter: synced
+        for t in tensors:
+            assert t.device.type == "cpu" and t.untyped_storage().data_ptr() not in model
+        for f in algo.fragment_list:
+            assert f.global_flat.is_pinned() == torch.cuda.is_available()
+
+
+def test_offload_asks_for_pinned_memory_only_with_cuda(monkeypatch):
+    """The global copy is pinned (for fast copies to and from the GPU) with offload and CUDA,
+    and only then: pinning needs an accelerator, so both are faked here."""
+    pinned = []
+
+    def pin_memory(self):
+        pinned.append(self.clone())
+        return pinned[-1]
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    for cuda, offload in ((False, True), (True, False), (True, True)):
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+        pinned.clear()
+        model = make_model(layers=4)
+        comm = loco.Comm(None, 0, 1)
+        try:
+            algo = loco.StreamingDiLoCo(model, make_optimizer(model), comm, sync_every=H,
+                                        fragments=2, offload=offload)
+        finally:
+            comm.close()
+        asked = cuda and offload
+        assert len(pinned) == (2 if asked else 0)  # one global copy per fragment, pinned
+        assert all(any(f.global_flat is p for p in pinned) == asked for f in algo.fragment_list)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU to offload from")
+def test_offload_moves_the_outer_state_off_the_gpu():
+    """A model on the GPU: with offload its global copy and outer momentum live in pinned
+    CPU memory, the pseudo-gradient on the GPU; the result is the one without offload."""
+    def run(offload):
+        torch.manual_seed(0)
+        model = make_model(layers=4).cuda()
+        comm = loco.Comm(None, 0, 1, device="cuda")
+        try:
+            algo = loco.StreamingDiLoCo(model, make_optimizer(model), comm, sync_every=4,
+                                        fragments=2, overlap=1, offload=offload)
+            for t in range(8):
+                x, y = batch(0, t)
+                model(x.cuda(), y.cuda()).backward()
+                algo.step()
+                algo.zero_grad()
+            algo.flush()
+        finally:
+            comm.close()
+        return algo
+
+    off, plain = run(True), run(False)
+    for t in outer_tensors(off):
+        assert t.device.type == "cpu"
+    for t in outer_tensors(plain):
+        assert t.device.type == "cuda"
+    for f in off.fragment_list:
+        assert f.global_flat.is_pinned() and f.delta.device.type == "cuda"
+    assert all(g.device.type == "cuda" for g in off.global_parameters().values())
+    assert max_diff(params_of(off.global_parameters()), params_of(plain.global_parameters())) == 0
 
 
 @pytest.mark.parametrize("split", [13, 16, 18])  # mid-round, a sync in flight, just applied
@@ -223,7 +300,33 @@ def test_state_dict_resumes_bit_identically(split):
         assert max_diff(straight, resumed) == 0
 
 
-def test_a_codec_that_cannot_run_raises():
-    codec = get_codec("fp4_e3m0")
-    with pytest.raises(ValueError, match="NaN|non-finite"):
-        codec.encode(torch.tensor([1.0, float("nan")]))
+@pytest.mark.parametrize("method", ["streaming", "noloco"])
+def test_a_codec_that_cannot_run_on_the_device_fails_at_construction(method, monkeypatch):
+    """The device probe of ``get_codec``: an algorithm whose codec cannot run on ``comm``'s
+    device stops when it is built, with a RuntimeError naming the codec, the device and the
+    cause, before any communication; it never falls back to another format."""
+    from loco.comm import codecs
+
+    class NoKernel(codecs.Fp4Codec):  # as a device without the kernel the format needs
+        def encode_rows(self, x):
+            raise NotImplementedError(f"no 4-bit kernel for {x.device.type}")
+
+    make = codecs._make
+    monkeypatch.setattr(codecs, "_make", lambda name, block: NoKernel(
+        name, block, codecs.E3M0_GRID) if name == "fp4_e3m0" else make(name, block))
+    cls = {"streaming": loco.StreamingDiLoCo, "noloco": loco.NoLoCo}[method]
+    model = make_model(layers=4)
+    comm = loco.Comm(None, 0, 2)  # no group: any communication would fail
+    try:
+        with pytest.raises(RuntimeError, match="codec fp4_e3m0 cannot run on cpu: no 4-bit "
+                                               "kernel for cpu"):
+            cls(model, make_optimizer(model), comm, sync_every=12, codec="fp4_e3m0")
+        assert comm.records == deque() and comm.issued_bytes("setup") == 0
+    finally:
+        comm.close()
+    if method == "streaming":  # the other 4-bit format runs here: built as usual
+        comm = loco.Comm(None, 0, 1)
+        try:
+            assert cls(model, make_optimizer(model), comm, sync_every=12, codec="fp4_e2m1")
+        finally:
+            comm.close()

@@ -7,10 +7,15 @@ Layout in the run directory::
                                            checkpoint that every rank finished writing
 
 A rank writes its file to a temporary name and renames it (never a half file). Only when
-every rank has written does the lead rank move ``latest.json`` to the new step (again by
+every rank's file exists does the lead rank move ``latest.json`` to the new step (again by
 rename), and only then are older checkpoints removed: a crash at any moment leaves the last
-complete checkpoint usable. Files are read with ``torch.load(weights_only=True)``, which
-refuses to unpickle anything but tensors and plain containers.
+complete checkpoint usable. No collective is involved: the lead rank learns that the others
+have written by looking at the files (:func:`wait_for_ranks`). Files are read with
+``torch.load(weights_only=True)``, which refuses to unpickle anything but tensors and plain
+containers.
+
+:class:`Writer` does this on a background thread: the training thread hands it a
+:func:`snapshot` (a copy in CPU memory) and goes on training while the file is written.
 """
 
 from __future__ import annotations
@@ -18,6 +23,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -106,6 +115,191 @@ def check_files(out: str, meta: dict) -> None:
             bad = str(e)
         if bad is not None:
             raise CheckpointError(f"{path} is corrupt or truncated ({bad})")
+
+
+def snapshot(state):
+    """A copy of ``state`` that later training cannot change: every tensor copied to CPU
+    memory, every dict, list and tuple rebuilt (numbers and strings are immutable).
+
+    Args:
+        state: tensors, numbers, strings, None, and dicts, lists and tuples of them.
+
+    Returns:
+        The copy, with the same structure (an ``OrderedDict`` keeps its ``_metadata``).
+    """
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, OrderedDict):
+        out = OrderedDict((k, snapshot(v)) for k, v in state.items())
+        if hasattr(state, "_metadata"):  # a module's state_dict: its version information
+            out._metadata = snapshot(state._metadata)
+        return out
+    if isinstance(state, dict):
+        return {k: snapshot(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(snapshot(v) for v in state)
+    return state
+
+
+def wait_for_ranks(out: str, step: int, world_size: int, timeout: float,
+                   stop: threading.Event | None = None, poll: float = 0.01) -> bool:
+    """Wait until every rank's file of ``step`` exists (each appears whole, by rename).
+
+    Args:
+        out: the run directory.
+        step: the checkpoint's step, >= 0.
+        world_size: the ranks that write a file, >= 1.
+        timeout: seconds to wait at most, > 0 (``loco train`` passes ``--comm-timeout``).
+        stop: when set, look once more and give up; default None (never).
+        poll: seconds between looks, > 0; default 0.01.
+
+    Returns:
+        True once all files exist; False if ``stop`` was set first and a file is missing.
+
+    Raises:
+        CheckpointError: a file still missing after ``timeout`` seconds, named.
+    """
+    deadline = time.monotonic() + timeout
+    while True:
+        stopping = stop is not None and stop.is_set()
+        missing = [r for r in range(world_size) if not os.path.exists(rank_file(out, step, r))]
+        if not missing:
+            return True
+        if stopping:
+            return False
+        if time.monotonic() > deadline:
+            raise CheckpointError(
+                f"checkpoint of step {step}: {rank_file(out, step, missing[0])} (rank "
+                f"{missing[0]}{f' and {len(missing) - 1} more' if len(missing) > 1 else ''}) "
+                f"was not written within {timeout:g} s (--comm-timeout); a rank stopped or "
+                "is far behind")
+        if stop is not None:
+            stop.wait(poll)
+        else:
+            time.sleep(poll)
+
+
+class Writer:
+    """One rank's checkpoint writes, on a background thread, one at a time.
+
+    [`save`][loco.checkpoint.Writer.save] returns at once; the file is written atomically
+    (:func:`save_rank`) while training goes on. The lead rank's writer then waits for every
+    rank's file of that step (:func:`wait_for_ranks`) and commits it (:func:`commit`). A
+    further ``save`` first waits for the write before it.
+
+    Args:
+        out: the run directory.
+        rank: this rank, in [0, world_size).
+        world_size: the ranks that write a file for each checkpoint, >= 1.
+        commit_meta: on the lead rank, what ``latest.json`` records besides the step (it
+            commits); None (default) on the other ranks.
+        timeout: seconds the lead waits for the other ranks' files, and a drill for the
+            commit, > 0; default 300.
+    """
+
+    def __init__(self, out: str, rank: int, world_size: int, commit_meta: dict | None = None,
+                 timeout: float = 300.0):
+        self.out, self.rank, self.world_size = out, rank, world_size
+        self.commit_meta, self.timeout = commit_meta, timeout
+        self.last_step: int | None = None
+        """The step of the last checkpoint handed over."""
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._stop = threading.Event()
+
+    def save(self, step: int, state: dict, check: Callable[[], None] | None = None) -> None:
+        """Write ``state`` as this rank's checkpoint of ``step``, in the background, once
+        the previous write is done.
+
+        Args:
+            step: the checkpoint's step, >= 0.
+            state: what to save; it must not change afterwards (pass a :func:`snapshot`).
+            check: called while waiting for the previous write (it may raise to stop
+                waiting, e.g. ``Comm.check_aborted``); default None.
+
+        Raises:
+            CheckpointError: the previous write failed (or its commit timed out).
+            OSError: the previous write failed.
+        """
+        self.wait(check)
+        self.last_step = step
+        self._thread = threading.Thread(target=self._write, args=(step, state), daemon=True,
+                                        name=f"loco-checkpoint-{self.rank}")
+        self._thread.start()
+
+    def _write(self, step: int, state: dict) -> None:
+        try:
+            save_rank(self.out, step, self.rank, state)
+            if self.commit_meta is not None and wait_for_ranks(
+                    self.out, step, self.world_size, self.timeout, self._stop):
+                commit(self.out, step, self.commit_meta)
+        except BaseException as e:  # noqa: BLE001 - raised on the training thread
+            self._error = e
+
+    def wait(self, check: Callable[[], None] | None = None) -> None:
+        """Block until the write in flight (and, on the lead, its commit) is done.
+
+        Args:
+            check: called every 50 ms while waiting (it may raise); default None.
+
+        Raises:
+            CheckpointError: the write failed or its commit timed out.
+            OSError: the write failed.
+        """
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(0.05)
+            if check is not None and self._thread.is_alive():
+                check()
+        self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def wait_committed(self, check: Callable[[], None] | None = None) -> None:
+        """Block until the last checkpoint handed over is written and committed (by the
+        lead rank, seen in ``latest.json``): fault drills strike only then, so that their
+        outcome does not depend on the speed of the disk.
+
+        Args:
+            check: called every 10 ms while waiting (it may raise); default None.
+
+        Raises:
+            CheckpointError: the write failed, or no commit within ``timeout`` seconds.
+        """
+        self.wait(check)
+        deadline = time.monotonic() + self.timeout
+        while self.last_step is not None:
+            meta = latest(self.out)
+            if meta is not None and int(meta["step"]) >= self.last_step:
+                return
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"checkpoint of step {self.last_step} was not "
+                                      f"committed within {self.timeout:g} s (--comm-timeout)")
+            if check is not None:
+                check()
+            time.sleep(0.01)
+
+    def close(self, abandon: bool = False, check: Callable[[], None] | None = None) -> None:
+        """Finish: wait for the last write (and commit).
+
+        Args:
+            abandon: the run failed: the lead commits only if every rank's file already
+                exists, instead of waiting for them, and errors are not raised (the run's
+                own failure is reported); default False.
+            check: as for [`wait`][loco.checkpoint.Writer.wait]; default None.
+
+        Raises:
+            CheckpointError: (not abandoning) the write failed or its commit timed out.
+            OSError: (not abandoning) the write failed.
+        """
+        if not abandon:
+            self.wait(check)
+            return
+        self._stop.set()
+        try:
+            self.wait()
+        except Exception:  # noqa: BLE001 - the run's own failure is what gets reported
+            pass
 
 
 def _write_json(path: str, data: dict) -> None:

@@ -8,7 +8,7 @@ import os
 import sys
 
 from loco.compare import PRESETS
-from loco.config import ConfigError, TrainConfig, build_config
+from loco.config import RENAMED, ConfigError, TrainConfig, build_config
 
 EPILOG = """Options may also come from a YAML file (--config); flags override it.
 Examples:
@@ -58,12 +58,14 @@ def add_train_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
         if f.name in skip:
             continue
         flag = "--" + f.name.replace("_", "-")
+        flags = [flag] + ["--" + o.replace("_", "-") for o, n in RENAMED.items() if n == f.name]
         help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
         if str(f.type).startswith("bool"):
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction,
+            parser.add_argument(*flags, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
         else:
-            parser.add_argument(flag, type=_flag_type(f), default=argparse.SUPPRESS,
+            parser.add_argument(*flags, dest=f.name, type=_flag_type(f),
+                                default=argparse.SUPPRESS,
                                 choices=f.metadata.get("choices"),
                                 metavar=None if f.metadata.get("choices") else _metavar(f),
                                 help=help_text)

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from loco.config import ALGORITHM_NAMES, ConfigError, TrainConfig, coerce, load_yaml
+from loco.config import ALGORITHM_NAMES, RENAMED, ConfigError, TrainConfig, coerce, load_yaml
 
 DEFAULT_ALGORITHMS = ("ddp", "diloco", "streaming", "noloco", "local")
 
@@ -42,7 +42,7 @@ ONLY_FOR = {
     "outer_momentum": ("diloco", "streaming", "noloco"),
     "nesterov": ("diloco", "streaming", "noloco"),
     "offload": ("diloco", "streaming"),
-    **{k: ("streaming",) for k in ("fragments", "fragment_pattern", "overlap", "alpha", "codec",
+    **{k: ("streaming",) for k in ("fragments", "fragment_pattern", "overlap", "mixing", "codec",
                                    "codec_block")},
     "group_size": ("noloco",),
     "gamma": ("noloco",),
@@ -77,7 +77,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                    "final_eval_batches": 200, "log_every": 50, "comm_timeout": 1800.0},
         "methods": {"diloco": {"sync_every": 100},
                     "streaming": {"sync_every": 100, "fragments": 4, "overlap": 1,
-                                  "alpha": 0.5, "codec": "fp4_e3m0"},
+                                  "mixing": 0.5, "codec": "fp4_e3m0"},
                     "noloco": {"sync_every": 100, "group_size": 2, "spread_every": 100},
                     "local": {"spread_every": 100}},
     },
@@ -156,6 +156,7 @@ def parse_sets(items: list[str], methods: list[Method]) -> None:
             value = yaml.safe_load(raw) if raw.strip() else None
         except yaml.YAMLError:
             value = raw
+        option = RENAMED.get(option.replace("-", "_"), option)
         method_option(by_label[label], option, value, "--set")
 
 

@@ -49,6 +49,29 @@ class ConfigError(ValueError):
         super().__init__(f"--{option.replace('_', '-')}: {message}")
 
 
+RENAMED = {"alpha": "mixing"}
+"""Old option names still accepted (flags, YAML keys, ``--set``, saved runs), by old name:
+``--alpha`` was Streaming DiLoCo's mixing factor, a name NoLoCo's momentum α also claims."""
+
+
+def canonical(values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` by field name with old names (``RENAMED``) replaced by the current ones.
+
+    Args:
+        values: option values by name (YAML keys, saved configurations, flags).
+
+    Raises:
+        ConfigError: an option given under both its old and its new name.
+    """
+    out = dict(values)
+    for old, new in RENAMED.items():
+        if old in out:
+            if new in out:
+                raise ConfigError(new, f"given twice, as {new} and as its old name {old}")
+            out[new] = out.pop(old)
+    return out
+
+
 def opt(default, help: str, choices: tuple | None = None, **kw):
     return field(default=default, metadata={"help": help, "choices": choices, **kw})
 
@@ -98,8 +121,9 @@ class TrainConfig:
                                 PATTERNS)
     overlap: int = opt(1, "tau (streaming): inner steps a sync stays in flight while training "
                        "goes on, 0 <= tau < H/P; hides the transfer time")
-    alpha: float = opt(0.5, "alpha (streaming): share of the local parameters kept when a "
-                       "synced fragment is merged back, in [0, 1]; 0 replaces them")
+    mixing: float = opt(0.5, "mixing factor alpha (streaming): share of the local parameters "
+                        "kept when a synced fragment is merged back, in [0, 1]; 0 replaces "
+                        "them (old name: --alpha)")
     codec: str = opt("fp4_e3m0", "wire format of the pseudo-gradients (streaming); the "
                      "reduction itself is fp32", CODEC_NAMES)
     codec_block: int = opt(32, "values per power-of-two scale of the 8- and 4-bit codecs; "
@@ -109,8 +133,10 @@ class TrainConfig:
     gamma: float = opt(0.7, "gamma (noloco): pull of each worker's slow weights towards its "
                        "group's mean")
     spread_every: int = opt(50, "log the RMS distance of the replicas to their mean every this "
-                            "many steps (noloco, local; 0 disables; a diagnostic all-reduce "
-                            "outside the training bytes)")
+                            "many steps (noloco, local; 0 disables). A diagnostic, not part of "
+                            "the algorithm: an all-worker all-reduce of the full model (noloco "
+                            "has no other collective), kept out of the training bytes, the "
+                            "blocked time, compute utilization and train_seconds")
     final_average: bool = opt(False, "noloco, local: end with every replica replaced by the "
                               "replicas' average, and report that as the final model")
     offload: bool = opt(False, "keep the global copy and outer optimizer state in CPU memory "
@@ -161,8 +187,10 @@ class TrainConfig:
                               "fails instead of hanging")
     # --- reliability
     checkpoint_every: int = opt(1, "save a checkpoint every this many outer rounds of H "
-                                "(--sync-every) inner steps, and at the end; 0: only at the "
-                                "end. Each rank writes its own file, atomically")
+                                "(--sync-every) inner steps, at the first step with no sync in "
+                                "flight (streaming: tau steps after the round's end), and at "
+                                "the end; 0: only at the end. Each rank writes its own file "
+                                "atomically in the background, with no collective")
     resume: str | None = opt(None, "continue the run in this directory from its last "
                              "checkpoint, exactly; its options are reused, and only "
                              f"{', '.join('--' + o.replace('_', '-') for o in RESUMABLE[:6])}"
@@ -215,7 +243,7 @@ def load_yaml(path: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError("config", f"{path} must hold a mapping of option: value")
     known = {f.name for f in TrainConfig.fields()} | set(extra)
-    data = {str(k).replace("-", "_"): v for k, v in data.items()}
+    data = canonical({str(k).replace("-", "_"): v for k, v in data.items()})
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError("config", f"unknown option(s) in {path}: {', '.join(unknown)}")
@@ -265,7 +293,7 @@ def build_config(yaml_path: str | None = None, overrides: dict[str, Any] | None 
     values: dict[str, Any] = {}
     if yaml_path:
         values.update(load_yaml(yaml_path))
-    values.update(overrides or {})
+    values.update(canonical(overrides or {}))
     by_name = {f.name: f for f in TrainConfig.fields()}
     return TrainConfig(**{k: coerce(by_name[k], v) for k, v in values.items()})
 
@@ -334,7 +362,7 @@ def validate(cfg: TrainConfig) -> None:
       ``grad_clip``, ``z_loss`` >= 0;
     - noloco: ``group_size`` >= 2 and dividing ``workers``; ``gamma`` finite and >= 0;
     - streaming: ``fragments`` in [1, the blocks of the smallest stage] and dividing
-      ``sync_every``; ``overlap`` in [0, H/P); ``alpha`` in [0, 1]; ``codec_block`` even,
+      ``sync_every``; ``overlap`` in [0, H/P); ``mixing`` in [0, 1]; ``codec_block`` even,
       in [2, 65536];
     - ``link_bandwidth`` and ``link_latency`` parse; ``val_fraction`` in (0, 0.5];
       ``vocab_size`` in [257, 1048576]; ``corpus`` is ``shakespeare`` or an existing path
@@ -401,7 +429,7 @@ def validate(cfg: TrainConfig) -> None:
         per = cfg.sync_every // cfg.fragments
         need(0 <= cfg.overlap < per, "overlap", f"must be in [0, H/P) = [0, {per}) with "
              f"--sync-every {cfg.sync_every} and --fragments {cfg.fragments}")
-        need(0 <= cfg.alpha <= 1, "alpha", "must be in [0, 1]")
+        need(0 <= cfg.mixing <= 1, "mixing", "must be in [0, 1]")
         need(2 <= cfg.codec_block <= 65536 and cfg.codec_block % 2 == 0, "codec_block",
              "must be an even integer in [2, 65536]")
     from loco.comm.link import parse_bandwidth, parse_latency
@@ -452,6 +480,8 @@ def resume_config(directory: str, given: dict[str, Any]) -> TrainConfig:
                           f"({os.path.join(directory, checkpoint.DIRNAME, 'latest.json')} is "
                           "missing); nothing to resume")
     saved = meta.get("config")
+    if isinstance(saved, dict):
+        saved = canonical(saved)
     by_name = {f.name: f for f in TrainConfig.fields()}
     if not isinstance(saved, dict) or set(saved) - set(by_name):
         raise ConfigError("resume", f"{directory}'s checkpoint does not record a configuration "

@@ -16,7 +16,9 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from datetime import datetime
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -25,7 +27,7 @@ from loco import checkpoint
 from loco.algorithms import ALGORITHMS, Algorithm
 from loco.algorithms.base import NonFiniteError, flatten_fp32, unflatten_views
 from loco.algorithms.fragments import split_fragments
-from loco.comm.interface import Aborted
+from loco.comm.interface import Aborted, Comm
 from loco.comm.link import LinkSpec
 from loco.config import ConfigError, TrainConfig, resolve, validate, warnings_for
 from loco.data import Corpus, CorpusError, TokenLoader, eval_batches, prepare_corpus
@@ -133,7 +135,7 @@ def make_algorithm(cfg: TrainConfig, model, optimizer, comm,
             fragments = [[n for n in group if n != "embed.weight"] for group in names]
             fragments[0].append("embed.weight")
         kwargs.update(fragments=fragments, pattern=cfg.fragment_pattern,
-                      overlap=cfg.overlap, alpha=cfg.alpha, codec=cfg.codec,
+                      overlap=cfg.overlap, alpha=cfg.mixing, codec=cfg.codec,
                       codec_block=cfg.codec_block)
     algo = ALGORITHMS[cfg.algorithm](model, optimizer, comm, **kwargs)
     if pipeline is not None and pipeline.stages > 1:
@@ -182,8 +184,122 @@ def evaluate(model, params: dict, batches, autocast,
     return total / count if count else None
 
 
+@dataclass
+class Worker:
+    """What one rank's run is made of, built once by :func:`setup_worker`.
+
+    Args:
+        cfg: the run's configuration.
+        ctx: this rank's place in the run and its communicators.
+        corpus: the tokenized corpus.
+        model: the whole model (this rank trains ``trained``, its stage's part of it).
+        trained: the module this rank trains: ``model``, or its pipeline stage's part.
+        pipeline: this rank's pipeline stage; None without pipeline stages.
+        schedule: the inner learning-rate schedule.
+        algo: the training algorithm around the inner optimizer.
+        loader: the training batches; None on later pipeline stages (they receive inputs).
+        autocast: the compute precision's context (bf16 autocast, or none).
+        main: whether this rank logs and writes the outputs (replica 0's last stage).
+        log: the run directory's metrics (on the lead rank), else None.
+        bar: the progress bar (disabled except on the lead rank with ``--progress``).
+        writer: this rank's background checkpoint writer.
+        fault: this rank's injected fault (``LOCO_FAULT``), if any.
+        resumed_from: the checkpoint's step this run resumed from; None for a fresh run.
+        start: ``time.perf_counter()`` when the worker started.
+    """
+
+    cfg: TrainConfig
+    ctx: WorkerContext
+    corpus: Corpus
+    model: Transformer
+    trained: torch.nn.Module
+    pipeline: PipelineStage | None
+    schedule: Any
+    algo: Algorithm
+    loader: TokenLoader | None
+    autocast: Any
+    main: bool
+    log: RunLog | None
+    bar: Any
+    writer: checkpoint.Writer
+    fault: Fault | None
+    resumed_from: int | None
+    start: float
+
+    @property
+    def first(self) -> int:
+        """The first step this run trains."""
+        return 1 if self.resumed_from is None else self.resumed_from + 1
+
+    @property
+    def evaluates(self) -> bool:
+        """Whether this rank evaluates the global model (replica 0's stages do, together)."""
+        return self.ctx.replica == 0
+
+    @property
+    def tokens_per_step(self) -> int:
+        """Training tokens of one inner step, all replicas together."""
+        return self.ctx.mesh.replicas * self.cfg.batch_size * self.cfg.seq_len
+
+    @property
+    def world(self) -> Comm:
+        """A Comm over every rank, for the end-of-run report."""
+        return self.ctx.pipe or self.ctx.comm
+
+
+#: The running values a checkpoint saves (under "loop"), to continue them exactly.
+SAVED_LOOP = ("loss_sum", "loss_count", "eval_seconds", "diagnostic_seconds", "train_seconds",
+              "metrics_bytes")
+
+
+@dataclass
+class Loop:
+    """The training loop's running values.
+
+    Args:
+        loss_sum: sum of the training losses since the last logged record.
+        loss_count: how many losses ``loss_sum`` holds.
+        eval_seconds: time spent in periodic evaluations, over the whole run.
+        diagnostic_seconds: time spent measuring the replicas' spread, over the whole run.
+        train_seconds: training-loop time at the checkpoint this run resumed from (0: fresh).
+        metrics_bytes: length of ``metrics.jsonl`` at that checkpoint.
+        origin: ``time.perf_counter()`` at which the whole run's loop would have started.
+        checkpoint_due: a checkpoint's round has ended but a sync was still in flight.
+    """
+
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    eval_seconds: float = 0.0
+    diagnostic_seconds: float = 0.0
+    train_seconds: float = 0.0
+    metrics_bytes: int = 0
+    origin: float = 0.0
+    checkpoint_due: bool = False
+
+    def start(self) -> None:
+        """Start the clock, counting the time of the run resumed from."""
+        self.origin = (time.perf_counter() - self.train_seconds - self.eval_seconds
+                       - self.diagnostic_seconds)
+
+    def elapsed(self) -> float:
+        """Training-loop seconds of the whole run so far, without evaluation and the spread
+        diagnostic."""
+        return time.perf_counter() - self.origin - self.eval_seconds - self.diagnostic_seconds
+
+
 def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
+    """Everything one rank does in ``loco train``: set up (or resume), train, evaluate,
+    checkpoint, report; the lead rank returns the summary, the others ``{"rank": r}``."""
     torch.set_flush_denormal(True)  # denormals made CPU steps 8x slower
+    worker, loop = setup_worker(ctx, cfg, corpus)
+    train_loop(worker, loop)
+    return finish_worker(worker, loop)
+
+
+def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[Worker, Loop]:
+    """Build the model, pipeline stage, optimizer, algorithm and loader; resume from the
+    last complete checkpoint when asked (--resume) or after torch elastic restarted the
+    workers."""
     start = time.perf_counter()
     device = ctx.device
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16"
@@ -202,227 +318,324 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     loader = (TokenLoader(corpus.train, cfg.batch_size, cfg.seq_len, rank=ctx.replica,
                           world_size=ctx.mesh.replicas, seed=cfg.seed, device=device)
               if ctx.stage == 0 else None)  # later stages receive their inputs
-    tokens_per_step = ctx.mesh.replicas * cfg.batch_size * cfg.seq_len
-    world = ctx.pipe or ctx.comm  # every rank: for the end-of-run report
-
-    # The lead rank logs: replica 0's last stage, which computes its loss.
-    main = ctx.rank == ctx.mesh.rank_of(0, ctx.stages - 1)
-    evaluates = ctx.replica == 0  # replica 0's stages evaluate the global model together
-    # Resume from the last complete checkpoint: asked for (--resume), or after torch elastic
-    # restarted the workers because one of them died.
-    state, loop = None, {"loss_sum": 0.0, "loss_count": 0, "eval_seconds": 0.0,
-                         "train_seconds": 0.0, "metrics_bytes": 0}
-    if cfg.resume is not None or restart_count() > 0:
-        meta = checkpoint.latest(cfg.out)
-        if meta is not None:
-            state = checkpoint.load_rank(cfg.out, int(meta["step"]), ctx.rank, device)
-            restore(state, algo, schedule, loader, ctx)
-            loop = state["loop"]
+    main = ctx.rank == ctx.mesh.rank_of(0, ctx.stages - 1)  # replica 0's last stage
+    state, loop = resume_state(cfg, ctx), Loop()
+    if state is not None:
+        restore(state, algo, schedule, loader, ctx)
+        loop = Loop(**{k: state["loop"][k] for k in SAVED_LOOP if k in state["loop"]})
     first = 1 if state is None else int(state["step"]) + 1
-    fault = Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None
-    log = RunLog(cfg.out, resume_at=loop["metrics_bytes"] if state else None) if main else None
     bar = tqdm(total=cfg.steps, initial=first - 1,
                desc=f"{cfg.algorithm} x{ctx.mesh.replicas}"
                + (f"x{ctx.stages} stages" if ctx.stages > 1 else ""), unit="step",
                disable=not (main and cfg.progress), dynamic_ncols=True)
-    eval_seconds, loss_sum, loss_count = loop["eval_seconds"], loop["loss_sum"], loop["loss_count"]
-    loop_start = time.perf_counter() - loop["train_seconds"] - eval_seconds
-    every = cfg.checkpoint_every * cfg.sync_every
+    writer = checkpoint.Writer(cfg.out, ctx.rank, ctx.world_size, timeout=cfg.comm_timeout,
+                               commit_meta={"world_size": ctx.world_size,
+                                            "algorithm": cfg.algorithm,
+                                            "config": cfg.to_dict()} if main else None)
+    worker = Worker(
+        cfg, ctx, corpus, model, trained, pipeline, schedule, algo, loader, autocast, main,
+        log=RunLog(cfg.out, resume_at=loop.metrics_bytes if state else None) if main else None,
+        bar=bar, writer=writer,
+        fault=Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None,
+        resumed_from=None if state is None else int(state["step"]), start=start)
+    return worker, loop
 
-    def save(step: int) -> None:
-        """Every rank writes its state; once all have, the lead marks the checkpoint done."""
-        checkpoint.save_rank(cfg.out, step, ctx.rank, {
-            "step": step, "algorithm": algo.state_dict(), "schedule": schedule.state_dict(),
-            "loader": loader.state_dict() if loader is not None else None,
-            "rng": torch.get_rng_state(), "comm": ctx.comm.state_dict(),
-            "pipe": ctx.pipe.state_dict() if ctx.pipe is not None else None,
-            "loop": {"loss_sum": loss_sum, "loss_count": loss_count,
-                     "eval_seconds": eval_seconds,
-                     "train_seconds": time.perf_counter() - loop_start - eval_seconds,
-                     "metrics_bytes": log.tell() if log is not None else 0}})
-        world.barrier(tag="checkpoint")
-        if main:
-            checkpoint.commit(cfg.out, step, {"world_size": ctx.world_size,
-                                              "algorithm": cfg.algorithm,
-                                              "config": cfg.to_dict()})
 
-    step = first
+def resume_state(cfg: TrainConfig, ctx: WorkerContext) -> dict | None:
+    """This rank's state in the last complete checkpoint, if the run continues one."""
+    if cfg.resume is None and restart_count() == 0:
+        return None
+    meta = checkpoint.latest(cfg.out)
+    if meta is None:
+        return None
+    return checkpoint.load_rank(cfg.out, int(meta["step"]), ctx.rank, ctx.device)
+
+
+def train_loop(w: Worker, loop: Loop) -> None:
+    """Every step of the run; a failure becomes a TrainingError naming the rank and step."""
+    step = w.first
+    loop.start()
     try:
-        for step in range(first, cfg.steps + 1):
-            if fault is not None:
-                fault.before_step(step, ctx.comm)
-            batch = loader.next_batch() if loader is not None else None
-            if pipeline is None:
-                with autocast:
-                    loss = model(*batch)
-                loss.backward()
-            else:  # the loss arrives on the last stage only
-                loss = pipeline.forward_backward(batch, step)
-            if fault is not None:
-                fault.after_backward(step, algo.params)
-            algo.step()
-            schedule.step()
-            algo.zero_grad()
-            if step == cfg.steps:
-                algo.flush()  # the last fragment sent must reach the evaluated global model
-            syncs = _drain(algo)
-            spread = None
-            if not algo.replicas_identical and cfg.spread_every and step % cfg.spread_every == 0:
-                spread = replica_spread(algo, ctx.comm, pipeline)
-            eval_loss = None
-            if cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps and evaluates:
-                t0 = time.perf_counter()
-                eval_loss = evaluate(trained, algo.global_parameters(), eval_batches(
-                    corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches, device),
-                    autocast, pipeline)
-                eval_seconds += time.perf_counter() - t0
-            if main:
-                for sync in syncs:
-                    log.metric({"event": "sync", **sync})
-                loss_value = loss.item()
-                loss_sum += loss_value
-                loss_count += 1
-                record = (None if spread is None else
-                          {"step": step, "tokens": step * tokens_per_step, "spread": spread})
-                if step % cfg.log_every == 0 or step == cfg.steps:
-                    record = {**(record or {}), "step": step, "tokens": step * tokens_per_step,
-                              "train_loss": loss_sum / loss_count,
-                              "lr": schedule.get_last_lr()[0]}
-                    loss_sum, loss_count = 0.0, 0
-                if eval_loss is not None:
-                    record = record or {"step": step, "tokens": step * tokens_per_step}
-                    record["eval_loss"] = eval_loss
-                sent = ctx.comm.issued_bytes("train")  # at issue: the same whatever the timing
-                if record is not None:
-                    record.update(bytes_sent=sent, elapsed=time.perf_counter() - start)
-                    log.metric(record)
-                train_seconds = time.perf_counter() - loop_start - eval_seconds
-                this_run = max(train_seconds - loop["train_seconds"], 1e-9)  # since (re)start
-                bar.set_postfix(loss=f"{loss_value:.3f}",
-                                tok_s=f"{(step - first + 1) * tokens_per_step / this_run:,.0f}",
-                                sent=human_bytes(sent),
-                                cu=f"{1 - blocked_seconds(ctx) / train_seconds:.0%}",
-                                refresh=False)
-                bar.update(1)
-            if (every and step % every == 0) or step == cfg.steps:
-                save(step)
+        for step in range(w.first, w.cfg.steps + 1):
+            loss = train_step(w, step)
+            syncs = _drain(w.algo)
+            spread = spread_diagnostic(w, loop, step)
+            eval_loss = periodic_eval(w, loop, step)
+            if w.main:
+                log_step(w, loop, step, loss, syncs, spread, eval_loss)
+            checkpoint_if_due(w, loop, step)
     except (Aborted, KeyboardInterrupt):
+        w.writer.close(abandon=True)
         raise
     except Exception as e:  # name the worker and the step; expected failures in one line
-        where = f"worker {ctx.rank} failed at step {step}"
-        if "timed out" in str(e).lower() or "timeout" in str(e).lower():
-            raise TrainingError(f"{where}: a communication took longer than --comm-timeout "
-                                f"{cfg.comm_timeout:g} s; a peer stopped answering or is "
-                                f"far too slow ({str(e).splitlines()[0][:200]})",
-                                brief=True) from e
-        raise TrainingError(f"{where}: {type(e).__name__}: {e}",
-                            brief=isinstance(e, (NonFiniteError, InjectedFault,
-                                                 checkpoint.CheckpointError))) from e
-    bar.close()
-    train_seconds = time.perf_counter() - loop_start - eval_seconds
+        w.writer.close(abandon=True)
+        raise failure(e, w.ctx.rank, step, w.cfg.comm_timeout) from e
+    w.bar.close()
 
-    # Every rank reports its counters (a tiny gather outside the training traffic). The
-    # outer algorithm's bytes travel between replicas (ctx.comm); activations, their
-    # gradients and the tied head's gradient travel between stages (ctx.pipe).
+
+def failure(e: Exception, rank: int, step: int, comm_timeout: float) -> TrainingError:
+    """The TrainingError reporting ``e``, raised by worker ``rank`` at ``step``."""
+    where = f"worker {rank} failed at step {step}"
+    expected = isinstance(e, (NonFiniteError, InjectedFault, checkpoint.CheckpointError))
+    if not expected and ("timed out" in str(e).lower() or "timeout" in str(e).lower()):
+        return TrainingError(f"{where}: a communication took longer than --comm-timeout "
+                             f"{comm_timeout:g} s; a peer stopped answering or is far too "
+                             f"slow ({str(e).splitlines()[0][:200]})", brief=True)
+    return TrainingError(f"{where}: {type(e).__name__}: {e}", brief=expected)
+
+
+def train_step(w: Worker, step: int) -> torch.Tensor | None:
+    """One inner step: forward, backward, the algorithm's step (which syncs when due) and
+    the schedule's; returns the loss (None on pipeline stages but the last)."""
+    if w.fault is not None:
+        if step == w.fault.step:  # a drill strikes once the last checkpoint is committed
+            w.writer.wait_committed(w.ctx.comm.check_aborted)
+        w.fault.before_step(step, w.ctx.comm)
+    batch = w.loader.next_batch() if w.loader is not None else None
+    if w.pipeline is None:
+        with w.autocast:
+            loss = w.model(*batch)
+        loss.backward()
+    else:  # the loss arrives on the last stage only
+        loss = w.pipeline.forward_backward(batch, step)
+    if w.fault is not None:
+        w.fault.after_backward(step, w.algo.params)
+    w.algo.step()
+    w.schedule.step()
+    w.algo.zero_grad()
+    if step == w.cfg.steps:
+        w.algo.flush()  # the last fragment sent must reach the evaluated global model
+    return loss
+
+
+def spread_diagnostic(w: Worker, loop: Loop, step: int) -> float | None:
+    """Every --spread-every steps (methods whose replicas differ): the replicas' RMS distance
+    to their mean. A diagnostic, not part of the algorithm: its all-worker reductions and
+    their time are kept out of the training bytes, blocked time and loop time."""
+    cfg = w.cfg
+    if w.algo.replicas_identical or not cfg.spread_every or step % cfg.spread_every:
+        return None
+    t0 = time.perf_counter()
+    spread = replica_spread(w.algo, w.ctx.comm, w.pipeline)
+    loop.diagnostic_seconds += time.perf_counter() - t0
+    return spread
+
+
+def periodic_eval(w: Worker, loop: Loop, step: int) -> float | None:
+    """Every --eval-every steps but the last, on replica 0's ranks: the global model's loss
+    (on its last stage; None elsewhere)."""
+    cfg = w.cfg
+    if not (cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
+            and w.evaluates):
+        return None
+    t0 = time.perf_counter()
+    batches = eval_batches(w.corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches,
+                           w.ctx.device)
+    eval_loss = evaluate(w.trained, w.algo.global_parameters(), batches, w.autocast,
+                         w.pipeline)
+    loop.eval_seconds += time.perf_counter() - t0
+    return eval_loss
+
+
+def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[dict],
+             spread: float | None, eval_loss: float | None) -> None:
+    """The lead rank's records of a step: its sync events, and a metrics record when there
+    is something to log (every --log-every steps, a spread or an evaluation); then the
+    progress bar."""
+    cfg, tokens = w.cfg, step * w.tokens_per_step
+    for sync in syncs:
+        w.log.metric({"event": "sync", **sync})
+    loss_value = loss.item()
+    loop.loss_sum += loss_value
+    loop.loss_count += 1
+    record = None if spread is None else {"step": step, "tokens": tokens, "spread": spread}
+    if step % cfg.log_every == 0 or step == cfg.steps:
+        record = {**(record or {}), "step": step, "tokens": tokens,
+                  "train_loss": loop.loss_sum / loop.loss_count,
+                  "lr": w.schedule.get_last_lr()[0]}
+        loop.loss_sum, loop.loss_count = 0.0, 0
+    if eval_loss is not None:
+        record = record or {"step": step, "tokens": tokens}
+        record["eval_loss"] = eval_loss
+    sent = w.ctx.comm.issued_bytes("train")  # at issue: the same whatever the timing
+    if record is not None:
+        record.update(bytes_sent=sent, elapsed=time.perf_counter() - w.start)
+        w.log.metric(record)
+    train_seconds = loop.elapsed()
+    this_run = max(train_seconds - loop.train_seconds, 1e-9)  # since (re)start
+    w.bar.set_postfix(loss=f"{loss_value:.3f}",
+                      tok_s=f"{(step - w.first + 1) * w.tokens_per_step / this_run:,.0f}",
+                      sent=human_bytes(sent),
+                      cu=f"{1 - blocked_seconds(w.ctx) / train_seconds:.0%}", refresh=False)
+    w.bar.update(1)
+
+
+def checkpoint_if_due(w: Worker, loop: Loop, step: int) -> None:
+    """Checkpoint every --checkpoint-every rounds of H steps, at the first step from the
+    round's end on with no sync in flight (Streaming DiLoCo: once the fragment sent at the
+    round's end is applied, τ steps later), and at the last step. The state is copied on
+    this thread; the writer saves it in the background."""
+    every = w.cfg.checkpoint_every * w.cfg.sync_every
+    if every and step % every == 0:
+        loop.checkpoint_due = True
+    if step == w.cfg.steps or (loop.checkpoint_due and not w.algo.sync_in_flight):
+        loop.checkpoint_due = False
+        w.writer.save(step, checkpoint_state(w, loop, step), w.ctx.comm.check_aborted)
+
+
+def checkpoint_state(w: Worker, loop: Loop, step: int) -> dict:
+    """Everything this rank needs to continue after ``step``, copied to CPU memory."""
+    ctx = w.ctx
+    return checkpoint.snapshot({
+        "step": step, "algorithm": w.algo.state_dict(), "schedule": w.schedule.state_dict(),
+        "loader": w.loader.state_dict() if w.loader is not None else None,
+        "rng": torch.get_rng_state(), "comm": ctx.comm.state_dict(),
+        "pipe": ctx.pipe.state_dict() if ctx.pipe is not None else None,
+        "loop": {"loss_sum": loop.loss_sum, "loss_count": loop.loss_count,
+                 "eval_seconds": loop.eval_seconds,
+                 "diagnostic_seconds": loop.diagnostic_seconds,
+                 "train_seconds": loop.elapsed(),
+                 "metrics_bytes": w.log.tell() if w.log is not None else 0}})
+
+
+def finish_worker(w: Worker, loop: Loop) -> dict:
+    """The end of the run: gather every rank's counters, evaluate the final model(s), wait
+    for the last checkpoint, write this rank's comm totals; the lead writes the summary."""
+    train_seconds = loop.elapsed()
+    per_worker = gather_counters(w, train_seconds)
+    final_eval, replicas = final_evaluation(w)
+    last_checkpoint(w)
+    write_comm_totals(w.cfg.out, w.ctx)
+    if not w.main:
+        return {"rank": w.ctx.rank}
+    return write_summary(w, loop, per_worker, final_eval, replicas)
+
+
+def last_checkpoint(w: Worker) -> None:
+    """Wait for the last checkpoint's write (on the lead rank: and its commit)."""
+    try:
+        w.writer.close(check=w.ctx.comm.check_aborted)
+    except Aborted:
+        w.writer.close(abandon=True)
+        raise
+    except (checkpoint.CheckpointError, OSError) as e:
+        raise failure(e, w.ctx.rank, w.cfg.steps, w.cfg.comm_timeout) from e
+
+
+#: The counters every rank reports at the end, in the order of its report tensor.
+COUNTERS = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
+            "comm_seconds", "comm_wait_seconds", "train_seconds", "pipeline_bytes_sent",
+            "blocked_seconds", "skipped_inner_steps", "skipped_syncs")
+
+
+def gather_counters(w: Worker, train_seconds: float) -> list[dict]:
+    """Every rank's counters, by name (a tiny gather outside the training traffic). The
+    outer algorithm's bytes travel between replicas (ctx.comm); activations, their gradients
+    and the tied head's gradient travel between stages (ctx.pipe)."""
+    ctx, algo = w.ctx, w.algo
     mine = ctx.comm.totals("train")
     piped = ctx.pipe.totals("train").sent_bytes if ctx.pipe is not None else 0
     report = torch.tensor([mine.sent_bytes, mine.recv_bytes, mine.raw_bytes,
                            ctx.comm.peak_sent_bytes("train"), mine.ops, mine.seconds, mine.waited,
                            train_seconds, piped, blocked_seconds(ctx),
                            algo.skipped["inner_steps"], algo.skipped["syncs"]],
-                          dtype=torch.float64, device=device)
-    per_worker = [t.tolist() for t in world.all_gather(report, tag="report").wait()]
-    final_batches = (list(eval_batches(corpus.val, cfg.batch_size, cfg.seq_len,
-                                       cfg.final_eval_batches, device))
-                     if evaluates or not algo.replicas_identical else None)
-    replicas = None
-    if not algo.replicas_identical:  # every replica is a model of its own: report them all
-        replicas = replica_report(trained, algo, ctx.comm, final_batches, autocast,
-                                  cfg.final_average, pipeline)
-        final_eval = replicas["final_eval_loss"] if main else None
-    elif evaluates:
-        final_eval = evaluate(trained, algo.global_parameters(), final_batches, autocast,
-                              pipeline)
-    write_comm_totals(cfg.out, ctx)
-    if not main:
-        return {"rank": ctx.rank}
-
-    log.metric({"step": cfg.steps, "tokens": cfg.steps * tokens_per_step, "eval_loss": final_eval,
-                "bytes_sent": mine.sent_bytes, "elapsed": time.perf_counter() - start})
-    tokens = cfg.steps * tokens_per_step
-    wall = time.perf_counter() - start
-    keys = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
-            "comm_seconds", "comm_wait_seconds", "train_seconds", "pipeline_bytes_sent",
-            "blocked_seconds", "skipped_inner_steps", "skipped_syncs")
-    workers = [dict(zip(keys, w)) for w in per_worker]
-    for w in workers:  # time computing / time in the training loop
-        w["compute_utilization"] = 1 - w["blocked_seconds"] / w["train_seconds"]
-    # The job is done when its slowest worker is: timing worker 0 alone would flatter
-    # methods without a barrier, whose workers drift apart in speed.
-    train_seconds = max(w["train_seconds"] for w in workers)
-    for w in workers:
+                          dtype=torch.float64, device=w.world.device)
+    gathered = w.world.all_gather(report, tag="report").wait()
+    workers = [dict(zip(COUNTERS, t.tolist())) for t in gathered]
+    for c in workers:
+        c["compute_utilization"] = 1 - c["blocked_seconds"] / c["train_seconds"]
         for k in ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
                   "pipeline_bytes_sent", "skipped_inner_steps", "skipped_syncs"):
-            w[k] = int(w[k])
+            c[k] = int(c[k])
+    return workers
+
+
+def final_evaluation(w: Worker) -> tuple[float | None, dict | None]:
+    """The final model's eval loss (on the lead rank; None elsewhere), and, for methods
+    whose replicas differ, every replica's (see :func:`replica_report`)."""
+    cfg, algo = w.cfg, w.algo
+    batches = (list(eval_batches(w.corpus.val, cfg.batch_size, cfg.seq_len,
+                                 cfg.final_eval_batches, w.ctx.device))
+               if w.evaluates or not algo.replicas_identical else None)
+    if not algo.replicas_identical:  # every replica is a model of its own: report them all
+        replicas = replica_report(w.trained, algo, w.ctx.comm, batches, w.autocast,
+                                  cfg.final_average, w.pipeline)
+        return (replicas["final_eval_loss"] if w.main else None), replicas
+    if w.evaluates:
+        return evaluate(w.trained, algo.global_parameters(), batches, w.autocast,
+                        w.pipeline), None
+    return None, None
+
+
+def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float | None,
+                  replicas: dict | None) -> dict:
+    """The lead rank's last metrics record, ``summary.json`` and ``loss.png``; returns the
+    summary."""
+    cfg, ctx, algo = w.cfg, w.ctx, w.algo
+    tokens = cfg.steps * w.tokens_per_step
+    w.log.metric({"step": cfg.steps, "tokens": tokens, "eval_loss": final_eval,
+                  "bytes_sent": ctx.comm.totals("train").sent_bytes,
+                  "elapsed": time.perf_counter() - w.start})
+    wall = time.perf_counter() - w.start
+    # The job is done when its slowest worker is: timing worker 0 alone would flatter
+    # methods without a barrier, whose workers drift apart in speed.
+    train_seconds = max(c["train_seconds"] for c in workers)
+    most = {k: max(c[k] for c in workers) for k in COUNTERS}
     summary = {
-        "algorithm": cfg.algorithm,
-        "workers": ctx.mesh.replicas,
-        "stages": ctx.stages,
-        "routing": cfg.routing if ctx.stages > 1 else None,
-        "launcher": ctx.launcher,
-        "inner_steps": cfg.steps,
-        "tokens": tokens,
-        "final_eval_loss": final_eval,
-        "unigram_entropy": corpus.unigram_entropy,
-        "model_parameters": model.num_parameters(),
-        "bytes_sent_per_worker": max(w["bytes_sent"] for w in workers),
-        "bytes_received_per_worker": max(w["bytes_received"] for w in workers),
-        "raw_bytes_per_worker": max(w["raw_bytes"] for w in workers),
-        "peak_sync_bytes_per_worker": max(w["peak_sync_bytes"] for w in workers),
-        "pipeline_bytes_sent_per_rank": (max(w["pipeline_bytes_sent"] for w in workers)
-                                         if ctx.stages > 1 else None),
+        "algorithm": cfg.algorithm, "workers": ctx.mesh.replicas, "stages": ctx.stages,
+        "routing": cfg.routing if ctx.stages > 1 else None, "launcher": ctx.launcher,
+        "inner_steps": cfg.steps, "tokens": tokens, "final_eval_loss": final_eval,
+        "unigram_entropy": w.corpus.unigram_entropy,
+        "model_parameters": w.model.num_parameters(),
+        "bytes_sent_per_worker": most["bytes_sent"],
+        "bytes_received_per_worker": most["bytes_received"],
+        "raw_bytes_per_worker": most["raw_bytes"],
+        "peak_sync_bytes_per_worker": most["peak_sync_bytes"],
+        "pipeline_bytes_sent_per_rank": most["pipeline_bytes_sent"] if ctx.stages > 1 else None,
         "syncs": workers[0]["syncs"],
         "comm_seconds": workers[0]["comm_seconds"],
-        "comm_wait_seconds": max(w["blocked_seconds"] for w in workers),
+        "comm_wait_seconds": most["blocked_seconds"],
         # Mean over ranks of 1 - (time blocked on communication / training-loop time).
-        "compute_utilization": sum(w["compute_utilization"] for w in workers) / len(workers),
+        "compute_utilization": sum(c["compute_utilization"] for c in workers) / len(workers),
         # Non-finite gradients and pseudo-gradients skipped (--on-nonfinite skip), summed
         # over ranks; a sync skipped by all its workers counts once per worker.
-        "nonfinite_skipped": {"inner_steps": sum(w["skipped_inner_steps"] for w in workers),
-                              "syncs": sum(w["skipped_syncs"] for w in workers)},
-        "resumed_from_step": None if state is None else int(state["step"]),
-        "restarts": restart_count(),
+        "nonfinite_skipped": {"inner_steps": sum(c["skipped_inner_steps"] for c in workers),
+                              "syncs": sum(c["skipped_syncs"] for c in workers)},
+        "resumed_from_step": w.resumed_from, "restarts": restart_count(),
         "link": (None if cfg.link_bandwidth is None and cfg.link_latency is None else
                  {"bandwidth": cfg.link_bandwidth, "latency": cfg.link_latency}),
         "wall_seconds": wall,
         "train_seconds": train_seconds,  # slowest worker's loop, evaluation excluded
-        "eval_seconds": eval_seconds,
+        "eval_seconds": loop.eval_seconds,
+        "diagnostic_seconds": loop.diagnostic_seconds,
         "tokens_per_second": tokens / train_seconds,
         "per_worker": workers,
         "fragments": algo.fragment_stats() if hasattr(algo, "fragment_stats") else None,
         "replicas": replicas,
-        "corpus": {"name": corpus.name, "train_tokens": len(corpus.train),
-                   "val_tokens": len(corpus.val), "vocab_size": corpus.vocab_size},
-        "device": str(device),
-        "machine": machine_info(device),
-        "config": cfg.to_dict(),
+        "corpus": {"name": w.corpus.name, "train_tokens": len(w.corpus.train),
+                   "val_tokens": len(w.corpus.val), "vocab_size": w.corpus.vocab_size},
+        "device": str(ctx.device), "machine": machine_info(ctx.device), "config": cfg.to_dict(),
     }
-    log.finish(summary)
+    w.log.finish(summary)
     return summary
 
 
 @torch.no_grad()
-def replica_spread(algo: Algorithm, comm, pipeline: PipelineStage | None = None) -> float:
-    """RMS over all parameters of each replica's distance to the replicas' mean (diagnostic
-    all-reduces, tagged apart from the training traffic). With pipeline stages every stage
-    measures its own parameters and the sums are combined over all ranks."""
+def replica_spread(algo: Algorithm, comm: Comm, pipeline: PipelineStage | None = None) -> float:
+    """RMS over all parameters of each replica's distance to the replicas' mean.
+
+    A diagnostic, not part of any algorithm: an all-worker all-reduce of the full model (of
+    each stage's part, with pipeline stages) and one of two numbers, tagged ``diagnostic``,
+    outside the training bytes and blocked time. With pipeline stages every stage measures
+    its own parameters and the sums are combined over all ranks."""
     params = algo.params if pipeline is None else pipeline.owned_parameters()
     flat = flatten_fp32(params)
     mean = flat.clone()
     comm.all_reduce_mean(mean, tag="diagnostic").wait()
+    sums = comm if pipeline is None else pipeline.pipe
     stats = torch.tensor([(flat - mean).double().pow(2).sum().item(), flat.numel()],
-                         dtype=torch.float64)
-    (comm if pipeline is None else pipeline.pipe).all_reduce_mean(stats, tag="diagnostic").wait()
+                         dtype=torch.float64, device=sums.device)
+    sums.all_reduce_mean(stats, tag="diagnostic").wait()
     return math.sqrt(stats[0].item() / stats[1].item())
 
 
@@ -436,7 +649,8 @@ def replica_report(model, algo: Algorithm, comm, batches, autocast, final_averag
     own = evaluate(model, dict(model.named_parameters()), batches, autocast, pipeline)
     losses = None
     if own is not None:  # the replicas' last stages (every worker without pipeline stages)
-        losses = comm.all_gather(torch.tensor([own], dtype=torch.float64), tag="report").wait()
+        losses = comm.all_gather(torch.tensor([own], dtype=torch.float64, device=comm.device),
+                                 tag="report").wait()
     flat = flatten_fp32(algo.params)
     comm.all_reduce_mean(flat, tag="report").wait()
     average = dict(zip([n for n, p in model.named_parameters() if p.requires_grad],
@@ -489,10 +703,11 @@ def machine_info(device: torch.device) -> dict:
 
 
 def blocked_seconds(ctx: WorkerContext) -> float:
-    """Time this rank has spent blocked waiting for communication inside the training loop:
-    its training traffic, its pipeline's, and the spread diagnostic."""
+    """Time this rank has spent blocked waiting for its training traffic and its pipeline's
+    (tag ``train``); not for the spread diagnostic, the checkpoints or the report, which
+    are no part of the algorithm."""
     comms = [ctx.comm] + ([ctx.pipe] if ctx.pipe is not None else [])
-    return sum(c.totals(tag).waited for c in comms for tag in ("train", "diagnostic"))
+    return sum(c.totals("train").waited for c in comms)
 
 
 class TrainingError(RuntimeError):

@@ -72,6 +72,13 @@ class Algorithm:
     replicas_identical = True
     """Whether every worker holds the same global parameters (so one worker may evaluate)."""
 
+    @property
+    def sync_in_flight(self) -> bool:
+        """Whether a sync was sent and is not applied yet (Streaming DiLoCo's fragment, for
+        τ steps after it was sent); the other algorithms finish theirs within the step. A
+        checkpoint taken now would have to wait for it."""
+        return False
+
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm, *,
                  max_grad_norm: float | None = None, init_sync: str = "broadcast",
                  on_nonfinite: str = "stop"):
@@ -163,7 +170,10 @@ class Algorithm:
     def finite(self, tensor: torch.Tensor, what: str) -> bool:
         """Whether a reduced pseudo-gradient is finite; if not, raise or count a skipped
         sync. The reduced value is the same on every worker of the sync, and so is the
-        decision.
+        decision. A non-finite value on any one worker makes it non-finite on all of them,
+        with every codec: a sum with a NaN or an infinity is not finite, and the scaled
+        codecs send a block that holds one with a mark that decodes as NaN
+        (``loco.comm.codecs.NONFINITE_SCALE``) instead of failing on that worker alone.
 
         Args:
             tensor: the reduced value to check (every element).

@@ -168,6 +168,11 @@ class StreamingDiLoCo(Algorithm):
                      for p, f in enumerate(self.fragment_list)}
 
     # ----------------------------------------------------------------------------- the loop
+    @property
+    def sync_in_flight(self) -> bool:
+        """Whether a fragment was sent and its sync is not applied yet (for τ steps)."""
+        return self._in_flight is not None
+
     def step(self) -> None:
         """One inner step; then, if a fragment is due, start its sync, and apply the sync
         sent τ steps ago (waiting for it only if it has not arrived yet)."""

@@ -24,8 +24,18 @@ e = -126. Decoding q * 2^e may round past the fp32 maximum; such values become +
 Every scaled codec rounds to the nearest grid value, ties to the code whose last bit is 0:
 the IEEE round-half-to-even that torch already applies to fp8 and to int8 (torch.round).
 For fp4 that means e.g. 12 (between 8 and 16) goes to 8 in E3M0, 5 (between 4 and 6) to 4
-in E2M1. Re-encoding decoded values is lossless. Scaled codecs cannot represent NaN or
-+-Inf and raise ValueError on them rather than silently corrupting a whole block.
+in E2M1. Re-encoding decoded values is lossless.
+
+A block holding a NaN or an infinity cannot be scaled. It is sent as the E8M0 NaN scale byte
+0xFF (``NONFINITE_SCALE``, the NaN of the OCP MX formats; finite blocks use bytes 1 to 254)
+with all its values zero, and decodes as NaN throughout (0 * 2^128 = 0 * inf = NaN, by IEEE).
+So "this block is not finite" travels with the payload, at no extra byte and no extra round
+trip: the owner of a chunk in the quantized all-reduce decodes a NaN block, its mean is NaN
+and is sent back the same way, and every worker decodes the same non-finite mean. A sum or a
+mean of values one of which is not finite is never finite, so a non-finite value on any
+worker always reaches the reduced result that every worker checks, and the algorithms skip
+(or stop at) that sync on all of them alike. Before, the encoder raised on the one worker
+that held the value, on its communication thread, while its peers waited in the collective.
 """
 
 from __future__ import annotations
@@ -42,6 +52,8 @@ bits per value plus one scale byte per block)."""
 F32_MAX = torch.finfo(torch.float32).max
 MAX_BLOCK = 65536
 """The largest ``block`` a scaled codec accepts."""
+NONFINITE_SCALE = 255
+"""The scale byte of a block that held a NaN or an infinity (E8M0's NaN); it decodes as NaN."""
 
 
 class Codec:
@@ -106,7 +118,7 @@ class Codec:
             A uint8 tensor of shape ``(rows, row_bytes(c))``, never aliasing ``x``.
 
         Raises:
-            ValueError: a wrong dtype or shape, or (scaled codecs) a NaN or an infinity.
+            ValueError: a wrong dtype or shape.
         """
         raise NotImplementedError
 
@@ -118,7 +130,8 @@ class Codec:
             c: values per row.
 
         Returns:
-            An fp32 tensor of shape ``(rows, c)``.
+            An fp32 tensor of shape ``(rows, c)``: NaN throughout a block whose values were
+                not all finite (scaled codecs), the values themselves for the casts.
         """
         raise NotImplementedError
 
@@ -129,10 +142,9 @@ class Codec:
             x: the values; converted to fp32 first.
 
         Returns:
-            A 1-D uint8 tensor of ``encoded_nbytes(x.numel())`` bytes.
-
-        Raises:
-            ValueError: (scaled codecs) ``x`` holds a NaN or an infinity.
+            A 1-D uint8 tensor of ``encoded_nbytes(x.numel())`` bytes. A NaN or an infinity
+                is carried through (the casts) or marks its block as not finite (the scaled
+                codecs, see ``NONFINITE_SCALE``); it never raises.
         """
         flat = x.detach().reshape(-1).to(torch.float32)
         flat = F.pad(flat, (0, self.padded(flat.numel()) - flat.numel()))
@@ -193,7 +205,7 @@ class CastCodec(Codec):
 
 def _pow2(byte: torch.Tensor) -> torch.Tensor:
     # an E8M0 byte shifted into the fp32 exponent field is exactly 2^(byte - 127), with no
-    # exp2 rounding and no denormal to flush (bytes are in [1, 254])
+    # exp2 rounding and no denormal to flush (bytes are in [1, 254]; NONFINITE_SCALE gives inf)
     return (byte.to(torch.int32) << 23).view(torch.float32)
 
 
@@ -211,8 +223,11 @@ class ScaledCodec(Codec):
         rows, c = x.shape
         xb = x.reshape(rows, c // self.block, self.block)
         amax = xb.abs().amax(dim=-1)
-        if not torch.isfinite(amax).all():  # NaN propagates through amax: one check suffices
-            raise ValueError(f"{self} cannot represent non-finite values (NaN or Inf)")
+        bad = ~torch.isfinite(amax)  # NaN propagates through amax: one check per block
+        nonfinite = bool(bad.any())
+        if nonfinite:  # rare: such blocks are sent as zeros under the NaN scale byte
+            xb = xb.masked_fill(bad.unsqueeze(-1), 0.0)
+            amax = amax.masked_fill(bad, 0.0)
         # With amax = m * 2^E, amax <= fmt_max * 2^e  <=>  m * 2^(E - F - e) <= f. Because
         # 2m >= 1 > f, e = E - F - 1 never works: the smallest e is E - F, or E - F + 1 if m > f.
         m, E = torch.frexp(amax)
@@ -220,6 +235,8 @@ class ScaledCodec(Codec):
         e = torch.where(m == 0, -126, e).clamp_(-126, 127)
         scale_bytes = (e + 127).to(torch.uint8)
         y = (xb / _pow2(scale_bytes).unsqueeze(-1)).view(rows, c)  # exact; |y| <= fmt_max
+        if nonfinite:
+            scale_bytes.masked_fill_(bad, NONFINITE_SCALE)
         return torch.cat([self._quantize(y), scale_bytes], dim=1)
 
     def decode_rows(self, buf, c):
@@ -230,7 +247,8 @@ class ScaledCodec(Codec):
         y = self._dequantize(buf[:, :nv], c).view(rows, c // self.block, self.block)
         out = (y * _pow2(buf[:, nv:]).unsqueeze(-1)).view(rows, c)
         # q * 2^e is exact, except that it can round up past fp32 max (to +-inf, clamped
-        # here) and that results below 2^-126 become 0 under torch.set_flush_denormal(True)
+        # here) and that results below 2^-126 become 0 under torch.set_flush_denormal(True).
+        # A NONFINITE_SCALE block is 0 * inf = NaN, and clamp keeps NaN.
         return out.clamp_(-F32_MAX, F32_MAX)
 
     def _quantize(self, y: torch.Tensor) -> torch.Tensor:  # fp32 (rows, c) -> value bytes

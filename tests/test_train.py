@@ -1,0 +1,128 @@
+"""``loco train``'s worker: NoLoCo without collectives, checkpoints off the training thread
+and off in-flight syncs, the spread diagnostic apart, communication tensors on the Comm's
+device."""
+
+import json
+import threading
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import loco.train
+from loco import checkpoint
+from loco.cli import main
+from test_cli import small_run
+
+
+def job(corpus, out, *extra):
+    return small_run(corpus, out, "--final-eval-batches", "2", *extra)
+
+
+def test_noloco_train_runs_no_all_worker_collective(corpus, tmp_path, monkeypatch):
+    """4 workers in pairs, checkpoints every round and the spread diagnostic on: the training
+    traffic is point-to-point exchanges within a pair, the checkpoints use no communication,
+    and every operation of all workers is labelled setup, diagnostic or report."""
+    records = {}
+    write_totals = loco.train.write_comm_totals
+
+    def spy(out, ctx):  # after the rank's last operation
+        records[ctx.rank] = list(ctx.comm.records)
+        write_totals(out, ctx)
+
+    monkeypatch.setattr(loco.train, "write_comm_totals", spy)
+    out = tmp_path / "run"
+    assert main(job(corpus, out, "--algorithm", "noloco", "--workers", "4", "--group-size", "2",
+                    "--spread-every", "2", "--checkpoint-every", "1")) == 0
+    assert checkpoint.latest(str(out))["step"] == 12
+    assert sorted(records) == [0, 1, 2, 3]
+    for rank, recs in records.items():
+        train = [r for r in recs if r.tag == "train"]
+        assert len(train) == 3  # Δ and φ together, at each of the 3 outer steps
+        assert all(r.op == "exchange" and len(r.participants) == 2 and rank in r.participants
+                   for r in train)
+        everyone = {r.tag for r in recs if len(r.participants) == 4}
+        assert everyone <= {"setup", "diagnostic", "report"}, everyone
+        assert any(r.tag == "diagnostic" and r.op == "all_reduce_mean" for r in recs)
+        totals = json.loads((out / "comm" / f"rank{rank}.json").read_text())["outer"]
+        assert set(totals) <= {"setup", "train", "diagnostic", "report"}, set(totals)
+        assert "diagnostic" in totals and "checkpoint" not in totals
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["diagnostic_seconds"] > 0
+
+
+def test_spread_diagnostic_is_not_blocked_time():
+    waited = {"train": 1.0, "diagnostic": 5.0, "checkpoint": 7.0, "report": 3.0}
+    comm = SimpleNamespace(totals=lambda tag="train": SimpleNamespace(waited=waited.get(tag, 0)))
+    assert loco.train.blocked_seconds(SimpleNamespace(comm=comm, pipe=None)) == 1.0
+    assert loco.train.blocked_seconds(SimpleNamespace(comm=comm, pipe=comm)) == 2.0
+
+
+def test_streaming_checkpoints_wait_for_the_sync_in_flight_and_write_in_the_background(
+        corpus, tmp_path, monkeypatch):
+    """H = 4, P = 2, τ = 1: the second fragment is sent at steps 4, 8 and 12, and applied a
+    step later. The rounds' checkpoints are taken at 5 and 9, with nothing in flight (so
+    the training thread never waits for a sync to save), and at the end (12, after the
+    flush); the files are written by each rank's checkpoint thread."""
+    saves = []
+    save_rank = checkpoint.save_rank
+
+    def spy(out, step, rank, state):
+        saves.append((rank, step, state["algorithm"]["in_flight"],
+                      threading.current_thread().name))
+        return save_rank(out, step, rank, state)
+
+    monkeypatch.setattr(checkpoint, "save_rank", spy)
+    out = tmp_path / "run"
+    assert main(job(corpus, out, "--algorithm", "streaming", "--fragments", "2",
+                    "--overlap", "1", "--checkpoint-every", "1")) == 0
+    for rank in range(2):
+        mine = [s for s in saves if s[0] == rank]
+        assert [step for _, step, _, _ in mine] == [5, 9, 12]
+        assert all(flight is None for _, _, flight, _ in mine)
+        assert all(name == f"loco-checkpoint-{rank}" for _, _, _, name in mine)
+    assert checkpoint.latest(str(out))["step"] == 12
+
+
+class StubComm:
+    """One worker, whose operations insist on tensors on its device."""
+
+    rank, size, device = 0, 1, torch.device("cpu")
+
+    def _done(self, tensor, result):
+        assert tensor.device == self.device, f"{tensor.device} tensor for a {self.device} Comm"
+        return SimpleNamespace(wait=lambda: result)
+
+    def all_reduce_mean(self, tensor, tag="train"):
+        return self._done(tensor, tensor)
+
+    def all_gather(self, tensor, tag="setup"):
+        return self._done(tensor, [tensor])
+
+
+def test_communication_tensors_live_on_the_comms_device(monkeypatch):
+    """Under NCCL a tensor made without ``device=`` would be a CPU tensor handed to NCCL:
+    with the default device elsewhere (meta here), every tensor reaching the Comm is still on
+    the Comm's device."""
+    model = torch.nn.Linear(3, 2)
+    algo = SimpleNamespace(params=list(model.parameters()))
+    monkeypatch.setattr(loco.train, "evaluate", lambda *a, **k: 1.5)
+    with torch.device("meta"):
+        assert loco.train.replica_spread(algo, StubComm()) == 0.0
+        report = loco.train.replica_report(model, algo, StubComm(), [], None, False)
+    assert report["eval_losses"] == [1.5] and report["average_eval_loss"] == 1.5
+
+
+@pytest.mark.parametrize("lead", [True, False])
+def test_a_failed_run_still_commits_the_last_checkpoint_every_rank_wrote(lead, corpus,
+                                                                         tmp_path, monkeypatch,
+                                                                         capsys):
+    """Without a barrier the lead commits once every rank's file exists; a run that fails
+    right after a checkpoint (the lead, or another rank) still leaves it committed."""
+    out = tmp_path / "run"
+    monkeypatch.setenv("LOCO_FAULT", "0:5" if lead else "1:5")
+    assert main(job(corpus, out, "--algorithm", "diloco")) == 1
+    assert f"worker {0 if lead else 1} failed at step 5" in capsys.readouterr().err
+    assert checkpoint.latest(str(out))["step"] == 4
+    for rank in range(2):
+        assert checkpoint.load_rank(str(out), 4, rank)["step"] == 4
