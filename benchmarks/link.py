@@ -32,7 +32,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--bandwidth", default="100Mbit", help="emulated link rate per worker")
-    ap.add_argument("--latency", default="50ms", help="emulated latency per operation")
+    ap.add_argument("--latency", default="50ms",
+                    help="emulated latency, per dependent phase of an operation")
     ap.add_argument("--steps", type=int, default=200, help="inner steps per worker per run")
     ap.add_argument("--workers", type=int, default=4, help="workers M")
     ap.add_argument("--sync-every", type=int, default=50, help="H (DiLoCo, Streaming DiLoCo)")

@@ -182,7 +182,8 @@ class TrainConfig:
                                      "least B x 8 / rate, transfers queue, compute goes on "
                                      "(default: no emulation)")
     link_latency: str | None = opt(None, "emulated one-way latency added to every "
-                                   "communication, e.g. 50ms (default: none)")
+                                   "communication, once per dependent phase (twice for an "
+                                   "all-reduce), e.g. 50ms (default: none)")
     comm_timeout: float = opt(300.0, "seconds a communication may take before the run "
                               "fails instead of hanging")
     # --- reliability

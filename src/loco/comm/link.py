@@ -139,9 +139,10 @@ class EmulatedLink:
     """One worker's link, shared by all its Comms: a FIFO of transfers.
 
     A transfer of B bytes occupies the link for ``B · 8 / bandwidth`` seconds, behind the
-    transfers queued before it (first come, first served); the latency is added once after
-    its last byte and does not occupy the link. The Comm's operation completes no earlier
-    than that.
+    transfers queued before it (first come, first served); the latency is added once per
+    dependent phase of the operation after its last byte and does not occupy the link. The
+    Comm's operation completes no earlier than that, counted from when every participant
+    had issued it.
 
     Args:
         spec: the link's bandwidth and latency.
