@@ -89,7 +89,7 @@ def main() -> None:
         names = [n for n in RUNS if n in wanted]
 
     base = TrainConfig(steps=args.steps, workers=args.workers, sync_every=args.sync_every,
-                       fragments=args.fragments, alpha=args.alpha, model=args.model,
+                       fragments=args.fragments, mixing=args.alpha, model=args.model,
                        launcher=args.launcher, seed=args.seed, eval_every=0,
                        final_eval_batches=args.eval_batches, progress=False)
     results: dict[str, dict] = {}

@@ -140,3 +140,25 @@ def test_threads_and_processes_launchers_agree():
     for a, b in zip(threads, procs):
         assert max_diff(a["params"], b["params"]) == 0
         assert a["sent"] == b["sent"]
+
+
+@pytest.mark.numerics
+def test_data_parallel_bf16_gradients_halve_the_bytes_and_round_as_stated():
+    """The Streaming DiLoCo paper's data-parallel baseline sends 16-bit gradients. Each
+    worker's gradient goes out in bf16; the chunk's owner sums in fp32 and sends the mean
+    back in bf16. With M = 2 the sum and the halving are exact, so the applied gradient is
+    bf16((bf16(g_0) + bf16(g_1)) / 2) bit for bit."""
+    steps = 3
+    fp32 = loco.launch(ddp_worker, 2, args=(steps,))
+    bf16 = loco.launch(ddp_worker, 2, args=(steps, None, make_optimizer, "bf16"))
+    assert bf16[0]["sent"] * 2 == fp32[0]["sent"]
+    r = lambda t: t.to(torch.bfloat16).float()  # noqa: E731
+    for step in range(steps):
+        for name, applied in bf16[0]["grads"][step].items():
+            expected = r((r(bf16[0]["raw"][step][name]) + r(bf16[1]["raw"][step][name])) / 2)
+            assert torch.equal(applied, expected)
+    assert max_diff(bf16[0]["params"], bf16[1]["params"]) == 0
+    assert max_diff(bf16[0]["params"], fp32[0]["params"]) > 0
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        model = make_model()
+        loco.DataParallel(model, make_optimizer(model), loco.Comm(None, 0, 1), codec="int8")

@@ -10,6 +10,7 @@ import pytest
 
 import loco.train
 from loco.cli import build_parser, main
+from loco.config import build_config
 
 
 def small_run(corpus, out, *extra):
@@ -39,10 +40,23 @@ BAD_INPUTS = [
     (["--val-fraction", "0.9"], "--val-fraction", "(0, 0.5]"),
     (["--corpus", "/no/such/corpus.txt"], "--corpus", "does not exist"),
     (["--config", "/no/such/config.yaml"], "--config", "not found"),
-    (["--fragments", "3"], "--fragments", "must divide --sync-every (50)"),
+    (["--fragments", "3", "--sync-every", "2", "--model", "medium"], "--fragments",
+     "<= --sync-every (2)"),
     (["--fragments", "8"], "--fragments", "[1, 4]"),
-    (["--overlap", "25"], "--overlap", "[0, 25)"),
-    (["--overlap", "-1"], "--overlap", "[0, 25)"),
+    (["--overlap", "50"], "--overlap", "[0, 50)"),
+    (["--overlap", "-1"], "--overlap", "[0, 50)"),
+    (["--fragments", "3", "--overlap", "33"], "--overlap", "[0, 33), the smallest gap"),
+    (["--overlap", "1,2"], "--overlap", "gives 2 values but there are 4 workers"),
+    (["--overlap", "1,x,2,3"], "--overlap", "one per worker such as 1,1,2,5"),
+    (["--sync-every", "0"], "--sync-every", ">= 1"),
+    (["--tokens", "lots"], "--tokens", "20x"),
+    (["--tokens", "20x", "--steps", "10"], "--tokens", "not both"),
+    (["--adam-betas", "0.9"], "--adam-betas", "two numbers in [0, 1)"),
+    (["--adam-betas", "0.9,1.5"], "--adam-betas", "two numbers in [0, 1)"),
+    (["--dim", "100", "--heads", "3"], "--dim", "even head size"),
+    (["--layers", "0"], "--layers", ">= 1"),
+    (["--grad-codec", "fp8"], "--grad-codec", "'fp32', 'bf16'"),
+    (["--model", "2b"], "--model", "35m, 100m"),
     (["--mixing", "1.5"], "--mixing", "[0, 1]"),
     (["--alpha", "1.5"], "--mixing", "[0, 1]"),  # the old name still works
     (["--codec", "fp5"], "--codec", "fp4_e3m0"),
@@ -402,3 +416,55 @@ def test_old_option_names_are_read_as_the_new_ones(tmp_path):
         build_config(str(both), {})
     assert canonical({"alpha": 0.1, "fragments": 2}) == {"mixing": 0.1, "fragments": 2}
     assert build_parser().parse_args(["train", "--alpha", "0.3"]).mixing == 0.3
+
+
+@pytest.mark.parametrize("algorithm,h", [("streaming", 100), ("diloco", 100), ("noloco", 50),
+                                         ("ddp", 50)])
+def test_per_method_defaults_are_the_papers_and_help_says_so(algorithm, h, capsys):
+    from loco.config import resolve
+
+    cfg = resolve(build_config(None, {"algorithm": algorithm}))
+    assert cfg.sync_every == h and cfg.steps == 400
+    assert resolve(build_config(None, {"algorithm": algorithm, "sync_every": 7})).sync_every == 7
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "100 for streaming and diloco, 50 for noloco" in text
+
+
+def test_model_ladder_overrides_and_token_budget():
+    """The paper's ladder by name, --layers/--dim/--heads on top, and --tokens 20x setting
+    the steps from the parameter count (embeddings included, at --vocab-size)."""
+    from loco.config import model_dims, resolve
+    from loco.model import ModelConfig, parameter_count
+
+    cfg = build_config(None, {"model": "1b"})
+    assert model_dims(cfg) == {"n_layers": 24, "d_model": 2048, "n_heads": 32}
+    cfg = build_config(None, {"model": "35m", "layers": 3, "dim": 256, "heads": 4})
+    assert model_dims(cfg) == {"n_layers": 3, "d_model": 256, "n_heads": 4}
+    cfg = resolve(build_config(None, {"model": "tiny", "tokens": "20x", "workers": 2,
+                                      "batch_size": 4, "seq_len": 32}))
+    params = parameter_count(ModelConfig(vocab_size=4096, seq_len=32, d_model=32, n_layers=2,
+                                         n_heads=2))
+    assert cfg.steps == -(-20 * params // (2 * 4 * 32))
+    assert resolve(build_config(None, {"tokens": "2e5", "workers": 2, "batch_size": 4,
+                                       "seq_len": 32})).steps == 782  # ceil(2e5 / 256)
+
+
+def test_parameter_count_matches_the_built_model():
+    import torch
+
+    from loco.model import Transformer, model_config, parameter_count
+
+    for name, dims in [("tiny", {}), ("small", {}), ("35m", {"n_layers": 1, "d_model": 128,
+                                                             "n_heads": 2})]:
+        mcfg = model_config(name, 300, 16, **dims)
+        model = Transformer(mcfg, torch.Generator().manual_seed(0))
+        assert parameter_count(mcfg) == model.num_parameters()
+
+
+def test_the_command_line_knows_every_codec():
+    from loco.comm.codecs import CODEC_NAMES
+    from loco.config import CODEC_NAMES as FLAG_CHOICES
+
+    assert FLAG_CHOICES == CODEC_NAMES

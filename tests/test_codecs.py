@@ -1,16 +1,21 @@
 """Wire codecs: exact sizes, error bounds derived from each format, the bit layout, ties,
-idempotence, and the edge cases (zeros, huge, tiny, non-finite)."""
+idempotence, and the edge cases (zeros, huge, tiny, non-finite). The dropping codecs (topk,
+dare, random_drop) share the API tests here; their own properties are in
+test_sparse_codecs.py."""
 
 import math
 
 import pytest
 import torch
 
-from loco.comm.codecs import CODEC_NAMES, get_codec
+from loco.comm.codecs import CODEC_NAMES, SPARSE_CODEC_NAMES, get_codec
 
 pytestmark = pytest.mark.numerics
 
 SCALED = ("fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1")
+DENSE = tuple(n for n in CODEC_NAMES if n not in SPARSE_CODEC_NAMES)  # every value sent
+# re-encoding a decoded row gives it back: not so for the random draws of dare/random_drop
+IDEMPOTENT = DENSE + ("topk",)
 BITS = {"fp32": 32, "bf16": 16, "fp8_e4m3": 8, "int8": 8, "fp4_e3m0": 4, "fp4_e2m1": 4}
 FMT_MAX = {"fp8_e4m3": 448.0, "int8": 127.0, "fp4_e3m0": 16.0, "fp4_e2m1": 6.0}
 GRID = {"fp4_e3m0": (0, 0.25, 0.5, 1, 2, 4, 8, 16), "fp4_e2m1": (0, 0.5, 1, 1.5, 2, 3, 4, 6)}
@@ -27,6 +32,12 @@ def flush(request):
 
 
 def expected_nbytes(name, numel, block=B):
+    """The bytes docs/codecs.md gives; the dropping codecs at their default keep of 1/8."""
+    if name == "topk":  # 8-aligned; k = c/8 fp32 values, and a bitmap (c/8 <= 2k indices)
+        c = math.ceil(numel / 8) * 8
+        return 4 * math.ceil(c / 8) + c // 8
+    if name in SPARSE_CODEC_NAMES:  # k fp32 values and an 8-byte seed
+        return 4 * math.ceil(numel / 8) + 8 if numel else 0
     if name in ("fp32", "bf16"):
         return numel * BITS[name] // 8
     n = math.ceil(numel / block) * block
@@ -121,7 +132,7 @@ def test_encode_size_and_decode_shape(name, shape, dtype, contiguous):
         assert torch.equal(out, x)
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", DENSE)
 def test_attributes_and_row_bytes(name):
     for block in (2, 16, 32, 64):
         codec = get_codec(name, block=block)
@@ -162,7 +173,7 @@ L2_BOUND = {"fp32": 0.0, "bf16": 0.0025, "fp8_e4m3": 0.032, "int8": 0.010,
             "fp4_e3m0": 0.22, "fp4_e2m1": 0.13}
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", DENSE)
 def test_relative_l2_error_on_normal_data(name):
     x = normal(1 << 14)
     rel = ((round_trip(get_codec(name), x) - x).norm() / x.norm()).item()
@@ -229,7 +240,7 @@ def test_fp32_encode_does_not_alias_input(name):
 
 
 # --------------------------------------------------------------------------- idempotence
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", IDEMPOTENT)
 def test_requantizing_is_lossless(name, flush):
     """A decoded block may come back with a scale one step smaller (its absmax rounded down
     to fmt_max / 2), but every grid value times 2 is still on the grid, so values survive."""
@@ -257,7 +268,7 @@ def test_zero_block_next_to_huge_block(name, flush):
     assert torch.equal(d[:B], torch.zeros(B)) and torch.equal(d[2 * B :], torch.zeros(B))
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", DENSE)
 def test_huge_values_stay_finite(name, flush):
     x = torch.tensor([1e38, -1e38, 3.3e38, -3.3e38, F32_MAX, -F32_MAX, 2e38, 0.0] * (B // 8))
     d = round_trip(get_codec(name), x)
@@ -290,7 +301,7 @@ def test_single_nonzero_element(name):
     assert d[B + 5] < 0
 
 
-@pytest.mark.parametrize("name", CODEC_NAMES)
+@pytest.mark.parametrize("name", DENSE)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite(name, bad):
     x = normal(3 * B)

@@ -66,10 +66,8 @@ def test_fewer_bits_never_hurt(name, method):
 @pytest.mark.parametrize("name", PRESETS)
 def test_overlap_never_hurts(name):
     spec = PRESETS[name]
-    longest = math.ceil(100 / u.fragments(spec, 3)) - 1  # the largest tau below H/P
     for b in BANDWIDTHS:
-        cu = [utilization("streaming_overlap", spec, float(b), overlap=t)
-              for t in range(longest + 1)]
+        cu = [utilization("streaming_overlap", spec, float(b), overlap=t) for t in range(12)]
         assert cu[0] == pytest.approx(utilization("streaming", spec, float(b)), abs=1e-12)
         assert np.all(np.diff(cu) >= -1e-12)
 
@@ -79,33 +77,108 @@ def ring_seconds(nbytes, gbps, workers=2, latency=0.0):
 
 
 @pytest.mark.parametrize("workers,latency", [(2, 0.0), (4, 0.01)])
-def test_diloco_matches_its_closed_form(workers, latency):
+def test_diloco_overlaps_its_reductions_with_the_last_backward_pass(workers, latency):
+    # 4 layers, 0.5 s per step: each layer's F, A and W take 0.5/12 s. Every layer's outer
+    # gradient is reduced when its weight gradient is done, so the link starts 2 ops into the
+    # backward pass, and the next forward pass waits only for the last layer's reduction:
+    # the round stalls by (all reductions) - (backward pass less one layer's A and W).
     spec = ModelSpec("toy", 4, 0.5, 2e9)
     H, gbps = 10, 8.0
-    t_reduce = ring_seconds(2e9 * 2, gbps, workers, latency)  # 16-bit values
-    expected = H * 0.5 / (H * 0.5 + t_reduce)
+    per_layer = ring_seconds(2e9 / 4 * 2, gbps, workers, latency)  # 16-bit values
+    op = 0.5 / 12
+    stall = 4 * per_layer - (2 * 4 - 2) * op
     got = utilization("diloco", spec, gbps, H=H, workers=workers, latency_s=latency)
-    assert got == pytest.approx(expected, rel=1e-12)
+    assert got == pytest.approx(H * 0.5 / (H * 0.5 + stall), rel=1e-12)
+    # reductions started only after the whole step would give the blocking form
+    assert got > H * 0.5 / (H * 0.5 + 4 * per_layer) + 1e-3
 
 
-def test_streaming_without_overlap_matches_its_closed_form():
-    # 5 layers in fragments of 2: P = 3 fragments of 2, 2 and 1 layers, H/P = 10/3 steps.
-    spec = ModelSpec("toy", 5, 0.2, 5e8)
-    H, gbps = 10, 3.0
-    per_layer_bytes = 5e8 / 5 * 2
-    t = sum(ring_seconds(n * per_layer_bytes, gbps) for n in (2, 2, 1))
-    got = utilization("streaming", spec, gbps, H=H, layers_per_fragment=2)
-    assert got == pytest.approx(H * 0.2 / (H * 0.2 + t), rel=1e-12)
+@pytest.mark.parametrize("tau", [0, 1, 3, 5])
+def test_streaming_reduction_waits_only_for_each_layers_next_use(tau):
+    # 2 layers, 1 layer per fragment (strided: fragment p = layer p), H = 12: fragment 0
+    # (layer 0) is sent after step 6 of each round, fragment 1 (layer 1) after step 12.
+    # Layer 0's weight gradient ends its step and its forward starts a step: tau steps of
+    # slack. Layer 1's weight gradient ends 2/3 into the step and its forward starts 1/6
+    # into a step: tau + 1/2 steps of slack.
+    spec = ModelSpec("toy", 2, 1.0, 2e9)
+    H, gbps = 12, 5.0
+    c = ring_seconds(1e9 * 2, gbps)  # 3.2 s per layer, 16-bit values
+    stall = max(0.0, c - tau) + max(0.0, c - tau - 0.5)
+    method = "streaming" if tau == 0 else "streaming_overlap"
+    got = utilization(method, spec, gbps, H=H, layers_per_fragment=1, overlap=tau)
+    assert got == pytest.approx(H / (H + stall), rel=1e-12)
 
 
-def test_streaming_overlap_stalls_only_for_what_runs_past_tau_steps():
-    spec = ModelSpec("toy", 6, 1.0, 6e9)
-    H, gbps = 12, 10.0  # P = 2 fragments of 6e9 bytes: 4.8 s each at 10 Gbit/s
-    t = ring_seconds(3e9 * 2, gbps)
-    for tau in (1, 3, 5):
-        got = utilization("streaming_overlap", spec, gbps, H=H, overlap=tau)
-        expected = H / (H + 2 * max(0.0, t - tau))
-        assert got == pytest.approx(expected, rel=1e-12)
+@pytest.mark.parametrize("H,P", [(100, 8), (30, 8), (100, 36), (12, 12), (7, 3)])
+def test_fragments_are_sent_on_the_training_schedule(H, P):
+    """Fragment p goes at the inner steps t with t % H == ((p + 1) * H // P) % H."""
+    offsets = [((p + 1) * H // P) % H for p in range(P)]
+    assert u.send_offsets(H, P) == offsets
+    assert len(set(offsets)) == P
+    gaps = [((p + 2) * H // P) - ((p + 1) * H // P) for p in range(P)]
+    assert u.smallest_gap(H, P) == min(gaps) == H // P
+    # P layers, one per fragment (strided: layer p is fragment p). Read the inner step t of
+    # every reduction from when its issuing operation ends in a stall-free timeline (1 s
+    # steps), and which layer it is from when in the backward pass that operation ends.
+    spec = ModelSpec("toy", P, 1.0, 1e9)
+    plan = u.plan_for("streaming", spec, u.Settings(H=H, layers_per_fragment=1))
+    ends = np.cumsum(plan.durations)
+    sent = {}
+    for i, ks in plan.issues.items():
+        t = math.floor(ends[i] - 1e-9) + 1
+        into = ends[i] - (t - 1)  # W_l ends 1/3 + 2(P - l)/(3P) into its step
+        layer = round(P - (into - 1 / 3) * 3 * P / 2)
+        sent.setdefault(t, []).extend([layer] * len(ks))
+    rounds = u.WARMUP_PERIODS + u.MEASURED_PERIODS
+    expected = {t: [p] for t in range(1, rounds * H + 1) for p in range(P)
+                if t % H == offsets[p]}
+    assert sent == expected
+
+
+def test_streaming_without_overlap_needs_far_less_than_diloco(needs):
+    """The paper's Table 4: at 99% CU, Streaming DiLoCo without overlap needs 28.1 against
+    86.8 Gbit/s (1B) and 19.3 against 184.2 (100B): each layer's reduction overlaps the rest
+    of the step, and a fragment is a small part of the model."""
+    for name in PRESETS:
+        row = {m: needs[name][m]["0.99"] for m in ("diloco", "streaming")}
+        paper = u.PAPER_TABLE4[name]
+        assert row["streaming"] < 0.4 * row["diloco"]
+        assert row["streaming"] / row["diloco"] == pytest.approx(
+            paper["streaming"][-1] / paper["diloco"][-1], rel=0.25)
+
+
+def test_every_cell_of_the_papers_table4_within_25_percent(needs):
+    """Tolerance: the paper's values lie on a bandwidth grid about 21% apart (the first grid
+    point that reaches the target), and the parameters per layer and the step's split are
+    not published (see the docs); every cell of all 75 stays within 25%."""
+    for name, methods in u.PAPER_TABLE4.items():
+        for method, values in methods.items():
+            for target, paper in zip(TARGETS, values):
+                ratio = needs[name][method][f"{target:g}"] / paper
+                assert 0.8 < ratio < 1.25, (name, method, target, ratio)
+
+
+def test_strided_fragments_need_no_more_than_sequential():
+    """The paper's Figure 7: the strided pattern overlaps better than the sequential one."""
+    spec = PRESETS["100b"]
+    for target in TARGETS:
+        strided = required_bandwidth("streaming", spec, target, pattern="strided")
+        assert strided <= required_bandwidth("streaming", spec, target, pattern="sequential")
+
+
+def test_the_papers_figure9_overlaps_are_accepted_at_100b():
+    """Figure 9 overlaps up to 5 steps and more at 100B, where H/P = 100/36: several
+    fragments in flight. More overlap never needs more bandwidth, and it cannot go below the
+    average rate: 16-bit values of 1e11 parameters every 100 steps of 4.9 s."""
+    spec = PRESETS["100b"]
+    need = [required_bandwidth("streaming_overlap", spec, 0.95, overlap=t)
+            for t in (1, 2, 5, 10, 20)]
+    assert all(a >= b * (1 - 1e-6) for a, b in zip(need, need[1:]))
+    average = 1e11 * 16 / (100 * 4.9) / 1e9
+    assert need[-1] >= 0.95 * average * (1 - 1e-6)
+    # the link cannot keep up below the average rate, however long the overlap
+    assert utilization("streaming_overlap", spec, average / 2, overlap=99) == pytest.approx(
+        0.5, rel=1e-6)
 
 
 def test_enough_overlap_reaches_full_utilization_where_streaming_does_not():
@@ -177,9 +250,10 @@ BAD = [
     (["--sync-every", "0"], "sync_every", ">= 1"),
     (["--layers-per-fragment", "0"], "layers_per_fragment", "[1, 24]"),
     (["--model", "1b", "--layers-per-fragment", "25"], "layers_per_fragment", "[1, 24]"),
-    (["--overlap", "-1"], "overlap", "[0, 12.5)"),
-    (["--model", "1b", "--overlap", "13"], "overlap", "[0, 12.5)"),
-    (["--model", "100b", "--overlap", "3"], "overlap", "[0, 2.77778)"),
+    (["--overlap", "-1"], "overlap", "[0, 99]"),
+    (["--model", "1b", "--overlap", "100"], "overlap", "[0, 99]"),
+    (["--model", "1b", "--sync-every", "30", "--overlap", "30"], "overlap", "[0, 29]"),
+    (["--model", "100b", "--sync-every", "30"], "layers_per_fragment", "P <= H"),
     (["--bits", "0"], "bits", "[1, 64]"),
     (["--bits", "65"], "bits", "[1, 64]"),
     (["--fp4-bits", "0"], "fp4_bits", "[1, 64]"),
@@ -215,6 +289,14 @@ def test_bad_inputs_name_the_option(argv, option, allowed, capsys):
 def test_api_rejects_bad_settings():
     with pytest.raises(ConfigError, match="--sync-every"):
         utilization("diloco", PRESETS["1b"], 10.0, H=0)
+    with pytest.raises(ConfigError, match="--sync-every: must be an integer"):
+        utilization("diloco", PRESETS["1b"], 10.0, H=12.5)
+    with pytest.raises(ConfigError, match="--overlap: must be an integer"):
+        utilization("streaming_overlap", PRESETS["1b"], 10.0, overlap=1.5)
+    with pytest.raises(ConfigError, match="--layers-per-fragment: must be an integer"):
+        utilization("streaming", PRESETS["1b"], 10.0, layers_per_fragment=2.0)
+    with pytest.raises(ConfigError, match="--pattern"):
+        utilization("streaming", PRESETS["1b"], 10.0, pattern="zigzag")
     with pytest.raises(ConfigError, match="--targets"):
         required_bandwidth("diloco", PRESETS["1b"], 1.0)
     with pytest.raises(ValueError, match="unknown method"):

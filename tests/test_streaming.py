@@ -38,6 +38,43 @@ def test_matches_reference_fp32(fragments, overlap, alpha, workers):
     assert all(max_diff(r["params"], out[0]["params"]) == 0 for r in out)
 
 
+@pytest.mark.parametrize("sync_every,fragments,overlap", [
+    (10, 4, 1),   # sends at steps 2, 5, 7, 10 of each round: gaps 2, 3, 2, 3
+    (10, 3, 2),   # steps 3, 6, 10: gaps 3, 3, 4
+    (7, 2, 2),    # steps 3, 7
+])
+def test_fragments_that_do_not_divide_h_match_the_reference(sync_every, fragments, overlap):
+    """The paper's 3-layer fragments need P that does not divide H (a 24-layer model has
+    P = 8 with H = 100 or 30): fragment p goes at floor((p + 1) H / P) of each round."""
+    from loco.algorithms.streaming_diloco import send_offsets
+
+    steps = 2 * sync_every + 3
+    kw = dict(sync_every=sync_every, fragments=fragments, overlap=overlap, alpha=0.5,
+              codec="fp32")
+    out = loco.launch(streaming_worker, 2, args=(steps,), kwargs=kw)
+    ref = reference_streaming(2, steps, sync_every, fragments, overlap, 0.5)
+    for r in out:
+        assert max_diff(r["params"], ref) == 0
+    sent = [s["step"] % sync_every for s in out[0]["syncs"]]
+    offsets = send_offsets(sync_every, fragments)
+    assert sent[:fragments] == offsets and len(set(offsets)) == fragments
+    assert send_offsets(100, 8) == [12, 25, 37, 50, 62, 75, 87, 0]
+
+
+@pytest.mark.parametrize("overlaps", [[0, 3], [1, 3, 0, 5]])
+def test_a_different_tau_per_worker_matches_the_reference(overlaps):
+    """The paper's robustness experiment: each worker applies the sync tau_m steps after it
+    was sent; the global copies stay identical on every worker."""
+    steps = 2 * H + 7
+    kw = dict(sync_every=H, fragments=2, overlap=overlaps, alpha=0.5, codec="fp32")
+    out = loco.launch(streaming_worker, len(overlaps), args=(steps,), kwargs=kw)
+    ref = reference_streaming(len(overlaps), steps, H, 2, overlaps, 0.5)
+    for r in out:
+        assert max_diff(r["params"], ref) == 0
+    same = reference_streaming(len(overlaps), steps, H, 2, overlaps[0], 0.5)
+    assert max_diff(ref, same) > 0  # the per-worker taus really changed the run
+
+
 @pytest.mark.parametrize("codec", ["fp4_e3m0", "fp4_e2m1", "int8"])
 @pytest.mark.parametrize("fragments,overlap,workers", [(1, 0, 2), (2, 1, 2), (4, 2, 4)])
 def test_quantized_matches_reference_with_same_codec(codec, fragments, overlap, workers):
@@ -185,7 +222,8 @@ def test_blocks_held_in_a_module_dict_are_found():
     (dict(fragments=5), r"at most the number of blocks, 4"),
     (dict(fragments=0), r"fragments \(P\) must be >= 1"),
     (dict(fragments=5, sync_every=10), r"at most the number of blocks"),
-    (dict(fragments=3, sync_every=8), r"must divide sync_every"),
+    (dict(fragments=4, sync_every=3), r"must be <= sync_every \(H=3\)"),
+    (dict(fragments=3, sync_every=8, overlap=2), r"\[0, 2\), the smallest gap"),
     (dict(fragments=2, sync_every=8, overlap=4), r"\[0, 4\)"),
     (dict(overlap=-1), r"overlap"),
     (dict(alpha=1.5), r"alpha must be in \[0, 1\]"),

@@ -126,3 +126,44 @@ def test_a_failed_run_still_commits_the_last_checkpoint_every_rank_wrote(lead, c
     assert checkpoint.latest(str(out))["step"] == 4
     for rank in range(2):
         assert checkpoint.load_rank(str(out), 4, rank)["step"] == 4
+
+
+def test_paper_settings_run_end_to_end(corpus, tmp_path):
+    """Fragments that do not divide H, a different tau per worker and the paper's Table 3
+    (the first replica, the replicas' average and the global model) in one streaming run."""
+    out = tmp_path / "t3"
+    assert main(job(corpus, out, "--workers", "4", "--model", "medium", "--dim", "32",
+                    "--heads", "2", "--fragments", "3", "--sync-every", "7",
+                    "--overlap", "0,1,0,1", "--eval-replicas", "--adam-betas", "0.9,0.999",
+                    "--checkpoint-every", "0")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    reps = summary["replicas"]
+    assert len(reps["eval_losses"]) == 4
+    assert reps["global_eval_loss"] == reps["final_eval_loss"] == summary["final_eval_loss"]
+    assert reps["average_eval_loss"] is not None
+    syncs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    sent = [s["step"] for s in syncs if s.get("event") == "sync"]
+    assert sent[:3] == [2, 4, 7]  # floor((p + 1) 7 / 3): 2, 4, 7
+    assert summary["config"]["overlap"] == "0,1,0,1"
+
+
+def test_a_different_tau_per_worker_checkpoints_at_one_step(corpus, tmp_path, monkeypatch):
+    """Workers with different tau apply the round's last fragment at different steps; the
+    checkpoint waits for the slowest (H = 6, max tau = 2: step 8, then the end, 12), the
+    same step on every rank, with nothing in flight anywhere (it hung when each rank chose
+    its own step)."""
+    saves = []
+    save_rank = checkpoint.save_rank
+
+    def spy(out, step, rank, state):
+        saves.append((rank, step, state["algorithm"]["in_flight"]))
+        return save_rank(out, step, rank, state)
+
+    monkeypatch.setattr(checkpoint, "save_rank", spy)
+    out = tmp_path / "taus"
+    assert main(job(corpus, out, "--algorithm", "streaming", "--workers", "2",
+                    "--sync-every", "6", "--overlap", "0,2", "--comm-timeout", "30")) == 0
+    for rank in range(2):
+        assert [(step, flight) for r, step, flight in saves if r == rank] == [
+            (8, None), (12, None)]
+    assert checkpoint.latest(str(out))["step"] == 12

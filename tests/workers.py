@@ -58,26 +58,30 @@ def diloco_worker(ctx, steps, sync_every, outer_lr, outer_momentum, nesterov=Tru
     return {"params": params_of(algo.global_parameters()), "sent": ctx.comm.totals().sent_bytes}
 
 
-def ddp_worker(ctx, steps, clip=None, optimizer=make_optimizer):
-    """DataParallel; also returns the gradient every step applied (averaged and clipped)."""
+def ddp_worker(ctx, steps, clip=None, optimizer=make_optimizer, codec="fp32"):
+    """DataParallel; also returns the gradient every step applied (averaged and clipped)
+    and this worker's own gradient before the reduction (``raw``)."""
     model = make_model()
     opt = optimizer(model)
-    algo = loco.DataParallel(model, opt, ctx.comm, max_grad_norm=clip)
-    grads = []
+    algo = loco.DataParallel(model, opt, ctx.comm, max_grad_norm=clip, codec=codec)
+    grads, raw = [], []
 
     def step():
+        raw.append({n: p.grad.clone() for n, p in model.named_parameters()})
         algo.step()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         algo.zero_grad()
     train_steps(model, opt, ctx.rank, range(steps), step)
     return {"params": params_of(algo.global_parameters()), "sent": ctx.comm.totals().sent_bytes,
-            "grads": grads}
+            "grads": grads, "raw": raw}
 
 
 def streaming_worker(ctx, steps, layers=4, step_hook=None, **kw):
     """Streaming DiLoCo on the test model; flushes the last sync like the CLI does."""
     model = make_model(layers=layers)
     opt = make_optimizer(model)
+    if isinstance(kw.get("overlap"), (list, tuple)):  # one τ per worker
+        kw = {**kw, "overlap": kw["overlap"][ctx.rank]}
     algo = loco.StreamingDiLoCo(model, opt, ctx.comm, **kw)
 
     def step():
@@ -147,7 +151,8 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
                         pattern="strided", block=32):
     """Streaming DiLoCo as the paper's algorithm box, in one process: per-fragment
     pseudo-gradients, quantized (and the mean re-quantized) with the codec, an outer Nesterov
-    step by hand at t + τ, and the α-merge into every worker's moved-on parameters."""
+    step by hand, and the α-merge into each worker's moved-on parameters at t + τ_m (``overlap``
+    an int, or one τ per worker). Fragment p is sent at t % H == floor((p + 1) H / P) % H."""
     from loco.algorithms.fragments import split_fragments
     from loco.comm.codecs import get_codec
 
@@ -160,14 +165,18 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     local = [dict(m.named_parameters()) for m in models]
     glob = [torch.cat([local[0][n].detach().reshape(-1) for n in frag]) for frag in names]
     momentum = [torch.zeros_like(g) for g in glob]
-    in_flight = None  # (fragment, step sent, mean pseudo-gradient)
+    taus = overlap if isinstance(overlap, (list, tuple)) else [overlap] * workers
+    in_flight = None  # [fragment, step sent, mean pseudo-gradient, workers not merged yet]
 
-    def apply(p, mean):
+    def outer_step(p, mean):
         with torch.no_grad():
             momentum[p].mul_(outer_momentum).add_(mean)
             update = mean.add(momentum[p], alpha=outer_momentum) if nesterov else momentum[p]
             glob[p].add_(update, alpha=-outer_lr)
-            for m in range(workers):
+
+    def merge(p, worker_ids):
+        with torch.no_grad():
+            for m in worker_ids:
                 offset = 0
                 for n in names[p]:
                     w = local[m][n]
@@ -184,12 +193,17 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
                     deltas = [roundtrip(glob[p] - torch.cat([local[m][n].reshape(-1)
                                                              for n in names[p]]))
                               for m in range(workers)]
-                in_flight = (p, t, roundtrip(torch.stack(deltas).sum(0) / workers))
-        if in_flight is not None and in_flight[1] + overlap == t:
-            apply(in_flight[0], in_flight[2])
-            in_flight = None
+                in_flight = [p, t, roundtrip(torch.stack(deltas).sum(0) / workers)]
+                outer_step(p, in_flight[2])  # the same on every worker, whenever it applies
+                in_flight.append(set(range(workers)))
+        if in_flight is not None:
+            due = {m for m in in_flight[3] if in_flight[1] + taus[m] == t}
+            merge(in_flight[0], sorted(due))
+            in_flight[3] -= due
+            if not in_flight[3]:
+                in_flight = None
     if in_flight is not None:
-        apply(in_flight[0], in_flight[2])
+        merge(in_flight[0], sorted(in_flight[3]))
     out = {}
     for p, frag in enumerate(names):
         offset = 0

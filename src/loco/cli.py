@@ -98,6 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
                          help="an option for one method only, e.g. streaming.fragments=4 or "
                          "diloco.outer-lr=0.5 (repeatable); options that must be the same for "
                          "every method (model, steps, workers, data, seed, ...) are refused")
+    compare.add_argument("--sweep", metavar="OPTION=VALUES", action="append", default=[],
+                         help="run every method the option applies to once per value, e.g. "
+                         "mixing=0,0.5 or 'overlap=0;1;1,1,2,5' (values separated by ',', or "
+                         "by ';' when a value holds a comma, as a per-worker overlap list); "
+                         "repeat for a grid (the cartesian product); the report adds a table "
+                         "and a plot of final eval loss and bytes against the first option")
     compare.add_argument("--preset", choices=list(PRESETS), default=None,
                          help="quick: every method in <= 10 min on a 2-core CPU; paper: "
                          "settings close to the papers' for a GPU machine (see docs/compare.md); "
@@ -245,7 +251,7 @@ def _compare(args: argparse.Namespace) -> int:
     def run():
         nonlocal plan
         plan = compare.plan(shared, getattr(args, "algorithms", None), args.set, args.preset,
-                            args.config)
+                            args.config, sweeps=args.sweep)
         return compare.run(plan, progress=progress)
 
     code, numbers = _guarded("compare", run)

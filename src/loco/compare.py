@@ -7,13 +7,19 @@ only the method and its own knobs differ. Each run keeps its own directory under
 later without training.
 
 Option precedence, lowest first: ``loco train``'s defaults, the ``--preset``, the YAML
-``--config``, the flags; per method, then, the preset's and the YAML's ``methods:`` entries and
-``--set LABEL.OPTION=VALUE``.
+``--config``, the flags; per method, then, the preset's and the YAML's ``methods:`` entries,
+``--set LABEL.OPTION=VALUE`` and, last, the ``--sweep`` values of each grid point.
+
+A sweep (``--sweep OPTION=VALUES``, repeatable) runs every method that a swept option applies
+to once per point of the grid (the cartesian product of the options' values), under labels
+such as ``streaming[overlap=1,mixing=0.5]``; the report then adds the papers' ablation view:
+final eval loss (and bytes) against the swept value, one line per value of the other options.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import re
@@ -31,19 +37,23 @@ DEFAULT_ALGORITHMS = ("ddp", "diloco", "streaming", "noloco", "local")
 
 #: Options every method must share: the same model, data, seed and token budget (and the
 #: same machine and network), so that only the methods differ.
-SHARED = ("model", "steps", "workers", "stages", "batch_size", "seq_len", "seed", "corpus",
-          "text_field", "vocab_size", "val_fraction", "cache_dir", "dtype", "eval_every",
-          "eval_batches", "final_eval_batches", "log_every", "launcher", "link_bandwidth",
-          "link_latency", "out", "progress", "resume")
-#: Options that mean something to some methods only; --set elsewhere is an error.
+SHARED = ("model", "layers", "dim", "heads", "steps", "tokens", "workers", "stages",
+          "batch_size", "seq_len", "seed", "corpus", "text_field", "vocab_size", "val_fraction",
+          "cache_dir", "dtype", "eval_every", "eval_batches", "final_eval_batches", "log_every",
+          "launcher", "link_bandwidth", "link_latency", "out", "progress", "resume")
+#: Options that mean something to some methods only; --set (or a preset's, a YAML file's
+#: per-method entry, a --sweep) elsewhere is an error. Options not listed (the inner optimizer's
+#: lr, adam_betas, weight_decay, z_loss, ...) apply to every method.
 ONLY_FOR = {
+    "grad_codec": ("ddp",),
+    "eval_replicas": ("diloco", "streaming"),
     "sync_every": ("diloco", "streaming", "noloco"),
     "outer_lr": ("diloco", "streaming", "noloco"),
     "outer_momentum": ("diloco", "streaming", "noloco"),
     "nesterov": ("diloco", "streaming", "noloco"),
     "offload": ("diloco", "streaming"),
     **{k: ("streaming",) for k in ("fragments", "fragment_pattern", "overlap", "mixing", "codec",
-                                   "codec_block")},
+                                   "codec_block", "codec_keep")},
     "group_size": ("noloco",),
     "gamma": ("noloco",),
     "spread_every": ("noloco", "local"),
@@ -51,7 +61,9 @@ ONLY_FOR = {
 }
 
 #: Named settings. ``shared`` options apply to every method; ``methods`` maps an algorithm
-#: to its own options (applied to every method of that algorithm).
+#: or a label to its own options (an algorithm's entry applies to every method of that
+#: algorithm, a label's to that method only, in the order listed, so a label's entry after its
+#: algorithm's wins); ``algorithms``, where given, is the preset's own ``--algorithms``.
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {
         "about": "the small model (1.3M parameters) on Shakespeare, 4 workers of 4 x 128 "
@@ -62,23 +74,35 @@ PRESETS: dict[str, dict[str, Any]] = {
                    "final_eval_batches": 50, "log_every": 10},
         "methods": {"diloco": {"sync_every": 30}, "noloco": {"sync_every": 30,
                                                              "spread_every": 10},
-                    "streaming": {"sync_every": 30, "fragments": 2, "overlap": 1,
+                    "streaming": {"sync_every": 30, "fragments": 2, "overlap": "1",
                                   "codec": "fp4_e3m0"},
                     "local": {"spread_every": 10}},
     },
     "paper": {
-        "about": "close to the papers' smaller runs, for one GPU machine (bring a large "
-                 "--corpus): the large model (12 layers, d=768, ~88M parameters at vocab 4096), "
-                 "M = 4 workers (add --workers 2 for M = 2), seq 1024, bf16, H = 100, "
-                 "Streaming with 4 fragments of 3 layers, τ = 1, α = 0.5, FP4",
+        "about": "the papers' settings at the size of their smaller runs, for one GPU machine "
+                 "(bring a large --corpus): the large model (12 layers, d=768, ~88M "
+                 "parameters at vocab 4096), M = 4 workers, seq 1024, bf16, z-loss 1e-4; "
+                 "DataParallel with bf16 gradients; inner AdamW (0.9, 0.95), wd 0.1, except "
+                 "NoLoCo's Adam (0.9, 0.999), wd 0; H = 100 (Streaming: 4 fragments of 3 "
+                 "layers, τ = 1, α = 0.5, FP4), NoLoCo H = 50, n = 2; and diloco-hb, the "
+                 "NoLoCo paper's DiLoCo baseline (H = 100, heavy-ball momentum 0.3, NoLoCo's "
+                 "inner optimizer)",
+        "algorithms": "ddp,diloco,diloco-hb=diloco,streaming,noloco,local",
         "shared": {"model": "large", "workers": 4, "steps": 8800, "batch_size": 16,
                    "seq_len": 1024, "dtype": "bf16", "lr": 4e-4, "warmup": 1000,
-                   "weight_decay": 0.1, "eval_every": 500, "eval_batches": 32,
-                   "final_eval_batches": 200, "log_every": 50, "comm_timeout": 1800.0},
-        "methods": {"diloco": {"sync_every": 100},
-                    "streaming": {"sync_every": 100, "fragments": 4, "overlap": 1,
+                   "weight_decay": 0.1, "adam_betas": "0.9,0.95", "z_loss": 1e-4,
+                   "eval_every": 500, "eval_batches": 32, "final_eval_batches": 200,
+                   "log_every": 50, "comm_timeout": 1800.0},
+        "methods": {"ddp": {"grad_codec": "bf16"},
+                    "diloco": {"sync_every": 100},
+                    # The NoLoCo paper's DiLoCo baseline: its code's heavy-ball outer
+                    # momentum 0.3 at H = 100, with NoLoCo's inner optimizer.
+                    "diloco-hb": {"sync_every": 100, "nesterov": False, "outer_momentum": 0.3,
+                                  "adam_betas": "0.9,0.999", "weight_decay": 0.0},
+                    "streaming": {"sync_every": 100, "fragments": 4, "overlap": "1",
                                   "mixing": 0.5, "codec": "fp4_e3m0"},
-                    "noloco": {"sync_every": 100, "group_size": 2, "spread_every": 100},
+                    "noloco": {"sync_every": 50, "group_size": 2, "spread_every": 100,
+                               "adam_betas": "0.9,0.999", "weight_decay": 0.0},
                     "local": {"spread_every": 100}},
     },
 }
@@ -88,14 +112,36 @@ LABEL = re.compile(r"^[a-z][a-z0-9_-]{0,31}$")
 
 @dataclass
 class Method:
-    label: str  # its run directory and its key in compare.json
+    """One run of a comparison.
+
+    Args:
+        label: its run directory and its key in ``compare.json``; a sweep's runs are
+            ``BASE[OPTION=VALUE,...]``.
+        algorithm: one of ``ALGORITHM_NAMES``.
+        options: its own options by field name, on top of the shared ones.
+        point: for a sweep's run, the swept options' values at its grid point (by field
+            name, in ``--sweep`` order); empty otherwise.
+    """
+
+    label: str
     algorithm: str
     options: dict[str, Any] = field(default_factory=dict)
+    point: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_methods(text: str | list) -> list[Method]:
-    """``ddp,diloco,s8=streaming``: algorithm names, or ``label=algorithm`` for a second run of
-    an algorithm with other options."""
+    """The methods of ``--algorithms``.
+
+    Args:
+        text: ``ddp,diloco,s8=streaming`` (or a list of its items): algorithm names, or
+            ``label=algorithm`` for a second run of an algorithm with other options.
+
+    Returns:
+        The methods, in the order given, without options.
+
+    Raises:
+        ConfigError: an unknown algorithm, a bad or repeated label, or no method at all.
+    """
     items = text if isinstance(text, list) else str(text).split(",")
     methods = []
     for item in (str(i).strip() for i in items):
@@ -120,7 +166,18 @@ def parse_methods(text: str | list) -> list[Method]:
 
 def method_option(method: Method, option: str, value: Any, source: str) -> None:
     """Set one per-method option, refusing what would make the comparison unfair or means
-    nothing to that method."""
+    nothing to that method.
+
+    Args:
+        method: the method; its ``options`` get the converted value.
+        option: the option's name (dashes or underscores).
+        value: the value (as YAML reads it); converted to the option's type.
+        source: where it was given, for the error message (``--set``, a file, a preset).
+
+    Raises:
+        ConfigError: an unknown option, one that must be shared (``SHARED``), one that does
+            not apply to the method's algorithm (``ONLY_FOR``), or a value of the wrong type.
+    """
     by_name = {f.name: f for f in TrainConfig.fields()}
     name = option.replace("-", "_")
     where = f"{source} {method.label}.{option}"
@@ -141,7 +198,16 @@ def method_option(method: Method, option: str, value: Any, source: str) -> None:
 
 
 def parse_sets(items: list[str], methods: list[Method]) -> None:
-    """``--set LABEL.OPTION=VALUE`` (VALUE is read as YAML: 4, 0.5, true, fp32)."""
+    """Apply ``--set LABEL.OPTION=VALUE`` items (VALUE is read as YAML: 4, 0.5, true, fp32).
+
+    Args:
+        items: the ``--set`` values.
+        methods: the methods; the labelled one's ``options`` are set.
+
+    Raises:
+        ConfigError: a malformed item, an unknown label, or what
+            [`method_option`][loco.compare.method_option] refuses.
+    """
     by_label = {m.label: m for m in methods}
     for item in items:
         key, eq, raw = item.partition("=")
@@ -160,20 +226,249 @@ def parse_sets(items: list[str], methods: list[Method]) -> None:
         method_option(by_label[label], option, value, "--set")
 
 
+# ------------------------------------------------------------------------------ sweeps
+#: Options whose one value may itself be a comma list: Streaming's τ per worker (``1,1,2,5``)
+#: and the inner AdamW betas (``0.9,0.95``). Their ``--sweep`` values are separated by ``;``.
+LIST_OPTIONS = ("overlap", "adam_betas")
+#: Options no sweep may vary, besides ``SHARED``: they say nothing about the training.
+NOT_SWEPT = ("algorithm", "out", "progress", "resume")
+#: A swept value as written: it becomes part of a run directory's name.
+SWEEP_VALUE = re.compile(r"^[A-Za-z0-9_.+-]+(,[A-Za-z0-9_.+-]+)*$")
+
+
+@dataclass
+class Sweep:
+    """One swept option of ``--sweep OPTION=VALUES``.
+
+    Args:
+        option: the option's field name (``overlap``, ``sync_every``).
+        values: its values, converted to the option's type, in the order given.
+        texts: the same values as written, for the runs' labels.
+    """
+
+    option: str
+    values: list[Any]
+    texts: list[str]
+
+    def applies_to(self, algorithm: str) -> bool:
+        """Whether this option means something to ``algorithm`` (``ONLY_FOR``).
+
+        Args:
+            algorithm: an algorithm name.
+        """
+        return algorithm in ONLY_FOR.get(self.option, ALGORITHM_NAMES)
+
+
+def split_sweep_values(option: str, text: str) -> list[str]:
+    """The values of one ``--sweep OPTION=VALUES``, as written.
+
+    Values are separated by ``,``, or by ``;`` when ``text`` holds one: a value of
+    ``overlap`` or ``adam_betas`` (``LIST_OPTIONS``) may itself be a comma list, so theirs
+    must be separated by ``;`` as soon as one holds a comma (``overlap=1;1,1,2,5``); a comma
+    list alone is refused as ambiguous.
+
+    Args:
+        option: the option's field name.
+        text: what follows ``OPTION=``.
+
+    Returns:
+        The values, stripped, at least one.
+
+    Raises:
+        ConfigError: no value, an empty value, or an ambiguous comma list.
+    """
+    if ";" in text:
+        items = text.split(";")
+    elif option in LIST_OPTIONS and "," in text:
+        raise ConfigError("sweep", f"{option}={text} is ambiguous: a value of {option} may "
+                          "itself be a comma list; separate the values with ';' (quoted): "
+                          f"'{option}=" + ";".join(text.split(",")) + "' for one run per "
+                          f"value, or '{option}=1;{text}' to set it against a single "
+                          "value (give one list alone with --" + option.replace("_", "-") + ")")
+    else:
+        items = text.split(",")
+    values = [v.strip() for v in items]
+    if not text.strip() or any(not v for v in values):
+        raise ConfigError("sweep", f"{option}={text}: empty value; give VALUES separated "
+                          "by ',' (or by ';' when a value holds a comma), e.g. overlap=0;1;2 "
+                          "or mixing=0,0.5")
+    return values
+
+
+def parse_sweeps(items: list[str] | None, methods: list[Method],
+                 given: dict[str, Any] | None = None) -> list[Sweep]:
+    """The grid of ``--sweep OPTION=VALUES`` items (and a YAML file's ``sweep:``), checked
+    against the methods before anything runs.
+
+    Args:
+        items: the ``--sweep`` values, each ``OPTION=VALUES`` (see
+            [`split_sweep_values`][loco.compare.split_sweep_values]); VALUES are read as
+            YAML, as ``--set``'s.
+        methods: the methods of ``--algorithms``.
+        given: a YAML file's ``sweep:`` mapping, option: a list of values (or a string read
+            as a flag's VALUES); a flag for the same option replaces it.
+
+    Returns:
+        One Sweep per option, in the order given (the YAML file's first); the first is the
+        x axis of the report's sweep plots.
+
+    Raises:
+        ConfigError: naming ``--sweep``: a malformed item, an unknown option, an option that
+            must be shared by every method or applies to none of ``methods``, an option given
+            twice, an empty or repeated value, a value of the wrong type or with characters a
+            directory name should not hold.
+    """
+    raw: dict[str, list[str]] = {}
+    if given is not None:
+        if not isinstance(given, dict):
+            raise ConfigError("sweep", "a YAML file's 'sweep' must map an option to a list "
+                              "of values")
+        for option, values in given.items():
+            name = RENAMED.get(str(option).replace("-", "_"), str(option).replace("-", "_"))
+            if isinstance(values, list):
+                if not values:
+                    raise ConfigError("sweep", f"{option}: empty list of values")
+                raw[name] = [_as_text(v) for v in values]
+            else:
+                raw[name] = split_sweep_values(name, _as_text(values))
+    from_flags: set[str] = set()
+    for item in items or []:
+        key, eq, text = str(item).partition("=")
+        name = key.strip().replace("-", "_")
+        name = RENAMED.get(name, name)
+        if not (eq and name):
+            raise ConfigError("sweep", f"{item!r} must look like OPTION=VALUES, e.g. "
+                              "mixing=0,0.5 or 'overlap=0;1;1,1,2,5'")
+        if name in from_flags:
+            raise ConfigError("sweep", f"{name} is given twice; list all its values in one "
+                              "--sweep")
+        from_flags.add(name)
+        raw.pop(name, None)
+        raw[name] = split_sweep_values(name, text)
+    by_name = {f.name: f for f in TrainConfig.fields()}
+    algorithms = sorted({m.algorithm for m in methods}, key=ALGORITHM_NAMES.index)
+    sweeps = []
+    for name, texts in raw.items():
+        flag = "--" + name.replace("_", "-")
+        if name not in by_name or name in NOT_SWEPT:
+            raise ConfigError("sweep", f"unknown option {name!r} (see loco train --help)")
+        if name in SHARED:
+            raise ConfigError("sweep", f"{flag} must be the same for every method (same model, "
+                              "data, seed and token budget); a sweep varies the methods' own "
+                              "options: run one loco compare per value instead")
+        sweep = Sweep(name, [], [])
+        if not any(sweep.applies_to(a) for a in algorithms):
+            raise ConfigError("sweep", f"{flag} applies to none of the methods "
+                              f"({', '.join(m.label for m in methods)}); only to "
+                              f"{', '.join(ONLY_FOR[name])}")
+        for text in texts:
+            if not SWEEP_VALUE.match(text):
+                raise ConfigError("sweep", f"{name}={text!r}: a value may hold only letters, "
+                                  "digits and . _ + - (and commas inside a list value); it "
+                                  "names the run's directory")
+            try:
+                value = yaml.safe_load(text)
+            except yaml.YAMLError:
+                value = text
+            try:
+                value = coerce(by_name[name], value)
+            except ConfigError as e:
+                raise ConfigError("sweep", f"{name}={text}: {e}") from None
+            if value in sweep.values:
+                raise ConfigError("sweep", f"{name}: the value {text} is listed twice")
+            sweep.values.append(value)
+            sweep.texts.append(text)
+        sweeps.append(sweep)
+    return sweeps
+
+
+def _as_text(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    return str(value).strip()
+
+
+def sweep_label(base: str, point: list[tuple[str, str]]) -> str:
+    """A sweep run's label: ``base[option=value,...]``, a value holding commas in
+    parentheses (``streaming[overlap=(1,1,2,5),mixing=0.5]``).
+
+    Args:
+        base: the method's label in ``--algorithms``.
+        point: (option, value as written) of every swept option that applies to it.
+    """
+    return base + "[" + ",".join(f"{k}=({v})" if "," in v else f"{k}={v}"
+                                 for k, v in point) + "]"
+
+
+def expand(methods: list[Method], sweeps: list[Sweep]) -> list[Method]:
+    """Every run of a sweep: each method once per point of the grid of the swept options
+    that apply to it (the others run once, as given).
+
+    Args:
+        methods: the methods, with their own options set.
+        sweeps: the swept options (``parse_sweeps``).
+
+    Returns:
+        The runs in order: per method, the grid with the last option varying fastest; a
+        grid point's values win over the method's own options.
+    """
+    runs = []
+    for m in methods:
+        mine = [s for s in sweeps if s.applies_to(m.algorithm)]
+        if not mine:
+            runs.append(m)
+            continue
+        for index in itertools.product(*(range(len(s.values)) for s in mine)):
+            point = {s.option: s.values[i] for s, i in zip(mine, index)}
+            label = sweep_label(m.label, [(s.option, s.texts[i]) for s, i in zip(mine, index)])
+            runs.append(Method(label, m.algorithm, {**m.options, **point}, point))
+    return runs
+
+
 @dataclass
 class Plan:
+    """What ``loco compare`` will run, every configuration checked.
+
+    Args:
+        out: the comparison's directory.
+        methods: the runs, a sweep expanded (one per grid point).
+        configs: their configurations, validated and resolved, one per run.
+        preset: the preset's name, or None.
+        warnings: legal settings that are probably not what was meant, by run.
+        sweeps: the swept options, empty without ``--sweep``.
+    """
+
     out: str
     methods: list[Method]
-    configs: list[TrainConfig]  # validated and resolved, one per method
+    configs: list[TrainConfig]
     preset: str | None
     warnings: list[str]
+    sweeps: list[Sweep] = field(default_factory=list)
 
 
 def plan(shared: dict[str, Any], algorithms: str | list | None = None,
          sets: list[str] | None = None, preset: str | None = None,
-         config_file: str | None = None) -> Plan:
-    """Every method's configuration, checked before anything trains. ``shared``: options
-    given as flags, for every method."""
+         config_file: str | None = None, sweeps: list[str] | None = None) -> Plan:
+    """Every run's configuration, checked before anything trains.
+
+    Args:
+        shared: options given as flags, for every method, by field name.
+        algorithms: ``--algorithms`` (see [`parse_methods`][loco.compare.parse_methods]);
+            default: the YAML file's, else the preset's, else ``DEFAULT_ALGORITHMS``.
+        sets: ``--set LABEL.OPTION=VALUE`` items.
+        preset: a name of ``PRESETS``, or None.
+        config_file: a YAML file of shared options, plus optional ``algorithms``,
+            ``methods`` and ``sweep``.
+        sweeps: ``--sweep OPTION=VALUES`` items (see
+            [`parse_sweeps`][loco.compare.parse_sweeps]).
+
+    Returns:
+        The plan; nothing is written.
+
+    Raises:
+        ConfigError: the first bad option, naming the method (or ``--sweep``) and what is
+            allowed.
+    """
     from loco.config import warnings_for
     from loco.train import prepare_config
 
@@ -184,9 +479,11 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
             raise ConfigError("preset", f"must be one of {', '.join(PRESETS)} (got {preset!r})")
         values.update(PRESETS[preset]["shared"])
         per_method += [(k, v, f"preset {preset}:") for k, v in PRESETS[preset]["methods"].items()]
+    swept = None
     if config_file:
-        data = load_yaml(config_file, extra=("algorithms", "methods"))
+        data = load_yaml(config_file, extra=("algorithms", "methods", "sweep"))
         algorithms = data.pop("algorithms", None) if algorithms is None else algorithms
+        swept = data.pop("sweep", None)
         extra = data.pop("methods", None) or {}
         if not isinstance(extra, dict) or not all(isinstance(v, dict) for v in extra.values()):
             raise ConfigError("config", f"{config_file}: 'methods' must map a method label to "
@@ -196,6 +493,8 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
     if "algorithm" in shared:
         raise ConfigError("algorithm", "loco compare takes --algorithms (a list)")
     values.update(shared)
+    if algorithms is None and preset is not None:
+        algorithms = PRESETS[preset].get("algorithms")
     methods = parse_methods(algorithms if algorithms is not None
                             else ",".join(DEFAULT_ALGORITHMS))
     for key, options, source in per_method:
@@ -208,6 +507,8 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
             for option, value in options.items():
                 method_option(m, option, value, source)
     parse_sets(sets or [], methods)
+    grid = parse_sweeps(sweeps, methods, swept)
+    methods = expand(methods, grid)
 
     by_name = {f.name: f for f in TrainConfig.fields()}
     values = {k: coerce(by_name[k], v) for k, v in values.items()}
@@ -241,11 +542,16 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
         if not torch.cuda.is_available():
             warnings.append("--preset paper is sized for a GPU machine; on this CPU it "
                             "would take days")
-    return Plan(out, methods, configs, preset, warnings)
+    return Plan(out, methods, configs, preset, warnings, grid)
 
 
 class MethodError(ConfigError):
-    """A method's configuration is bad: the message names the method and the option."""
+    """A method's configuration is bad: the message names the method and the option.
+
+    Args:
+        label: the method's label.
+        error: the error of its configuration.
+    """
 
     def __init__(self, label: str, error: ConfigError):
         ValueError.__init__(self, f"method {label!r}: {error}")
@@ -253,8 +559,15 @@ class MethodError(ConfigError):
 
 
 def run(p: Plan, progress: bool = True) -> dict[str, dict]:
-    """Train every method of the plan, one after another, then write the report. Returns
-    ``compare.json``'s contents."""
+    """Train every run of the plan, one after another, then write the report.
+
+    Args:
+        p: the plan (see [`plan`][loco.compare.plan]).
+        progress: show the overall progress bar.
+
+    Returns:
+        ``compare.json``'s contents.
+    """
     from tqdm import tqdm
 
     from loco.report import load_run, order_key, write_report
@@ -299,7 +612,13 @@ def _advance(bar, n: int, record: dict) -> None:
 class FollowMetrics:
     """Follows a run's ``metrics.jsonl`` from a thread while it trains and calls ``on_record``
     with each new record: the overall progress bar works the same for every launcher,
-    whichever process the lead rank lives in."""
+    whichever process the lead rank lives in.
+
+    Args:
+        path: the ``metrics.jsonl`` to follow (it may not exist yet).
+        on_record: called with each new record that has a ``step``.
+        interval: seconds between two reads.
+    """
 
     def __init__(self, path: str, on_record, interval: float = 0.5):
         self.path, self.on_record, self.interval = path, on_record, interval

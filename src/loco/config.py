@@ -18,11 +18,21 @@ import yaml
 
 ALGORITHM_NAMES = ("streaming", "diloco", "noloco", "ddp", "local")
 PATTERNS = ("strided", "sequential")
-CODEC_NAMES = ("fp32", "bf16", "fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1")
+CODEC_NAMES = ("fp32", "bf16", "fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1", "topk", "dare",
+               "random_drop")
+"""The codecs' names (``loco.comm.codecs.CODEC_NAMES``, kept here so that ``--help`` does not
+import torch; a test keeps the two equal)."""
 #: The papers' outer optimizers, used where --outer-lr, --outer-momentum, --[no-]nesterov
 #: are not given: (lr, momentum, Nesterov). NoLoCo's lr and momentum are its β and α.
 OUTER_DEFAULTS = {"diloco": (0.7, 0.9, True), "streaming": (0.4, 0.9, True),
                   "noloco": (0.7, 0.5, False)}
+#: H (--sync-every) where it is not given: the Streaming DiLoCo paper's H = 100 for it and
+#: for its DiLoCo baseline, the NoLoCo paper's H = 50; for ddp and local, H only sets the
+#: checkpoint rounds.
+SYNC_DEFAULTS = {"streaming": 100, "diloco": 100, "noloco": 50, "ddp": 50, "local": 50}
+DEFAULT_STEPS = 400
+"""Inner steps when neither --steps nor --tokens is given."""
+GRAD_CODECS = ("fp32", "bf16")
 LAUNCHER_NAMES = ("threads", "processes", "torchrun")
 ROUTINGS = ("fixed", "random")
 NONFINITE = ("stop", "skip")
@@ -104,8 +114,11 @@ class TrainConfig:
                        "pipeline) or random (each sample crosses every stage boundary to a "
                        "replica drawn from a shared seed, as NoLoCo's random routing); "
                        "evaluation always uses fixed routing", ROUTINGS)
-    sync_every: int = opt(50, "H: inner steps between two syncs of the same parameters; "
-                          "larger H sends fewer bytes but lets workers drift further apart")
+    sync_every: int | None = opt(None, "H: inner steps between two syncs of the same "
+                                 "parameters; larger H sends fewer bytes but lets workers "
+                                 "drift further apart (default: the papers' 100 for streaming "
+                                 "and diloco, 50 for noloco; for ddp and local, 50 steps per "
+                                 "checkpoint round)")
     outer_lr: float | None = opt(None, "outer learning rate (NoLoCo's beta) (default: the "
                                  "papers' 0.7 for diloco and noloco, 0.4 for streaming)")
     outer_momentum: float | None = opt(None, "outer momentum (NoLoCo's alpha), in [0, 1) "
@@ -114,18 +127,27 @@ class TrainConfig:
                                 "(default: on for diloco and streaming, off for noloco, as "
                                 "the papers' code)")
     fragments: int = opt(2, "P (streaming): fragments the model's blocks are split into, each "
-                         "synced once every H steps, one every H/P steps; must divide H; the "
-                         "peak bytes of a sync are those of the largest fragment")
+                         "synced once every H steps: fragment p at step floor((p + 1) H / P) of "
+                         "each round, so any P <= H works; the peak bytes of a sync are those "
+                         "of the largest fragment")
     fragment_pattern: str = opt("strided", "how blocks are dealt to fragments (streaming): "
                                 "strided (block i to fragment i mod P) or sequential",
                                 PATTERNS)
-    overlap: int = opt(1, "tau (streaming): inner steps a sync stays in flight while training "
-                       "goes on, 0 <= tau < H/P; hides the transfer time")
+    overlap: str = opt("1", "tau (streaming): inner steps a sync stays in flight while training "
+                       "goes on, 0 <= tau < floor(H/P) (the smallest gap between two sends); "
+                       "hides the transfer time. One integer for every worker, or one per "
+                       "worker: 1,1,2,5")
     mixing: float = opt(0.5, "mixing factor alpha (streaming): share of the local parameters "
                         "kept when a synced fragment is merged back, in [0, 1]; 0 replaces "
                         "them (old name: --alpha)")
     codec: str = opt("fp4_e3m0", "wire format of the pseudo-gradients (streaming); the "
                      "reduction itself is fp32", CODEC_NAMES)
+    codec_keep: float | None = opt(None, "share of the values the sparse codecs (topk, "
+                                   "dare, random_drop) send, in (0, 1] (default: 1/8, the "
+                                   "bytes of 4 bits per value)")
+    grad_codec: str = opt("fp32", "wire format of DataParallel's (ddp) gradients: fp32, or "
+                          "bf16 as the Streaming DiLoCo paper's data-parallel baseline; the "
+                          "reduction itself is fp32", GRAD_CODECS)
     codec_block: int = opt(32, "values per power-of-two scale of the 8- and 4-bit codecs; "
                            "larger blocks send fewer scale bytes but clip less evenly")
     group_size: int = opt(2, "n (noloco): workers per random gossip group, redrawn every outer "
@@ -137,23 +159,40 @@ class TrainConfig:
                             "the algorithm: an all-worker all-reduce of the full model (noloco "
                             "has no other collective), kept out of the training bytes, the "
                             "blocked time, compute utilization and train_seconds")
+    eval_replicas: bool = opt(False, "diloco, streaming: at the end also evaluate every "
+                              "replica and the replicas' average, next to the global model "
+                              "(the Streaming DiLoCo paper's Table 3); every worker evaluates "
+                              "(noloco and local always do)")
     final_average: bool = opt(False, "noloco, local: end with every replica replaced by the "
                               "replicas' average, and report that as the final model")
     offload: bool = opt(False, "keep the global copy and outer optimizer state in CPU memory "
                         "(diloco, streaming)")
     # --- inner optimization
-    steps: int = opt(400, "inner steps per worker (total tokens = steps x workers x "
-                     "batch-size x seq-len)")
+    steps: int | None = opt(None, "inner steps per worker (total tokens = steps x workers x "
+                            f"batch-size x seq-len) (default: {DEFAULT_STEPS}, or what "
+                            "--tokens asks for)")
+    tokens: str | None = opt(None, "token budget instead of --steps: a count (2e7) or tokens "
+                             "per model parameter (20x, Chinchilla's ratio); the steps are "
+                             "rounded up to whole batches of all workers")
     batch_size: int = opt(8, "sequences per worker per inner step")
     seq_len: int = opt(128, "tokens per sequence (context length)")
     lr: float = opt(3e-3, "peak inner AdamW learning rate")
     min_lr_ratio: float = opt(0.1, "cosine decay ends at lr x this ratio")
     warmup: int = opt(50, "linear warm-up steps of the inner learning rate")
-    weight_decay: float = opt(0.1, "AdamW weight decay")
+    weight_decay: float = opt(0.1, "AdamW weight decay (the NoLoCo paper: 0)")
+    adam_betas: str = opt("0.9,0.95", "inner AdamW betas b1,b2 (the NoLoCo paper: 0.9,0.999)")
     grad_clip: float = opt(1.0, "clip the (averaged) gradient norm to this; 0 disables")
     # --- model and data
     model: str = opt("small", "model size: tiny (~0.1M params, tests), small (~1.3M, CPU "
-                     "default), medium (~7.5M), large (~100M), xl (~300M)")
+                     "default), medium (~7.5M), large (~100M), xl (~300M), or the Streaming "
+                     "DiLoCo paper's ladder: 35m, 100m, 200m, 300m, 500m, 1b (layers x d: "
+                     "6x512 ... 24x2048, head size 64)")
+    layers: int | None = opt(None, "blocks of the model, overriding --model's (default: the "
+                             "named size's)")
+    dim: int | None = opt(None, "d_model, overriding --model's; a multiple of --heads with an "
+                          "even head size (default: the named size's)")
+    heads: int | None = opt(None, "attention heads, overriding --model's (default: the named "
+                            "size's)")
     z_loss: float = opt(0.0, "z-loss coefficient on the log-partition function (0 disables)")
     dtype: str = opt("fp32", "compute precision: fp32, or bf16 autocast (faster on GPUs and "
                      "on CPUs with AMX at d_model >= 256)", DTYPES)
@@ -299,18 +338,114 @@ def build_config(yaml_path: str | None = None, overrides: dict[str, Any] | None 
     return TrainConfig(**{k: coerce(by_name[k], v) for k, v in values.items()})
 
 
+def model_dims(cfg: TrainConfig) -> dict[str, int]:
+    """The model's ``n_layers``, ``d_model`` and ``n_heads``: the named size's, with
+    ``layers``, ``dim`` and ``heads`` overriding them.
+
+    Args:
+        cfg: the configuration (``model`` must be a known size).
+    """
+    from loco.model import MODEL_SIZES
+
+    base = MODEL_SIZES[cfg.model]
+    return {"n_layers": cfg.layers or base["n_layers"], "d_model": cfg.dim or base["d_model"],
+            "n_heads": cfg.heads or base["n_heads"]}
+
+
+def steps_for_tokens(cfg: TrainConfig) -> int:
+    """The inner steps that a ``tokens`` budget asks for, rounded up to whole steps of all
+    workers: a count (``2e7``) or a multiple of the model's parameters (``20x``; embeddings
+    counted, at ``vocab_size``).
+
+    Args:
+        cfg: the configuration, with ``tokens`` set.
+
+    Raises:
+        ConfigError: ``tokens`` is not a number > 0 or a ratio like ``20x``.
+    """
+    from loco.model import ModelConfig, parameter_count
+
+    text = cfg.tokens.strip().lower()
+    try:
+        value = float(text[:-1] if text.endswith("x") else text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError("tokens", f"expected a token count such as 2e7 or tokens per "
+                          f"parameter such as 20x (got {cfg.tokens!r})")
+    if text.endswith("x"):
+        mcfg = ModelConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, **model_dims(cfg))
+        value *= parameter_count(mcfg)
+    per_step = cfg.workers * cfg.batch_size * cfg.seq_len
+    return max(1, math.ceil(value / per_step))
+
+
+def overlaps(cfg: TrainConfig) -> list[int]:
+    """τ of every worker, from ``overlap`` (one integer for all, or one per worker).
+
+    Args:
+        cfg: the configuration.
+
+    Raises:
+        ConfigError: not integers, or a list whose length is not ``workers``.
+    """
+    try:
+        values = [int(v) for v in str(cfg.overlap).split(",")]
+    except ValueError:
+        raise ConfigError("overlap", f"expected an integer or one per worker such as 1,1,2,5 "
+                          f"(got {cfg.overlap!r})") from None
+    if len(values) == 1:
+        return values * cfg.workers
+    if len(values) != cfg.workers:
+        raise ConfigError("overlap", f"gives {len(values)} values but there are {cfg.workers} "
+                          f"workers; give one integer, or one per worker")
+    return values
+
+
+def betas(cfg: TrainConfig) -> tuple[float, float]:
+    """The inner AdamW betas from ``adam_betas`` (``"0.9,0.95"``).
+
+    Args:
+        cfg: the configuration.
+
+    Raises:
+        ConfigError: not two numbers in [0, 1).
+    """
+    try:
+        b1, b2 = (float(v) for v in str(cfg.adam_betas).split(","))
+    except ValueError:
+        b1 = b2 = math.nan
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ConfigError("adam_betas", f"expected two numbers in [0, 1) such as 0.9,0.95 "
+                          f"(got {cfg.adam_betas!r})")
+    return b1, b2
+
+
 def resolve(cfg: TrainConfig) -> TrainConfig:
     """Fill the defaults that depend on other options.
 
-    ``outer_lr``, ``outer_momentum`` and ``nesterov`` left at None get the papers' values
-    for the algorithm (``OUTER_DEFAULTS``); other algorithms keep None.
+    ``sync_every`` left at None gets the algorithm's ``SYNC_DEFAULTS``; ``steps`` left at
+    None gets ``DEFAULT_STEPS``, or what ``tokens`` asks for; ``outer_lr``,
+    ``outer_momentum`` and ``nesterov`` left at None get the papers' values for the
+    algorithm (``OUTER_DEFAULTS``); other algorithms keep None. Idempotent.
 
     Args:
         cfg: the configuration.
 
     Returns:
         A new TrainConfig (``cfg`` is not changed).
+
+    Raises:
+        ConfigError: both ``steps`` and ``tokens`` given, or a ``tokens`` that does not parse.
     """
+    if cfg.steps is not None and cfg.tokens is not None:
+        raise ConfigError("tokens", f"give --tokens or --steps, not both (got --tokens "
+                          f"{cfg.tokens} and --steps {cfg.steps})")
+    if cfg.sync_every is None:
+        cfg = dataclasses.replace(cfg, sync_every=SYNC_DEFAULTS[cfg.algorithm])
+    if cfg.steps is None:
+        cfg = dataclasses.replace(cfg, steps=DEFAULT_STEPS if cfg.tokens is None
+                                  else steps_for_tokens(cfg))
     if cfg.algorithm in OUTER_DEFAULTS:
         lr, momentum, nesterov = OUTER_DEFAULTS[cfg.algorithm]
         cfg = dataclasses.replace(
@@ -355,6 +490,9 @@ def validate(cfg: TrainConfig) -> None:
     - an option with choices (and ``model``) is one of them;
     - ``stages`` in [1, the model's blocks]; random ``routing`` needs ``stages`` > 1;
       ``launcher`` torchrun only in a process torchrun started;
+    - ``layers``, ``dim``, ``heads`` >= 1 where given; ``d_model`` a multiple of the heads
+      with an even head size; ``adam_betas`` two numbers in [0, 1); ``tokens`` parses and
+      is not given with ``steps``;
     - ``workers``, ``steps``, ``batch_size``, ``sync_every``, ``log_every``,
       ``eval_batches``, ``final_eval_batches`` >= 1; ``seq_len`` >= 2; ``eval_every``,
       ``warmup``, ``spread_every``, ``checkpoint_every`` >= 0;
@@ -362,9 +500,9 @@ def validate(cfg: TrainConfig) -> None:
       ``max_restarts`` in [0, 100]; ``min_lr_ratio`` in [0, 1]; ``weight_decay``,
       ``grad_clip``, ``z_loss`` >= 0;
     - noloco: ``group_size`` >= 2 and dividing ``workers``; ``gamma`` finite and >= 0;
-    - streaming: ``fragments`` in [1, the blocks of the smallest stage] and dividing
-      ``sync_every``; ``overlap`` in [0, H/P); ``mixing`` in [0, 1]; ``codec_block`` even,
-      in [2, 65536];
+    - streaming: ``fragments`` in [1, the blocks of the smallest stage] and <= ``sync_every``;
+      every worker's ``overlap`` in [0, floor(H/P)); ``mixing`` in [0, 1]; ``codec_block``
+      even, in [2, 65536];
     - ``link_bandwidth`` and ``link_latency`` parse; ``val_fraction`` in (0, 0.5];
       ``vocab_size`` in [257, 1048576]; ``corpus`` is ``shakespeare`` or an existing path
       (a file must not be empty).
@@ -386,7 +524,17 @@ def validate(cfg: TrainConfig) -> None:
         if choices:
             need(getattr(cfg, f.name) in choices, f.name, f"must be one of {', '.join(choices)}")
     need(cfg.model in MODEL_SIZES, "model", f"must be one of {', '.join(MODEL_SIZES)}")
-    layers = MODEL_SIZES[cfg.model]["n_layers"]
+    for name in ("layers", "dim", "heads", "steps", "sync_every"):
+        need(getattr(cfg, name) is None or getattr(cfg, name) >= 1, name,
+             "must be an integer >= 1")
+    cfg = resolve(cfg)
+    dims = model_dims(cfg)
+    head = dims["d_model"] // dims["n_heads"]
+    need(dims["d_model"] % dims["n_heads"] == 0 and head % 2 == 0,
+         "dim" if cfg.dim else "heads", f"d_model {dims['d_model']} must be a multiple of the "
+         f"{dims['n_heads']} heads with an even head size (rotary embeddings)")
+    betas(cfg)
+    layers = dims["n_layers"]
     need(1 <= cfg.stages <= layers, "stages",
          f"must be in [1, {layers}], the number of blocks of the {cfg.model} model")
     need(cfg.routing == "fixed" or cfg.stages > 1, "routing",
@@ -425,12 +573,15 @@ def validate(cfg: TrainConfig) -> None:
         need(1 <= cfg.fragments <= blocks, "fragments",
              f"must be in [1, {blocks}], the number of blocks of the {cfg.model} model"
              + (f" in its smallest of {cfg.stages} pipeline stages" if cfg.stages > 1 else ""))
-        need(cfg.sync_every % cfg.fragments == 0, "fragments",
-             f"must divide --sync-every ({cfg.sync_every})")
-        per = cfg.sync_every // cfg.fragments
-        need(0 <= cfg.overlap < per, "overlap", f"must be in [0, H/P) = [0, {per}) with "
-             f"--sync-every {cfg.sync_every} and --fragments {cfg.fragments}")
+        need(cfg.fragments <= cfg.sync_every, "fragments",
+             f"must be <= --sync-every ({cfg.sync_every}): at most one fragment per step")
+        gap = cfg.sync_every // cfg.fragments  # the smallest gap between two sends
+        need(all(0 <= t < gap for t in overlaps(cfg)), "overlap",
+             f"every value must be in [0, floor(H/P)) = [0, {gap}), the smallest gap between "
+             f"two sends, with --sync-every {cfg.sync_every} and --fragments {cfg.fragments}")
         need(0 <= cfg.mixing <= 1, "mixing", "must be in [0, 1]")
+        if cfg.codec_keep is not None:
+            need(0 < cfg.codec_keep <= 1, "codec_keep", "must be in (0, 1]")
         need(2 <= cfg.codec_block <= 65536 and cfg.codec_block % 2 == 0, "codec_block",
              "must be an even integer in [2, 65536]")
     from loco.comm.link import parse_bandwidth, parse_latency

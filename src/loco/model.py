@@ -52,7 +52,29 @@ MODEL_SIZES: dict[str, dict] = {
     "medium": dict(d_model=256, n_layers=8, n_heads=8),  # ~7.5M params at vocab 4096
     "large": dict(d_model=768, n_layers=12, n_heads=12),  # ~88M params at vocab 4096
     "xl": dict(d_model=1024, n_layers=24, n_heads=16),  # ~308M params at vocab 4096
+    # The Streaming DiLoCo paper's scaling ladder: head size 64; its MLP is 4·d wide, ours a
+    # SwiGLU of 8/3·d at the same parameter cost. Names are the paper's sizes; the count
+    # here depends on the vocabulary (at vocab 32k: 35m 35M ... 1b 1.3B).
+    "35m": dict(d_model=512, n_layers=6, n_heads=8),
+    "100m": dict(d_model=768, n_layers=9, n_heads=12),
+    "200m": dict(d_model=1024, n_layers=12, n_heads=16),
+    "300m": dict(d_model=1280, n_layers=15, n_heads=20),
+    "500m": dict(d_model=1536, n_layers=18, n_heads=24),
+    "1b": dict(d_model=2048, n_layers=24, n_heads=32),
 }
+
+
+def parameter_count(cfg: ModelConfig) -> int:
+    """The parameters of ``Transformer(cfg)``, counted without building it (the head is
+    tied to the embedding, so it adds none).
+
+    Args:
+        cfg: the model's configuration.
+    """
+    d, f = cfg.d_model, cfg.ffn_hidden
+    norms = 2 * cfg.head_dim if cfg.qk_norm else 0
+    block = 4 * d * d + 3 * d * f + 2 * d + norms  # attention, SwiGLU, two norms, q/k norms
+    return cfg.vocab_size * d + cfg.n_layers * block + d
 
 
 def model_config(name: str, vocab_size: int, seq_len: int, **overrides) -> ModelConfig:

@@ -9,7 +9,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 
 def plot_losses(records: list[dict], path: str, title: str = "", reference: float | None = None) -> None:
-    """Train and eval loss against tokens; ``reference`` draws the unigram entropy."""
+    """Train and eval loss against tokens, as a PNG file.
+
+    Args:
+        records: a run's ``metrics.jsonl`` records.
+        path: the PNG file to write.
+        title: the plot's title.
+        reference: a loss drawn as a dashed line (the unigram entropy), or None.
+    """
     train = [(r["tokens"], r["train_loss"]) for r in records if "train_loss" in r]
     evals = [(r["tokens"], r["eval_loss"]) for r in records if "eval_loss" in r]
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -30,9 +37,17 @@ def plot_losses(records: list[dict], path: str, title: str = "", reference: floa
 
 
 def plot_comparison(runs, out: str) -> list[str]:
-    """The side-by-side plots of :mod:`loco.report` (``runs``: its Run objects), as PNG files
-    in ``out``; returns their file names. A run with nothing to show on a plot (no bytes on a
-    log axis, no spread) is left off it and named in its legend's title."""
+    """The side-by-side plots of :mod:`loco.report`, as PNG files in ``out``. A run with
+    nothing to show on a plot (no bytes on a log axis, no spread) is left off it and named in
+    its legend's title.
+
+    Args:
+        runs: the report's Run objects, in report order.
+        out: the directory to write into.
+
+    Returns:
+        The file names written.
+    """
     written = []
 
     def series(run, x: str, y: str, positive: bool = False):
@@ -78,3 +93,62 @@ def plot_comparison(runs, out: str) -> list[str]:
     figure("spread.png", "tokens (all workers)", "RMS distance of the replicas to their mean",
            "replica spread (methods whose replicas differ)", spread, marker=".")
     return written
+
+
+def plot_sweep(path: str, option: str, ticks: list[tuple[float, str]],
+               lines: list[tuple[str, list[tuple[float, float, int]]]],
+               reference: tuple[str, float, int] | None = None,
+               show_bytes: bool = True) -> None:
+    """A sweep as the papers' ablation figures draw it: final eval loss against the swept
+    value, one line per method and value of the other swept options; with ``show_bytes``, a
+    second panel of bytes sent per worker (log axis).
+
+    Args:
+        path: the PNG file to write.
+        option: the swept option on the x axis (its field name).
+        ticks: (x position, label) of every value of ``option``: the values themselves when
+            they are numbers, else 0, 1, ... in order.
+        lines: (legend label, [(x position, final eval loss, bytes sent per worker), ...]).
+        reference: (name, final eval loss, bytes) of a baseline drawn dashed across both
+            panels (DataParallel), or None.
+        show_bytes: draw the bytes panel; a line that sends nothing is left off it (log
+            axis).
+    """
+    panels = 2 if show_bytes else 1
+    fig, axes = plt.subplots(1, panels, figsize=(6.2 * panels, 4.2), squeeze=False)
+    loss_ax = axes[0][0]
+    positions = [p for p, _ in ticks]
+    numeric = all(isinstance(p, float) for p in positions)
+    # Values spanning a decade or more (H, codec blocks) read best on a log axis.
+    log_x = numeric and min(positions) > 0 and max(positions) >= 8 * min(positions)
+    for label, points in lines:
+        points = sorted(points)
+        loss_ax.plot([p for p, _, _ in points], [loss for _, loss, _ in points], "o-", ms=4,
+                     lw=1.4, label=label)
+        if show_bytes:
+            sent = [(p, b) for p, _, b in points if b > 0]
+            if sent:
+                axes[0][1].plot(*zip(*sent), "o-", ms=4, lw=1.4, label=label)
+    if reference is not None:
+        name, loss, sent = reference
+        loss_ax.axhline(loss, ls="--", c="grey", lw=1, label=name)
+        if show_bytes and sent > 0:
+            axes[0][1].axhline(sent, ls="--", c="grey", lw=1, label=name)
+    for ax in axes[0]:
+        if log_x:
+            ax.set_xscale("log")
+        ax.set_xticks(positions)
+        ax.set_xticklabels([t for _, t in ticks])
+        ax.minorticks_off()
+        ax.set_xlabel(option)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    loss_ax.set_ylabel("final eval loss (nats/token)")
+    loss_ax.set_title(f"final eval loss against {option}")
+    if show_bytes:
+        axes[0][1].set_yscale("log")
+        axes[0][1].set_ylabel("bytes sent per worker (log)")
+        axes[0][1].set_title(f"bytes sent against {option}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

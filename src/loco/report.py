@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
+from typing import Any
 
 from loco.config import ConfigError
 
@@ -20,33 +22,84 @@ METHODS = {"ddp": "DataParallel", "diloco": "DiLoCo", "streaming": "Streaming Di
 #: method in the settings; ``out`` and ``progress`` say nothing about the run.
 NOT_SETTINGS = {"out", "progress", "algorithm"}
 #: Bits per value of each wire format of ``loco.comm.codecs``, scales excluded; the 8- and
-#: 4-bit ones add one scale byte per ``codec_block`` values. Written out here because reports
-#: do not import torch; a test holds it to the codecs' own byte counts.
-CODEC_BITS = {"fp32": 32, "bf16": 16, "fp8_e4m3": 8, "int8": 8, "fp4_e3m0": 4, "fp4_e2m1": 4}
+#: 4-bit ones add one scale byte per ``codec_block`` values; the dropping codecs
+#: (``SPARSE_CODECS``) send this per *kept* value. Written out here because reports do not
+#: import torch; a test holds it to the codecs' own byte counts.
+CODEC_BITS = {"fp32": 32, "bf16": 16, "fp8_e4m3": 8, "int8": 8, "fp4_e3m0": 4, "fp4_e2m1": 4,
+              "topk": 32, "dare": 32, "random_drop": 32}
+#: The codecs that drop values: they send a share ``codec_keep`` (default 1/8) of them.
+SPARSE_CODECS = ("topk", "dare", "random_drop")
+DEFAULT_KEEP = 0.125
 
 
-def codec_compression(codec: str, block: int = 32) -> float:
+def codec_compression(codec: str, block: int = 32, keep: float | None = None) -> float:
     """How many times fewer bytes than fp32 a wire format sends per value, its scales
     included: ``32 / (bits + 8 / block)`` (1 for fp32, 2 for bf16, 7.53 for FP4 at block 32).
+
+    The dropping codecs send ``keep`` of the values in fp32: ``32 / (32 keep + where)``,
+    ``where`` the bits per value that say which were kept: ``topk``'s bitmap or 16-bit
+    indices, whichever is smaller (rows up to 65536 values), none for ``dare`` and
+    ``random_drop``, whose 8-byte seed per row is left out (6.4 for ``topk`` and 8 for the
+    others at keep 1/8).
 
     Args:
         codec: a codec name, a key of ``CODEC_BITS``.
         block: values per scale byte of the 8- and 4-bit codecs, >= 1; default 32; ignored
-            for fp32 and bf16.
+            for the others.
+        keep: the share of values the dropping codecs send, in (0, 1]; default None: 1/8;
+            ignored for the others.
 
     Returns:
-        The compression factor against fp32, >= 1.
+        The compression factor against fp32 (below 1 only for a dropping codec keeping
+            nearly every value).
 
     Raises:
         KeyError: an unknown codec.
     """
     bits = CODEC_BITS[codec]
+    if codec in SPARSE_CODECS:
+        keep = DEFAULT_KEEP if keep is None else keep
+        where = min(1.0, 16 * keep) if codec == "topk" else 0.0
+        return 32 / (bits * keep + where)
     return 32 / (bits + 8 / block) if bits < 16 else 32 / bits
+
+
+#: A sweep run's label, as ``loco compare --sweep`` names it: ``BASE[OPTION=VALUE,...]``
+#: (a value holding commas in parentheses). The values are read from the run's configuration.
+SWEEP_LABEL = re.compile(r"^(?P<base>[a-z][a-z0-9_-]{0,31})\[(?P<point>.+)\]$")
+
+
+def sweep_point(label: str, config: dict) -> tuple[str, dict[str, Any]] | None:
+    """A sweep run's method and grid point, from its label and its configuration.
+
+    Args:
+        label: the run's label, ``BASE[OPTION=VALUE,...]`` for a sweep's run
+            (``SWEEP_LABEL``).
+        config: the run's configuration (``summary.json``'s ``config``).
+
+    Returns:
+        ``(base label, {option: value})`` with the values as the configuration holds them,
+        in the label's order; None for a run that is not part of a sweep.
+    """
+    match = SWEEP_LABEL.match(label)
+    if not match:
+        return None
+    keys = re.findall(r"(?:^|,)([a-z][a-z0-9_]*)=", match["point"])
+    if not keys or any(k not in config for k in keys):
+        return None
+    return match["base"], {k: config[k] for k in keys}
 
 
 @dataclass
 class Run:
-    """A finished run directory."""
+    """A finished run directory.
+
+    Args:
+        label: the run's label (its directory's name unless given).
+        path: the run directory.
+        summary: its ``summary.json``.
+        records: its ``metrics.jsonl`` records, in order.
+    """
 
     label: str
     path: str
@@ -55,17 +108,47 @@ class Run:
 
     @property
     def algorithm(self) -> str:
+        """The run's algorithm (``ddp``, ``diloco``, ...)."""
         return self.summary["algorithm"]
 
     @property
+    def sweep(self) -> tuple[str, dict[str, Any]] | None:
+        """``(base label, grid point)`` for a sweep's run, else None (see
+        [`sweep_point`][loco.report.sweep_point])."""
+        return sweep_point(self.label, self.summary.get("config", {}))
+
+    @property
+    def base(self) -> str:
+        """The method's label without a sweep's grid point."""
+        sweep = self.sweep
+        return sweep[0] if sweep else self.label
+
+    @property
+    def method_name(self) -> str:
+        """The method's display name without a sweep's grid point: the paper's name when
+        the label is the algorithm's own."""
+        algorithm = METHODS.get(self.algorithm, self.algorithm)
+        return algorithm if self.base == self.algorithm else f"{self.base} ({algorithm})"
+
+    @property
     def name(self) -> str:
-        """The method's display name: the paper's when the label is the algorithm's own."""
-        if self.label == self.algorithm:
-            return METHODS.get(self.algorithm, self.algorithm)
-        return f"{self.label} ({METHODS.get(self.algorithm, self.algorithm)})"
+        """The run's display name: the method's, then a sweep's grid point as in its label
+        (``Streaming DiLoCo [overlap=1,mixing=0.5]``)."""
+        if self.sweep:
+            return f"{self.method_name} [{SWEEP_LABEL.match(self.label)['point']}]"
+        return self.method_name
 
 
 def load_run(path: str, label: str | None = None) -> Run:
+    """Read a finished run directory.
+
+    Args:
+        path: the run directory, with ``summary.json`` (and ``metrics.jsonl``).
+        label: its label; default: the directory's name.
+
+    Raises:
+        ConfigError: the summary is missing, unreadable, or not a loco run's.
+    """
     summary_path = os.path.join(path, "summary.json")
     try:
         with open(summary_path) as f:
@@ -83,8 +166,16 @@ def load_run(path: str, label: str | None = None) -> Run:
 
 
 def find_runs(dirs: list[str]) -> list[Run]:
-    """Runs in ``dirs``: each is a run directory or a directory of run directories (a
-    ``loco compare`` output). Returned in report order: the papers' methods first."""
+    """Runs in ``dirs``, in report order (see [`order_key`][loco.report.order_key]).
+
+    Args:
+        dirs: each a run directory or a directory of run directories (a ``loco compare``
+            output).
+
+    Raises:
+        ConfigError: a missing directory, one without a finished run, or two runs of the same
+            name.
+    """
     runs = []
     for d in dirs:
         if os.path.isfile(os.path.join(d, "summary.json")):
@@ -106,22 +197,55 @@ def find_runs(dirs: list[str]) -> list[Run]:
     return sorted(runs, key=order_key)
 
 
-def order_key(run: Run):
+def order_key(run: Run) -> tuple:
+    """The report's order: the papers' methods first (``METHODS``), each algorithm's own
+    label before others, then labels; a sweep's runs by their grid point (numbers in
+    numeric order, before other values).
+
+    Args:
+        run: a run.
+    """
     known = list(METHODS)
+    sweep = run.sweep
     return (known.index(run.algorithm) if run.algorithm in known else len(known),
-            run.label != run.algorithm, run.label)
+            run.base != run.algorithm, run.base, sweep is not None,
+            tuple(_sortable(v) for v in sweep[1].values()) if sweep else ())
+
+
+def _sortable(value: Any) -> tuple:
+    """Numbers (and numeric strings) in numeric order, before other values."""
+    try:
+        return (0, float(value), "")
+    except (TypeError, ValueError):
+        return (1, 0.0, str(value))
 
 
 # ------------------------------------------------------------------------------ numbers
+def grad_codec(run: Run) -> str:
+    """DataParallel's gradient wire format (``fp32`` for runs saved before
+    ``--grad-codec``).
+
+    Args:
+        run: a run (of any algorithm).
+    """
+    return run.summary["config"].get("grad_codec") or "fp32"
+
+
 def method_setting(run: Run) -> str:
-    """The method's own knobs in one short phrase."""
+    """The method's own knobs in one short phrase.
+
+    Args:
+        run: a run.
+    """
     c = run.summary["config"]
     algo = run.algorithm
     if algo == "ddp":
-        return "gradients averaged every step"
+        return f"gradients averaged every step, sent in {grad_codec(run)}"
     if algo == "local":
         return "no communication"
     text = f"H={c['sync_every']}"
+    if algo in ("diloco", "streaming") and c.get("nesterov") is False:
+        text += f", heavy-ball μ={c.get('outer_momentum')}"
     if algo == "streaming":
         mixing = c.get("mixing", c.get("alpha"))  # runs saved before the rename say alpha
         text += f", P={c['fragments']}, τ={c['overlap']}, α={mixing}, {c['codec']}"
@@ -134,15 +258,30 @@ def method_setting(run: Run) -> str:
 
 def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
     """``compare.json``: per run label, its summary plus a ``compare`` entry with the numbers
-    relative to DataParallel (and DiLoCo for the peak)."""
-    ddp = next((r for r in runs if r.algorithm == "ddp"), None)
-    diloco = next((r for r in runs if r.algorithm == "diloco"), None)
+    relative to DataParallel (and DiLoCo for the peak).
+
+    Args:
+        runs: the runs, in report order.
+        out: the directory the report goes to; ``run_dir`` is relative to it.
+
+    Returns:
+        By label: every field of the run's ``summary.json`` and ``compare``: ``label``,
+            ``method``, ``setting``, ``run_dir``, ``eval_loss_vs_ddp_pct``,
+            ``ddp_bytes_over_bytes``, ``diloco_peak_over_peak`` (None where there is no such
+            baseline), ``grad_codec`` (DataParallel's runs; None for others) and ``sweep`` (a
+            sweep run's grid point; None for others).
+    """
+    ddp = baseline(runs, "ddp")
+    diloco = baseline(runs, "diloco")
     numbers = {}
     for r in runs:
         s = r.summary
+        sweep = r.sweep
         rel = {"label": r.label, "method": r.name, "setting": method_setting(r),
-               "run_dir": os.path.relpath(r.path, out), "eval_loss_vs_ddp_pct": None, "ddp_bytes_over_bytes": None,
-               "diloco_peak_over_peak": None}
+               "run_dir": os.path.relpath(r.path, out), "eval_loss_vs_ddp_pct": None,
+               "ddp_bytes_over_bytes": None, "diloco_peak_over_peak": None,
+               "grad_codec": grad_codec(r) if r.algorithm == "ddp" else None,
+               "sweep": sweep[1] if sweep else None}
         if ddp is not None:
             base = ddp.summary["final_eval_loss"]
             rel["eval_loss_vs_ddp_pct"] = 100 * (s["final_eval_loss"] - base) / base
@@ -156,28 +295,56 @@ def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
     return numbers
 
 
+def baseline(runs: list[Run], algorithm: str) -> Run | None:
+    """The run that stands for ``algorithm`` in the comparisons: the one labelled with the
+    algorithm's own name, else the first not part of a sweep, else the first.
+
+    Args:
+        runs: the runs, in report order.
+        algorithm: an algorithm name.
+
+    Returns:
+        The run, or None when no run is of that algorithm.
+    """
+    mine = [r for r in runs if r.algorithm == algorithm]
+    return next((r for r in mine if r.label == algorithm),
+                next((r for r in mine if not r.sweep), mine[0] if mine else None))
+
+
 def targets(runs: list[Run]) -> list[tuple[str, str, bool]]:
-    """The papers' claims checked on these runs: (claim, measured, met)."""
-    by = {}
-    for r in runs:
-        by.setdefault(r.algorithm, r)  # the first run of each algorithm
+    """The papers' claims checked on these runs.
+
+    Each algorithm is represented by its [`baseline`][loco.report.baseline] run; NoLoCo is
+    held against a DiLoCo run with heavy-ball outer momentum where there is one (the NoLoCo
+    paper's baseline, ``diloco-hb`` in ``--preset paper``).
+
+    Args:
+        runs: the runs, in report order.
+
+    Returns:
+        (claim, measured, met) per claim that these runs can check.
+    """
+    by = {a: r for a in METHODS if (r := baseline(runs, a)) is not None}
+    heavy_ball = next((r for r in runs if r.algorithm == "diloco" and not r.sweep
+                       and r.summary["config"].get("nesterov") is False), by.get("diloco"))
     rows = []
 
-    def loss_gap(a: str, b: str, limit: float):
-        if a in by and b in by:
-            la, lb = by[a].summary["final_eval_loss"], by[b].summary["final_eval_loss"]
+    def loss_gap(a: Run | None, b: Run | None, limit: float):
+        if a is not None and b is not None:
+            la, lb = a.summary["final_eval_loss"], b.summary["final_eval_loss"]
             gap = 100 * (la - lb) / lb
-            rows.append((f"{by[a].name} eval loss within {limit:g}% of {by[b].name}'s",
+            rows.append((f"{a.name} eval loss within {limit:g}% of {b.name}'s",
                          f"{gap:+.2f}%", gap <= limit))
 
-    loss_gap("streaming", "diloco", 2)
-    loss_gap("diloco", "ddp", 5)
-    loss_gap("noloco", "diloco", 3)
+    loss_gap(by.get("streaming"), by.get("diloco"), 2)
+    loss_gap(by.get("diloco"), by.get("ddp"), 5)
+    loss_gap(by.get("noloco"), heavy_ball, 3)
     if "ddp" in by and "streaming" in by:
         sent = by["streaming"].summary["bytes_sent_per_worker"]
         ratio = by["ddp"].summary["bytes_sent_per_worker"] / sent if sent else float("inf")
         rows.append((f"{by['ddp'].name} sends at least 100× the bytes of "
-                     f"{by['streaming'].name}", f"{_ratio(ratio)}", ratio >= 100))
+                     f"{by['streaming'].name}", f"{_ratio(ratio)} ({by['ddp'].name}'s "
+                     f"gradients in {grad_codec(by['ddp'])})", ratio >= 100))
     if "diloco" in by and "streaming" in by:
         s = by["streaming"]
         config = s.summary["config"]
@@ -187,7 +354,8 @@ def targets(runs: list[Run]) -> list[tuple[str, str, bool]]:
         # The claim is about fragments: a 4-bit codec alone makes the peak 7.5x smaller, so
         # its share (DiLoCo sends fp32) is factored out, and what is left must be about P.
         codec = config.get("codec", "fp32")
-        squeeze = codec_compression(codec, config.get("codec_block", 32))
+        squeeze = codec_compression(codec, config.get("codec_block", 32),
+                                    config.get("codec_keep"))
         frag = ratio / squeeze
         # What the split allows at best: the whole model against the largest fragment.
         largest = max((f["elements"] for f in s.summary.get("fragments") or []), default=0)
@@ -212,7 +380,19 @@ def _pct(x: float | None) -> str:
     return "–" if x is None else f"{x:+.2f}%"
 
 
+def _sent(run: Run) -> str:
+    """Bytes sent per worker; DataParallel's with its gradients' wire format."""
+    sent = f"{run.summary['bytes_sent_per_worker']:,}"
+    return f"{sent} ({grad_codec(run)})" if run.algorithm == "ddp" else sent
+
+
 def table(runs: list[Run], numbers: dict[str, dict]) -> list[str]:
+    """The report's main table, one row per run, as markdown lines.
+
+    Args:
+        runs: the runs, in report order.
+        numbers: ``compare.json``'s contents (see [`comparison`][loco.report.comparison]).
+    """
     link = any(r.summary.get("link") for r in runs)
     head = ["method", "setting", "final eval loss", "vs DataParallel", "sent / worker (B)",
             "peak sync / worker (B)", "DataParallel ÷ sent", "wall time (s)", "tokens/s"]
@@ -222,7 +402,7 @@ def table(runs: list[Run], numbers: dict[str, dict]) -> list[str]:
     for r in runs:
         s, rel = r.summary, numbers[r.label]["compare"]
         row = [r.name, rel["setting"], f"{s['final_eval_loss']:.4f}",
-               _pct(rel["eval_loss_vs_ddp_pct"]), f"{s['bytes_sent_per_worker']:,}",
+               _pct(rel["eval_loss_vs_ddp_pct"]), _sent(r),
                f"{s['peak_sync_bytes_per_worker']:,}",
                "∞" if rel["eval_loss_vs_ddp_pct"] is not None and not s["bytes_sent_per_worker"]
                else _ratio(rel["ddp_bytes_over_bytes"]),
@@ -233,8 +413,109 @@ def table(runs: list[Run], numbers: dict[str, dict]) -> list[str]:
     return lines
 
 
+def sweep_groups(runs: list[Run]) -> list[tuple[tuple[str, ...], list[Run]]]:
+    """A sweep's runs, grouped by the options swept over them.
+
+    Args:
+        runs: the runs, in report order.
+
+    Returns:
+        (swept options in ``--sweep`` order, their runs in report order) per group, in the
+            order of their first run; empty when no run is part of a sweep.
+    """
+    groups: dict[tuple[str, ...], list[Run]] = {}
+    for r in runs:
+        sweep = r.sweep
+        if sweep:
+            groups.setdefault(tuple(sweep[1]), []).append(r)
+    return list(groups.items())
+
+
+def _value(value: Any) -> str:
+    return "true" if value is True else "false" if value is False else str(value)
+
+
+def sweep_tables(runs: list[Run], numbers: dict[str, dict]) -> list[str]:
+    """The sweep section of the report: per group of swept options, one row per grid point
+    with its final eval loss and bytes, as markdown lines.
+
+    Args:
+        runs: the runs, in report order.
+        numbers: ``compare.json``'s contents (see [`comparison`][loco.report.comparison]).
+
+    Returns:
+        The lines; empty when no run is part of a sweep.
+    """
+    groups = sweep_groups(runs)
+    if not groups:
+        return []
+    lines = ["", "## Sweep", "",
+             "Final eval loss and bytes at every point of the grid; the plots draw them against "
+             "the first swept option, one line per method and value of the others."]
+    ddp = baseline(runs, "ddp")
+    for keys, members in groups:
+        head = ["method", *keys, "final eval loss", "vs DataParallel", "sent / worker (B)",
+                "peak sync / worker (B)", "DataParallel ÷ sent"]
+        lines += ["", f"### {' × '.join(keys)}", "", "| " + " | ".join(head) + " |",
+                  "|" + "---|" * len(head)]
+        for r in members:
+            s, rel = r.summary, numbers[r.label]["compare"]
+            lines.append("| " + " | ".join(
+                [r.method_name, *(_value(v) for v in r.sweep[1].values()),
+                 f"{s['final_eval_loss']:.4f}", _pct(rel["eval_loss_vs_ddp_pct"]), _sent(r),
+                 f"{s['peak_sync_bytes_per_worker']:,}", _ratio(rel["ddp_bytes_over_bytes"])])
+                + " |")
+        if ddp is not None:
+            lines += ["", f"For reference, {ddp.name}: {ddp.summary['final_eval_loss']:.4f}, "
+                      f"{_sent(ddp)} bytes per worker."]
+    return lines
+
+
+def sweep_plots(runs: list[Run], out: str) -> list[str]:
+    """One plot per group of swept options: final eval loss (and, where the swept options
+    change them, bytes sent per worker) against the first swept option, one line per method
+    and value of the other options, DataParallel dashed for reference.
+
+    Args:
+        runs: the runs, in report order.
+        out: the directory to write into.
+
+    Returns:
+        The files written (``sweep_<options>.png``), in group order.
+    """
+    from loco.plot import plot_sweep
+
+    written = []
+    ddp = baseline(runs, "ddp")
+    for keys, members in sweep_groups(runs):
+        x, others = keys[0], keys[1:]
+        xs = sorted({_value(r.sweep[1][x]) for r in members}, key=_sortable)
+        numeric = all(_sortable(v)[0] == 0 for v in xs)
+        lines: dict[str, list[tuple[float, float, int]]] = {}
+        for r in members:
+            point = r.sweep[1]
+            name = ", ".join([r.method_name] + [f"{k}={_value(point[k])}" for k in others])
+            pos = float(_value(point[x])) if numeric else xs.index(_value(point[x]))
+            lines.setdefault(name, []).append(
+                (pos, r.summary["final_eval_loss"], r.summary["bytes_sent_per_worker"]))
+        ticks = [(float(v) if numeric else i, v) for i, v in enumerate(xs)]
+        reference = None if ddp is None else (ddp.name, ddp.summary["final_eval_loss"],
+                                              ddp.summary["bytes_sent_per_worker"])
+        name = "sweep_" + "_".join(keys) + ".png"
+        sent = {r.summary["bytes_sent_per_worker"] for r in members}
+        plot_sweep(os.path.join(out, name), x, ticks, list(lines.items()), reference,
+                   show_bytes=len(sent) > 1 and max(sent) > 0)
+        written.append(name)
+    return written
+
+
 def settings(runs: list[Run]) -> list[str]:
-    """Options shared by every run (as YAML), then those that differ, per method."""
+    """Options shared by every run (as YAML), then those that differ, per run, as markdown
+    lines.
+
+    Args:
+        runs: the runs, in report order.
+    """
     import yaml
 
     configs = [r.summary["config"] for r in runs]
@@ -253,6 +534,11 @@ def settings(runs: list[Run]) -> list[str]:
 
 
 def machine(runs: list[Run]) -> list[str]:
+    """The machines the runs recorded, as markdown lines.
+
+    Args:
+        runs: the runs.
+    """
     seen = []
     for r in runs:
         m = r.summary.get("machine")
@@ -272,10 +558,18 @@ def machine(runs: list[Run]) -> list[str]:
 
 
 def render_markdown(runs: list[Run], numbers: dict[str, dict], plots: list[str]) -> str:
+    """``report.md``.
+
+    Args:
+        runs: the runs, in report order.
+        numbers: ``compare.json``'s contents (see [`comparison`][loco.report.comparison]).
+        plots: the plots' file names, relative to the report.
+    """
     first = runs[0].summary
     link = next((r.summary["link"] for r in runs if r.summary.get("link")), None)
+    kind = "runs" if any(r.sweep for r in runs) else "methods"
     lines = ["# loco compare", "",
-             f"{len(runs)} methods on the same job: {first['config']['model']} model "
+             f"{len(runs)} {kind} on the same job: {first['config']['model']} model "
              f"({first['model_parameters']:,} parameters), {first['workers']} workers, "
              f"{first['inner_steps']} inner steps, {first['tokens']:,} training tokens each, "
              f"seed {first['config']['seed']}"
@@ -283,8 +577,9 @@ def render_markdown(runs: list[Run], numbers: dict[str, dict], plots: list[str])
                 f"{link['latency'] or '0 ms'} per worker" if link else "") + ".", "",
              "Eval loss: nats/token on held-out text (the global model; for NoLoCo and Local, "
              "replica 0 unless the run ends with the replicas' average). Bytes: sent by the "
-             "busiest worker over the run, training traffic only; peak: the largest single "
-             "sync. Wall time: the whole run, evaluation included.", ""]
+             "busiest worker over the run, training traffic only (DataParallel's with its "
+             "gradients' wire format, --grad-codec); peak: the largest single sync. Wall "
+             "time: the whole run, evaluation included.", ""]
     lines += table(runs, numbers)
     rows = targets(runs)
     if rows:
@@ -292,6 +587,7 @@ def render_markdown(runs: list[Run], numbers: dict[str, dict], plots: list[str])
                   "|---|---|---|"]
         lines += [f"| {claim} | {value} | {'yes' if ok else '**no**'} |"
                   for claim, value, ok in rows]
+    lines += sweep_tables(runs, numbers)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Settings", ""] + settings(runs)
@@ -302,13 +598,21 @@ def render_markdown(runs: list[Run], numbers: dict[str, dict], plots: list[str])
 
 
 def write_report(runs: list[Run], out: str) -> dict[str, dict]:
-    """Write ``report.md``, ``compare.json`` and the plots into ``out``; return the numbers.
-    Files are written whole (temporary file, then rename)."""
+    """Write ``report.md``, ``compare.json`` and the plots (a sweep's too) into ``out``.
+    Files are written whole (temporary file, then rename).
+
+    Args:
+        runs: the runs, in report order (see [`find_runs`][loco.report.find_runs]).
+        out: the directory to write into (created if missing).
+
+    Returns:
+        ``compare.json``'s contents.
+    """
     from loco.plot import plot_comparison
 
     os.makedirs(out, exist_ok=True)
     numbers = comparison(runs, out)
-    plots = plot_comparison(runs, out)
+    plots = plot_comparison(runs, out) + sweep_plots(runs, out)
     _write(os.path.join(out, "compare.json"), json.dumps(numbers, indent=2) + "\n")
     _write(os.path.join(out, "report.md"), render_markdown(runs, numbers, plots))
     return numbers

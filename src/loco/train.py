@@ -29,7 +29,8 @@ from loco.algorithms.base import NonFiniteError, flatten_fp32, unflatten_views
 from loco.algorithms.fragments import split_fragments
 from loco.comm.interface import Aborted, Comm
 from loco.comm.link import LinkSpec
-from loco.config import ConfigError, TrainConfig, resolve, validate, warnings_for
+from loco.config import (ConfigError, TrainConfig, betas, model_dims, overlaps, resolve,
+                         validate, warnings_for)
 from loco.data import Corpus, CorpusError, TokenLoader, eval_batches, prepare_corpus
 from loco.model import Transformer, model_config
 from loco.runtime import WorkerContext, launch, under_torchrun
@@ -135,8 +136,11 @@ def make_algorithm(cfg: TrainConfig, model, optimizer, comm,
             fragments = [[n for n in group if n != "embed.weight"] for group in names]
             fragments[0].append("embed.weight")
         kwargs.update(fragments=fragments, pattern=cfg.fragment_pattern,
-                      overlap=cfg.overlap, alpha=cfg.mixing, codec=cfg.codec,
-                      codec_block=cfg.codec_block)
+                      overlap=overlaps(cfg)[comm.rank],  # the outer Comm's rank: the replica
+                      alpha=cfg.mixing, codec=cfg.codec, codec_block=cfg.codec_block,
+                      codec_keep=cfg.codec_keep)
+    if cfg.algorithm == "ddp":
+        kwargs.update(codec=cfg.grad_codec)
     algo = ALGORITHMS[cfg.algorithm](model, optimizer, comm, **kwargs)
     if pipeline is not None and pipeline.stages > 1:
         algo.grad_norm_fn = pipeline.grad_norm  # clip by the whole model's gradient norm
@@ -154,12 +158,12 @@ def lr_lambda(cfg: TrainConfig):
 
 
 def adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with weight decay on matrices only (not on norms' gains)."""
+    """AdamW with ``--adam-betas``, weight decay on matrices only (not on norms' gains)."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=(0.9, 0.95))
+                             lr=cfg.lr, betas=betas(cfg))
 
 
 @torch.no_grad()
@@ -264,7 +268,6 @@ class Loop:
         train_seconds: training-loop time at the checkpoint this run resumed from (0: fresh).
         metrics_bytes: length of ``metrics.jsonl`` at that checkpoint.
         origin: ``time.perf_counter()`` at which the whole run's loop would have started.
-        checkpoint_due: a checkpoint's round has ended but a sync was still in flight.
     """
 
     loss_sum: float = 0.0
@@ -274,7 +277,6 @@ class Loop:
     train_seconds: float = 0.0
     metrics_bytes: int = 0
     origin: float = 0.0
-    checkpoint_due: bool = False
 
     def start(self) -> None:
         """Start the clock, counting the time of the run resumed from."""
@@ -304,7 +306,8 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     device = ctx.device
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16"
                 else nullcontext())
-    mcfg = model_config(cfg.model, corpus.vocab_size, cfg.seq_len, z_loss=cfg.z_loss)
+    mcfg = model_config(cfg.model, corpus.vocab_size, cfg.seq_len, z_loss=cfg.z_loss,
+                        **model_dims(cfg))
     # Every worker builds the same weights from the seed; the algorithm still broadcasts
     # worker 0's and verifies checksums.
     model = Transformer(mcfg, torch.Generator().manual_seed(cfg.seed)).to(device)
@@ -471,15 +474,17 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
 
 
 def checkpoint_if_due(w: Worker, loop: Loop, step: int) -> None:
-    """Checkpoint every --checkpoint-every rounds of H steps, at the first step from the
-    round's end on with no sync in flight (Streaming DiLoCo: once the fragment sent at the
-    round's end is applied, τ steps later), and at the last step. The state is copied on
-    this thread; the writer saves it in the background."""
-    every = w.cfg.checkpoint_every * w.cfg.sync_every
-    if every and step % every == 0:
-        loop.checkpoint_due = True
-    if step == w.cfg.steps or (loop.checkpoint_due and not w.algo.sync_in_flight):
-        loop.checkpoint_due = False
+    """Checkpoint every --checkpoint-every rounds of H steps, at the same step on every
+    rank: the first one after the round's end at which no worker has a sync in flight
+    (Streaming DiLoCo: worker m applies the fragment sent at the round's end τ_m steps
+    later, and sends the next one floor(H/P) > max τ steps after it, so max τ steps later),
+    and at the last step. The state is copied on this thread; the writer saves it in the
+    background."""
+    cfg = w.cfg
+    every = cfg.checkpoint_every * cfg.sync_every
+    delay = max(overlaps(cfg)) if cfg.algorithm == "streaming" else 0
+    if step == cfg.steps or (every and step > delay and (step - delay) % every == 0):
+        assert step == cfg.steps or not w.algo.sync_in_flight, "a sync is in flight"
         w.writer.save(step, checkpoint_state(w, loop, step), w.ctx.comm.check_aborted)
 
 
@@ -561,10 +566,20 @@ def final_evaluation(w: Worker) -> tuple[float | None, dict | None]:
         replicas = replica_report(w.trained, algo, w.ctx.comm, batches, w.autocast,
                                   cfg.final_average, w.pipeline)
         return (replicas["final_eval_loss"] if w.main else None), replicas
+    replicas = None
+    if cfg.eval_replicas and cfg.algorithm in ("diloco", "streaming") and cfg.workers > 1:
+        # The Streaming DiLoCo paper's Table 3: the first replica, the replicas' average
+        # and the global parameters (the final model), all on the same batches.
+        batches = batches or list(eval_batches(w.corpus.val, cfg.batch_size, cfg.seq_len,
+                                               cfg.final_eval_batches, w.ctx.device))
+        replicas = replica_report(w.trained, algo, w.ctx.comm, batches, w.autocast, False,
+                                  w.pipeline)
     if w.evaluates:
-        return evaluate(w.trained, algo.global_parameters(), batches, w.autocast,
-                        w.pipeline), None
-    return None, None
+        final = evaluate(w.trained, algo.global_parameters(), batches, w.autocast, w.pipeline)
+        if replicas:
+            replicas.update(global_eval_loss=final, final_eval_loss=final)
+        return final, replicas
+    return None, replicas
 
 
 def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float | None,

@@ -63,6 +63,8 @@ class NoLoCo(Algorithm):
             default ``"fp32"``.
         codec_block: values per power-of-two scale of the 8- and 4-bit codecs, an integer in
             [2, 65536] (even for the 4-bit ones); default 32; ignored for fp32 and bf16.
+        codec_keep: share of the values the sparse codecs (``topk``, ``dare``,
+            ``random_drop``) send, in (0, 1]; default None (their 1/8); ignored by the others.
         slow_codec: wire format of φ, ``"fp32"`` (default) or ``"bf16"``.
         seed: seed of the groups, the same on every worker; default 0.
         warn: warn (``UserWarning``) when (α, β, γ) leave the region where the paper's
@@ -84,6 +86,7 @@ class NoLoCo(Algorithm):
                  sync_every: int = 50, group_size: int = 2,
                  outer_lr: float = 0.7, outer_momentum: float = 0.5, gamma: float = 0.7,
                  nesterov: bool = False, codec: str = "fp32", codec_block: int = 32,
+                 codec_keep: float | None = None,
                  slow_codec: str = "fp32", seed: int = 0, warn: bool = True, **kwargs: Any):
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1 (got {sync_every!r})")
@@ -101,7 +104,7 @@ class NoLoCo(Algorithm):
         if warn:
             for message in convergence_warnings(outer_lr, outer_momentum, gamma, group_size):
                 warnings.warn(message, stacklevel=2)
-        self.codec = get_codec(codec, codec_block, device=comm.device)
+        self.codec = get_codec(codec, codec_block, device=comm.device, keep=codec_keep)
         self.slow_codec = get_codec(slow_codec, device=comm.device)
         super().__init__(model, inner_optimizer, comm, **kwargs)
         self.sync_every, self.group_size, self.seed = sync_every, group_size, seed

@@ -59,6 +59,25 @@ class _InFlight:
     record: dict | None = None  # the operation's counters, when restored from a checkpoint
 
 
+def send_offsets(sync_every: int, fragments: int) -> list[int]:
+    """When each fragment is sent: fragment p at the inner steps t with
+    ``t % H == floor((p + 1) · H / P) % H``.
+
+    The P sends are spread as evenly as whole steps allow, the last fragment at the end of
+    the round (t % H == 0); when P divides H they are exactly H/P apart. Two consecutive
+    sends are ``floor(H/P)`` or ``ceil(H/P)`` steps apart, so τ < ``floor(H/P)`` keeps one
+    sync in flight at a time. E.g. H = 100, P = 8: steps 12, 25, 37, 50, 62, 75, 87, 100.
+
+    Args:
+        sync_every: H, >= 1.
+        fragments: P, in [1, H].
+
+    Returns:
+        The P values of ``t % H``, fragment 0 first (distinct).
+    """
+    return [((p + 1) * sync_every // fragments) % sync_every for p in range(fragments)]
+
+
 class StreamingDiLoCo(Algorithm):
     """Streaming DiLoCo outer loop around any inner optimizer.
 
@@ -77,14 +96,18 @@ class StreamingDiLoCo(Algorithm):
         sync_every: H, inner steps between two syncs of the same fragment; an integer >= 1,
             default 100.
         fragments: P, the number of fragments the blocks are split into, an integer in
-            [1, number of blocks] that divides H (default 1: the whole model at once); or an
+            [1, number of blocks] and <= H (default 1: the whole model at once); or an
             explicit list whose items are modules, parameter names, or lists of them (see
-            [`split_fragments`][loco.algorithms.fragments.split_fragments]), whose length
-            must then divide H.
+            [`split_fragments`][loco.algorithms.fragments.split_fragments]), of length <= H.
+            Fragment p is sent at the steps of
+            [`send_offsets`][loco.algorithms.streaming_diloco.send_offsets]; P need not
+            divide H.
         pattern: how blocks are dealt out for an integer P > 1: ``"strided"`` (default, the
             paper's: block i to fragment i mod P) or ``"sequential"`` (contiguous runs).
         overlap: τ, inner steps a sync stays in flight before it is applied; an integer with
-            0 <= τ < H / P, default 1 (0: applied right after it was sent, no overlap).
+            0 <= τ < floor(H / P), the smallest gap between two sends; default 1 (0: applied
+            right after it was sent, no overlap). Workers may use different τ (the paper's
+            robustness experiment): every worker sends at the same steps and applies τ later.
         alpha: α, the share of the local parameters kept when a synced fragment is merged
             back, 0 <= α <= 1; default 0.5 (0: replaced by the global value).
         codec: wire format of the pseudo-gradients, one of
@@ -92,6 +115,8 @@ class StreamingDiLoCo(Algorithm):
             paper's). The reduction itself is fp32.
         codec_block: values per power-of-two scale of the 8- and 4-bit codecs, an integer in
             [2, 65536] (even for the 4-bit ones); default 32; ignored for fp32 and bf16.
+        codec_keep: share of the values the sparse codecs (``topk``, ``dare``,
+            ``random_drop``) send, in (0, 1]; default None (their 1/8); ignored by the others.
         outer_lr: learning rate of the outer SGD, > 0; default 0.4 (the paper's).
         outer_momentum: momentum of the outer SGD, in [0, 1); default 0.9 (the paper's).
         nesterov: Nesterov momentum (default True, the paper's) or heavy-ball (False);
@@ -115,24 +140,27 @@ class StreamingDiLoCo(Algorithm):
                  sync_every: int = 100,
                  fragments: int | Sequence = 1, pattern: str = "strided", overlap: int = 1,
                  alpha: float = 0.5, codec: str = "fp4_e3m0", codec_block: int = 32,
+                 codec_keep: float | None = None,
                  outer_lr: float = 0.4, outer_momentum: float = 0.9, nesterov: bool = True,
                  offload: bool = False, **kwargs: Any):
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1 (got {sync_every!r})")
         names = split_fragments(model, fragments, pattern)
         count = len(names)
-        if sync_every % count:
-            raise ValueError(f"fragments (P={count}) must divide sync_every (H={sync_every})")
+        if count > sync_every:
+            raise ValueError(f"fragments (P={count}) must be <= sync_every (H={sync_every}): "
+                             "at most one fragment is sent per step")
         if not isinstance(overlap, int) or not 0 <= overlap < sync_every // count:
-            raise ValueError(f"overlap (tau) must be an integer in [0, H/P) = "
-                             f"[0, {sync_every // count}) (got {overlap!r})")
+            raise ValueError(f"overlap (tau) must be an integer in [0, floor(H/P)) = "
+                             f"[0, {sync_every // count}), the smallest gap between two sends "
+                             f"(got {overlap!r})")
         if not 0 <= alpha <= 1:
             raise ValueError(f"alpha must be in [0, 1] (got {alpha!r})")
         if not outer_lr > 0:
             raise ValueError(f"outer_lr must be > 0 (got {outer_lr!r})")
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1) (got {outer_momentum!r})")
-        self.codec = get_codec(codec, codec_block, device=comm.device)
+        self.codec = get_codec(codec, codec_block, device=comm.device, keep=codec_keep)
         super().__init__(model, inner_optimizer, comm, **kwargs)
         self.sync_every, self.overlap, self.alpha = sync_every, overlap, alpha
         self.pattern = pattern
@@ -162,10 +190,9 @@ class StreamingDiLoCo(Algorithm):
                                         nesterov=nesterov and outer_momentum > 0)
             self.fragment_list.append(Fragment(p, frag_names, params, global_flat,
                                                global_params, delta, grad, optimizer))
-        # Fragment p is sent when t % H == ((p + 1) H / P) % H. Every worker derives it from
-        # the same step counter, so the same fragment is reduced everywhere without a word.
-        self._due = {((p + 1) * sync_every // count) % sync_every: f
-                     for p, f in enumerate(self.fragment_list)}
+        # Every worker derives the schedule from the same step counter, so the same fragment
+        # is reduced everywhere without a word.
+        self._due = dict(zip(send_offsets(sync_every, count), self.fragment_list))
 
     # ----------------------------------------------------------------------------- the loop
     @property

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
@@ -62,8 +63,14 @@ from loco.config import ConfigError
 DEFAULT_WORKERS = "4,8,16,32,64,128,256,512,1024"
 DEFAULT_SIGMAS = "0,0.25,0.5,1.0"
 #: 10% spread of inner-step times: a homogeneous cluster with some jitter from data loading,
-#: kernels and the host. An assumption, not a measurement: set --step-sigma for your hardware.
+#: kernels and the host. An assumption, not a measurement: set --step-sigma for your hardware,
+#: or --preset paper-fig5b for the setting of NoLoCo's Figure 5B.
 DEFAULT_STEP_SIGMA = 0.1
+PRESETS = {"paper-fig5b": {"step_sigma": math.sqrt(0.5)}}
+"""Named settings of ``loco simulate latency``. ``paper-fig5b`` is NoLoCo's Figure 5B
+(Kolehmainen et al. 2025): inner-step times log-normal with σ² = 0.5, the variance of the
+log of a step time (σ_s = √0.5 ≈ 0.707), where the all-reduce/pair slowdown ratio is about
+1.2 at H = 100. An explicit ``--step-sigma`` overrides it."""
 DEFAULT_SYNC_EVERY = "1,10,50,100,500"
 DEFAULT_TRIALS = 100
 DEFAULT_SEED = 0
@@ -316,6 +323,8 @@ class Options:
         sync_every: the values of H, each >= 1, sorted.
         trials: Monte Carlo rounds, >= 1.
         seed: seed of the draws, >= 0.
+        preset: the name of the [`PRESETS`][loco.simulate.latency.PRESETS] entry the
+            options came from, or None (default) for none.
     """
 
     workers: list[int]
@@ -324,6 +333,7 @@ class Options:
     sync_every: list[int]
     trials: int
     seed: int
+    preset: str | None = None
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -334,10 +344,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sigmas", default=DEFAULT_SIGMAS, metavar="X,X,...",
                         help="spreads σ of the log-normal message times (mean t_c), each in "
                         f"[0, {MAX_SIGMA:g}] (default: {DEFAULT_SIGMAS})")
-    parser.add_argument("--step-sigma", type=float, default=DEFAULT_STEP_SIGMA, metavar="X",
-                        help="spread σ_s of the log-normal inner-step times (mean 1), in "
-                        f"[0, {MAX_SIGMA:g}] (default: {DEFAULT_STEP_SIGMA}: 10%% jitter, an "
-                        "assumption for a homogeneous cluster)")
+    parser.add_argument("--step-sigma", type=float, default=None, metavar="X",
+                        help="spread σ_s of the log-normal inner-step times (mean 1; σ_s is "
+                        f"the standard deviation of the log of a step time), in [0, "
+                        f"{MAX_SIGMA:g}] (default: {DEFAULT_STEP_SIGMA}: 10%% jitter, an "
+                        "assumption for a homogeneous cluster; the preset's value with "
+                        "--preset)")
+    parser.add_argument("--preset", choices=tuple(PRESETS), default=None,
+                        help="a named setting: paper-fig5b is NoLoCo's Figure 5B, inner-step "
+                        "spread σ_s² = 0.5 (σ_s ≈ 0.707); an explicit --step-sigma wins "
+                        "(default: none)")
     parser.add_argument("--sync-every", default=DEFAULT_SYNC_EVERY, metavar="H,H,...",
                         help=f"inner steps H between syncs, each >= 1 (default: "
                         f"{DEFAULT_SYNC_EVERY})")
@@ -370,27 +386,34 @@ def parse_options(args: argparse.Namespace) -> Options:
 
     Args:
         args: parsed flags of ``loco simulate latency``: ``workers``, ``sigmas`` and
-            ``sync_every`` as comma-separated strings, ``step_sigma``, ``trials``, ``seed``.
+            ``sync_every`` as comma-separated strings, ``step_sigma`` (None: the preset's or
+            the default), ``trials``, ``seed``, and optionally ``preset``.
 
     Raises:
         ConfigError: a value that does not parse or is out of range (see
             [`Options`][loco.simulate.latency.Options]).
     """
+    preset = getattr(args, "preset", None)
+    if preset is not None and preset not in PRESETS:
+        raise ConfigError("preset", f"must be one of {', '.join(PRESETS)}, got {preset!r}")
+    step_sigma = args.step_sigma
+    if step_sigma is None:
+        step_sigma = PRESETS[preset]["step_sigma"] if preset else DEFAULT_STEP_SIGMA
     return Options(
         workers=[_check_workers(n) for n in _parse_list(args.workers, int, "workers")],
         sigmas=[_check_sigma(s, "sigmas") for s in _parse_list(args.sigmas, float, "sigmas")],
-        step_sigma=_check_sigma(args.step_sigma, "step_sigma"),
+        step_sigma=_check_sigma(step_sigma, "step_sigma"),
         sync_every=[_check_at_least_one(h, "sync_every")
                     for h in _parse_list(args.sync_every, int, "sync_every")],
         trials=_check_at_least_one(args.trials, "trials"),
-        seed=_check_seed(args.seed))
+        seed=_check_seed(args.seed), preset=preset)
 
 
 def simulate(opts: Options) -> dict:
     """Both models over the options' grid: the numbers ``--json`` prints (less ``plot``).
 
     Keys: the options (``workers``, ``sigmas``, ``step_sigma``, ``sync_every``, ``trials``,
-    ``seed``; lists sorted, duplicates dropped); ``latency_ratio``: one row per N, one column
+    ``seed``, ``preset``; lists sorted, duplicates dropped); ``latency_ratio``: one row per N, one column
     per σ; ``straggler_slowdown``: ``allreduce`` (one row per N, one column per H), ``pair``
     (one value per H) and ``allreduce_over_pair`` (shaped as ``allreduce``). ``run`` adds
     ``plot``: the PNG's path, or null.
@@ -433,7 +456,9 @@ def format_tables(result: dict) -> str:
                "t_c, spread σ; log2 N at σ = 0)", "N", sigmas,
                list(zip(names, result["latency_ratio"])), 2),
         _table(f"straggler slowdown: E[time per outer step] / (H · mean step time), inner-step "
-               f"spread σ_s = {result['step_sigma']:g} (rows N: all-reduce over N workers)",
+               f"spread σ_s = {result['step_sigma']:.4g}"
+               + (f" (preset {result['preset']})" if result.get("preset") else "")
+               + " (rows N: all-reduce over N workers)",
                "N", hs, [*zip(names, slow["allreduce"]), ("pair", slow["pair"])], 3),
         _table("all-reduce slowdown / pair slowdown", "N", hs,
                list(zip(names, slow["allreduce_over_pair"])), 3)])

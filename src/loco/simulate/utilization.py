@@ -6,10 +6,12 @@ then the backward pass in reverse, each layer's backward split into its activati
 and its weight gradient. For **data-parallel**, a layer's gradient reduction starts as soon as
 its weight gradient is ready and overlaps the rest of the backward pass; the next step's forward
 of that layer waits for the reduction. **DiLoCo** reduces the whole model once every H steps,
-and the next step waits for it. **Streaming DiLoCo** splits the model into P fragments of
-``layers_per_fragment`` layers and reduces one fragment every H/P steps; without overlap the
-next step waits for it, with overlap τ the reduction runs under the next τ steps of compute.
-**FP4** is Streaming DiLoCo with overlap sending 4-bit values instead of 16-bit ones.
+and **Streaming DiLoCo** splits it into P fragments of ``layers_per_fragment`` layers, one
+sent about every H/P steps. For every method the reductions live in the same per-layer graph:
+a layer's (outer) gradient is reduced as soon as its last use in the step (its weight
+gradient) is done, overlapping the rest of that backward pass, and the next use of that layer
+(its forward pass in the next step, or τ steps later with overlap τ) waits for it. **FP4** is
+Streaming DiLoCo with overlap sending 4-bit values instead of 16-bit ones.
 
 The simulator is a discrete-event timeline with two resources per worker: a compute stream
 that runs one operation at a time, in program order, and one network link that carries one
@@ -41,17 +43,24 @@ Assumptions the paper leaves open, and how they are chosen here:
    ``fp4_bits``, 4, for the FP4 variant); the reduction's arithmetic costs nothing.
 4. **Data-parallel reductions** are one all-reduce per layer (no bucketing), issued in the
    order the weight gradients are ready; the optimizer update is instantaneous.
-5. **Outer reductions** (DiLoCo, Streaming) start once the whole step that ends the inner
-   phase has finished (after its inner optimizer step), not per layer, and are applied at a
-   step boundary: without overlap the next step waits for them as a whole.
-6. **Overlap τ**: a reduction issued after step t must be done before step t+τ+1 starts, i.e.
-   it runs under the compute of steps t+1..t+τ; τ = 0 is Streaming without overlap. Later
-   reductions queue behind it on the link, and compute stalls only when one is late.
-7. **Fragments**: P = ceil(layers / layers_per_fragment); the last fragment holds the layers
-   left over. Fragment p (0-based) is reduced after step ceil((p+1)·H/P) − 1 of each round,
-   so the gaps are floor or ceil of H/P when P does not divide H, and the last fragment ends
-   the round. τ must stay below H/P, as in training.
-8. **Unreachable targets**: latency alone caps CU (every reduction costs 2(W−1)·latency even
+5. **Outer reductions** (DiLoCo, Streaming) are per layer, like data-parallel's: in the step
+   t that sends a fragment, each of its layers is reduced by its own all-reduce, issued when
+   that layer's weight gradient is done (the layer's last use in step t; its inner update is
+   instantaneous), in backward order, on the same FIFO link. The merge is instantaneous.
+6. **Overlap τ**: the forward pass of layer l in step t+τ+1 waits for layer l's reduction
+   issued in step t, so it runs under the rest of step t's backward pass, the compute of
+   steps t+1..t+τ and step t+τ+1 up to layer l; τ = 0 is Streaming without overlap. The
+   simulator takes any integer τ in [0, H) (several fragments in flight once τ >= floor(H/P),
+   as the paper's Figure 9 does), though loco's trainer requires τ < floor(H/P).
+7. **Fragments**: P = ceil(layers / layers_per_fragment) <= H; strided by default (layer i
+   in fragment i % P, the paper's choice) or sequential (contiguous runs, the last holding
+   the layers left over). Fragment p (0-based) is sent at the inner steps t (counted from 1)
+   with t % H == ((p+1)·H // P) % H: P distinct steps spread evenly, gaps floor(H/P) or one
+   more, the last fragment at the end of the round; DiLoCo is P = 1.
+8. **Steady state**: when the link cannot carry a window's reductions within its wall
+   time, CU is capped at compute time / link time, the long-run rate (a large τ would
+   otherwise push the stalls past the window).
+9. **Unreachable targets**: latency alone caps CU (every reduction costs 2(W−1)·latency even
    at infinite bandwidth); a target above that cap needs ``math.inf`` Gbit/s (``null`` in
    the JSON, "unreachable" in the table).
 """
@@ -76,9 +85,10 @@ overlap τ, and with overlap and FP4 values."""
 LABELS = {"data_parallel": "Data-parallel", "diloco": "DiLoCo", "streaming": "Streaming DiLoCo",
           "streaming_overlap": "Streaming DiLoCo, overlap",
           "streaming_overlap_fp4": "Streaming DiLoCo, overlap, FP4"}
-#: DiLoCo and Streaming without overlap send the same bytes, blocking, so their curves coincide:
-#: DiLoCo is drawn dashed on top.
 STYLES = {"diloco": {"linestyle": "--", "zorder": 3}}
+PATTERNS = ("strided", "sequential")
+"""How layers are grouped into Streaming fragments: strided (layer i in fragment i % P, the
+paper's choice and the default) or sequential (contiguous runs)."""
 TARGETS = (0.5, 0.8, 0.9, 0.95, 0.99)
 """The compute utilizations the table finds the bandwidth for, by default."""
 WARMUP_PERIODS = 2
@@ -110,6 +120,29 @@ PRESETS = {"1b": ModelSpec("1b", 24, 0.1, 1e9), "10b": ModelSpec("10b", 48, 0.8,
            "100b": ModelSpec("100b", 108, 4.9, 1e11)}
 """The Streaming DiLoCo paper's three models: layers and step times as it gives them."""
 
+PAPER_TABLE4 = {
+    "1b": {"data_parallel": (86.8, 152.6, 184.2, 222.3, 569.0),
+           "diloco": (1.4, 6.2, 13.3, 23.3, 86.8),
+           "streaming": (1.4, 5.2, 9.1, 16.0, 28.1),
+           "streaming_overlap": (1.4, 4.3, 6.2, 9.1, 11.0),
+           "streaming_overlap_fp4": (0.4, 0.9, 1.7, 2.0, 3.0)},
+    "10b": {"data_parallel": (104.8, 222.3, 222.3, 268.3, 471.5),
+            "diloco": (1.7, 7.5, 16.0, 33.9, 104.8),
+            "streaming": (1.7, 5.2, 9.1, 13.3, 19.3),
+            "streaming_overlap": (1.7, 3.6, 5.2, 6.2, 7.5),
+            "streaming_overlap_fp4": (0.4, 0.9, 1.4, 1.4, 1.7)},
+    "100b": {"data_parallel": (184.2, 323.8, 390.7, 390.7, 471.5),
+             "diloco": (3.0, 11.0, 23.3, 49.4, 184.2),
+             "streaming": (2.4, 6.2, 9.1, 11.0, 19.3),
+             "streaming_overlap": (1.7, 3.6, 4.3, 5.2, 5.2),
+             "streaming_overlap_fp4": (0.5, 0.9, 1.1, 1.1, 1.4)},
+}
+"""Table 4 of the Streaming DiLoCo paper (Douillard et al. 2025, arXiv 2501.18512): the
+bandwidth in Gbit/s each method needs for 50, 80, 90, 95 and 99% CU (H = 100, 3-layer
+fragments, τ = 1). Its values lie on a geometric grid about 21% apart (close to
+``numpy.logspace(-1, 3, 50)``), so each is presumably the first grid bandwidth that reaches
+the target: the exact threshold may be up to 21% lower."""
+
 
 @dataclass(frozen=True)
 class Settings:
@@ -121,12 +154,16 @@ class Settings:
         layers_per_fragment: layers in each Streaming fragment, in [1, layers]; default 3.
             P = ceil(layers / layers_per_fragment).
         overlap: τ, steps of compute a Streaming reduction runs under before it must be
-            merged, in [0, H/P); default 1.
+            merged, an integer in [0, H); default 1. loco's trainer needs τ < floor(H/P)
+            (one fragment in flight); the simulator also takes larger τ, several fragments
+            in flight, as the paper's Figure 9 does.
         bits: bits per value on the wire for every method but the FP4 variant, in
             [1, 64]; default 16.
         fp4_bits: bits per value for ``streaming_overlap_fp4``, in [1, 64]; default 4.
         workers: W, workers in the ring all-reduce, >= 2; default 2.
         latency_s: one-way latency per message in seconds, finite and >= 0; default 0.
+        pattern: how layers are grouped into fragments, one of
+            [`PATTERNS`][loco.simulate.utilization.PATTERNS]; default ``"strided"``.
     """
 
     H: int = 100
@@ -136,6 +173,7 @@ class Settings:
     fp4_bits: int = 4
     workers: int = 2
     latency_s: float = 0.0
+    pattern: str = "strided"
 
 
 def fragments(spec: ModelSpec, layers_per_fragment: int) -> int:
@@ -143,9 +181,74 @@ def fragments(spec: ModelSpec, layers_per_fragment: int) -> int:
 
     Args:
         spec: the model.
-        layers_per_fragment: layers in each fragment, >= 1.
+        layers_per_fragment: layers in each fragment, an integer >= 1.
     """
     return math.ceil(spec.layers / layers_per_fragment)
+
+
+def send_offsets(H: int, P: int) -> list[int]:
+    """When each fragment is sent: fragment p (0-based) at the inner steps t (counted after
+    the t-th step, from 1) with ``t % H == send_offsets(H, P)[p]``.
+
+    The offsets are ``((p + 1) · H // P) % H`` (floor rounding), the schedule of loco's
+    Streaming DiLoCo: with P <= H they are P distinct steps spread evenly over a round, and
+    the last fragment is sent at the end of the round (offset 0). When P divides H this is one
+    fragment every H/P steps.
+
+    Args:
+        H: inner steps per round, an integer >= 1.
+        P: fragments, an integer in [1, H].
+
+    Returns:
+        P offsets, each in [0, H).
+    """
+    return [((p + 1) * H // P) % H for p in range(P)]
+
+
+def smallest_gap(H: int, P: int) -> int:
+    """floor(H / P): the fewest inner steps between two consecutive fragment sends of
+    [`send_offsets`][loco.simulate.utilization.send_offsets] (the gaps, cyclically, are
+    floor((p+2)H/P) − floor((p+1)H/P), each floor(H/P) or that plus one).
+
+    Args:
+        H: inner steps per round, an integer >= 1.
+        P: fragments, an integer in [1, H].
+    """
+    return H // P
+
+
+def fragment_layers(layers: int, layers_per_fragment: int,
+                    pattern: str = "strided") -> list[list[int]]:
+    """The layers (0 = the first in the forward pass) of each of the P fragments.
+
+    Args:
+        layers: L, an integer >= 1.
+        layers_per_fragment: an integer in [1, L]; P = ceil(L / layers_per_fragment).
+        pattern: ``"strided"`` (default; layer i goes to fragment i % P, the paper's choice)
+            or ``"sequential"`` (contiguous runs of ``layers_per_fragment`` layers, the last
+            one holding what is left over).
+
+    Raises:
+        ValueError: an unknown ``pattern``.
+    """
+    P = math.ceil(layers / layers_per_fragment)
+    if pattern == "strided":
+        return [list(range(p, layers, P)) for p in range(P)]
+    if pattern == "sequential":
+        return [list(range(p * layers_per_fragment, min(layers, (p + 1) * layers_per_fragment)))
+                for p in range(P)]
+    raise ValueError(f"unknown pattern {pattern!r}; choose from {', '.join(PATTERNS)}")
+
+
+def _integer(value: Any, option: str, low: int, high: int | None = None,
+             what: str = "") -> int:
+    """``value`` as an int if it is an integer in [low, high]; else a ConfigError."""
+    ok = (not isinstance(value, bool) and isinstance(value, (int, np.integer))
+          and low <= value and (high is None or value <= high))
+    if not ok:
+        bound = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ConfigError(option, f"must be an integer {bound}{what}, got {value!r}")
+    return int(value)
 
 
 def check(spec: ModelSpec, settings: Settings) -> None:
@@ -155,37 +258,37 @@ def check(spec: ModelSpec, settings: Settings) -> None:
         spec: the model; ``layers`` an integer >= 1, ``step_time`` and ``params`` finite and
             > 0.
         settings: the method options, in the ranges [`Settings`][loco.simulate.utilization.Settings]
-            gives (``overlap`` below H/P for this model's P).
+            gives (integers where they count steps, layers, bits or workers; at most H
+            fragments; ``overlap`` below H).
 
     Raises:
         ConfigError: an option out of range (``loco.config.ConfigError``).
     """
     s = settings
-    if isinstance(spec.layers, bool) or not isinstance(spec.layers, int) or spec.layers < 1:
-        raise ConfigError("layers", f"must be an integer >= 1, got {spec.layers}")
+    _integer(spec.layers, "layers", 1)
     if not spec.step_time > 0 or math.isinf(spec.step_time):
         raise ConfigError("step_time", f"seconds per step must be finite and > 0, "
                           f"got {spec.step_time}")
     if not spec.params > 0 or math.isinf(spec.params):
         raise ConfigError("params", f"must be finite and > 0, got {spec.params}")
-    if s.H < 1:
-        raise ConfigError("sync_every", f"H must be >= 1, got {s.H}")
-    if not 1 <= s.layers_per_fragment <= spec.layers:
-        raise ConfigError("layers_per_fragment", f"must be in [1, {spec.layers}] (the layers "
-                          f"of {spec.name}), got {s.layers_per_fragment}")
-    period = s.H / fragments(spec, s.layers_per_fragment)
-    if not 0 <= s.overlap < period:
-        raise ConfigError("overlap", f"tau must be in [0, H/P) = [0, {period:g}) for "
-                          f"{spec.name} (P = {fragments(spec, s.layers_per_fragment)} "
-                          f"fragments), got {s.overlap}")
+    H = _integer(s.H, "sync_every", 1, what=" (H counts inner steps)")
+    _integer(s.layers_per_fragment, "layers_per_fragment", 1, spec.layers,
+             f" (the layers of {spec.name})")
+    P = fragments(spec, s.layers_per_fragment)
+    if P > H:
+        raise ConfigError("layers_per_fragment", f"gives P = {P} fragments for {spec.name}, "
+                          f"more than H = {H}: every fragment needs its own send step "
+                          f"(P <= H); use more layers per fragment or a larger H")
+    _integer(s.overlap, "overlap", 0, H - 1,
+             f" (tau counts inner steps and must stay below H = {H}, so that a fragment is "
+             f"merged before it is sent again)")
     for option in ("bits", "fp4_bits"):
-        if not 1 <= getattr(s, option) <= 64:
-            raise ConfigError(option, f"must be in [1, 64], got {getattr(s, option)}")
-    if s.workers < 2:
-        raise ConfigError("workers", f"must be >= 2 (one worker has nobody to talk to), "
-                          f"got {s.workers}")
+        _integer(getattr(s, option), option, 1, 64)
+    _integer(s.workers, "workers", 2, what=" (one worker has nobody to talk to)")
     if not 0 <= s.latency_s < math.inf:
         raise ConfigError("latency", f"seconds must be finite and >= 0, got {s.latency_s}")
+    if s.pattern not in PATTERNS:
+        raise ConfigError("pattern", f"must be one of {', '.join(PATTERNS)}, got {s.pattern!r}")
 
 
 @dataclass(frozen=True)
@@ -194,15 +297,18 @@ class Plan:
 
     ``issues[i]`` are the reductions issued when operation i ends, ``waits[i]`` those that must
     be done before it starts; ``window`` is the measured range of operations [first, end).
+    Consecutive operations with no reduction between them are merged into one (the timeline
+    is the same), so an operation may span many layers or whole steps.
 
     Args:
         durations: seconds of every compute operation, in program order.
         issues: operation index -> indices (into ``transfer_bytes``) of the reductions
-            issued when it ends.
+            issued when it ends, in issue order.
         waits: operation index -> indices of the reductions that must be done before it
             starts.
         transfer_bytes: the bytes of every reduction.
-        window: ``(first, end)``, the operations measured.
+        window: ``(first, end)``, the operations measured: ``first`` starts the first
+            measured step, ``end`` the step after the last.
     """
 
     durations: list[float]
@@ -212,11 +318,53 @@ class Plan:
     window: tuple[int, int]
 
 
-def _link(plan: Plan, after: int, before: int, nbytes: float) -> None:
-    k = len(plan.transfer_bytes)
-    plan.transfer_bytes.append(nbytes)
-    plan.issues.setdefault(after, []).append(k)
-    plan.waits.setdefault(before, []).append(k)
+def _layer_graph_plan(spec: ModelSpec, steps: int, window: tuple[int, int],
+                      reductions: list[tuple[int, int, int, float]]) -> Plan:
+    """The per-layer graph of ``steps`` training steps with ``reductions``.
+
+    Each step is F_0..F_{L−1}, then A_{L−1}, W_{L−1}, ..., A_0, W_0, each a third of the step
+    divided by L. A reduction ``(step, layer, wait_step, nbytes)`` is issued when W_layer of
+    ``step`` ends, and F_layer of ``wait_step`` waits for it (none if ``wait_step`` >=
+    ``steps``). ``window`` is in steps.
+    """
+    L = spec.layers
+    per_step, op = 3 * L, spec.step_time / (3 * L)
+    issue_at: dict[int, list[int]] = {}
+    wait_at: dict[int, list[int]] = {}
+    transfer_bytes = []
+    for step, layer, wait_step, nbytes in sorted(
+            reductions, key=lambda r: (r[0], L - 1 - r[1])):  # issue order: W_{L-1} first
+        k = len(transfer_bytes)
+        transfer_bytes.append(nbytes)
+        issue_at.setdefault(step * per_step + L + 2 * (L - 1 - layer) + 1, []).append(k)
+        if wait_step < steps:
+            wait_at.setdefault(wait_step * per_step + layer, []).append(k)
+    barriers = {window[0] * per_step, window[1] * per_step}
+    busy_steps = {i // per_step for i in (*issue_at, *wait_at, *barriers)}
+    durations: list[float] = []
+    issues: dict[int, list[int]] = {}
+    waits: dict[int, list[int]] = {}
+    index = {}
+    merge = False  # may the next operation join the last one?
+    for step in range(steps):
+        base = step * per_step
+        ops = range(base, base + per_step) if step in busy_steps else (base,)
+        duration = op if step in busy_steps else spec.step_time
+        for i in ops:
+            waited = wait_at.get(i)
+            if merge and not waited and i not in barriers:
+                durations[-1] += duration
+            else:
+                durations.append(duration)
+                if waited:
+                    waits[len(durations) - 1] = waited
+            index[i] = len(durations) - 1
+            issued = issue_at.get(i)
+            if issued:
+                issues[len(durations) - 1] = issued
+            merge = not issued
+    return Plan(durations, issues, waits, transfer_bytes,
+                (index[window[0] * per_step], index[window[1] * per_step]))
 
 
 def data_parallel_plan(spec: ModelSpec, bits: int) -> Plan:
@@ -225,44 +373,45 @@ def data_parallel_plan(spec: ModelSpec, bits: int) -> Plan:
 
     Args:
         spec: the model.
-        bits: bits per value on the wire.
+        bits: bits per value on the wire, in [1, 64].
     """
-    L, op = spec.layers, spec.step_time / (3 * spec.layers)
     steps = WARMUP_PERIODS + MEASURED_PERIODS + 1
-    per_step = 3 * L
-    plan = Plan([op] * (per_step * steps), {}, {}, [],
-                (WARMUP_PERIODS * per_step, (steps - 1) * per_step))
-    for step in range(steps - 1):
-        base = step * per_step
-        for l in reversed(range(L)):
-            weight_grad = base + L + 2 * (L - 1 - l) + 1
-            _link(plan, weight_grad, base + per_step + l, spec.params / L * bits / 8)
-    return plan
+    per_layer = spec.params / spec.layers * bits / 8
+    reductions = [(s, layer, s + 1, per_layer) for s in range(steps - 1)
+                  for layer in range(spec.layers)]
+    return _layer_graph_plan(spec, steps, (WARMUP_PERIODS, steps - 1), reductions)
 
 
-def outer_plan(spec: ModelSpec, H: int, fragment_layers: list[int], overlap: int,
+def outer_plan(spec: ModelSpec, H: int, fragment_layers: list[list[int]], overlap: int,
                bits: int) -> Plan:
-    """Step-level graph of H-step rounds: fragment p's reduction is issued after step
-    ceil((p+1)·H/P) − 1 of each round and step t+overlap+1 waits for it (DiLoCo: one
-    fragment of every layer, overlap 0).
+    """Per-layer graph of H-step rounds with outer reductions (DiLoCo: one fragment holding
+    every layer, overlap 0).
+
+    Fragment p is sent after the inner steps t with ``t % H == ((p+1)·H // P) % H`` (see
+    [`send_offsets`][loco.simulate.utilization.send_offsets]). Each of its layers is reduced
+    by its own all-reduce, issued as soon as that layer's weight gradient (its last use in
+    step t) is done, in the order the backward pass reaches them, on the link data-parallel
+    would use; the forward pass of that layer in step t+overlap+1 (the next use of the
+    merged values) waits for it.
 
     Args:
         spec: the model.
-        H: inner steps per round, >= 1.
-        fragment_layers: the layers of each of the P fragments.
-        overlap: τ, steps a reduction runs under, in [0, H/P).
-        bits: bits per value on the wire.
+        H: inner steps per round, an integer >= 1.
+        fragment_layers: the layers of each of the P fragments (P <= H).
+        overlap: τ, the steps a reduction runs under before it is merged, in [0, H).
+        bits: bits per value on the wire, in [1, 64].
     """
     P = len(fragment_layers)
+    sending: dict[int, list[int]] = {}
+    for p, offset in enumerate(send_offsets(H, P)):
+        sending.setdefault(offset, []).append(p)
     steps = (WARMUP_PERIODS + MEASURED_PERIODS) * H + 1
-    plan = Plan([spec.step_time] * steps, {}, {}, [],
-                (WARMUP_PERIODS * H, (WARMUP_PERIODS + MEASURED_PERIODS) * H))
-    for round_start in range(0, steps - 1, H):
-        for p, n_layers in enumerate(fragment_layers):
-            t = round_start + math.ceil((p + 1) * H / P) - 1
-            if t + overlap + 1 < steps:
-                _link(plan, t, t + overlap + 1, spec.params * n_layers / spec.layers * bits / 8)
-    return plan
+    per_layer = spec.params / spec.layers * bits / 8
+    reductions = [(s, layer, s + overlap + 1, per_layer) for s in range(steps - 1)
+                  for p in sending.get((s + 1) % H, ()) for layer in fragment_layers[p]]
+    return _layer_graph_plan(spec, steps,
+                             (WARMUP_PERIODS * H, (WARMUP_PERIODS + MEASURED_PERIODS) * H),
+                             reductions)
 
 
 def plan_for(method: str, spec: ModelSpec, settings: Settings) -> Plan:
@@ -281,15 +430,13 @@ def plan_for(method: str, spec: ModelSpec, settings: Settings) -> Plan:
     if method == "data_parallel":
         return data_parallel_plan(spec, s.bits)
     if method == "diloco":
-        return outer_plan(spec, s.H, [spec.layers], 0, s.bits)
+        return outer_plan(spec, s.H, [list(range(spec.layers))], 0, s.bits)
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; choose from {', '.join(METHODS)}")
-    P = fragments(spec, s.layers_per_fragment)
-    sizes = [min(s.layers_per_fragment, spec.layers - p * s.layers_per_fragment)
-             for p in range(P)]
+    layers = fragment_layers(spec.layers, s.layers_per_fragment, s.pattern)
     overlap = 0 if method == "streaming" else s.overlap
     bits = s.fp4_bits if method == "streaming_overlap_fp4" else s.bits
-    return outer_plan(spec, s.H, sizes, overlap, bits)
+    return outer_plan(spec, s.H, layers, overlap, bits)
 
 
 def allreduce_seconds(nbytes: float, bandwidth_gbps: float, workers: int,
@@ -313,6 +460,11 @@ def allreduce_seconds(nbytes: float, bandwidth_gbps: float, workers: int,
 def simulate(plan: Plan, bandwidth_gbps: float, workers: int, latency_s: float) -> float:
     """Run the timeline; return compute time / wall time over the measured window.
 
+    The window covers whole periods, so the link must carry the reductions issued in it
+    within its wall time in the long run. When it cannot, the link is the bottleneck, and a
+    large overlap would only postpone the stalls past a finite window: the result is then
+    capped at the window's compute time / its link time (the long-run rate).
+
     Args:
         plan: one worker's program.
         bandwidth_gbps: each worker's link in Gbit/s, > 0; ``math.inf`` allowed.
@@ -335,12 +487,14 @@ def simulate(plan: Plan, bandwidth_gbps: float, workers: int, latency_s: float) 
             link_free = done[k] = max(now, link_free) + cost[k]
     first, end = plan.window
     busy = sum(plan.durations[first:end])
-    return min(1.0, busy / (starts[end] - starts[first]))
+    link = sum(cost[k] for i in range(first, end) for k in plan.issues.get(i, ()))
+    return min(1.0, busy / (starts[end] - starts[first]), busy / link if link > 0 else 1.0)
 
 
 def utilization(method: str, spec: ModelSpec, bandwidth_gbps: float, *, H: int = 100,
                 layers_per_fragment: int = 3, overlap: int = 1, bits: int = 16,
-                fp4_bits: int = 4, workers: int = 2, latency_s: float = 0.0) -> float:
+                fp4_bits: int = 4, workers: int = 2, latency_s: float = 0.0,
+                pattern: str = "strided") -> float:
     """Compute utilization in [0, 1] of ``method`` on ``spec`` with a link of
     ``bandwidth_gbps`` Gbit/s per worker (``math.inf`` allowed).
 
@@ -351,17 +505,18 @@ def utilization(method: str, spec: ModelSpec, bandwidth_gbps: float, *, H: int =
             allowed.
         H: inner steps between two syncs of the same parameters, >= 1; default 100.
         layers_per_fragment: layers per Streaming fragment, in [1, layers]; default 3.
-        overlap: τ, in [0, H/P); default 1.
+        overlap: τ, an integer in [0, H); default 1.
         bits: bits per value on the wire, in [1, 64]; default 16.
         fp4_bits: bits per value of the FP4 variant, in [1, 64]; default 4.
         workers: W, workers in the ring all-reduce, >= 2; default 2.
         latency_s: one-way latency per message in seconds, finite and >= 0; default 0.
+        pattern: ``"strided"`` (default) or ``"sequential"`` fragments.
 
     Raises:
         ConfigError: an option out of range (see [`check`][loco.simulate.utilization.check]).
         ValueError: ``bandwidth_gbps`` <= 0 or an unknown ``method``.
     """
-    s = Settings(H, layers_per_fragment, overlap, bits, fp4_bits, workers, latency_s)
+    s = Settings(H, layers_per_fragment, overlap, bits, fp4_bits, workers, latency_s, pattern)
     check(spec, s)
     if not bandwidth_gbps > 0:
         raise ValueError(f"bandwidth must be > 0 Gbit/s, got {bandwidth_gbps}")
@@ -382,7 +537,7 @@ def required_bandwidth(method: str, spec: ModelSpec, target: float, *, rel_tol: 
         rel_tol: relative precision of the result, > 0; default 1e-6.
         **settings: the fields of [`Settings`][loco.simulate.utilization.Settings] (``H``,
             ``layers_per_fragment``, ``overlap``, ``bits``, ``fp4_bits``, ``workers``,
-            ``latency_s``); the defaults for those left out.
+            ``latency_s``, ``pattern``); the defaults for those left out.
 
     Raises:
         ConfigError: ``target`` or a setting out of range.
@@ -413,6 +568,11 @@ def required_bandwidth(method: str, spec: ModelSpec, target: float, *, rel_tol: 
 
 
 def target_key(target: float) -> str:
+    """The key of a target CU in the results: ``f"{target:g}"`` (0.95 -> ``"0.95"``).
+
+    Args:
+        target: a compute utilization in (0, 1).
+    """
     return f"{target:g}"
 
 
@@ -514,8 +674,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: 3)")
     parser.add_argument("--overlap", type=int, default=1,
                         help="tau: steps of compute a Streaming reduction may run under before "
-                        "it must be merged, 0 <= tau < H/P; hides transfer time at the cost "
-                        "of staler fragments (default: 1)")
+                        "it must be merged, an integer 0 <= tau < H; hides transfer time at "
+                        "the cost of staler fragments. loco's trainer needs tau < floor(H/P) "
+                        "(one fragment in flight); larger tau, as in the paper's Figure 9, "
+                        "puts several in flight (default: 1)")
+    parser.add_argument("--pattern", choices=PATTERNS, default="strided",
+                        help="how layers form Streaming fragments: strided (layer i in "
+                        "fragment i %% P, the paper's choice) or sequential (contiguous runs) "
+                        "(default: strided)")
     parser.add_argument("--bits", type=int, default=16,
                         help="bits per value on the wire for every method but the FP4 variant "
                         "(default: 16)")
@@ -571,15 +737,28 @@ def _format(gbps: float) -> str:
 
 def format_table(results: dict[str, dict[str, dict[str, float]]], specs: dict[str, ModelSpec],
                  targets: tuple[float, ...], s: Settings) -> str:
+    """The readable table of ``loco simulate utilization``: one block per model.
+
+    Args:
+        results: what [`table`][loco.simulate.utilization.table] returned.
+        specs: the models by name, as given to ``table``.
+        targets: the target CUs, as given to ``table``.
+        s: the settings the results were computed with.
+    """
     lines = [f"Bandwidth per worker (Gbit/s) needed to reach each compute utilization "
-             f"(H={s.H}, {s.layers_per_fragment} layers per fragment, tau={s.overlap}, "
+             f"(H={s.H}, {s.layers_per_fragment} layers per fragment, {s.pattern}, "
+             f"tau={s.overlap}, "
              f"{s.bits}-bit values, FP4 variant {s.fp4_bits}-bit, ring all-reduce over "
              f"{s.workers} workers, latency {s.latency_s:g} s)"]
     width = max(len(m) for m in METHODS)
     for name, spec in specs.items():
         P = fragments(spec, s.layers_per_fragment)
+        gap = smallest_gap(s.H, P)
+        gaps = f"{gap}" if s.H % P == 0 else f"{gap} or {gap + 1}"
         lines += ["", f"{name}: {spec.describe()}; Streaming: {P} fragments, one every "
-                  f"{s.H / P:.3g} steps",
+                  f"{gaps} steps"
+                  + (f"; tau={s.overlap} >= {gap}: up to {s.overlap // gap + 1} fragments in "
+                     f"flight (loco's trainer allows one)" if s.overlap >= gap else ""),
                   f"{'method':<{width}}" + "".join(f"{100 * t:>12g}%" for t in targets)]
         for method, row in results[name].items():
             lines.append(f"{method:<{width}}" + "".join(f"{_format(row[target_key(t)]):>13}"
@@ -601,7 +780,7 @@ def run(args: argparse.Namespace) -> int:
     specs = _specs(args)
     targets = _targets(args.targets)
     s = Settings(args.sync_every, args.layers_per_fragment, args.overlap, args.bits,
-                 args.fp4_bits, args.workers, args.latency)
+                 args.fp4_bits, args.workers, args.latency, args.pattern)
     for spec in specs.values():
         check(spec, s)
     settings = asdict(s)
