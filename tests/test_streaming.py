@@ -368,3 +368,12 @@ def test_a_codec_that_cannot_run_on_the_device_fails_at_construction(method, mon
             assert cls(model, make_optimizer(model), comm, sync_every=12, codec="fp4_e2m1")
         finally:
             comm.close()
+
+
+def test_the_simulator_and_training_send_fragments_at_the_same_steps():
+    """The utilization simulator models training's schedule, also for P not dividing H."""
+    from loco.algorithms.streaming_diloco import send_offsets
+    from loco.simulate.utilization import send_offsets as simulated
+
+    for h, p in [(100, 8), (30, 8), (100, 36), (12, 12), (7, 3), (50, 2), (1, 1)]:
+        assert simulated(h, p) == send_offsets(h, p)
