@@ -343,3 +343,27 @@ def test_resume_refuses_changed_options_and_names_a_corrupt_file(finished, capsy
     assert main(["train", "--resume", str(finished)]) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "rank0001.pt is corrupt or truncated" in err
+
+
+def test_a_resumed_rank_discards_its_uncommitted_files_first(tmp_path):
+    """A failed attempt may leave rank files of a step it never committed. The resumed
+    attempt writes that step again; its lead must not count an old file as a new one, so
+    each rank removes its own uncommitted files when it resumes."""
+    out = str(tmp_path)
+    for step in (4, 8):
+        for rank in (0, 1):
+            checkpoint.save_rank(out, step, rank, {"step": step})
+    checkpoint.commit(out, 4, {}, keep=0)  # step 8 was written by both but never committed
+    checkpoint.discard_uncommitted(out, 1, 4)
+    assert os.path.exists(checkpoint.rank_file(out, 8, 0))  # not this rank's to remove
+    assert not os.path.exists(checkpoint.rank_file(out, 8, 1))
+    assert os.path.exists(checkpoint.rank_file(out, 4, 1))  # the committed one stays
+    assert not checkpoint.wait_for_ranks(out, 8, 2, timeout=1, stop=_set_event())
+    checkpoint.discard_uncommitted(out, 0, None)  # no commit at all: everything goes
+    assert not os.path.exists(checkpoint.rank_file(out, 4, 0))
+
+
+def _set_event() -> threading.Event:
+    e = threading.Event()
+    e.set()
+    return e

@@ -83,6 +83,28 @@ def latest(out: str) -> dict | None:
     return meta
 
 
+def discard_uncommitted(out: str, rank: int, committed: int | None) -> None:
+    """Remove this rank's files of checkpoints later than ``committed``: left by an attempt
+    that failed before they were committed. A resumed attempt writes those steps again, and
+    the lead must not take an old file for a new one while it waits for every rank's.
+
+    Args:
+        out: the run directory.
+        rank: this rank.
+        committed: the step of the last committed checkpoint; None: every step is later.
+    """
+    root = os.path.join(out, DIRNAME)
+    if not os.path.isdir(root):
+        return
+    for d in os.listdir(root):
+        if d.startswith("step") and d[4:].isdigit() and (committed is None
+                                                         or int(d[4:]) > committed):
+            try:
+                os.remove(rank_file(out, int(d[4:]), rank))
+            except FileNotFoundError:
+                pass
+
+
 def load_rank(out: str, step: int, rank: int, device: torch.device | str = "cpu") -> dict:
     path = rank_file(out, step, rank)
     if not os.path.exists(path):

@@ -349,6 +349,7 @@ def resume_state(cfg: TrainConfig, ctx: WorkerContext) -> dict | None:
     if cfg.resume is None and restart_count() == 0:
         return None
     meta = checkpoint.latest(cfg.out)
+    checkpoint.discard_uncommitted(cfg.out, ctx.rank, None if meta is None else int(meta["step"]))
     if meta is None:
         return None
     return checkpoint.load_rank(cfg.out, int(meta["step"]), ctx.rank, ctx.device)
