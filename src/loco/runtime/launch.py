@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from loco.comm import Comm
 from loco.comm.interface import Aborted, CommThread
@@ -50,22 +51,37 @@ DEFAULT_TIMEOUT = 300.0
 """Seconds a communication may take before it fails (``timeout`` of ``launch``)."""
 
 
+MESH_DIMS = ("replica", "stage", "shard")
+"""The named dimensions of a run's ``DeviceMesh``, outermost first: the workers (replicas)
+of the outer algorithm, the pipeline stages of a worker, and the ranks that share one stage
+of one worker (its fast-link group)."""
+
+
 @dataclass(frozen=True)
 class Mesh:
-    """Ranks laid out as ``replicas × ranks_per_replica``: rank = replica · S + local.
+    """Ranks laid out as ``replicas × stages × shards``: rank = (replica · S + stage) · R +
+    shard, so the ranks of one worker's stage are adjacent (on one node where possible).
 
     Args:
-        replicas: R (the M workers of the outer algorithm), >= 1.
+        replicas: M, the workers (replicas) of the outer algorithm, >= 1.
         ranks_per_replica: S, the pipeline stages of each replica, >= 1; default 1.
+        shards: R, the ranks that share each stage of a worker and talk over its fast link
+            (``ctx.inner``), >= 1; default 1.
     """
 
     replicas: int
     ranks_per_replica: int = 1
+    shards: int = 1
 
     @property
     def world_size(self) -> int:
-        """All ranks: replicas × ranks_per_replica."""
-        return self.replicas * self.ranks_per_replica
+        """All ranks: replicas × stages × shards."""
+        return self.replicas * self.ranks_per_replica * self.shards
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(M, S, R): the sizes of ``MESH_DIMS``."""
+        return (self.replicas, self.ranks_per_replica, self.shards)
 
     def coords(self, rank: int) -> tuple[int, int]:
         """(replica, stage: the position inside the replica) of a global rank.
@@ -73,24 +89,44 @@ class Mesh:
         Args:
             rank: a global rank, in [0, world_size).
         """
-        return divmod(rank, self.ranks_per_replica)
+        return divmod(rank // self.shards, self.ranks_per_replica)
 
-    def replica_peers(self, local: int) -> list[int]:
-        """Global ranks that hold the same position in every replica: the outer group.
+    def shard_of(self, rank: int) -> int:
+        """The rank's index among the ranks of its worker's stage, in [0, R).
+
+        Args:
+            rank: a global rank, in [0, world_size).
+        """
+        return rank % self.shards
+
+    def replica_peers(self, local: int, shard: int = 0) -> list[int]:
+        """Global ranks that hold the same place in every replica: the outer group (the
+        slow link).
 
         Args:
             local: the position inside a replica (the pipeline stage), in [0, S).
+            shard: the index among the stage's ranks, in [0, R); default 0.
         """
-        return [r * self.ranks_per_replica + local for r in range(self.replicas)]
+        return [self.rank_of(r, local, shard) for r in range(self.replicas)]
 
-    def rank_of(self, replica: int, local: int) -> int:
+    def worker_peers(self, replica: int, local: int) -> list[int]:
+        """Global ranks of one stage of one worker: its fast-link group, in shard order.
+
+        Args:
+            replica: the replica, in [0, M).
+            local: the pipeline stage, in [0, S).
+        """
+        return [self.rank_of(replica, local, k) for k in range(self.shards)]
+
+    def rank_of(self, replica: int, local: int, shard: int = 0) -> int:
         """Global rank of position ``local`` (the pipeline stage) in ``replica``.
 
         Args:
-            replica: the replica, in [0, R).
+            replica: the replica, in [0, M).
             local: the position inside it, in [0, S).
+            shard: the index among the stage's ranks, in [0, R); default 0.
         """
-        return replica * self.ranks_per_replica + local
+        return (replica * self.ranks_per_replica + local) * self.shards + shard
 
 
 @dataclass
@@ -109,6 +145,13 @@ class WorkerContext:
         extras: free room for the caller's own per-rank values; default empty.
         pipe: a Comm over the whole world (rank there = global rank) for the traffic
             between pipeline stages; None (default) when every replica is a single rank.
+        inner: a Comm over the R ranks of this worker's stage (rank there = the shard), the
+            fast link inside a worker, never shaped by an emulated link; None (default)
+            when R = 1.
+        device_mesh: the run's ``torch.distributed.device_mesh.DeviceMesh`` of shape
+            (M, S, R) with dimension names ``MESH_DIMS`` (processes and torchrun); None
+            (default) under the threads launcher, whose groups torch.distributed's registry
+            does not know.
     """
 
     rank: int
@@ -121,6 +164,8 @@ class WorkerContext:
     # Comm over the whole world (rank = global rank) for traffic between pipeline stages;
     # None when every replica is a single rank.
     pipe: Comm | None = None
+    inner: Comm | None = None
+    device_mesh: Any = None
 
     @property
     def replica(self) -> int:
@@ -136,6 +181,11 @@ class WorkerContext:
     def stages(self) -> int:
         """S, the pipeline stages of every replica."""
         return self.mesh.ranks_per_replica
+
+    @property
+    def shard(self) -> int:
+        """This rank's index among the ranks of its worker's stage (its rank in ``inner``)."""
+        return self.mesh.shard_of(self.rank)
 
     @property
     def is_main(self) -> bool:
@@ -160,7 +210,7 @@ def under_torchrun() -> bool:
 def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", *,
            args: tuple = (), kwargs: dict | None = None, ranks_per_replica: int = 1,
            timeout: float = DEFAULT_TIMEOUT, max_restarts: int = 0,
-           link: LinkSpec | None = None) -> list:
+           link: LinkSpec | None = None, shards: int = 1) -> list:
     """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the results in rank order.
 
     Under torchrun (detected from the environment, whatever ``launcher`` says) this process
@@ -185,8 +235,11 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
         max_restarts: ``"processes"`` only: how many times torch elastic restarts all
             workers after one died; default 0.
         link: an emulated link of that bandwidth and latency for every rank, shared by all
-            its communication (see [`LinkSpec`][loco.comm.link.LinkSpec]); default None
-            (the transport's own speed).
+            its communication but ``ctx.inner`` (see [`LinkSpec`][loco.comm.link.LinkSpec]);
+            default None (the transport's own speed).
+        shards: R, the ranks that share each stage of a worker, joined by its fast link
+            (``ctx.inner``); >= 1, with ``workers`` a multiple of S · R; default 1. Not yet
+            with pipeline stages (S > 1).
 
     Returns:
         ``fn``'s return value of every rank, in rank order (under torchrun: this rank's
@@ -207,13 +260,19 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
     if ranks_per_replica < 1 or workers % ranks_per_replica:
         raise ValueError(f"workers ({workers}) must be a multiple of ranks_per_replica "
                          f"({ranks_per_replica}): replicas x pipeline stages")
+    if shards < 1 or workers % (ranks_per_replica * shards):
+        raise ValueError(f"workers ({workers}) must be a multiple of ranks_per_replica x "
+                         f"shards ({ranks_per_replica} x {shards}): replicas x stages x shards")
+    if shards > 1 and ranks_per_replica > 1:
+        raise ValueError("shards > 1 with pipeline stages (ranks_per_replica > 1) is not "
+                         "supported yet; use one or the other")
     if launcher == "torchrun" and not under_torchrun():
         raise ValueError("launcher 'torchrun' needs a process started by torchrun "
                          "(its RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID are missing)")
     if under_torchrun():
         return [_run_from_env(fn, args, workers if launcher != "torchrun" else None,
-                              ranks_per_replica, timeout, "torchrun", link)]
-    mesh = Mesh(workers // ranks_per_replica, ranks_per_replica)
+                              ranks_per_replica, timeout, "torchrun", link, shards)]
+    mesh = Mesh(workers // (ranks_per_replica * shards), ranks_per_replica, shards)
     if launcher == "threads":
         return _launch_threads(fn, args, mesh, timeout, link)
     return _launch_processes(fn, args, mesh, timeout, max_restarts, link)
@@ -244,23 +303,32 @@ def _launch_threads(fn, args, mesh: Mesh, timeout: float, link: LinkSpec | None)
     def body(rank: int):
         try:
             replica, local = mesh.coords(rank)
-            group = _gloo_group(dist.PrefixStore(f"loco/outer/{local}", store), replica,
-                                mesh.replicas, timeout, loopback=True)
+            shard = mesh.shard_of(rank)
+            group = _gloo_group(dist.PrefixStore(f"loco/outer/{local}/{shard}", store),
+                                replica, mesh.replicas, timeout, loopback=True)
             wire = EmulatedLink(link) if link is not None else None  # this worker's link
             comm = Comm(group, replica, mesh.replicas, "cpu", abort_event=failed, link=wire)
+            inner = None
+            if mesh.shards > 1:  # the worker's fast link: no emulated link
+                inner_group = _gloo_group(
+                    dist.PrefixStore(f"loco/inner/{replica}/{local}", store), shard,
+                    mesh.shards, timeout, loopback=True)
+                inner = Comm(inner_group, shard, mesh.shards, "cpu", name="inner",
+                             abort_event=failed)
             pipe = None
             if mesh.ranks_per_replica > 1:
                 pipe_group = _gloo_group(dist.PrefixStore("loco/pipe", store), rank, n, timeout,
                                          loopback=True)
                 pipe = Comm(pipe_group, rank, n, "cpu", name="pipe", abort_event=failed,
                             link=wire)
-            ctx = WorkerContext(rank, n, mesh, comm, torch.device("cpu"), "threads", pipe=pipe)
+            ctx = WorkerContext(rank, n, mesh, comm, torch.device("cpu"), "threads", pipe=pipe,
+                                inner=inner)
             try:
                 results[rank] = fn(ctx, *args)
             finally:
-                comm.close()
-                if pipe is not None:
-                    pipe.close()
+                for c in (comm, pipe, inner):
+                    if c is not None:
+                        c.close()
         except BaseException as e:  # noqa: BLE001 - reported to the caller below
             errors.append((rank, e, traceback.format_exc()))
             failed.set()
@@ -305,7 +373,7 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
     )
     try:
         out = elastic_launch(config, _process_entry)(fn, args, mesh.ranks_per_replica, timeout,
-                                                     link)
+                                                     link, mesh.shards)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message
@@ -316,10 +384,12 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
     return [out[r] for r in sorted(out)]
 
 
-def _process_entry(fn, args, ranks_per_replica: int, timeout: float, link: LinkSpec | None):
+def _process_entry(fn, args, ranks_per_replica: int, timeout: float, link: LinkSpec | None,
+                   shards: int = 1):
     workers = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    return _run_from_env(fn, args, workers, ranks_per_replica, timeout, "processes", link)
+    return _run_from_env(fn, args, workers, ranks_per_replica, timeout, "processes", link,
+                         shards)
 
 
 def _attempt_store(rank: int, world: int, timeout: float):
@@ -338,13 +408,14 @@ def _attempt_store(rank: int, world: int, timeout: float):
 
 
 def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout: float,
-                  launcher: str, link: LinkSpec | None = None):
+                  launcher: str, link: LinkSpec | None = None, shards: int = 1):
     world = int(os.environ["WORLD_SIZE"])
     if workers is not None and workers != world:
         raise ValueError(f"--workers is {workers} but torchrun started {world} ranks; "
                          "leave --workers out or make them agree")
-    if world % ranks_per_replica:
-        raise ValueError(f"{world} ranks do not split into replicas of {ranks_per_replica} stages")
+    if world % (ranks_per_replica * shards):
+        raise ValueError(f"{world} ranks do not split into replicas of {ranks_per_replica} "
+                         f"stages x {shards} shards")
     rank = int(os.environ["RANK"])
     use_cuda = launcher == "torchrun" and torch.cuda.is_available()
     if use_cuda:
@@ -352,7 +423,7 @@ def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-    mesh = Mesh(world // ranks_per_replica, ranks_per_replica)
+    mesh = Mesh(world // (ranks_per_replica * shards), ranks_per_replica, shards)
     dist.init_process_group("nccl" if use_cuda else "gloo", store=_attempt_store(rank, world,
                                                                                timeout),
                             rank=rank, world_size=world,
@@ -360,12 +431,9 @@ def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout
                             **({"device_id": device} if use_cuda else {}))
     try:
         replica, local = mesh.coords(rank)
-        group = dist.group.WORLD
-        if ranks_per_replica > 1:  # every rank must create every subgroup, in the same order
-            for pos in range(ranks_per_replica):
-                g = dist.new_group(mesh.replica_peers(pos))
-                if pos == local:
-                    group = g
+        # Every rank creates every group of every dimension, in the same order.
+        device_mesh = init_device_mesh(device.type, mesh.shape, mesh_dim_names=MESH_DIMS)
+        group = device_mesh.get_group("replica")  # this stage and shard in every worker
         wire = EmulatedLink(link) if link is not None else None  # this worker's link
         # NCCL: one thread issues every operation of this rank, in one order (CommThread).
         thread = CommThread(f"loco-comm-{rank}") if use_cuda else None
@@ -373,13 +441,16 @@ def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout
         # Stages talk point to point over the default group, in global ranks.
         pipe = (Comm(dist.group.WORLD, rank, world, device, name="pipe", link=wire,
                      thread=thread) if ranks_per_replica > 1 else None)
-        ctx = WorkerContext(rank, world, mesh, comm, device, launcher, pipe=pipe)
+        inner = (Comm(device_mesh.get_group("shard"), mesh.shard_of(rank), shards, device,
+                      name="inner", thread=thread) if shards > 1 else None)  # the fast link
+        ctx = WorkerContext(rank, world, mesh, comm, device, launcher, pipe=pipe, inner=inner,
+                            device_mesh=device_mesh)
         try:
             return fn(ctx, *args)
         finally:
-            comm.close()
-            if pipe is not None:
-                pipe.close()
+            for c in (comm, pipe, inner):
+                if c is not None:
+                    c.close()
     except BaseException:
         print(f"[loco] worker {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
         raise
