@@ -318,6 +318,15 @@ def parse_sweeps(items: list[str] | None, methods: list[Method],
             twice, an empty or repeated value, a value of the wrong type or with characters a
             directory name should not hold.
     """
+    raw = _sweep_texts(items, given)
+    algorithms = sorted({m.algorithm for m in methods}, key=ALGORITHM_NAMES.index)
+    return [_sweep(name, texts, algorithms, methods) for name, texts in raw.items()]
+
+
+def _sweep_texts(items: list[str] | None, given: dict[str, Any] | None
+                 ) -> dict[str, list[str]]:
+    """The values' texts by option: the YAML file's ``sweep:``, then the flags (a flag for
+    the same option replaces the file's)."""
     raw: dict[str, list[str]] = {}
     if given is not None:
         if not isinstance(given, dict):
@@ -345,41 +354,43 @@ def parse_sweeps(items: list[str] | None, methods: list[Method],
         from_flags.add(name)
         raw.pop(name, None)
         raw[name] = split_sweep_values(name, text)
+    return raw
+
+
+def _sweep(name: str, texts: list[str], algorithms: list[str], methods: list[Method]
+           ) -> Sweep:
+    """One option's sweep, its values converted and checked."""
     by_name = {f.name: f for f in TrainConfig.fields()}
-    algorithms = sorted({m.algorithm for m in methods}, key=ALGORITHM_NAMES.index)
-    sweeps = []
-    for name, texts in raw.items():
-        flag = "--" + name.replace("_", "-")
-        if name not in by_name or name in NOT_SWEPT:
-            raise ConfigError("sweep", f"unknown option {name!r} (see loco train --help)")
-        if name in SHARED:
-            raise ConfigError("sweep", f"{flag} must be the same for every method (same model, "
-                              "data, seed and token budget); a sweep varies the methods' own "
-                              "options: run one loco compare per value instead")
-        sweep = Sweep(name, [], [])
-        if not any(sweep.applies_to(a) for a in algorithms):
-            raise ConfigError("sweep", f"{flag} applies to none of the methods "
-                              f"({', '.join(m.label for m in methods)}); only to "
-                              f"{', '.join(ONLY_FOR[name])}")
-        for text in texts:
-            if not SWEEP_VALUE.match(text):
-                raise ConfigError("sweep", f"{name}={text!r}: a value may hold only letters, "
-                                  "digits and . _ + - (and commas inside a list value); it "
-                                  "names the run's directory")
-            try:
-                value = yaml.safe_load(text)
-            except yaml.YAMLError:
-                value = text
-            try:
-                value = coerce(by_name[name], value)
-            except ConfigError as e:
-                raise ConfigError("sweep", f"{name}={text}: {e}") from None
-            if value in sweep.values:
-                raise ConfigError("sweep", f"{name}: the value {text} is listed twice")
-            sweep.values.append(value)
-            sweep.texts.append(text)
-        sweeps.append(sweep)
-    return sweeps
+    flag = "--" + name.replace("_", "-")
+    if name not in by_name or name in NOT_SWEPT:
+        raise ConfigError("sweep", f"unknown option {name!r} (see loco train --help)")
+    if name in SHARED:
+        raise ConfigError("sweep", f"{flag} must be the same for every method (same model, "
+                          "data, seed and token budget); a sweep varies the methods' own "
+                          "options: run one loco compare per value instead")
+    sweep = Sweep(name, [], [])
+    if not any(sweep.applies_to(a) for a in algorithms):
+        raise ConfigError("sweep", f"{flag} applies to none of the methods "
+                          f"({', '.join(m.label for m in methods)}); only to "
+                          f"{', '.join(ONLY_FOR[name])}")
+    for text in texts:
+        if not SWEEP_VALUE.match(text):
+            raise ConfigError("sweep", f"{name}={text!r}: a value may hold only letters, "
+                              "digits and . _ + - (and commas inside a list value); it "
+                              "names the run's directory")
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            value = text
+        try:
+            value = coerce(by_name[name], value)
+        except ConfigError as e:
+            raise ConfigError("sweep", f"{name}={text}: {e}") from None
+        if value in sweep.values:
+            raise ConfigError("sweep", f"{name}: the value {text} is listed twice")
+        sweep.values.append(value)
+        sweep.texts.append(text)
+    return sweep
 
 
 def _as_text(value: Any) -> str:
@@ -469,9 +480,6 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
         ConfigError: the first bad option, naming the method (or ``--sweep``) and what is
             allowed.
     """
-    from loco.config import warnings_for
-    from loco.train import prepare_config
-
     values: dict[str, Any] = {}
     per_method: list[tuple[str, dict, str]] = []  # (algorithm or label, options, source)
     if preset is not None:
@@ -523,6 +531,23 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
                           "train once per method and then loco report on their directories")
     out = values.pop("out", None) or os.path.join(
         "runs", f"compare-{datetime.now():%Y%m%d-%H%M%S}")
+    configs, warnings = _method_configs(methods, values, out)
+    if preset == "paper":
+        import torch
+
+        if not torch.cuda.is_available():
+            warnings.append("--preset paper is sized for a GPU machine; on this CPU it "
+                            "would take days")
+    return Plan(out, methods, configs, preset, warnings, grid)
+
+
+def _method_configs(methods: list[Method], values: dict[str, Any], out: str
+                    ) -> tuple[list[TrainConfig], list[str]]:
+    """Every method's prepared TrainConfig (the shared values, then its own), and the
+    warnings they give; a bad one fails naming its label."""
+    from loco.config import warnings_for
+    from loco.train import prepare_config
+
     configs, warnings = [], []
     for m in methods:
         cfg = TrainConfig(**{**values, **m.options, "algorithm": m.algorithm,
@@ -536,13 +561,7 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
             raise ConfigError("out", f"{out} already holds a finished run {m.label!r}; choose "
                               "another --out (nothing is overwritten)")
         configs.append(cfg)
-    if preset == "paper":
-        import torch
-
-        if not torch.cuda.is_available():
-            warnings.append("--preset paper is sized for a GPU machine; on this CPU it "
-                            "would take days")
-    return Plan(out, methods, configs, preset, warnings, grid)
+    return configs, warnings
 
 
 class MethodError(ConfigError):
