@@ -30,9 +30,10 @@ def batch(worker: int, step: int, size: int = BATCH):
     return x[:, :-1], x[:, 1:]
 
 
-def train_steps(model, opt, worker: int, steps, step_fn=None, clip: float | None = None):
+def train_steps(model, opt, worker: int, steps, step_fn=None, clip: float | None = None,
+                data=batch):
     for t in steps:
-        x, y = batch(worker, t)
+        x, y = data(worker, t)
         model(x, y).backward()
         if step_fn is not None:
             step_fn()
@@ -121,8 +122,10 @@ def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, **extra):
 
 
 # --------------------------------------------------------------------------- references
-def reference_diloco(workers, steps, sync_every, outer_lr, outer_momentum, nesterov=True):
-    """DiLoCo as the paper's algorithm box, in one process, with the outer update by hand."""
+def reference_diloco(workers, steps, sync_every, outer_lr, outer_momentum, nesterov=True,
+                     data=batch):
+    """DiLoCo as the paper's algorithm box, in one process, with the outer update by hand;
+    ``data(m, t)``: worker m's batch at step t."""
     models = [make_model() for _ in range(workers)]
     opts = [make_optimizer(m) for m in models]
     names = [n for n, _ in models[0].named_parameters()]
@@ -130,7 +133,7 @@ def reference_diloco(workers, steps, sync_every, outer_lr, outer_momentum, neste
     momentum = [torch.zeros_like(g) for g in glob]
     for t in range(steps):
         for m in range(workers):
-            train_steps(models[m], opts[m], m, [t])
+            train_steps(models[m], opts[m], m, [t], data=data)
         if (t + 1) % sync_every:
             continue
         with torch.no_grad():
@@ -148,7 +151,7 @@ def reference_diloco(workers, steps, sync_every, outer_lr, outer_momentum, neste
 
 def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, codec="fp32",
                         outer_lr=0.4, outer_momentum=0.9, nesterov=True, layers=4,
-                        pattern="strided", block=32):
+                        pattern="strided", block=32, data=batch):
     """Streaming DiLoCo as the paper's algorithm box, in one process: per-fragment
     pseudo-gradients, quantized (and the mean re-quantized) with the codec, an outer Nesterov
     step by hand, and the α-merge into each worker's moved-on parameters at t + τ_m (``overlap``
@@ -186,7 +189,7 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
 
     for t in range(1, steps + 1):
         for m in range(workers):
-            train_steps(models[m], opts[m], m, [t - 1])
+            train_steps(models[m], opts[m], m, [t - 1], data=data)
         for p in range(P):
             if t % H == ((p + 1) * H // P) % H:
                 with torch.no_grad():
@@ -296,3 +299,28 @@ def reference_noloco(workers, steps, sync_every, group_size, beta, alpha, gamma,
                     p.copy_(slow[i][offset:offset + p.numel()].view_as(p))
                     offset += p.numel()
     return [params_of(dict(m.named_parameters())) for m in models]
+
+
+def sharded_worker(ctx, steps, algo_name="diloco", **kw):
+    """DiLoCo or Streaming DiLoCo with R ranks per worker (``ctx.inner``): rank (m, r) trains
+    on batch(m * R + r, t); the worker's gradient is their mean."""
+    r_count = ctx.mesh.shards
+    model = make_model(layers=kw.pop("layers", 2))
+    opt = make_optimizer(model)
+    cls = loco.DiLoCo if algo_name == "diloco" else loco.StreamingDiLoCo
+    algo = cls(model, opt, ctx.comm, inner=ctx.inner, **kw)
+    data_id = ctx.replica * r_count + ctx.shard
+    train_steps(model, opt, data_id, range(steps), lambda: (algo.step(), algo.zero_grad()))
+    algo.flush()
+    return {"params": params_of(algo.global_parameters()),
+            "slow": ctx.comm.totals().sent_bytes,
+            "fast": ctx.inner.totals().sent_bytes if ctx.inner is not None else 0}
+
+
+def worker_batches(shards: int):
+    """``data(m, t)`` for a reference worker m that stands for ``shards`` ranks: their
+    batches at step t, concatenated."""
+    def data(worker, t):
+        parts = [batch(worker * shards + r, t) for r in range(shards)]
+        return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
+    return data

@@ -58,6 +58,10 @@ class Algorithm:
             parameters and buffers of worker 0 to every worker, then compares checksums;
             ``"verify"`` only compares them (the workers must have built identical models,
             e.g. from one seed).
+        inner: the fast-link Comm over the ranks of this worker (``ctx.inner`` of
+            ``launch(..., shards=R)``): their gradients are averaged (fp32) before every
+            inner step, so the R ranks train one replica with R times the batch; default
+            None (a worker of one rank). Algorithms that do not support it yet refuse it.
         on_nonfinite: what a non-finite gradient or pseudo-gradient does: ``"stop"``
             (default) raises [`NonFiniteError`][loco.algorithms.base.NonFiniteError] before
             it reaches a parameter; ``"skip"`` skips that inner step or sync and counts it in
@@ -81,7 +85,7 @@ class Algorithm:
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm, *,
                  max_grad_norm: float | None = None, init_sync: str = "broadcast",
-                 on_nonfinite: str = "stop"):
+                 on_nonfinite: str = "stop", inner: Comm | None = None):
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES} "
                              f"(got {on_nonfinite!r})")
@@ -92,6 +96,8 @@ class Algorithm:
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.comm = comm
+        self.inner = inner if inner is not None and inner.size > 1 else None
+        """The worker's fast-link Comm (None for a worker of one rank)."""
         self.max_grad_norm = max_grad_norm
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner_steps = 0
@@ -126,6 +132,8 @@ class Algorithm:
                         t.data.copy_(flat[offset:offset + t.numel()].view_as(t))
                         offset += t.numel()
         self.comm.verify_identical(state, what="initial weights")
+        if self.inner is not None:  # the ranks of one worker hold one replica
+            self.inner.verify_identical(state, what="initial weights inside a worker")
 
     # ----------------------------------------------------------------------------- the loop
     def clip_gradients(self) -> float:
@@ -161,11 +169,24 @@ class Algorithm:
         Raises:
             NonFiniteError: the gradient is not finite and ``on_nonfinite`` is ``"stop"``.
         """
+        if self.inner is not None:
+            self.average_inside_worker()
         if not math.isfinite(self.clip_gradients()):
             self.nonfinite("gradient", "inner_steps", self.inner_steps + 1)
             return False
         self.inner_optimizer.step()
         return True
+
+    @torch.no_grad()
+    def average_inside_worker(self) -> None:
+        """Average the gradients over the ranks of this worker (``inner``, the fast link), in
+        fp32, as data-parallel training does; every rank of the worker then steps alike."""
+        for p in self.params:  # a parameter that got no gradient contributes zeros
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        flat = flatten_fp32([p.grad for p in self.params])
+        self.inner.all_reduce_mean(flat, tag="train").wait()
+        torch._foreach_copy_([p.grad for p in self.params], unflatten_views(flat, self.params))
 
     def finite(self, tensor: torch.Tensor, what: str) -> bool:
         """Whether a reduced pseudo-gradient is finite; if not, raise or count a skipped

@@ -47,6 +47,9 @@ class DataParallel(Algorithm):
         if codec not in ("fp32", "bf16"):
             raise ValueError(f"codec must be fp32 or bf16 for DataParallel (got {codec!r})")
         self.codec = None if codec == "fp32" else get_codec(codec)
+        if kwargs.get("inner") is not None and kwargs["inner"].size > 1:
+            raise ValueError("DataParallel does not support workers of several ranks (inner=) yet; "
+                             "use DiLoCo or StreamingDiLoCo, or one rank per worker")
         super().__init__(model, inner_optimizer, comm, **kwargs)
         self._grads = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32,
                                   device=self.params[0].device)

@@ -25,6 +25,8 @@ class Local(Algorithm):
             [`Algorithm`][loco.algorithms.base.Algorithm].
         on_nonfinite: ``"stop"`` (default) or ``"skip"``, as for
             [`Algorithm`][loco.algorithms.base.Algorithm].
+        inner: the worker's fast-link Comm (``ctx.inner``): its ranks average their
+            gradients, as for [`Algorithm`][loco.algorithms.base.Algorithm]; default None.
     """
 
     replicas_identical = False

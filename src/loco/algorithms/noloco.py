@@ -106,6 +106,9 @@ class NoLoCo(Algorithm):
                 warnings.warn(message, stacklevel=2)
         self.codec = get_codec(codec, codec_block, device=comm.device, keep=codec_keep)
         self.slow_codec = get_codec(slow_codec, device=comm.device)
+        if kwargs.get("inner") is not None and kwargs["inner"].size > 1:
+            raise ValueError("NoLoCo does not support workers of several ranks (inner=) yet; "
+                             "use DiLoCo or StreamingDiLoCo, or one rank per worker")
         super().__init__(model, inner_optimizer, comm, **kwargs)
         self.sync_every, self.group_size, self.seed = sync_every, group_size, seed
         self.beta, self.alpha, self.gamma, self.nesterov = outer_lr, outer_momentum, gamma, nesterov

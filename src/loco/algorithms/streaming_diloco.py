@@ -46,6 +46,7 @@ class Fragment:
     delta: torch.Tensor  # Δ_{m,p} then Δ̄_p, fp32, on the wire's device
     grad: torch.Tensor  # Δ̄_p where the outer optimizer reads it (delta itself unless offloaded)
     outer_optimizer: torch.optim.Optimizer
+    wire: torch.Tensor | None = None  # with R ranks per worker: Δ padded to R equal shards
     syncs: int = 0
     stats: dict = field(default_factory=lambda: dict(raw_bytes=0, bytes_sent=0,
                                                      bytes_received=0, peak_bytes=0))
@@ -57,6 +58,7 @@ class _InFlight:
     handle: Handle | None  # None once the result is known (restored from a checkpoint)
     sent_at: int
     record: dict | None = None  # the operation's counters, when restored from a checkpoint
+    gathered: bool = False  # with R ranks per worker: the shards are gathered into delta
 
 
 def send_offsets(sync_every: int, fragments: int) -> list[int]:
@@ -181,7 +183,13 @@ class StreamingDiLoCo(Algorithm):
             if offload and global_flat.device.type == "cpu" and torch.cuda.is_available():
                 global_flat = global_flat.pin_memory()
             global_params = unflatten_views(global_flat, params)
-            delta = torch.zeros(global_flat.numel(), dtype=torch.float32, device=comm.device)
+            wire = None
+            if self.inner is not None:  # this rank reduces 1/R of Δ over the slow link
+                shard = -(-global_flat.numel() // self.inner.size)
+                wire = torch.zeros(shard * self.inner.size, dtype=torch.float32,
+                                   device=comm.device)
+            delta = (wire[:global_flat.numel()] if wire is not None else
+                     torch.zeros(global_flat.numel(), dtype=torch.float32, device=comm.device))
             # The outer optimizer reads Δ̄ as the gradient of the global copy.
             grad = delta if delta.device == outer_device else torch.zeros_like(global_flat)
             for g, d in zip(global_params, unflatten_views(grad, params)):
@@ -189,7 +197,7 @@ class StreamingDiLoCo(Algorithm):
             optimizer = torch.optim.SGD(global_params, lr=outer_lr, momentum=outer_momentum,
                                         nesterov=nesterov and outer_momentum > 0)
             self.fragment_list.append(Fragment(p, frag_names, params, global_flat,
-                                               global_params, delta, grad, optimizer))
+                                               global_params, delta, grad, optimizer, wire))
         # Every worker derives the schedule from the same step counter, so the same fragment
         # is reduced everywhere without a word.
         self._due = dict(zip(send_offsets(sync_every, count), self.fragment_list))
@@ -224,15 +232,32 @@ class StreamingDiLoCo(Algorithm):
         flatten_fp32(fragment.params, out=fragment.delta)
         global_flat = fragment.global_flat.to(fragment.delta.device, non_blocking=True)
         torch.sub(global_flat, fragment.delta, out=fragment.delta)  # Δ = θ^g − θ_m
-        handle = self.comm.all_reduce_mean(fragment.delta, tag="train", codec=self.codec)
+        handle = self.comm.all_reduce_mean(self._shard(fragment), tag="train", codec=self.codec)
         self._in_flight = _InFlight(fragment, handle, t)
+
+    def _shard(self, fragment: Fragment) -> torch.Tensor:
+        """What this rank reduces over the slow link: all of Δ, or with R ranks per worker
+        its 1/R shard (rank r of every worker reduces shard r: no worker sends R copies)."""
+        if fragment.wire is None:
+            return fragment.delta
+        size = fragment.wire.numel() // self.inner.size
+        return fragment.wire[self.inner.rank * size:(self.inner.rank + 1) * size]
+
+    def _wait(self, flight: _InFlight) -> None:
+        """Wait for Δ̄_p; with R ranks per worker, gather its shards over the fast link, so
+        that every rank of every worker holds all of it (and decides alike)."""
+        if flight.handle is not None:
+            flight.handle.wait()  # Δ̄_p (this rank's shard), decoded, in fp32
+            if flight.fragment.wire is not None and not flight.gathered:
+                parts = self.inner.all_gather(self._shard(flight.fragment), tag="train").wait()
+                torch.cat(parts, out=flight.fragment.wire)
+        flight.gathered = True
 
     @torch.no_grad()
     def _apply(self) -> None:
         flight, self._in_flight = self._in_flight, None
         fragment = flight.fragment
-        if flight.handle is not None:
-            flight.handle.wait()  # Δ̄_p, decoded, in fp32
+        self._wait(flight)
         if not self.finite(fragment.delta, f"pseudo-gradient (fragment {fragment.index})"):
             # Skipped: the global fragment stays; the replicas restart from it.
             torch._foreach_copy_(fragment.params, [g.to(p.device, p.dtype) for g, p in
@@ -302,8 +327,7 @@ class StreamingDiLoCo(Algorithm):
         in_flight = None
         if self._in_flight is not None:  # its result is fixed once sent: store it
             flight = self._in_flight
-            if flight.handle is not None:
-                flight.handle.wait()
+            self._wait(flight)
             rec = flight.handle.record if flight.handle is not None else None
             in_flight = {"fragment": flight.fragment.index, "sent_at": flight.sent_at,
                          "delta": flight.fragment.delta.clone(),
