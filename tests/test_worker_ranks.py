@@ -5,8 +5,8 @@ reduces only its 1/R of the pseudo-gradient over the slow link."""
 import pytest
 
 import loco
-from workers import (max_diff, reference_diloco, reference_streaming, sharded_worker,
-                     worker_batches)
+from workers import (max_diff, noloco_worker, reference_diloco, reference_noloco,
+                     reference_streaming, sharded_worker, worker_batches)
 
 pytestmark = pytest.mark.numerics
 
@@ -55,12 +55,25 @@ def test_no_worker_sends_r_copies_over_the_slow_link():
     assert two[0]["fast"] > 0 and one[0]["fast"] == 0
 
 
-def test_noloco_and_data_parallel_refuse_workers_of_several_ranks():
+def test_noloco_with_ranks_per_worker_gossips_between_workers_only():
+    """Groups are groups of workers: rank r of each member swaps its 1/R shard of Δ and φ;
+    the worker gathers the group's means over its fast link. Equals the reference with M
+    workers of batch R·b (tolerance as above); no operation spans all workers."""
+    steps = 2 * 4
+    kw = dict(sync_every=4, group_size=2, outer_lr=0.7, outer_momentum=0.5, gamma=0.7,
+              warn=False)
+    out = loco.launch(noloco_worker, 8, shards=2, args=(steps,), kwargs=kw)
+    ref = reference_noloco(4, steps, 4, 2, 0.7, 0.5, 0.7, data=worker_batches(2))
+    for rank, o in enumerate(out):
+        assert max_diff(o["params"], ref[rank // 2]) < 5e-5
+        assert all(len(r.participants) == 2 for r in o["records"])  # a pair of workers
+
+
+def test_data_parallel_refuses_workers_of_several_ranks():
     def fn(ctx):
         from workers import make_model, make_optimizer
 
         model = make_model()
-        for cls in (loco.NoLoCo, loco.DataParallel):
-            with pytest.raises(ValueError, match="does not support workers of several ranks"):
-                cls(model, make_optimizer(model), ctx.comm, inner=ctx.inner)
+        with pytest.raises(ValueError, match="does not support workers of several ranks"):
+            loco.DataParallel(model, make_optimizer(model), ctx.comm, inner=ctx.inner)
     loco.launch(fn, 4, shards=2)

@@ -257,18 +257,22 @@ def ulps(values: dict, n: float) -> float:
 
 # --------------------------------------------------------------------------- NoLoCo
 def noloco_worker(ctx, steps, **kw):
+    """NoLoCo; with ``launch(..., shards=R)`` a worker of R ranks, rank (m, r) training on
+    batch(m * R + r, t)."""
     model = make_model()
     opt = make_optimizer(model)
-    algo = loco.NoLoCo(model, opt, ctx.comm, **kw)
-    train_steps(model, opt, ctx.rank, range(steps), lambda: (algo.step(), algo.zero_grad()))
+    algo = loco.NoLoCo(model, opt, ctx.comm, inner=ctx.inner, **kw)
+    data_id = ctx.replica * ctx.mesh.shards + ctx.shard
+    train_steps(model, opt, data_id, range(steps), lambda: (algo.step(), algo.zero_grad()))
     outer = [r for r in ctx.comm.records if r.tag == "train"]
     return {"params": params_of(dict(model.named_parameters())), "records": outer,
             "groups": [algo.groups(k) for k in range(algo.outer_steps + 2)]}
 
 
 def reference_noloco(workers, steps, sync_every, group_size, beta, alpha, gamma,
-                     nesterov=False, seed=0):
-    """NoLoCo's outer step by hand, in one process, for every worker, with the same groups."""
+                     nesterov=False, seed=0, data=batch):
+    """NoLoCo's outer step by hand, in one process, for every worker, with the same groups;
+    ``data(m, t)``: worker m's batch at step t."""
     from loco.algorithms.noloco import gossip_groups
 
     models = [make_model() for _ in range(workers)]
@@ -278,7 +282,7 @@ def reference_noloco(workers, steps, sync_every, group_size, beta, alpha, gamma,
     mom = [torch.zeros_like(s) for s in slow]
     for t in range(steps):
         for m in range(workers):
-            train_steps(models[m], opts[m], m, [t])
+            train_steps(models[m], opts[m], m, [t], data=data)
         if (t + 1) % sync_every:
             continue
         k = (t + 1) // sync_every - 1

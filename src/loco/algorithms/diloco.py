@@ -40,7 +40,8 @@ class DiLoCo(StreamingDiLoCo):
         nesterov: Nesterov momentum (default True, the paper's) or heavy-ball (False).
         offload: keep the global copy and the outer momentum in CPU memory (default False).
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
-            ``max_grad_norm``, ``init_sync``, ``on_nonfinite``.
+            ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
+            several ranks: ``ctx.inner``).
 
     Raises:
         ValueError: an argument outside the ranges above.

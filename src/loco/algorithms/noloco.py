@@ -72,7 +72,8 @@ class NoLoCo(Algorithm):
             [`convergence_warnings`][loco.algorithms.noloco.convergence_warnings]); default
             True.
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
-            ``max_grad_norm``, ``init_sync``, ``on_nonfinite``.
+            ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
+            several ranks: ``ctx.inner``).
 
     Raises:
         ValueError: an argument outside the ranges above.
@@ -106,9 +107,6 @@ class NoLoCo(Algorithm):
                 warnings.warn(message, stacklevel=2)
         self.codec = get_codec(codec, codec_block, device=comm.device, keep=codec_keep)
         self.slow_codec = get_codec(slow_codec, device=comm.device)
-        if kwargs.get("inner") is not None and kwargs["inner"].size > 1:
-            raise ValueError("NoLoCo does not support workers of several ranks (inner=) yet; "
-                             "use DiLoCo or StreamingDiLoCo, or one rank per worker")
         super().__init__(model, inner_optimizer, comm, **kwargs)
         self.sync_every, self.group_size, self.seed = sync_every, group_size, seed
         self.beta, self.alpha, self.gamma, self.nesterov = outer_lr, outer_momentum, gamma, nesterov
@@ -142,14 +140,13 @@ class NoLoCo(Algorithm):
         [`NoLoCo`][loco.algorithms.noloco.NoLoCo]). Called by [`step`][loco.algorithms.noloco.NoLoCo.step] every H inner
         steps; every member of the group must call it at the same outer step."""
         group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
-        n = self.slow.numel()
         delta = flatten_fp32(self.params).sub_(self.slow)  # Δ_i = θ_i − φ_i
-        payload = torch.cat([self.codec.encode(delta), self.slow_codec.encode(self.slow)])
-        split = self.codec.encoded_nbytes(n)
-        received = self.comm.exchange(payload, group, tag="train").wait()
-        # Every member decodes the same bytes in the same order: the means agree bit for bit.
-        mean_delta = sum(self.codec.decode(b[:split], (n,)) for b in received) / len(group)
-        mean_slow = sum(self.slow_codec.decode(b[split:], (n,)) for b in received) / len(group)
+        mean_delta, mean_slow = self._group_means(self._shard(delta), self._shard(self.slow),
+                                                  group)
+        if self.inner is not None:  # each rank swapped 1/R: the worker gathers the rest
+            n = self.slow.numel()
+            mean_delta = torch.cat(self.inner.all_gather(mean_delta, tag="train").wait())[:n]
+            mean_slow = torch.cat(self.inner.all_gather(mean_slow, tag="train").wait())[:n]
         if not (self.finite(mean_delta, "pseudo-gradient") and self.finite(mean_slow,
                                                                             "slow weights")):
             torch._foreach_copy_(self.params, self.slow_params)  # skipped: back to φ_i
@@ -160,6 +157,30 @@ class NoLoCo(Algorithm):
         self.slow.add_(self.momentum.mul(self.alpha).add_(g) if self.nesterov else self.momentum)
         torch._foreach_copy_(self.params, self.slow_params)  # θ_i ← φ_i
         self.outer_steps += 1
+
+    def _shard(self, flat: torch.Tensor) -> torch.Tensor:
+        """All of ``flat``, or with R ranks per worker this rank's 1/R of it (zero-padded to
+        R equal shards): rank r of every worker of the group swaps shard r."""
+        if self.inner is None:
+            return flat
+        size = -(-flat.numel() // self.inner.size)
+        lo = self.inner.rank * size
+        out = torch.zeros(size, dtype=flat.dtype, device=flat.device)
+        part = flat[lo:lo + size]
+        out[:part.numel()] = part
+        return out
+
+    def _group_means(self, delta: torch.Tensor, slow: torch.Tensor, group
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Swap Δ and φ (or their shards) with the group; their means, the same bits on
+        every member (each decodes the same bytes in the same order)."""
+        n = delta.numel()
+        payload = torch.cat([self.codec.encode(delta), self.slow_codec.encode(slow)])
+        split = self.codec.encoded_nbytes(n)
+        received = self.comm.exchange(payload, group, tag="train").wait()
+        mean_delta = sum(self.codec.decode(b[:split], (n,)) for b in received) / len(group)
+        mean_slow = sum(self.slow_codec.decode(b[split:], (n,)) for b in received) / len(group)
+        return mean_delta, mean_slow
 
     def state_dict(self) -> dict:
         """The base state plus the outer step counter, the slow weights φ and the momentum δ.

@@ -126,7 +126,8 @@ class StreamingDiLoCo(Algorithm):
         offload: keep the global copy θ^g and the outer optimizer state in CPU memory
             instead of on the parameters' device (default False).
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
-            ``max_grad_norm``, ``init_sync``, ``on_nonfinite``.
+            ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
+            several ranks: ``ctx.inner``).
 
     Raises:
         ValueError: an argument outside the ranges above (also from
