@@ -5,8 +5,8 @@ reduces only its 1/R of the pseudo-gradient over the slow link."""
 import pytest
 
 import loco
-from workers import (max_diff, noloco_worker, reference_diloco, reference_noloco,
-                     reference_streaming, sharded_worker, worker_batches)
+from workers import (max_diff, noloco_worker, reference_big_batch, reference_diloco,
+                     reference_noloco, reference_streaming, sharded_worker, worker_batches)
 
 pytestmark = pytest.mark.numerics
 
@@ -69,11 +69,26 @@ def test_noloco_with_ranks_per_worker_gossips_between_workers_only():
         assert all(len(r.participants) == 2 for r in o["records"])  # a pair of workers
 
 
-def test_data_parallel_refuses_workers_of_several_ranks():
-    def fn(ctx):
-        from workers import make_model, make_optimizer
+def dp_worker(ctx, steps):
+    from workers import make_model, make_optimizer, params_of, train_steps
 
-        model = make_model()
-        with pytest.raises(ValueError, match="does not support workers of several ranks"):
-            loco.DataParallel(model, make_optimizer(model), ctx.comm, inner=ctx.inner)
-    loco.launch(fn, 4, shards=2)
+    model = make_model()
+    opt = make_optimizer(model)
+    algo = loco.DataParallel(model, opt, ctx.comm, inner=ctx.inner)
+    data_id = ctx.replica * ctx.mesh.shards + ctx.shard
+    train_steps(model, opt, data_id, range(steps), lambda: (algo.step(), algo.zero_grad()))
+    return {"params": params_of(dict(model.named_parameters())),
+            "slow": ctx.comm.totals().sent_bytes}
+
+
+def test_data_parallel_with_ranks_per_worker_is_one_big_batch():
+    """M workers x R ranks of DataParallel train like one model on all M·R batches
+    (tolerance as above: the mean is taken inside the worker first); each rank sends 1/R of
+    the worker's slow-link bytes."""
+    steps = 4
+    out = loco.launch(dp_worker, 4, shards=2, args=(steps,))
+    ref, _ = reference_big_batch(4, steps)
+    flat = loco.launch(dp_worker, 2, args=(steps,))
+    for o in out:
+        assert max_diff(o["params"], ref) < 5e-5
+    assert abs(out[0]["slow"] + out[1]["slow"] - flat[0]["slow"]) <= 2 * 2 * 4 * steps

@@ -98,6 +98,9 @@ class Algorithm:
         self.comm = comm
         self.inner = inner if inner is not None and inner.size > 1 else None
         """The worker's fast-link Comm (None for a worker of one rank)."""
+        self.average_inner = True
+        """Whether ``inner_update`` averages the gradients over ``inner`` (a subclass that
+        reduces them itself turns it off)."""
         self.max_grad_norm = max_grad_norm
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.inner_steps = 0
@@ -169,7 +172,7 @@ class Algorithm:
         Raises:
             NonFiniteError: the gradient is not finite and ``on_nonfinite`` is ``"stop"``.
         """
-        if self.inner is not None:
+        if self.inner is not None and self.average_inner:
             self.average_inside_worker()
         if not math.isfinite(self.clip_gradients()):
             self.nonfinite("gradient", "inner_steps", self.inner_steps + 1)

@@ -36,7 +36,9 @@ class DataParallel(Algorithm):
         comm: the communication among the M workers (``ctx.comm``).
         codec: the gradients' wire format, ``"fp32"`` (default) or ``"bf16"``.
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
-            ``max_grad_norm``, ``init_sync``, ``on_nonfinite``.
+            ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
+            several ranks, ``ctx.inner``: its gradients are averaged inside it first, then
+            each rank reduces its 1/R shard across the workers and the worker gathers them).
 
     Raises:
         ValueError: another ``codec``.
@@ -47,12 +49,13 @@ class DataParallel(Algorithm):
         if codec not in ("fp32", "bf16"):
             raise ValueError(f"codec must be fp32 or bf16 for DataParallel (got {codec!r})")
         self.codec = None if codec == "fp32" else get_codec(codec)
-        if kwargs.get("inner") is not None and kwargs["inner"].size > 1:
-            raise ValueError("DataParallel does not support workers of several ranks (inner=) yet; "
-                             "use DiLoCo or StreamingDiLoCo, or one rank per worker")
         super().__init__(model, inner_optimizer, comm, **kwargs)
-        self._grads = torch.zeros(sum(p.numel() for p in self.params), dtype=torch.float32,
-                                  device=self.params[0].device)
+        self.average_inner = False  # step() averages inside the worker itself, first
+        n, r = sum(p.numel() for p in self.params), self.inner.size if self.inner else 1
+        # With R ranks per worker: padded to R equal shards, one reduced by each rank.
+        self._wire = torch.zeros(-(-n // r) * r, dtype=torch.float32,
+                                 device=self.params[0].device)
+        self._grads = self._wire[:n]
 
     @torch.no_grad()
     def step(self) -> None:
@@ -61,7 +64,14 @@ class DataParallel(Algorithm):
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         flatten_fp32([p.grad for p in self.params], out=self._grads)
-        self.comm.all_reduce_mean(self._grads, tag="train", codec=self.codec).wait()
+        if self.inner is None:
+            self.comm.all_reduce_mean(self._grads, tag="train", codec=self.codec).wait()
+        else:  # inside the worker (fast), then shard r across workers (slow), gathered
+            self.inner.all_reduce_mean(self._grads, tag="train").wait()
+            size = self._wire.numel() // self.inner.size
+            shard = self._wire[self.inner.rank * size:(self.inner.rank + 1) * size]
+            self.comm.all_reduce_mean(shard, tag="train", codec=self.codec).wait()
+            torch.cat(self.inner.all_gather(shard, tag="train").wait(), out=self._wire)
         for p, g in zip(self.params, unflatten_views(self._grads, self.params)):
             p.grad.copy_(g)
         self.inner_update()  # the averaged gradient: every worker decides the same
