@@ -191,6 +191,40 @@ class Algorithm:
         self.inner.all_reduce_mean(flat, tag="train").wait()
         torch._foreach_copy_([p.grad for p in self.params], unflatten_views(flat, self.params))
 
+    def shard_buffer(self, n: int, device: torch.device) -> torch.Tensor:
+        """A zeroed fp32 buffer for ``n`` values, padded to R equal shards (R = the ranks of
+        this worker; no padding for one rank). Its first ``n`` values are the data.
+
+        Args:
+            n: the values, >= 0.
+            device: where it lives.
+        """
+        r = self.inner.size if self.inner is not None else 1
+        return torch.zeros(-(-n // r) * r, dtype=torch.float32, device=device)
+
+    def own_shard(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's 1/R of a ``shard_buffer`` (all of it for one rank): what it sends over
+        the slow link, with the same shard of every other worker.
+
+        Args:
+            buffer: a buffer from ``shard_buffer``.
+        """
+        if self.inner is None:
+            return buffer
+        size = buffer.numel() // self.inner.size
+        return buffer[self.inner.rank * size:(self.inner.rank + 1) * size]
+
+    def gather_shards(self, buffer: torch.Tensor) -> None:
+        """Fill ``buffer`` with every rank's shard, over the worker's fast link (nothing to
+        do for one rank).
+
+        Args:
+            buffer: a buffer from ``shard_buffer``, this rank's shard up to date.
+        """
+        if self.inner is not None:
+            torch.cat(self.inner.all_gather(self.own_shard(buffer), tag="train").wait(),
+                      out=buffer)
+
     def finite(self, tensor: torch.Tensor, what: str) -> bool:
         """Whether a reduced pseudo-gradient is finite; if not, raise or count a skipped
         sync. The reduced value is the same on every worker of the sync, and so is the

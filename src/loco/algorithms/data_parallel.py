@@ -51,10 +51,8 @@ class DataParallel(Algorithm):
         self.codec = None if codec == "fp32" else get_codec(codec)
         super().__init__(model, inner_optimizer, comm, **kwargs)
         self.average_inner = False  # step() averages inside the worker itself, first
-        n, r = sum(p.numel() for p in self.params), self.inner.size if self.inner else 1
-        # With R ranks per worker: padded to R equal shards, one reduced by each rank.
-        self._wire = torch.zeros(-(-n // r) * r, dtype=torch.float32,
-                                 device=self.params[0].device)
+        n = sum(p.numel() for p in self.params)
+        self._wire = self.shard_buffer(n, self.params[0].device)  # one shard per rank
         self._grads = self._wire[:n]
 
     @torch.no_grad()
@@ -68,10 +66,9 @@ class DataParallel(Algorithm):
             self.comm.all_reduce_mean(self._grads, tag="train", codec=self.codec).wait()
         else:  # inside the worker (fast), then shard r across workers (slow), gathered
             self.inner.all_reduce_mean(self._grads, tag="train").wait()
-            size = self._wire.numel() // self.inner.size
-            shard = self._wire[self.inner.rank * size:(self.inner.rank + 1) * size]
-            self.comm.all_reduce_mean(shard, tag="train", codec=self.codec).wait()
-            torch.cat(self.inner.all_gather(shard, tag="train").wait(), out=self._wire)
+            self.comm.all_reduce_mean(self.own_shard(self._wire), tag="train",
+                                      codec=self.codec).wait()
+            self.gather_shards(self._wire)
         for p, g in zip(self.params, unflatten_views(self._grads, self.params)):
             p.grad.copy_(g)
         self.inner_update()  # the averaged gradient: every worker decides the same

@@ -140,13 +140,16 @@ class NoLoCo(Algorithm):
         [`NoLoCo`][loco.algorithms.noloco.NoLoCo]). Called by [`step`][loco.algorithms.noloco.NoLoCo.step] every H inner
         steps; every member of the group must call it at the same outer step."""
         group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
-        delta = flatten_fp32(self.params).sub_(self.slow)  # Δ_i = θ_i − φ_i
-        mean_delta, mean_slow = self._group_means(self._shard(delta), self._shard(self.slow),
-                                                  group)
-        if self.inner is not None:  # each rank swapped 1/R: the worker gathers the rest
-            n = self.slow.numel()
-            mean_delta = torch.cat(self.inner.all_gather(mean_delta, tag="train").wait())[:n]
-            mean_slow = torch.cat(self.inner.all_gather(mean_slow, tag="train").wait())[:n]
+        n = self.slow.numel()
+        delta, slow = self.shard_buffer(n, self.slow.device), self.shard_buffer(n, self.slow.device)
+        flatten_fp32(self.params, out=delta[:n]).sub_(self.slow)  # Δ_i = θ_i − φ_i
+        slow[:n] = self.slow
+        # Rank r of each member swaps shard r (all of it for one rank); the worker gathers.
+        delta_mine, slow_mine = self.own_shard(delta), self.own_shard(slow)
+        delta_mine[:], slow_mine[:] = self._group_means(delta_mine, slow_mine, group)
+        self.gather_shards(delta)
+        self.gather_shards(slow)
+        mean_delta, mean_slow = delta[:n], slow[:n]
         if not (self.finite(mean_delta, "pseudo-gradient") and self.finite(mean_slow,
                                                                             "slow weights")):
             torch._foreach_copy_(self.params, self.slow_params)  # skipped: back to φ_i
@@ -157,18 +160,6 @@ class NoLoCo(Algorithm):
         self.slow.add_(self.momentum.mul(self.alpha).add_(g) if self.nesterov else self.momentum)
         torch._foreach_copy_(self.params, self.slow_params)  # θ_i ← φ_i
         self.outer_steps += 1
-
-    def _shard(self, flat: torch.Tensor) -> torch.Tensor:
-        """All of ``flat``, or with R ranks per worker this rank's 1/R of it (zero-padded to
-        R equal shards): rank r of every worker of the group swaps shard r."""
-        if self.inner is None:
-            return flat
-        size = -(-flat.numel() // self.inner.size)
-        lo = self.inner.rank * size
-        out = torch.zeros(size, dtype=flat.dtype, device=flat.device)
-        part = flat[lo:lo + size]
-        out[:part.numel()] = part
-        return out
 
     def _group_means(self, delta: torch.Tensor, slow: torch.Tensor, group
                      ) -> tuple[torch.Tensor, torch.Tensor]:

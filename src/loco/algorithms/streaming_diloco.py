@@ -46,7 +46,7 @@ class Fragment:
     delta: torch.Tensor  # Δ_{m,p} then Δ̄_p, fp32, on the wire's device
     grad: torch.Tensor  # Δ̄_p where the outer optimizer reads it (delta itself unless offloaded)
     outer_optimizer: torch.optim.Optimizer
-    wire: torch.Tensor | None = None  # with R ranks per worker: Δ padded to R equal shards
+    wire: torch.Tensor | None = None  # Δ padded to one equal shard per rank of the worker
     syncs: int = 0
     stats: dict = field(default_factory=lambda: dict(raw_bytes=0, bytes_sent=0,
                                                      bytes_received=0, peak_bytes=0))
@@ -184,13 +184,9 @@ class StreamingDiLoCo(Algorithm):
             if offload and global_flat.device.type == "cpu" and torch.cuda.is_available():
                 global_flat = global_flat.pin_memory()
             global_params = unflatten_views(global_flat, params)
-            wire = None
-            if self.inner is not None:  # this rank reduces 1/R of Δ over the slow link
-                shard = -(-global_flat.numel() // self.inner.size)
-                wire = torch.zeros(shard * self.inner.size, dtype=torch.float32,
-                                   device=comm.device)
-            delta = (wire[:global_flat.numel()] if wire is not None else
-                     torch.zeros(global_flat.numel(), dtype=torch.float32, device=comm.device))
+            # Δ, padded to one shard per rank of the worker: rank r reduces shard r.
+            wire = self.shard_buffer(global_flat.numel(), comm.device)
+            delta = wire[:global_flat.numel()]
             # The outer optimizer reads Δ̄ as the gradient of the global copy.
             grad = delta if delta.device == outer_device else torch.zeros_like(global_flat)
             for g, d in zip(global_params, unflatten_views(grad, params)):
@@ -233,25 +229,18 @@ class StreamingDiLoCo(Algorithm):
         flatten_fp32(fragment.params, out=fragment.delta)
         global_flat = fragment.global_flat.to(fragment.delta.device, non_blocking=True)
         torch.sub(global_flat, fragment.delta, out=fragment.delta)  # Δ = θ^g − θ_m
-        handle = self.comm.all_reduce_mean(self._shard(fragment), tag="train", codec=self.codec)
+        # All of Δ, or with R ranks per worker its 1/R shard: no worker sends R copies.
+        shard = fragment.delta if self.inner is None else self.own_shard(fragment.wire)
+        handle = self.comm.all_reduce_mean(shard, tag="train", codec=self.codec)
         self._in_flight = _InFlight(fragment, handle, t)
-
-    def _shard(self, fragment: Fragment) -> torch.Tensor:
-        """What this rank reduces over the slow link: all of Δ, or with R ranks per worker
-        its 1/R shard (rank r of every worker reduces shard r: no worker sends R copies)."""
-        if fragment.wire is None:
-            return fragment.delta
-        size = fragment.wire.numel() // self.inner.size
-        return fragment.wire[self.inner.rank * size:(self.inner.rank + 1) * size]
 
     def _wait(self, flight: _InFlight) -> None:
         """Wait for Δ̄_p; with R ranks per worker, gather its shards over the fast link, so
         that every rank of every worker holds all of it (and decides alike)."""
         if flight.handle is not None:
             flight.handle.wait()  # Δ̄_p (this rank's shard), decoded, in fp32
-            if flight.fragment.wire is not None and not flight.gathered:
-                parts = self.inner.all_gather(self._shard(flight.fragment), tag="train").wait()
-                torch.cat(parts, out=flight.fragment.wire)
+            if not flight.gathered:
+                self.gather_shards(flight.fragment.wire)
         flight.gathered = True
 
     @torch.no_grad()
