@@ -97,28 +97,38 @@ def streaming_worker(ctx, steps, layers=4, step_hook=None, **kw):
             "peak": ctx.comm.peak_sent_bytes(), "stats": algo.fragment_stats()}
 
 
-def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, **extra):
+def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, parallel="ddp", **extra):
     """Train ``split`` steps, snapshot state_dict, finish; then rebuild from the snapshot and
-    finish again. Returns both final parameter sets."""
+    finish again. Returns both final parameter sets (whole). With R ranks per worker
+    (``ctx.inner``) the model is whole on every rank or FSDP2-sharded (``parallel``)."""
+    from loco.algorithms import ALGORITHMS
+    from loco.runtime.fsdp import shard_worker
+
     def build():
         model = make_model(layers=layers)
+        if parallel == "fsdp":
+            shard_worker(model, ctx)
         opt = make_optimizer(model)
-        cls = loco.algorithms.ALGORITHMS[algo_name]
         kw = {"sync_every": sync_every, **extra} if algo_name in ("diloco", "streaming") else {}
-        return model, opt, cls(model, opt, ctx.comm, **kw)
+        return model, opt, ALGORITHMS[algo_name](model, opt, ctx.comm, inner=ctx.inner, **kw)
 
+    def whole(named):
+        return params_of({n: p.full_tensor() if hasattr(p, "full_tensor") else p
+                          for n, p in named.items()})
+
+    data_id = ctx.replica * ctx.mesh.shards + ctx.shard
     model, opt, algo = build()
     step = lambda: (algo.step(), algo.zero_grad())  # noqa: E731
-    train_steps(model, opt, ctx.rank, range(split), step)
+    train_steps(model, opt, data_id, range(split), step)
     snapshot = copy.deepcopy(algo.state_dict())  # optimizer state is live tensors
-    train_steps(model, opt, ctx.rank, range(split, steps), step)
-    straight = params_of(algo.global_parameters())
+    train_steps(model, opt, data_id, range(split, steps), step)
+    straight = whole(algo.global_parameters())
 
     model, opt, algo = build()
     algo.load_state_dict(snapshot)
     step = lambda: (algo.step(), algo.zero_grad())  # noqa: E731
-    train_steps(model, opt, ctx.rank, range(split, steps), step)
-    return straight, params_of(algo.global_parameters())
+    train_steps(model, opt, data_id, range(split, steps), step)
+    return straight, whole(algo.global_parameters())
 
 
 # --------------------------------------------------------------------------- references
@@ -151,7 +161,7 @@ def reference_diloco(workers, steps, sync_every, outer_lr, outer_momentum, neste
 
 def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, codec="fp32",
                         outer_lr=0.4, outer_momentum=0.9, nesterov=True, layers=4,
-                        pattern="strided", block=32, data=batch):
+                        pattern="strided", block=32, data=batch, shards=1, parallel="ddp"):
     """Streaming DiLoCo as the paper's algorithm box, in one process: per-fragment
     pseudo-gradients, quantized (and the mean re-quantized) with the codec, an outer Nesterov
     step by hand, and the α-merge into each worker's moved-on parameters at t + τ_m (``overlap``
@@ -167,6 +177,9 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     P, H = len(names), sync_every
     local = [dict(m.named_parameters()) for m in models]
     glob = [torch.cat([local[0][n].detach().reshape(-1) for n in frag]) for frag in names]
+    # R ranks per worker encode their own shards (shards=1: the whole fragment at once)
+    per_shard = [shard_roundtrip(roundtrip, shards, parallel, [local[0][n].shape for n in frag])
+                 for frag in names]
     momentum = [torch.zeros_like(g) for g in glob]
     taus = overlap if isinstance(overlap, (list, tuple)) else [overlap] * workers
     in_flight = None  # [fragment, step sent, mean pseudo-gradient, workers not merged yet]
@@ -193,10 +206,10 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
         for p in range(P):
             if t % H == ((p + 1) * H // P) % H:
                 with torch.no_grad():
-                    deltas = [roundtrip(glob[p] - torch.cat([local[m][n].reshape(-1)
-                                                             for n in names[p]]))
+                    deltas = [per_shard[p](glob[p] - torch.cat([local[m][n].reshape(-1)
+                                                                for n in names[p]]))
                               for m in range(workers)]
-                in_flight = [p, t, roundtrip(torch.stack(deltas).sum(0) / workers)]
+                in_flight = [p, t, per_shard[p](torch.stack(deltas).sum(0) / workers)]
                 outer_step(p, in_flight[2])  # the same on every worker, whenever it applies
                 in_flight.append(set(range(workers)))
         if in_flight is not None:
@@ -305,20 +318,72 @@ def reference_noloco(workers, steps, sync_every, group_size, beta, alpha, gamma,
     return [params_of(dict(m.named_parameters())) for m in models]
 
 
-def sharded_worker(ctx, steps, algo_name="diloco", **kw):
-    """DiLoCo or Streaming DiLoCo with R ranks per worker (``ctx.inner``): rank (m, r) trains
-    on batch(m * R + r, t); the worker's gradient is their mean."""
-    r_count = ctx.mesh.shards
+def sharded_worker(ctx, steps, algo_name="diloco", parallel="ddp", **kw):
+    """An algorithm with R ranks per worker (``ctx.inner``), the model whole on every rank
+    (``parallel="ddp"``) or FSDP2-sharded over them (``"fsdp"``): rank (m, r) trains on
+    batch(m * R + r, t); the worker's gradient is their mean. Returns the global (or, for
+    NoLoCo and DataParallel, the model's) parameters, whole, and the bytes of each link."""
+    from loco.runtime.fsdp import shard_worker
+
     model = make_model(layers=kw.pop("layers", 2))
+    if parallel == "fsdp":
+        shard_worker(model, ctx)
     opt = make_optimizer(model)
-    cls = loco.DiLoCo if algo_name == "diloco" else loco.StreamingDiLoCo
+    cls = {"diloco": loco.DiLoCo, "streaming": loco.StreamingDiLoCo, "noloco": loco.NoLoCo,
+           "ddp": loco.DataParallel}[algo_name]
     algo = cls(model, opt, ctx.comm, inner=ctx.inner, **kw)
-    data_id = ctx.replica * r_count + ctx.shard
+    data_id = ctx.replica * ctx.mesh.shards + ctx.shard
     train_steps(model, opt, data_id, range(steps), lambda: (algo.step(), algo.zero_grad()))
     algo.flush()
-    return {"params": params_of(algo.global_parameters()),
+    named = (dict(model.named_parameters()) if algo_name in ("noloco", "ddp")
+             else algo.global_parameters())
+    return {"params": params_of({n: p.full_tensor() if hasattr(p, "full_tensor") else p
+                                 for n, p in named.items()}),
             "slow": ctx.comm.totals().sent_bytes,
-            "fast": ctx.inner.totals().sent_bytes if ctx.inner is not None else 0}
+            "fast": ctx.inner.totals().sent_bytes if ctx.inner is not None else 0,
+            "outer_bytes": algo.memory_bytes()["outer"],
+            "records": [r for r in ctx.comm.records if r.tag == "train"]}
+
+
+def sharded_cases(ctx, cases: dict):
+    """Several runs in one launch (processes are slow to start): ``cases`` maps a name to
+    ``(fn, args, kwargs)`` of a worker function; the byte counts a result reports (``slow``,
+    ``fast``) are made its own."""
+    out = {}
+    for name, (fn, args, kw) in cases.items():
+        slow = ctx.comm.totals().sent_bytes
+        fast = ctx.inner.totals().sent_bytes if ctx.inner is not None else 0
+        res = fn(ctx, *args, **kw)
+        out[name] = (dict(res, slow=res["slow"] - slow, fast=res["fast"] - fast)
+                     if isinstance(res, dict) and "slow" in res else res)
+    return out
+
+
+def shard_roundtrip(roundtrip, shards: int, parallel: str, shapes):
+    """The codec's round trip applied shard by shard, as R ranks of a worker apply it: to R
+    equal ranges of the flat vector (``"ddp"``), or to each rank's dim-0 chunks of every
+    tensor (``"fsdp"``, as FSDP2 shards with ``torch.chunk``). ``shapes``: the tensors' shapes,
+    in the vector's order."""
+    def apply(x):
+        if shards == 1:
+            return roundtrip(x)
+        if parallel == "ddp":
+            width = -(-x.numel() // shards)
+            return torch.cat([roundtrip(x[r * width:(r + 1) * width]) for r in range(shards)])
+        out, views, offset = x.clone(), [], 0
+        for shape in shapes:
+            n = torch.Size(shape).numel()
+            views.append(out[offset:offset + n].view(shape))
+            offset += n
+        for r in range(shards):
+            parts = [c[r] for c in (torch.chunk(v, shards, dim=0) for v in views) if len(c) > r]
+            flat = roundtrip(torch.cat([p.reshape(-1) for p in parts]))
+            offset = 0
+            for p in parts:
+                p.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        return out
+    return apply
 
 
 def worker_batches(shards: int):

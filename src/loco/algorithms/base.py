@@ -17,8 +17,12 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
+from loco.algorithms.sharding import flatten_fp32, is_sharded, local, unflatten_views
 from loco.comm import Comm
+
+__all__ = ["Algorithm", "NonFiniteError", "flatten_fp32", "unflatten_views"]
 
 INIT_SYNC_MODES = ("broadcast", "verify")
 """How the workers' initial state is made identical (``init_sync`` of ``Algorithm``)."""
@@ -103,6 +107,10 @@ class Algorithm:
         reduces them itself turns it off)."""
         self.max_grad_norm = max_grad_norm
         self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sharded = is_sharded(self.params)
+        """Whether the model is FSDP2-sharded over the worker's ranks (its parameters are
+        DTensors): the algorithm then works on each rank's local shards, and FSDP2 averages
+        the gradients inside the worker."""
         self.inner_steps = 0
         """Inner steps taken so far (t), the counter every sync is scheduled by."""
         self.grad_norm_fn = None
@@ -122,7 +130,7 @@ class Algorithm:
         Workers that silently start from different weights was a real bug in a public
         DiLoCo implementation; the checksum makes it impossible to miss.
         """
-        state = [t for t in self.model.state_dict(keep_vars=True).values()
+        state = [local(t) for t in self.model.state_dict(keep_vars=True).values()
                  if isinstance(t, torch.Tensor)]
         if mode == "broadcast":
             with torch.no_grad():
@@ -135,7 +143,7 @@ class Algorithm:
                         t.data.copy_(flat[offset:offset + t.numel()].view_as(t))
                         offset += t.numel()
         self.comm.verify_identical(state, what="initial weights")
-        if self.inner is not None:  # the ranks of one worker hold one replica
+        if self.inner is not None and not self.sharded:  # R ranks hold one replica
             self.inner.verify_identical(state, what="initial weights inside a worker")
 
     # ----------------------------------------------------------------------------- the loop
@@ -153,13 +161,13 @@ class Algorithm:
         if self.grad_norm_fn is not None:  # the norm over all pipeline stages
             norm = self.grad_norm_fn(self.params)
         elif self.max_grad_norm is not None:
-            return float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+            return _number(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
         else:
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         if self.max_grad_norm is not None and grads:  # as clip_grad_norm_ does
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return float(norm)
+        return _number(norm)
 
     def inner_update(self) -> bool:
         """Clip and apply the inner optimizer, unless the gradient is non-finite (then raise
@@ -172,8 +180,8 @@ class Algorithm:
         Raises:
             NonFiniteError: the gradient is not finite and ``on_nonfinite`` is ``"stop"``.
         """
-        if self.inner is not None and self.average_inner:
-            self.average_inside_worker()
+        if self.inner is not None and self.average_inner and not self.sharded:
+            self.average_inside_worker()  # (FSDP2 has averaged them itself)
         if not math.isfinite(self.clip_gradients()):
             self.nonfinite("gradient", "inner_steps", self.inner_steps + 1)
             return False
@@ -243,10 +251,40 @@ class Algorithm:
         Raises:
             NonFiniteError: an element is not finite and ``on_nonfinite`` is ``"stop"``.
         """
-        if bool(torch.isfinite(tensor).all()):
+        if self.agree(bool(torch.isfinite(tensor).all())):
             return True
         self.nonfinite(what, "syncs", self.inner_steps)
         return False
+
+    def agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank of this worker: each rank of a worker of R
+        ranks checks only its own shard, so they combine their verdicts (one value over the
+        fast link) and decide alike.
+
+        Args:
+            flag: this rank's verdict.
+        """
+        if self.inner is None:
+            return flag
+        bad = torch.tensor([0.0 if flag else 1.0], device=self.inner.device)
+        self.inner.all_reduce_mean(bad, tag="train").wait()
+        return float(bad) == 0.0
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes of the tensors this rank holds: ``model`` (parameters and buffers, its
+        shards under FSDP2), ``inner_optimizer`` (its state) and ``outer`` (the outer
+        algorithm's state; 0 here)."""
+        def size(tensors) -> int:
+            return sum(local(t).numel() * t.element_size() for t in tensors)
+        model = size(t for t in self.model.state_dict().values() if isinstance(t, torch.Tensor))
+        inner = size(v for s in self.inner_optimizer.state.values() for v in s.values()
+                     if isinstance(v, torch.Tensor) and v.dim() > 0)
+        return {"model": model, "inner_optimizer": inner, "outer": size(self.outer_tensors())}
+
+    def outer_tensors(self) -> list[torch.Tensor]:
+        """The tensors of the outer algorithm's state this rank holds (for
+        ``memory_bytes``); none here."""
+        return []
 
     def nonfinite(self, what: str, counter: str, step: int) -> None:
         """Handle a non-finite value by the ``on_nonfinite`` policy: raise, or count a skip.
@@ -298,8 +336,8 @@ class Algorithm:
         Returns:
             A dict of tensors and numbers for ``torch.save``; each worker saves its own.
         """
-        return {"model": self.model.state_dict(),
-                "inner_optimizer": self.inner_optimizer.state_dict(),
+        return {"model": _local_tree(self.model.state_dict()),
+                "inner_optimizer": _local_tree(self.inner_optimizer.state_dict()),
                 "inner_steps": self.inner_steps, "skipped": dict(self.skipped)}
 
     def load_state_dict(self, state: dict) -> None:
@@ -309,28 +347,41 @@ class Algorithm:
         Args:
             state: a dict from ``state_dict()`` of an algorithm built the same way.
         """
-        self.model.load_state_dict(state["model"])
-        self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+        if self.sharded:  # this rank's shards: into the DTensors' local tensors
+            with torch.no_grad():
+                for name, t in self.model.state_dict().items():
+                    local(t).copy_(state["model"][name])
+            self.inner_optimizer.load_state_dict(state["inner_optimizer"])
+            _redistribute_state(self.inner_optimizer)
+        else:
+            self.model.load_state_dict(state["model"])
+            self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.inner_steps = int(state["inner_steps"])
         self.skipped = {k: int(v) for k, v in state.get("skipped", self.skipped).items()}
 
 
-def flatten_fp32(tensors, out: torch.Tensor | None = None) -> torch.Tensor:
-    """Concatenate tensors into one fp32 vector (a single message instead of many)."""
-    total = sum(t.numel() for t in tensors)
-    if out is None:
-        out = torch.empty(total, dtype=torch.float32, device=tensors[0].device)
-    offset = 0
-    for t in tensors:
-        out[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
-        offset += t.numel()
-    return out
+def _number(norm: torch.Tensor) -> float:
+    """A norm as a float (a DTensor's over all its shards)."""
+    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
 
 
-def unflatten_views(flat: torch.Tensor, like) -> list[torch.Tensor]:
-    """Views of ``flat`` shaped like each tensor of ``like``."""
-    views, offset = [], 0
-    for t in like:
-        views.append(flat[offset:offset + t.numel()].view(t.shape))
-        offset += t.numel()
-    return views
+def _local_tree(state):
+    """``state`` with every DTensor replaced by its local shard (what this rank saves)."""
+    if isinstance(state, dict):
+        return {k: _local_tree(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [_local_tree(v) for v in state]
+    return local(state) if isinstance(state, torch.Tensor) else state
+
+
+def _redistribute_state(optimizer: torch.optim.Optimizer) -> None:
+    """After loading local shards into an optimizer over DTensors: make each state tensor a
+    DTensor again, with its parameter's placements."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for k, v in optimizer.state.get(p, {}).items():
+                if (isinstance(p, DTensor) and isinstance(v, torch.Tensor)
+                        and not isinstance(v, DTensor) and v.shape == local(p).shape):
+                    optimizer.state[p][k] = DTensor.from_local(
+                        v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                        run_check=False)

@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from loco.algorithms.base import Algorithm, flatten_fp32, unflatten_views
+from loco.algorithms.base import Algorithm
+from loco.algorithms.sharding import flatten_fp32, local, unflatten_views
 from loco.comm import Comm
 from loco.comm.codecs import get_codec
 
@@ -51,8 +52,10 @@ class DataParallel(Algorithm):
         self.codec = None if codec == "fp32" else get_codec(codec)
         super().__init__(model, inner_optimizer, comm, **kwargs)
         self.average_inner = False  # step() averages inside the worker itself, first
-        n = sum(p.numel() for p in self.params)
-        self._wire = self.shard_buffer(n, self.params[0].device)  # one shard per rank
+        n = sum(local(p).numel() for p in self.params)
+        # One shard per rank of the worker; under FSDP2 each rank's gradients are its shards.
+        self._wire = (self.shard_buffer(n, self.params[0].device) if not self.sharded
+                      else torch.zeros(n, device=local(self.params[0]).device))
         self._grads = self._wire[:n]
 
     @torch.no_grad()
@@ -61,15 +64,15 @@ class DataParallel(Algorithm):
         for p in self.params:  # a parameter that got no gradient contributes zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        flatten_fp32([p.grad for p in self.params], out=self._grads)
-        if self.inner is None:
+        grads = [local(p.grad) for p in self.params]
+        flatten_fp32(grads, out=self._grads)
+        if self.inner is None or self.sharded:  # (FSDP2 has averaged inside the worker)
             self.comm.all_reduce_mean(self._grads, tag="train", codec=self.codec).wait()
         else:  # inside the worker (fast), then shard r across workers (slow), gathered
             self.inner.all_reduce_mean(self._grads, tag="train").wait()
             self.comm.all_reduce_mean(self.own_shard(self._wire), tag="train",
                                       codec=self.codec).wait()
             self.gather_shards(self._wire)
-        for p, g in zip(self.params, unflatten_views(self._grads, self.params)):
-            p.grad.copy_(g)
+        torch._foreach_copy_(grads, unflatten_views(self._grads, grads))
         self.inner_update()  # the averaged gradient: every worker decides the same
         self.inner_steps += 1

@@ -25,7 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from loco.algorithms.base import Algorithm, flatten_fp32, unflatten_views
+from loco.algorithms.base import Algorithm
+from loco.algorithms.sharding import Share, unflatten_views
 from loco.comm import Comm
 from loco.comm.codecs import get_codec
 
@@ -112,8 +113,10 @@ class NoLoCo(Algorithm):
         self.beta, self.alpha, self.gamma, self.nesterov = outer_lr, outer_momentum, gamma, nesterov
         self.outer_steps = 0
         """Outer steps taken (or skipped) so far."""
-        self.slow = flatten_fp32(self.params)  # φ_i, private to this worker
-        self.slow_params = unflatten_views(self.slow, self.params)
+        # With R ranks per worker each holds, swaps and steps 1/R of φ_i and δ_i.
+        self.share = Share(self.params, self.inner)
+        self.slow = self.share.read()  # φ_i, private to this worker
+        self.slow_params = unflatten_views(self.slow, self.share.views)
         self.momentum = torch.zeros_like(self.slow)  # δ_i
 
     def groups(self, outer_step: int) -> list[list[int]]:
@@ -140,25 +143,19 @@ class NoLoCo(Algorithm):
         [`NoLoCo`][loco.algorithms.noloco.NoLoCo]). Called by [`step`][loco.algorithms.noloco.NoLoCo.step] every H inner
         steps; every member of the group must call it at the same outer step."""
         group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
-        n = self.slow.numel()
-        delta, slow = self.shard_buffer(n, self.slow.device), self.shard_buffer(n, self.slow.device)
-        flatten_fp32(self.params, out=delta[:n]).sub_(self.slow)  # Δ_i = θ_i − φ_i
-        slow[:n] = self.slow
-        # Rank r of each member swaps shard r (all of it for one rank); the worker gathers.
-        delta_mine, slow_mine = self.own_shard(delta), self.own_shard(slow)
-        delta_mine[:], slow_mine[:] = self._group_means(delta_mine, slow_mine, group)
-        self.gather_shards(delta)
-        self.gather_shards(slow)
-        mean_delta, mean_slow = delta[:n], slow[:n]
-        if not (self.finite(mean_delta, "pseudo-gradient") and self.finite(mean_slow,
-                                                                            "slow weights")):
-            torch._foreach_copy_(self.params, self.slow_params)  # skipped: back to φ_i
-            self.outer_steps += 1
-            return
-        g = mean_delta.mul_(self.beta).sub_(self.slow.sub(mean_slow).mul_(self.gamma))
-        self.momentum.mul_(self.alpha).add_(g)  # δ ← α δ + β mean(Δ) − γ (φ − mean φ)
-        self.slow.add_(self.momentum.mul(self.alpha).add_(g) if self.nesterov else self.momentum)
-        torch._foreach_copy_(self.params, self.slow_params)  # θ_i ← φ_i
+        delta = self.share.read().sub_(self.slow)  # Δ_i = θ_i − φ_i (this rank's share)
+        # Rank r of each member swaps its share with rank r of the others.
+        mean_delta, mean_slow = self._group_means(delta, self.slow, group)
+        if (self.finite(mean_delta, "pseudo-gradient")
+                and self.finite(mean_slow, "slow weights")):
+            g = mean_delta.mul_(self.beta).sub_(self.slow.sub(mean_slow).mul_(self.gamma))
+            self.momentum.mul_(self.alpha).add_(g)  # δ ← α δ + β mean(Δ) − γ (φ − mean φ)
+            self.slow.add_(self.momentum.mul(self.alpha).add_(g) if self.nesterov
+                           else self.momentum)
+        # θ_i ← φ_i (skipped: back to the old φ_i); the worker's ranks gather the model.
+        torch._foreach_copy_(self.share.views, [s.to(v.dtype) for s, v in
+                                                zip(self.slow_params, self.share.views)])
+        self.share.gather()
         self.outer_steps += 1
 
     def _group_means(self, delta: torch.Tensor, slow: torch.Tensor, group
@@ -172,6 +169,10 @@ class NoLoCo(Algorithm):
         mean_delta = sum(self.codec.decode(b[:split], (n,)) for b in received) / len(group)
         mean_slow = sum(self.slow_codec.decode(b[split:], (n,)) for b in received) / len(group)
         return mean_delta, mean_slow
+
+    def outer_tensors(self) -> list[torch.Tensor]:
+        """This rank's share of the slow weights φ and the momentum δ."""
+        return [self.slow, self.momentum]
 
     def state_dict(self) -> dict:
         """The base state plus the outer step counter, the slow weights φ and the momentum δ.

@@ -28,8 +28,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from loco.algorithms.base import Algorithm, flatten_fp32, unflatten_views
+from loco.algorithms.base import Algorithm
 from loco.algorithms.fragments import PATTERNS, split_fragments
+from loco.algorithms.sharding import Share, unflatten_views
 from loco.comm import Comm, Handle
 from loco.comm.codecs import get_codec
 
@@ -41,12 +42,12 @@ class Fragment:
     index: int
     names: list[str]
     params: list[torch.Tensor]  # θ_{m,p}: the live model parameters
-    global_flat: torch.Tensor  # θ^g_p in one fp32 buffer (in CPU memory with offload)
-    global_params: list[torch.Tensor]  # views of global_flat shaped like params
-    delta: torch.Tensor  # Δ_{m,p} then Δ̄_p, fp32, on the wire's device
+    share: Share  # what this rank owns of them (all, or 1/R for a worker of R ranks)
+    global_flat: torch.Tensor  # θ^g_p (this rank's share) in one fp32 buffer
+    global_params: list[torch.Tensor]  # views of global_flat shaped like share.views
+    delta: torch.Tensor  # Δ_{m,p} then Δ̄_p (this rank's share), fp32, on the wire's device
     grad: torch.Tensor  # Δ̄_p where the outer optimizer reads it (delta itself unless offloaded)
     outer_optimizer: torch.optim.Optimizer
-    wire: torch.Tensor | None = None  # Δ padded to one equal shard per rank of the worker
     syncs: int = 0
     stats: dict = field(default_factory=lambda: dict(raw_bytes=0, bytes_sent=0,
                                                      bytes_received=0, peak_bytes=0))
@@ -58,7 +59,6 @@ class _InFlight:
     handle: Handle | None  # None once the result is known (restored from a checkpoint)
     sent_at: int
     record: dict | None = None  # the operation's counters, when restored from a checkpoint
-    gathered: bool = False  # with R ranks per worker: the shards are gathered into delta
 
 
 def send_offsets(sync_every: int, fragments: int) -> list[int]:
@@ -180,21 +180,21 @@ class StreamingDiLoCo(Algorithm):
         self.fragment_list: list[Fragment] = []
         for p, frag_names in enumerate(names):
             params = [by_name[n] for n in frag_names]
-            global_flat = flatten_fp32(params).to(outer_device)
+            # With R ranks per worker each holds and syncs 1/R: no worker sends R copies.
+            share = Share(params, self.inner)
+            global_flat = share.read().to(outer_device)
             if offload and global_flat.device.type == "cpu" and torch.cuda.is_available():
                 global_flat = global_flat.pin_memory()
-            global_params = unflatten_views(global_flat, params)
-            # Δ, padded to one shard per rank of the worker: rank r reduces shard r.
-            wire = self.shard_buffer(global_flat.numel(), comm.device)
-            delta = wire[:global_flat.numel()]
+            global_params = unflatten_views(global_flat, share.views)
+            delta = torch.zeros(share.numel, dtype=torch.float32, device=comm.device)
             # The outer optimizer reads Δ̄ as the gradient of the global copy.
             grad = delta if delta.device == outer_device else torch.zeros_like(global_flat)
-            for g, d in zip(global_params, unflatten_views(grad, params)):
+            for g, d in zip(global_params, unflatten_views(grad, share.views)):
                 g.grad = d
             optimizer = torch.optim.SGD(global_params, lr=outer_lr, momentum=outer_momentum,
                                         nesterov=nesterov and outer_momentum > 0)
-            self.fragment_list.append(Fragment(p, frag_names, params, global_flat,
-                                               global_params, delta, grad, optimizer, wire))
+            self.fragment_list.append(Fragment(p, frag_names, params, share, global_flat,
+                                               global_params, delta, grad, optimizer))
         # Every worker derives the schedule from the same step counter, so the same fragment
         # is reduced everywhere without a word.
         self._due = dict(zip(send_offsets(sync_every, count), self.fragment_list))
@@ -226,22 +226,17 @@ class StreamingDiLoCo(Algorithm):
     @torch.no_grad()
     def _send(self, fragment: Fragment, t: int) -> None:
         assert self._in_flight is None, "tau < H/P leaves one fragment in flight at a time"
-        flatten_fp32(fragment.params, out=fragment.delta)
+        fragment.share.read(out=fragment.delta)
         global_flat = fragment.global_flat.to(fragment.delta.device, non_blocking=True)
         torch.sub(global_flat, fragment.delta, out=fragment.delta)  # Δ = θ^g − θ_m
-        # All of Δ, or with R ranks per worker its 1/R shard: no worker sends R copies.
-        shard = fragment.delta if self.inner is None else self.own_shard(fragment.wire)
-        handle = self.comm.all_reduce_mean(shard, tag="train", codec=self.codec)
+        handle = self.comm.all_reduce_mean(fragment.delta, tag="train", codec=self.codec)
         self._in_flight = _InFlight(fragment, handle, t)
 
-    def _wait(self, flight: _InFlight) -> None:
-        """Wait for Δ̄_p; with R ranks per worker, gather its shards over the fast link, so
-        that every rank of every worker holds all of it (and decides alike)."""
+    @staticmethod
+    def _wait(flight: _InFlight) -> None:
+        """Wait for Δ̄_p (this rank's share of it, decoded, in fp32)."""
         if flight.handle is not None:
-            flight.handle.wait()  # Δ̄_p (this rank's shard), decoded, in fp32
-            if not flight.gathered:
-                self.gather_shards(flight.fragment.wire)
-        flight.gathered = True
+            flight.handle.wait()
 
     @torch.no_grad()
     def _apply(self) -> None:
@@ -250,8 +245,10 @@ class StreamingDiLoCo(Algorithm):
         self._wait(flight)
         if not self.finite(fragment.delta, f"pseudo-gradient (fragment {fragment.index})"):
             # Skipped: the global fragment stays; the replicas restart from it.
-            torch._foreach_copy_(fragment.params, [g.to(p.device, p.dtype) for g, p in
-                                                   zip(fragment.global_params, fragment.params)])
+            views = fragment.share.views
+            torch._foreach_copy_(views, [g.to(v.device, v.dtype)
+                                         for g, v in zip(fragment.global_params, views)])
+            fragment.share.gather()
             self.outer_steps += 1
             self._log(fragment, flight)
             return
@@ -264,14 +261,16 @@ class StreamingDiLoCo(Algorithm):
         self._log(fragment, flight)
 
     def _merge(self, fragment: Fragment) -> None:
-        """θ_{m,p} ← α · θ_{m,p} + (1 − α) · θ^g_p (α = 0 copies the global value)."""
-        params = fragment.params
-        global_params = [g.to(p.device, p.dtype, non_blocking=True)
-                         for g, p in zip(fragment.global_params, params)]
+        """θ_{m,p} ← α · θ_{m,p} + (1 − α) · θ^g_p (α = 0 copies the global value), on this
+        rank's share; then the worker's ranks gather the whole fragment."""
+        views = fragment.share.views
+        global_params = [g.to(v.device, v.dtype, non_blocking=True)
+                         for g, v in zip(fragment.global_params, views)]
         if self.alpha == 0:
-            torch._foreach_copy_(params, global_params)
+            torch._foreach_copy_(views, global_params)
         else:
-            torch._foreach_lerp_(params, global_params, 1 - self.alpha)
+            torch._foreach_lerp_(views, global_params, 1 - self.alpha)
+        fragment.share.gather()
 
     def _log(self, fragment: Fragment, flight: _InFlight) -> None:
         if flight.handle is None and flight.record is None:
@@ -296,13 +295,22 @@ class StreamingDiLoCo(Algorithm):
 
     def fragment_stats(self) -> list[dict]:
         """Per fragment: size, syncs applied and the bytes this worker moved for it."""
-        return [{"fragment": f.index, "tensors": len(f.names), "elements": f.global_flat.numel(),
+        return [{"fragment": f.index, "tensors": len(f.names), "elements": f.share.total,
                  "syncs": f.syncs, **f.stats} for f in self.fragment_list]
+
+    def outer_tensors(self) -> list[torch.Tensor]:
+        """This rank's share of every fragment's global copy and outer momentum."""
+        return [t for f in self.fragment_list for t in (
+            f.global_flat, *(s["momentum_buffer"] for s in f.outer_optimizer.state.values()
+                             if s.get("momentum_buffer") is not None))]
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """The global copy θ^g of every synced parameter, on the parameters' device, by name
-        (the same on every worker); a parameter in no fragment (frozen) is the model's own."""
-        by_id = {id(p): g for f in self.fragment_list for p, g in zip(f.params, f.global_params)}
+        (the same on every worker); a parameter in no fragment (frozen) is the model's own.
+        With R ranks per worker it is collective over the worker's ranks (each holds 1/R):
+        every rank of the worker calls it at once; under FSDP2 the values are DTensors."""
+        by_id = {id(p): g for f in self.fragment_list
+                 for p, g in zip(f.params, f.share.full(f.global_flat.to(f.delta.device)))}
         return {n: by_id[id(p)].to(p.device) if id(p) in by_id else p
                 for n, p in self.model.named_parameters()}
 

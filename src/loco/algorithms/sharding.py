@@ -1,0 +1,144 @@
+"""What one rank of a worker owns of the outer algorithm's state.
+
+A worker may be R ranks joined by a fast link (``ctx.inner``). The outer algorithm's state
+(the global copy, the outer momentum, NoLoCo's slow weights) and its slow-link traffic are
+then split so that each rank holds and sends 1/R of it, and rank r of every worker meets
+only rank r of the others (the hybrid-sharded layout):
+
+- **one rank** (``inner`` None): the rank owns every parameter;
+- **data-parallel inside** (every rank holds the whole model): rank r owns the r-th of R
+  equal ranges of the parameters flattened in order; after it writes its range, the worker
+  all-gathers the ranges over the fast link so every rank holds the whole model again;
+- **FSDP2 inside** (the parameters are ``DTensor`` shards): a rank owns its local shards,
+  nothing to gather.
+
+A [`Share`][loco.algorithms.sharding.Share] gives the owned values as flat 1-D views of the
+parameters, so the algorithms read, step and write them in one code path for all three.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from loco.comm import Comm
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard (sharing its storage), else
+    ``t`` itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def is_sharded(params) -> bool:
+    """Whether the parameters are FSDP2 shards (``DTensor``)."""
+    return any(isinstance(p, DTensor) for p in params)
+
+
+def flatten_fp32(tensors, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Concatenate tensors into one fp32 vector (a single message instead of many).
+
+    Args:
+        tensors: a non-empty list of tensors on one device.
+        out: where to write (``sum numel`` values); default a new tensor.
+    """
+    total = sum(t.numel() for t in tensors)
+    if out is None:
+        out = torch.empty(total, dtype=torch.float32, device=tensors[0].device)
+    offset = 0
+    for t in tensors:
+        out[offset:offset + t.numel()].copy_(t.detach().reshape(-1))
+        offset += t.numel()
+    return out
+
+
+def unflatten_views(flat: torch.Tensor, like) -> list[torch.Tensor]:
+    """Views of ``flat`` shaped like each tensor of ``like``.
+
+    Args:
+        flat: a 1-D tensor of at least ``sum numel`` values.
+        like: the tensors whose shapes to take.
+    """
+    views, offset = [], 0
+    for t in like:
+        views.append(flat[offset:offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
+
+
+class Share:
+    """This rank's share of a list of parameters (see the module's description).
+
+    Args:
+        params: the parameters, in an order every rank shares.
+        inner: the worker's fast-link Comm (None for a worker of one rank).
+
+    Attributes:
+        views: views of the parameters' storage holding what this rank owns, in order: the
+            (local) tensors themselves, or 1-D slices of them for a range.
+        numel: the number of owned values.
+    """
+
+    def __init__(self, params: list[torch.Tensor], inner: Comm | None):
+        self.params = list(params)
+        self.sharded = is_sharded(self.params)
+        self.inner = None if self.sharded else inner
+        self.total = sum(local(p).numel() for p in self.params)
+        if self.inner is None:  # the whole (local) tensors, in their shapes
+            self.views, self.width = [local(p).detach() for p in self.params], self.total
+        else:
+            self.width = -(-self.total // self.inner.size)  # the padded size of one range
+            start = self.inner.rank * self.width
+            self.views = _slice([p.detach().view(-1) for p in self.params], start,
+                                min(start + self.width, self.total))
+        self.numel = sum(v.numel() for v in self.views)
+
+    def read(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The owned values as one fp32 vector.
+
+        Args:
+            out: where to write (``numel`` values); default a new tensor.
+        """
+        if not self.views:
+            return torch.zeros(0, device=local(self.params[0]).device) if out is None else out
+        return flatten_fp32(self.views, out)
+
+    def gather(self) -> None:
+        """Make every rank of the worker hold every parameter again after each wrote its
+        range (data-parallel inside: an all-gather over the fast link; otherwise nothing)."""
+        if self.inner is None:
+            return
+        full = self.full(self.read())
+        torch._foreach_copy_(self.params, [f.to(p.dtype) for f, p in zip(full, self.params)])
+
+    def full(self, owned: torch.Tensor) -> list[torch.Tensor]:
+        """Whole tensors shaped like the parameters from every rank's owned values
+        (``owned`` here, ``numel`` of them, fp32): for one rank, views of ``owned``; for
+        data-parallel inside, an all-gather over the fast link (collective: every rank of
+        the worker calls it at once); for FSDP2, DTensors with the parameters' placements.
+
+        Args:
+            owned: this rank's values, in the order of ``views``.
+        """
+        if self.sharded:
+            return [DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
+                                       stride=p.stride(), run_check=False)
+                    for v, p in zip(unflatten_views(owned, [local(p) for p in self.params]),
+                                    self.params)]
+        if self.inner is None:
+            return unflatten_views(owned, self.params)
+        padded = torch.zeros(self.width, dtype=torch.float32, device=owned.device)
+        padded[:owned.numel()] = owned
+        gathered = torch.cat(self.inner.all_gather(padded, tag="train").wait())
+        return unflatten_views(gathered, self.params)
+
+
+def _slice(flat: list[torch.Tensor], start: int, stop: int) -> list[torch.Tensor]:
+    """The parts of the concatenation of ``flat`` in [start, stop), as views."""
+    views, offset = [], 0
+    for t in flat:
+        a, b = max(start - offset, 0), min(stop - offset, t.numel())
+        if a < b:
+            views.append(t[a:b])
+        offset += t.numel()
+    return views

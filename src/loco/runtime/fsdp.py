@@ -1,0 +1,78 @@
+"""Shard one worker's model over its ranks with FSDP2 (``--worker-parallel fsdp``).
+
+A worker of R ranks (``launch(..., shards=R)``) holds one replica of the model. Under
+``ddp`` every rank keeps all of it; under ``fsdp``
+[`shard_worker`][loco.runtime.fsdp.shard_worker] hands it to
+``torch.distributed.fsdp.fully_shard`` over the worker's own ranks (the ``"shard"`` dimension
+of ``ctx.device_mesh``), so that each rank keeps about 1/R of every parameter, of its
+gradient and of the inner optimizer's state. What runs where:
+
+* inside a worker (the fast link): FSDP2 all-gathers each block's parameters before its
+  forward and backward, frees them after, and reduce-scatters the gradients, so each rank
+  ends the backward with the mean gradient of the worker's R batches for its own shard;
+* across workers (the slow link): the outer algorithm (``inner=ctx.inner``) syncs rank r's
+  local shards with rank r of the other workers; FSDP2 never talks across workers.
+
+One FSDP unit per block (see [`find_blocks`][loco.algorithms.fragments.find_blocks]) and one
+for the rest at the root (embedding, final norm, the tied head), so that only one block is
+gathered at a time. The parameters become DTensors sharded on dimension 0;
+``p.to_local()`` is this rank's shard, ``p.full_tensor()`` gathers the whole (a collective).
+
+It needs a ``torch.distributed`` process group per rank, hence the processes launcher or
+torchrun; the threads launcher has no ``DeviceMesh``. The mesh has the ranks' device type,
+and ``fully_shard`` moves the parameters onto it, so a CPU model lands on the rank's GPU.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from torch import nn
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    from loco.runtime.launch import WorkerContext
+
+NO_MESH_ERROR = ("--worker-parallel fsdp needs a torch.distributed process group per rank: "
+                 "use --launcher processes or torchrun (the threads launcher has none)")
+
+
+def shard_worker(model: nn.Module, ctx: WorkerContext,
+                 mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """Shard ``model`` over the ranks of this rank's worker with FSDP2, in place.
+
+    Every rank of the worker must call it on the same model (same architecture and, for a
+    meaningful start, the same weights), before building the inner optimizer: the optimizer
+    must see the sharded parameters.
+
+    Args:
+        model: the worker's model, with its repeated blocks in an ``nn.ModuleList`` (see
+            [`find_blocks`][loco.algorithms.fragments.find_blocks]).
+        ctx: this rank's [`WorkerContext`][loco.runtime.launch.WorkerContext]; its
+            ``device_mesh["shard"]`` is the group the model is sharded over.
+        mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (parameter, reduction and output
+            dtypes) for every unit; default None, FSDP2's default (everything in the
+            parameters' dtype).
+
+    Returns:
+        ``model`` itself, its parameters now DTensors sharded across the worker's
+            ranks; unchanged when the worker has one rank (``ctx.inner`` is None).
+
+    Raises:
+        ValueError: ``ctx`` has no ``device_mesh`` (the threads launcher).
+    """
+    if ctx.device_mesh is None:
+        raise ValueError(NO_MESH_ERROR)
+    if ctx.inner is None:  # one rank per worker: nothing to shard
+        return model
+    from torch.distributed.fsdp import fully_shard
+
+    from loco.algorithms.fragments import find_blocks
+
+    mesh = ctx.device_mesh["shard"]
+    kw = {} if mp_policy is None else {"mp_policy": mp_policy}
+    for block in find_blocks(model):
+        fully_shard(block, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
+    return model
