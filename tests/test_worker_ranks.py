@@ -210,3 +210,22 @@ def test_checkpoint_with_ranks_per_worker_and_a_sync_in_flight_resumes_bit_ident
                       kwargs=dict(fragments=2, overlap=1, layers=4))
     for straight, resumed in out:
         assert max_diff(straight, resumed) == 0
+
+
+def test_fsdp_collectives_are_counted_as_fast_link_bytes(fsdp_runs):
+    """FSDP2's own all-gathers and reduce-scatters are counted on the worker's fast link:
+    per step, every block is gathered twice (forward, and again for backward, as FSDP2
+    frees it after forward), the root's own parameters once, and every gradient
+    reduce-scattered once; each of R ranks sends R − 1 padded shards per collective."""
+    from loco.algorithms.fragments import find_blocks
+    from workers import make_model
+
+    model = make_model()
+
+    def padded(params):  # FSDP2 pads dim 0 to R equal chunks
+        return sum(-(-p.shape[0] // 2) * (p.numel() // p.shape[0]) * 4 for p in params)
+    in_blocks = {id(p) for b in find_blocks(model) for p in b.parameters()}
+    blocks = padded([p for p in model.parameters() if id(p) in in_blocks])
+    root = padded([p for p in model.parameters() if id(p) not in in_blocks])
+    per_step = (2 - 1) * (2 * blocks + root + blocks + root)
+    assert all(r["ddp"]["fast"] == FSDP_STEPS * per_step for r in fsdp_runs)

@@ -720,6 +720,25 @@ class Comm:
                             [t for t, _, _ in sends + recvs], participants=peers)
 
     # ------------------------------------------------------------------------------ helpers
+    def account(self, op: str, raw: int, sent: int, recv: int, tag: str = "train") -> None:
+        """Count an operation another library ran on this Comm's group (FSDP2's all-gathers
+        and reduce-scatters inside a worker, see [`shard_worker`][loco.runtime.fsdp.shard_worker]),
+        so that the totals hold every byte of the link. Counted when issued, with no time
+        in flight or waited: loco does not see it complete, and the emulated link does not
+        delay it.
+
+        Args:
+            op: the operation's name (e.g. ``"fsdp_all_gather"``).
+            raw: the bytes the caller asked to move.
+            sent: bytes this rank puts on the wire.
+            recv: bytes this rank takes off the wire.
+            tag: the tag its bytes are counted under; default ``"train"``.
+        """
+        rec = OpRecord(op, tag, raw, sent, recv, tuple(range(self.size)), time.perf_counter())
+        with self._lock:
+            self._issued[tag] += sent
+        self._finish(rec)
+
     def totals(self, tag: str = "train") -> Counter:
         """A copy of the totals of one tag, of the operations completed so far.
 

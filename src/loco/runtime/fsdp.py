@@ -72,7 +72,37 @@ def shard_worker(model: nn.Module, ctx: WorkerContext,
 
     mesh = ctx.device_mesh["shard"]
     kw = {} if mp_policy is None else {"mp_policy": mp_policy}
-    for block in find_blocks(model):
-        fully_shard(block, mesh=mesh, **kw)
-    fully_shard(model, mesh=mesh, **kw)
+    units = [fully_shard(block, mesh=mesh, **kw) for block in find_blocks(model)]
+    units.append(fully_shard(model, mesh=mesh, **kw))
+    gather, scatter = _counted_collectives(ctx.inner)
+    for unit in units:  # FSDP2's own collectives, counted as the worker's fast-link bytes
+        unit.set_custom_all_gather(gather)
+        unit.set_custom_reduce_scatter(scatter)
     return model
+
+
+def _counted_collectives(comm):
+    """FSDP2's default all-gather and reduce-scatter, unchanged, that also count their bytes
+    on ``comm`` (the worker's fast-link Comm, over the same ranks) with loco's convention
+    for a collective of R ranks: each sends and receives R − 1 shards."""
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        DefaultAllGather,
+        DefaultReduceScatter,
+    )
+
+    def nbytes(t) -> int:
+        return t.numel() * t.element_size()
+
+    class Gather(DefaultAllGather):
+        def __call__(self, output_tensor, input_tensor, group, async_op=False):
+            shard = (comm.size - 1) * nbytes(input_tensor)
+            comm.account("fsdp_all_gather", nbytes(output_tensor), shard, shard)
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+
+    class Scatter(DefaultReduceScatter):
+        def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+            shard = (comm.size - 1) * nbytes(output_tensor)
+            comm.account("fsdp_reduce_scatter", nbytes(input_tensor), shard, shard)
+            return super().__call__(output_tensor, input_tensor, group, op, async_op)
+
+    return Gather(), Scatter()
