@@ -76,6 +76,16 @@ BAD_INPUTS = [
     (["--link-bandwidth", "fast"], "--link-bandwidth", "100Mbit"),
     (["--link-bandwidth", "100MB"], "--link-bandwidth", "100Mbit"),
     (["--link-latency=-5ms"], "--link-latency", "50ms"),
+    (["--worker-ranks", "0"], "--worker-ranks", ">= 1"),
+    (["--worker-ranks", "2", "--stages", "2"], "--worker-ranks", "stages (--stages 2) is not "
+     "supported yet; use --worker-ranks 1 or --stages 1"),
+    (["--worker-ranks", "2", "--worker-parallel", "fsdp"], "--worker-parallel",
+     "add --launcher processes, or start the run with torchrun"),
+    (["--worker-parallel", "fsdp", "--launcher", "processes"], "--worker-parallel",
+     "add --worker-ranks 2 or more"),
+    (["--worker-parallel", "zero"], "--worker-parallel", "'ddp', 'fsdp'"),
+    (["--fast-link-bandwidth", "fast"], "--fast-link-bandwidth", "100Mbit"),
+    (["--fast-link-latency=-5ms"], "--fast-link-latency", "50ms"),
 ]
 
 

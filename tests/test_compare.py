@@ -199,6 +199,7 @@ BAD_PLANS = [
     (["--algorithms", ","], "--algorithms", "at least one"),
     (["--set", "streaming.steps=10"], "--steps", "same for every method"),
     (["--set", "diloco.workers=4"], "--workers", "same for every method"),
+    (["--set", "diloco.worker-ranks=2"], "--worker-ranks", "same for every method"),
     (["--set", "ddp.fragments=4"], "--fragments", "does not apply to ddp"),
     (["--set", "local.gamma=0.5"], "--gamma", "does not apply to local"),
     (["--set", "sgd.lr=1"], "--set", "no method 'sgd'"),

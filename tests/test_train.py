@@ -54,8 +54,10 @@ def test_noloco_train_runs_no_all_worker_collective(corpus, tmp_path, monkeypatc
 def test_spread_diagnostic_is_not_blocked_time():
     waited = {"train": 1.0, "diagnostic": 5.0, "checkpoint": 7.0, "report": 3.0}
     comm = SimpleNamespace(totals=lambda tag="train": SimpleNamespace(waited=waited.get(tag, 0)))
-    assert loco.train.blocked_seconds(SimpleNamespace(comm=comm, pipe=None)) == 1.0
-    assert loco.train.blocked_seconds(SimpleNamespace(comm=comm, pipe=comm)) == 2.0
+    assert loco.train.blocked_seconds(SimpleNamespace(comm=comm, pipe=None, inner=None)) == 1.0
+    assert loco.train.blocked_seconds(SimpleNamespace(comm=comm, pipe=comm, inner=None)) == 2.0
+    # the fast link inside a worker blocks its ranks too
+    assert loco.train.blocked_seconds(SimpleNamespace(comm=comm, pipe=None, inner=comm)) == 2.0
 
 
 def test_streaming_checkpoints_wait_for_the_sync_in_flight_and_write_in_the_background(

@@ -18,6 +18,7 @@ Examples:
   loco train --algorithm ddp --steps 200       # data-parallel baseline
   loco train --algorithm noloco --group-size 2 --gamma 0.7 --stages 2 --routing random
   loco train --model tiny --workers 2 --launcher processes
+  loco train --workers 2 --worker-ranks 4      # 2 workers of 4 ranks: 8 ranks in all
   torchrun --nproc-per-node 8 -m loco train    # one rank per GPU, NCCL"""
 
 
@@ -214,13 +215,19 @@ def _train(args: argparse.Namespace) -> int:
     print(f"final eval loss {summary['final_eval_loss']:.3f} nats/token "
           f"(unigram entropy of the corpus: {summary['unigram_entropy']:.3f})")
     print(f"{summary['tokens']:,} tokens in {summary['wall_seconds']:.1f} s "
-          f"({summary['tokens_per_second']:,.0f} tokens/s); sent per worker "
+          f"({summary['tokens_per_second']:,.0f} tokens/s); sent per "
+          f"{'worker' if summary.get('worker_ranks', 1) == 1 else 'rank'} "
           f"{human_bytes(summary['bytes_sent_per_worker'])}, peak sync "
           f"{human_bytes(summary['peak_sync_bytes_per_worker'])}")
     print(f"compute utilization {summary['compute_utilization']:.1%} (the slowest worker "
           f"waited {summary['comm_wait_seconds']:.1f} s on communication)"
           + (f"; emulated link {summary['link']['bandwidth'] or 'unlimited'}, "
              f"{summary['link']['latency'] or '0 ms'}" if summary.get("link") else ""))
+    if summary.get("worker_ranks", 1) > 1:
+        print(f"workers of {summary['worker_ranks']} ranks ({summary['worker_parallel']}): "
+              f"sent per worker {human_bytes(summary['slow_link_bytes_sent_per_worker'])} over "
+              f"the slow link, {human_bytes(summary['fast_link_bytes_sent_per_worker'])} over "
+              "the fast link inside it")
     if summary.get("stages", 1) > 1:
         print(f"pipeline: {summary['stages']} stages per replica, {summary['routing']} routing; "
               f"activations and gradients sent per rank "

@@ -38,9 +38,11 @@ DEFAULT_ALGORITHMS = ("ddp", "diloco", "streaming", "noloco", "local")
 #: Options every method must share: the same model, data, seed and token budget (and the
 #: same machine and network), so that only the methods differ.
 SHARED = ("model", "layers", "dim", "heads", "steps", "tokens", "workers", "stages",
-          "batch_size", "seq_len", "seed", "corpus", "text_field", "vocab_size", "val_fraction",
-          "cache_dir", "dtype", "eval_every", "eval_batches", "final_eval_batches", "log_every",
-          "launcher", "link_bandwidth", "link_latency", "out", "progress", "resume")
+          "worker_ranks", "worker_parallel", "batch_size", "seq_len", "seed", "corpus",
+          "text_field", "vocab_size", "val_fraction", "cache_dir", "dtype", "eval_every",
+          "eval_batches", "final_eval_batches", "log_every", "launcher", "link_bandwidth",
+          "link_latency", "fast_link_bandwidth", "fast_link_latency", "out", "progress",
+          "resume")
 #: Options that mean something to some methods only; --set (or a preset's, a YAML file's
 #: per-method entry, a --sweep) elsewhere is an error. Options not listed (the inner optimizer's
 #: lr, adam_betas, weight_decay, z_loss, ...) apply to every method.

@@ -36,6 +36,11 @@ GRAD_CODECS = ("fp32", "bf16")
 LAUNCHER_NAMES = ("threads", "processes", "torchrun")
 ROUTINGS = ("fixed", "random")
 NONFINITE = ("stop", "skip")
+WORKER_PARALLEL = ("ddp", "fsdp")
+"""How the ranks of one worker (``--worker-ranks``) split its replica: ddp (each holds the
+whole model and their gradients are averaged) or fsdp (FSDP2 shards the model over them)."""
+#: The worker layout a checkpoint is written for: a resumed run must keep it.
+LAYOUT = ("worker_ranks", "worker_parallel")
 #: Options a resumed run may change: how it runs, not what it computes.
 RESUMABLE = ("launcher", "progress", "comm_timeout", "checkpoint_every", "max_restarts",
              "on_nonfinite", "resume", "out")
@@ -114,6 +119,15 @@ class TrainConfig:
                        "pipeline) or random (each sample crosses every stage boundary to a "
                        "replica drawn from a shared seed, as NoLoCo's random routing); "
                        "evaluation always uses fixed routing", ROUTINGS)
+    worker_ranks: int = opt(1, "R: ranks per worker, joined by a fast link (--fast-link-*): "
+                            "each reads its own batch, they train one replica together and "
+                            "each sends 1/R of the worker's pseudo-gradient over the slow link; "
+                            "a run uses workers x R ranks; not yet with --stages > 1")
+    worker_parallel: str = opt("ddp", "with --worker-ranks > 1: how a worker's ranks split its "
+                               "replica: ddp (each holds the whole model, gradients averaged "
+                               "over the fast link) or fsdp (FSDP2 shards parameters, gradients "
+                               "and optimizer state over them; needs --launcher processes or "
+                               "torchrun)", WORKER_PARALLEL)
     sync_every: int | None = opt(None, "H: inner steps between two syncs of the same "
                                  "parameters; larger H sends fewer bytes but lets workers "
                                  "drift further apart (default: the papers' 100 for streaming "
@@ -216,13 +230,25 @@ class TrainConfig:
     launcher: str = opt("threads", "how workers run: threads of this process (fast start), "
                         "local processes (torch elastic), or torchrun (detected from its "
                         "environment)", LAUNCHER_NAMES)
-    link_bandwidth: str | None = opt(None, "emulate a slow link of this rate per worker, e.g. "
+    link_bandwidth: str | None = opt(None, "emulate a slow link of this rate per rank, e.g. "
                                      "100Mbit or 1Gbit: an operation moving B bytes takes at "
-                                     "least B x 8 / rate, transfers queue, compute goes on "
-                                     "(default: no emulation)")
+                                     "least B x 8 / rate, transfers queue, compute goes on; "
+                                     "shapes the slow link between workers only, not the fast "
+                                     "link inside one (--fast-link-bandwidth) (default: no "
+                                     "emulation)")
     link_latency: str | None = opt(None, "emulated one-way latency added to every "
-                                   "communication, once per dependent phase (twice for an "
-                                   "all-reduce), e.g. 50ms (default: none)")
+                                   "communication over the slow link, once per dependent phase "
+                                   "(twice for an all-reduce), e.g. 50ms (default: none)")
+    fast_link_bandwidth: str | None = opt(None, "with --worker-ranks > 1: emulate the fast "
+                                          "link between the ranks of a worker at this rate "
+                                          "per rank, as --link-bandwidth does for the slow "
+                                          "link, e.g. 100Gbit; it shapes the traffic of the "
+                                          "worker's Comm, not FSDP2's own all-gathers and "
+                                          "reduce-scatters (--worker-parallel fsdp) (default: "
+                                          "no emulation)")
+    fast_link_latency: str | None = opt(None, "with --worker-ranks > 1: emulated one-way "
+                                        "latency of the fast link, as --link-latency, e.g. "
+                                        "10us (default: none)")
     comm_timeout: float = opt(300.0, "seconds a communication may take before the run "
                               "fails instead of hanging")
     # --- reliability
@@ -254,8 +280,9 @@ class TrainConfig:
 
     @property
     def tokens_per_step(self) -> int:
-        """Training tokens consumed by all workers in one inner step."""
-        return self.workers * self.batch_size * self.seq_len
+        """Training tokens consumed by all workers in one inner step: every rank of every
+        worker reads a batch."""
+        return self.workers * self.worker_ranks * self.batch_size * self.seq_len
 
 
 def load_yaml(path: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
@@ -376,8 +403,7 @@ def steps_for_tokens(cfg: TrainConfig) -> int:
     if text.endswith("x"):
         mcfg = ModelConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, **model_dims(cfg))
         value *= parameter_count(mcfg)
-    per_step = cfg.workers * cfg.batch_size * cfg.seq_len
-    return max(1, math.ceil(value / per_step))
+    return max(1, math.ceil(value / cfg.tokens_per_step))
 
 
 def overlaps(cfg: TrainConfig) -> list[int]:
@@ -475,6 +501,15 @@ def warnings_for(cfg: TrainConfig) -> list[str]:
         resolved = resolve(cfg)
         out += convergence_warnings(resolved.outer_lr, resolved.outer_momentum, cfg.gamma,
                                     cfg.group_size)
+    fast = [f"--{n.replace('_', '-')}" for n in ("fast_link_bandwidth", "fast_link_latency")
+            if getattr(cfg, n) is not None]
+    if fast and cfg.worker_ranks == 1:
+        out.append(f"{' and '.join(fast)} ignored: a fast link joins the ranks of a worker, "
+                   "and workers of one rank (--worker-ranks 1) have none")
+    elif fast and cfg.worker_parallel == "fsdp":
+        out.append(f"{' and '.join(fast)}: only the outer algorithm's traffic inside a worker "
+                   "is emulated; FSDP2's own all-gathers and reduce-scatters (--worker-parallel "
+                   "fsdp) are counted but not delayed")
     if cfg.algorithm in ("diloco", "noloco") and cfg.steps % cfg.sync_every:
         out.append(f"--steps {cfg.steps} is not a multiple of --sync-every {cfg.sync_every}: the "
                    f"last {cfg.steps % cfg.sync_every} inner steps never reach the global "
@@ -493,9 +528,12 @@ def validate(cfg: TrainConfig) -> None:
     - ``layers``, ``dim``, ``heads`` >= 1 where given; ``d_model`` a multiple of the heads
       with an even head size; ``adam_betas`` two numbers in [0, 1); ``tokens`` parses and
       is not given with ``steps``;
-    - ``workers``, ``steps``, ``batch_size``, ``sync_every``, ``log_every``,
-      ``eval_batches``, ``final_eval_batches`` >= 1; ``seq_len`` >= 2; ``eval_every``,
-      ``warmup``, ``spread_every``, ``checkpoint_every`` >= 0;
+    - ``workers``, ``worker_ranks``, ``steps``, ``batch_size``, ``sync_every``,
+      ``log_every``, ``eval_batches``, ``final_eval_batches`` >= 1; ``seq_len`` >= 2;
+      ``eval_every``, ``warmup``, ``spread_every``, ``checkpoint_every`` >= 0;
+    - ``worker_ranks`` > 1 not with ``stages`` > 1; ``worker_parallel`` fsdp needs
+      ``worker_ranks`` > 1 and the processes launcher or torchrun
+      (``validate_worker_ranks``);
     - ``lr``, ``outer_lr``, ``comm_timeout`` finite and > 0; ``outer_momentum`` in [0, 1);
       ``max_restarts`` in [0, 100]; ``min_lr_ratio`` in [0, 1]; ``weight_decay``,
       ``grad_clip``, ``z_loss`` >= 0;
@@ -503,7 +541,8 @@ def validate(cfg: TrainConfig) -> None:
     - streaming: ``fragments`` in [1, the blocks of the smallest stage] and <= ``sync_every``;
       every worker's ``overlap`` in [0, floor(H/P)); ``mixing`` in [0, 1]; ``codec_block``
       even, in [2, 65536];
-    - ``link_bandwidth`` and ``link_latency`` parse; ``val_fraction`` in (0, 0.5];
+    - ``link_bandwidth``, ``link_latency``, ``fast_link_bandwidth`` and
+      ``fast_link_latency`` parse; ``val_fraction`` in (0, 0.5];
       ``vocab_size`` in [257, 1048576]; ``corpus`` is ``shakespeare`` or an existing path
       (a file must not be empty).
 
@@ -544,9 +583,10 @@ def validate(cfg: TrainConfig) -> None:
 
         need(under_torchrun(), "launcher", "torchrun is only valid when started by torchrun: "
              "torchrun --nproc-per-node N -m loco train ...")
-    for name in ("workers", "steps", "batch_size", "sync_every", "log_every", "eval_batches",
-                 "final_eval_batches"):
+    for name in ("workers", "worker_ranks", "steps", "batch_size", "sync_every", "log_every",
+                 "eval_batches", "final_eval_batches"):
         need(getattr(cfg, name) >= 1, name, "must be an integer >= 1")
+    validate_worker_ranks(cfg)
     need(cfg.seq_len >= 2, "seq_len", "must be an integer >= 2")
     need(cfg.eval_every >= 0, "eval_every", "must be an integer >= 0")
     need(cfg.warmup >= 0, "warmup", "must be an integer >= 0")
@@ -586,7 +626,9 @@ def validate(cfg: TrainConfig) -> None:
              "must be an even integer in [2, 65536]")
     from loco.comm.link import parse_bandwidth, parse_latency
 
-    for name, parse in (("link_bandwidth", parse_bandwidth), ("link_latency", parse_latency)):
+    for name, parse in (("link_bandwidth", parse_bandwidth), ("link_latency", parse_latency),
+                        ("fast_link_bandwidth", parse_bandwidth),
+                        ("fast_link_latency", parse_latency)):
         if getattr(cfg, name) is not None:
             try:
                 parse(getattr(cfg, name))
@@ -600,6 +642,62 @@ def validate(cfg: TrainConfig) -> None:
              "path does not exist; give a text file, a .jsonl file, a directory, or 'shakespeare'")
         if os.path.isfile(cfg.corpus):
             need(os.path.getsize(cfg.corpus) > 0, "corpus", "file is empty")
+
+
+def validate_worker_ranks(cfg: TrainConfig) -> None:
+    """Check the worker layout: more than one rank per worker not with pipeline stages;
+    ``worker_parallel`` fsdp only with ``worker_ranks`` > 1 and a launcher that builds a
+    ``DeviceMesh`` (processes or torchrun).
+
+    Args:
+        cfg: the configuration, ``worker_ranks`` and ``stages`` already >= 1.
+
+    Raises:
+        ConfigError: naming ``worker_ranks`` or ``worker_parallel`` and what is allowed.
+    """
+    from loco.runtime import under_torchrun
+
+    if cfg.worker_ranks > 1 and cfg.stages > 1:
+        raise ConfigError("worker_ranks", f"more than one rank per worker with pipeline stages "
+                          f"(--stages {cfg.stages}) is not supported yet; use --worker-ranks 1 "
+                          f"or --stages 1 (got {cfg.worker_ranks})")
+    if cfg.worker_parallel != "fsdp":
+        return
+    if cfg.worker_ranks < 2:
+        raise ConfigError("worker_parallel", "fsdp shards a worker's model over its ranks: add "
+                          "--worker-ranks 2 or more (got fsdp with --worker-ranks "
+                          f"{cfg.worker_ranks})")
+    if cfg.launcher == "threads" and not under_torchrun():
+        raise ConfigError("worker_parallel", "fsdp needs the DeviceMesh that --launcher "
+                          "processes and torchrun build, which the threads launcher does not; "
+                          "add --launcher processes, or start the run with torchrun "
+                          "(got fsdp with --launcher threads)")
+
+
+def check_layout(meta: dict, worker_ranks: int, worker_parallel: str) -> None:
+    """A resumed run keeps the worker layout its checkpoint was written for: each rank's file
+    holds that rank's shard of the outer state, and they are not resharded.
+
+    Args:
+        meta: the checkpoint's ``latest.json`` (a checkpoint that records no layout was
+            written by workers of one rank, ddp).
+        worker_ranks: R of the resumed run.
+        worker_parallel: ``worker_parallel`` of the resumed run.
+
+    Raises:
+        ConfigError: R or ``worker_parallel`` differs from the checkpoint's, naming the
+            option and the value to resume with.
+    """
+    saved = meta.get("config") if isinstance(meta.get("config"), dict) else {}
+    ranks = int(meta.get("worker_ranks", saved.get("worker_ranks", 1)))
+    parallel = meta.get("worker_parallel", saved.get("worker_parallel", "ddp"))
+    if (worker_ranks, worker_parallel) == (ranks, parallel):
+        return
+    option = "worker_ranks" if worker_ranks != ranks else "worker_parallel"
+    raise ConfigError(option, f"the checkpoint was written by workers of {ranks} rank(s) "
+                      f"({parallel}), this run has {worker_ranks} ({worker_parallel}); "
+                      f"resharding is not supported; resume with --worker-ranks {ranks}"
+                      + (f" --worker-parallel {parallel}" if parallel != "ddp" else ""))
 
 
 def resume_config(directory: str, given: dict[str, Any]) -> TrainConfig:
@@ -641,6 +739,9 @@ def resume_config(directory: str, given: dict[str, Any]) -> TrainConfig:
     values = {k: coerce(by_name[k], v) for k, v in saved.items()}
     for name, value in given.items():
         value = coerce(by_name[name], value)
+        if name in LAYOUT:
+            check_layout(meta, **{**{k: values.get(k, by_name[k].default) for k in LAYOUT},
+                                  name: value})
         if name not in RESUMABLE and value != values.get(name):
             raise ConfigError(name, f"differs from the run being resumed ({values.get(name)!r}); "
                               "a resumed run keeps its options except "

@@ -386,16 +386,37 @@ def _sent(run: Run) -> str:
     return f"{sent} ({grad_codec(run)})" if run.algorithm == "ddp" else sent
 
 
+def worker_ranks(run: Run) -> int:
+    """R, the ranks of each of the run's workers (1 for runs saved before
+    ``--worker-ranks``).
+
+    Args:
+        run: a run.
+    """
+    return run.summary.get("worker_ranks") or 1
+
+
+def _link_bytes(run: Run, link: str) -> str:
+    """Bytes a worker sent over the ``slow`` or ``fast`` link, its ranks together."""
+    value = run.summary.get(f"{link}_link_bytes_sent_per_worker")
+    return "–" if value is None else f"{value:,}"
+
+
 def table(runs: list[Run], numbers: dict[str, dict]) -> list[str]:
-    """The report's main table, one row per run, as markdown lines.
+    """The report's main table, one row per run, as markdown lines. Where a run has workers
+    of several ranks, two columns add the bytes a worker sent over the slow link and over
+    the fast link inside it, its ranks together.
 
     Args:
         runs: the runs, in report order.
         numbers: ``compare.json``'s contents (see [`comparison`][loco.report.comparison]).
     """
     link = any(r.summary.get("link") for r in runs)
+    ranks = any(worker_ranks(r) > 1 for r in runs)
     head = ["method", "setting", "final eval loss", "vs DataParallel", "sent / worker (B)",
             "peak sync / worker (B)", "DataParallel ÷ sent", "wall time (s)", "tokens/s"]
+    if ranks:
+        head[6:6] = ["slow link / worker (B)", "fast link / worker (B)"]
     if link:
         head.append("compute utilization")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -407,6 +428,8 @@ def table(runs: list[Run], numbers: dict[str, dict]) -> list[str]:
                "∞" if rel["eval_loss_vs_ddp_pct"] is not None and not s["bytes_sent_per_worker"]
                else _ratio(rel["ddp_bytes_over_bytes"]),
                f"{s['wall_seconds']:.1f}", f"{s['tokens_per_second']:,.0f}"]
+        if ranks:
+            row[6:6] = [_link_bytes(r, "slow"), _link_bytes(r, "fast")]
         if link:
             row.append(f"{s['compute_utilization']:.1%}")
         lines.append("| " + " | ".join(row) + " |")
@@ -568,9 +591,12 @@ def render_markdown(runs: list[Run], numbers: dict[str, dict], plots: list[str])
     first = runs[0].summary
     link = next((r.summary["link"] for r in runs if r.summary.get("link")), None)
     kind = "runs" if any(r.sweep for r in runs) else "methods"
+    ranks = worker_ranks(runs[0])
     lines = ["# loco compare", "",
              f"{len(runs)} {kind} on the same job: {first['config']['model']} model "
-             f"({first['model_parameters']:,} parameters), {first['workers']} workers, "
+             f"({first['model_parameters']:,} parameters), {first['workers']} workers"
+             + (f" of {ranks} ranks ({first.get('worker_parallel', 'ddp')})" if ranks > 1
+                else "") + ", "
              f"{first['inner_steps']} inner steps, {first['tokens']:,} training tokens each, "
              f"seed {first['config']['seed']}"
              + (f"; emulated link {link['bandwidth'] or 'unlimited'}, "
@@ -579,7 +605,10 @@ def render_markdown(runs: list[Run], numbers: dict[str, dict], plots: list[str])
              "replica 0 unless the run ends with the replicas' average). Bytes: sent by the "
              "busiest worker over the run, training traffic only (DataParallel's with its "
              "gradients' wire format, --grad-codec); peak: the largest single sync. Wall "
-             "time: the whole run, evaluation included.", ""]
+             "time: the whole run, evaluation included."
+             + (" With workers of several ranks, sent and peak are the busiest rank's; the "
+                "slow-link and fast-link columns are the busiest worker's, its ranks "
+                "together." if any(worker_ranks(r) > 1 for r in runs) else ""), ""]
     lines += table(runs, numbers)
     rows = targets(runs)
     if rows:

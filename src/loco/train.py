@@ -4,7 +4,8 @@
 worker starts), then launches :func:`train_worker` on every rank. The lead rank (replica 0's
 last pipeline stage, which holds its loss; rank 0 without pipeline stages) writes
 ``metrics.jsonl``, ``summary.json`` and ``loss.png`` into the run directory and returns the
-summary. The ranks of replica 0 evaluate the global model together.
+summary. The ranks of replica 0 (all its stages, all its ranks with ``--worker-ranks``)
+evaluate the global model together.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -27,10 +28,11 @@ from loco import checkpoint
 from loco.algorithms import ALGORITHMS, Algorithm
 from loco.algorithms.base import NonFiniteError, flatten_fp32, unflatten_views
 from loco.algorithms.fragments import split_fragments
+from loco.algorithms.sharding import is_sharded, local
 from loco.comm.interface import Aborted, Comm
 from loco.comm.link import LinkSpec
-from loco.config import (ConfigError, TrainConfig, betas, model_dims, overlaps, resolve,
-                         validate, warnings_for)
+from loco.config import (ConfigError, TrainConfig, betas, check_layout, model_dims, overlaps,
+                         resolve, validate, warnings_for)
 from loco.data import Corpus, CorpusError, TokenLoader, eval_batches, prepare_corpus
 from loco.model import Transformer, model_config
 from loco.runtime import WorkerContext, launch, under_torchrun
@@ -51,17 +53,25 @@ def run_training(cfg: TrainConfig) -> dict:
 def prepare_config(cfg: TrainConfig) -> TrainConfig:
     """Validated, with the defaults that depend on other options (and torchrun's world size)
     filled in; raises ConfigError before anything runs."""
-    if under_torchrun():  # torchrun, not --workers, decides how many workers there are
+    if under_torchrun() and cfg.stages >= 1 and cfg.worker_ranks >= 1:
+        # torchrun, not --workers, decides how many workers there are
         world = int(os.environ["WORLD_SIZE"])
-        if world % cfg.stages:
-            raise ConfigError("stages", f"must divide torchrun's world size {world} "
-                              f"(got {cfg.stages})")
-        cfg = dataclasses.replace(cfg, workers=world // cfg.stages)
+        per_worker = cfg.stages * cfg.worker_ranks
+        if world % per_worker:
+            raise ConfigError("stages" if cfg.worker_ranks == 1 else "worker_ranks",
+                              f"--workers x --worker-ranks x --stages must be "
+                              f"torchrun's world size {world}, so --worker-ranks x --stages "
+                              f"must divide it (got {cfg.worker_ranks} x {cfg.stages})")
+        cfg = dataclasses.replace(cfg, workers=world // per_worker)
     validate(cfg)
     cfg = resolve(cfg)
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=os.path.join(
             "runs", f"{cfg.algorithm}-{datetime.now():%Y%m%d-%H%M%S}"))
+    if cfg.resume is not None:  # each rank's file holds its shard: no resharding
+        meta = checkpoint.latest(cfg.resume)
+        if meta is not None:
+            check_layout(meta, cfg.worker_ranks, cfg.worker_parallel)
     if cfg.resume is None and restart_count() == 0:
         try:
             held = checkpoint.latest(cfg.out)
@@ -90,21 +100,34 @@ def prepare_data(cfg: TrainConfig) -> Corpus:
 
 def launch_training(cfg: TrainConfig, corpus: Corpus) -> dict:
     """Train a prepared config on every rank; return the lead rank's summary."""
-    results = launch(train_worker, cfg.workers * cfg.stages, cfg.launcher, args=(cfg, corpus),
-                     ranks_per_replica=cfg.stages, timeout=cfg.comm_timeout,
-                     max_restarts=cfg.max_restarts,
-                     link=LinkSpec.parse(cfg.link_bandwidth, cfg.link_latency))
+    results = launch(train_worker, cfg.workers * cfg.stages * cfg.worker_ranks, cfg.launcher,
+                     args=(cfg, corpus), ranks_per_replica=cfg.stages, shards=cfg.worker_ranks,
+                     timeout=cfg.comm_timeout, max_restarts=cfg.max_restarts,
+                     link=LinkSpec.parse(cfg.link_bandwidth, cfg.link_latency),
+                     fast_link=LinkSpec.parse(cfg.fast_link_bandwidth, cfg.fast_link_latency))
     # The lead rank's summary (under torchrun the list holds only this rank's value).
     return next((r for r in results if "final_eval_loss" in r), results[0])
 
 
 def check_fits(cfg: TrainConfig, corpus: Corpus) -> None:
+    """Raise a ConfigError naming the option when a batch does not fit the data: every rank
+    of every worker reads its own share of the training windows, and the validation split
+    must hold a sequence (a pipeline's, a whole batch).
+
+    Args:
+        cfg: the prepared configuration.
+        corpus: the tokenized corpus.
+    """
     windows = (len(corpus.train) - 1) // cfg.seq_len
-    per_worker = windows // cfg.workers
-    if per_worker < cfg.batch_size:
-        raise ConfigError("batch_size", f"a batch does not fit the data: each of {cfg.workers} "
-                          f"workers has {per_worker} windows of {cfg.seq_len} tokens but a batch "
-                          f"needs {cfg.batch_size}; lower --batch-size, --seq-len or --workers")
+    readers = cfg.workers * cfg.worker_ranks
+    per_reader = windows // readers
+    if per_reader < cfg.batch_size:
+        who = (f"{cfg.workers} workers" if cfg.worker_ranks == 1 else
+               f"{readers} ranks ({cfg.workers} workers x {cfg.worker_ranks} ranks)")
+        raise ConfigError("batch_size", f"a batch does not fit the data: each of {who} has "
+                          f"{per_reader} windows of {cfg.seq_len} tokens but a batch needs "
+                          f"{cfg.batch_size}; lower --batch-size, --seq-len or --workers"
+                          + (" or --worker-ranks" if cfg.worker_ranks > 1 else ""))
     if len(corpus.val) <= cfg.seq_len:
         raise ConfigError("seq_len", f"the validation split ({len(corpus.val)} tokens) is "
                           f"shorter than one sequence; lower --seq-len or raise --val-fraction")
@@ -116,9 +139,20 @@ def check_fits(cfg: TrainConfig, corpus: Corpus) -> None:
 
 
 def make_algorithm(cfg: TrainConfig, model, optimizer, comm,
-                   pipeline: PipelineStage | None = None) -> Algorithm:
-    """The algorithm of ``cfg`` on ``model`` (with pipeline stages: this stage's part)."""
-    kwargs = {"max_grad_norm": cfg.grad_clip or None, "on_nonfinite": cfg.on_nonfinite}
+                   pipeline: PipelineStage | None = None, inner: Comm | None = None) -> Algorithm:
+    """The algorithm of ``cfg`` on ``model`` (with pipeline stages: this stage's part).
+
+    Args:
+        cfg: the run's configuration.
+        model: the module this rank trains.
+        optimizer: the inner optimizer over its parameters.
+        comm: the slow link between workers (``ctx.comm``).
+        pipeline: this rank's pipeline stage; default None (no stages).
+        inner: the fast link between the ranks of this worker (``ctx.inner``); default
+            None (a worker of one rank).
+    """
+    kwargs = {"max_grad_norm": cfg.grad_clip or None, "on_nonfinite": cfg.on_nonfinite,
+              "inner": inner}
     if cfg.algorithm in ("diloco", "streaming"):
         kwargs.update(sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
                       outer_momentum=cfg.outer_momentum, nesterov=cfg.nesterov,
@@ -171,21 +205,65 @@ def evaluate(model, params: dict, batches, autocast,
              pipeline: PipelineStage | None = None) -> float | None:
     """Mean token loss of ``params`` (by name: the global model, a replica or an average)
     over ``batches``. With pipeline stages every stage of the replica calls this with its
-    own part's ``params``; the loss is returned on the last stage, None elsewhere."""
+    own part's ``params``; the loss is returned on the last stage, None elsewhere. A model
+    sharded by FSDP2 is evaluated by every rank of its worker together, with ``params``
+    loaded into its own parameters (see :func:`loaded`)."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    for x, y in batches:
-        if pipeline is None:
-            with autocast:
-                loss = torch.func.functional_call(model, params, (x, y))
-        else:
-            loss = pipeline.evaluate((x, y), params)
-        if loss is not None:
-            total += loss.item() * y.numel()
-            count += y.numel()
+    sharded = pipeline is None and is_sharded(model.parameters())
+    with loaded(model, params) if sharded else nullcontext():
+        for x, y in batches:
+            if pipeline is not None:
+                loss = pipeline.evaluate((x, y), params)
+            else:
+                with autocast:
+                    loss = (model(x, y) if sharded
+                            else torch.func.functional_call(model, params, (x, y)))
+            if loss is not None:
+                total += loss.item() * y.numel()
+                count += y.numel()
     model.train(was_training)
     return total / count if count else None
+
+
+@contextmanager
+def loaded(model: torch.nn.Module, params: dict):
+    """``model`` (sharded by FSDP2) holding ``params``'s values inside the block, its own
+    after it. ``torch.func.functional_call`` does not reach the parameters FSDP2 gathers,
+    so the values are copied into each parameter's local shard and the originals copied
+    back; FSDP2 is made to drop its gathered copies before and after, so that neither the
+    evaluation nor the next training step uses stale ones.
+
+    Args:
+        model: a module whose parameters are DTensors (``fully_shard``).
+        params: values by parameter name: DTensors placed as the parameters, or their local
+            shards; a parameter left out, or given as itself, keeps its value.
+    """
+    own = dict(model.named_parameters())
+    pairs = [(local(own[name]), local(value)) for name, value in params.items()
+             if name in own and value is not own[name]]
+    saved = [mine.clone() for mine, _ in pairs]
+    with torch.no_grad():
+        _reshard(model)
+        for mine, value in pairs:
+            mine.copy_(value)
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            _reshard(model)
+            for (mine, _), old in zip(pairs, saved):
+                mine.copy_(old)
+
+
+def _reshard(model: torch.nn.Module) -> None:
+    """Free FSDP2's gathered parameters, so the next forward gathers the shards anew."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 @dataclass
@@ -237,18 +315,31 @@ class Worker:
 
     @property
     def evaluates(self) -> bool:
-        """Whether this rank evaluates the global model (replica 0's stages do, together)."""
+        """Whether this rank evaluates the global model (replica 0's stages and ranks do,
+        together: its global parameters are gathered over the worker's ranks)."""
         return self.ctx.replica == 0
 
     @property
     def tokens_per_step(self) -> int:
-        """Training tokens of one inner step, all replicas together."""
-        return self.ctx.mesh.replicas * self.cfg.batch_size * self.cfg.seq_len
+        """Training tokens of one inner step, every rank of every replica together."""
+        return (self.ctx.mesh.replicas * self.ctx.mesh.shards * self.cfg.batch_size
+                * self.cfg.seq_len)
 
-    @property
-    def world(self) -> Comm:
-        """A Comm over every rank, for the end-of-run report."""
-        return self.ctx.pipe or self.ctx.comm
+    def gather_all(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's ``tensor`` (one shape on every rank), in global rank order, for the
+        end-of-run report (tag ``report``): over the pipeline's Comm, which spans every rank;
+        or across the workers (``ctx.comm``), then inside them (``ctx.inner``).
+
+        Args:
+            tensor: this rank's tensor, on the Comms' device.
+        """
+        ctx = self.ctx
+        if ctx.pipe is not None or ctx.inner is None:
+            return (ctx.pipe or ctx.comm).all_gather(tensor, tag="report").wait()
+        across = torch.stack(ctx.comm.all_gather(tensor, tag="report").wait())  # by replica
+        inside = ctx.inner.all_gather(across, tag="report").wait()  # by shard
+        return [inside[shard][replica] for replica in range(ctx.mesh.replicas)
+                for shard in range(ctx.mesh.shards)]  # rank = replica x R + shard
 
 
 #: The running values a checkpoint saves (under "loop"), to continue them exactly.
@@ -306,22 +397,21 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     device = ctx.device
     autocast = (torch.autocast(device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16"
                 else nullcontext())
-    mcfg = model_config(cfg.model, corpus.vocab_size, cfg.seq_len, z_loss=cfg.z_loss,
-                        **model_dims(cfg))
-    # Every worker builds the same weights from the seed; the algorithm still broadcasts
-    # worker 0's and verifies checksums.
-    model = Transformer(mcfg, torch.Generator().manual_seed(cfg.seed)).to(device)
+    model = build_model(cfg, ctx, corpus.vocab_size)
     # With pipeline stages each rank trains and syncs only its stage's part of the model.
     pipeline = (PipelineStage(model, ctx, cfg.batch_size, cfg.seq_len, routing=cfg.routing,
                               seed=cfg.seed, autocast=autocast) if ctx.stages > 1 else None)
     trained = model if pipeline is None else pipeline.module
     optimizer = adamw(trained, cfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    algo = make_algorithm(cfg, trained, optimizer, ctx.comm, pipeline)
-    loader = (TokenLoader(corpus.train, cfg.batch_size, cfg.seq_len, rank=ctx.replica,
-                          world_size=ctx.mesh.replicas, seed=cfg.seed, device=device)
+    algo = make_algorithm(cfg, trained, optimizer, ctx.comm, pipeline, ctx.inner)
+    # Every rank of every worker reads its own batches: M x R readers.
+    loader = (TokenLoader(corpus.train, cfg.batch_size, cfg.seq_len,
+                          rank=ctx.replica * ctx.mesh.shards + ctx.shard,
+                          world_size=ctx.mesh.replicas * ctx.mesh.shards, seed=cfg.seed,
+                          device=device)
               if ctx.stage == 0 else None)  # later stages receive their inputs
-    main = ctx.rank == ctx.mesh.rank_of(0, ctx.stages - 1)  # replica 0's last stage
+    main = ctx.rank == ctx.mesh.rank_of(0, ctx.stages - 1)  # replica 0's last stage, shard 0
     state, loop = resume_state(cfg, ctx), Loop()
     if state is not None:
         restore(state, algo, schedule, loader, ctx)
@@ -329,11 +419,14 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     first = 1 if state is None else int(state["step"]) + 1
     bar = tqdm(total=cfg.steps, initial=first - 1,
                desc=f"{cfg.algorithm} x{ctx.mesh.replicas}"
-               + (f"x{ctx.stages} stages" if ctx.stages > 1 else ""), unit="step",
+               + (f"x{ctx.stages} stages" if ctx.stages > 1 else "")
+               + (f"x{ctx.mesh.shards} ranks" if ctx.mesh.shards > 1 else ""), unit="step",
                disable=not (main and cfg.progress), dynamic_ncols=True)
     writer = checkpoint.Writer(cfg.out, ctx.rank, ctx.world_size, timeout=cfg.comm_timeout,
                                commit_meta={"world_size": ctx.world_size,
                                             "algorithm": cfg.algorithm,
+                                            "worker_ranks": cfg.worker_ranks,
+                                            "worker_parallel": cfg.worker_parallel,
                                             "config": cfg.to_dict()} if main else None)
     worker = Worker(
         cfg, ctx, corpus, model, trained, pipeline, schedule, algo, loader, autocast, main,
@@ -342,6 +435,27 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
         fault=Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None,
         resumed_from=None if state is None else int(state["step"]), start=start)
     return worker, loop
+
+
+def build_model(cfg: TrainConfig, ctx: WorkerContext, vocab_size: int) -> Transformer:
+    """The model on this rank's device; with ``--worker-parallel fsdp``, sharded over the
+    worker's ranks by FSDP2 (before any optimizer sees its parameters). Every rank builds
+    the same weights from the seed; the algorithm still broadcasts worker 0's and verifies
+    checksums.
+
+    Args:
+        cfg: the run's configuration.
+        ctx: this rank's context.
+        vocab_size: the corpus's vocabulary size.
+    """
+    mcfg = model_config(cfg.model, vocab_size, cfg.seq_len, z_loss=cfg.z_loss,
+                        **model_dims(cfg))
+    model = Transformer(mcfg, torch.Generator().manual_seed(cfg.seed)).to(ctx.device)
+    if cfg.worker_parallel == "fsdp":
+        from loco.runtime.fsdp import shard_worker
+
+        model = shard_worker(model, ctx)
+    return model
 
 
 def resume_state(cfg: TrainConfig, ctx: WorkerContext) -> dict | None:
@@ -420,7 +534,7 @@ def spread_diagnostic(w: Worker, loop: Loop, step: int) -> float | None:
     if w.algo.replicas_identical or not cfg.spread_every or step % cfg.spread_every:
         return None
     t0 = time.perf_counter()
-    spread = replica_spread(w.algo, w.ctx.comm, w.pipeline)
+    spread = replica_spread(w.algo, w.ctx.comm, w.pipeline, w.ctx.inner)
     loop.diagnostic_seconds += time.perf_counter() - t0
     return spread
 
@@ -463,7 +577,8 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
         record["eval_loss"] = eval_loss
     sent = w.ctx.comm.issued_bytes("train")  # at issue: the same whatever the timing
     if record is not None:
-        record.update(bytes_sent=sent, elapsed=time.perf_counter() - w.start)
+        record.update(bytes_sent=sent, **issued_link_bytes(w.ctx),
+                      elapsed=time.perf_counter() - w.start)
         w.log.metric(record)
     train_seconds = loop.elapsed()
     this_run = max(train_seconds - loop.train_seconds, 1e-9)  # since (re)start
@@ -472,6 +587,20 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
                       sent=human_bytes(sent),
                       cu=f"{1 - blocked_seconds(w.ctx) / train_seconds:.0%}", refresh=False)
     w.bar.update(1)
+
+
+def issued_link_bytes(ctx: WorkerContext) -> dict[str, int]:
+    """This rank's training bytes so far on the slow and the fast link, counted as each
+    operation is issued (the same at a step whatever their timing), for a metrics record;
+    empty for a worker of one rank (``bytes_sent`` says it all).
+
+    Args:
+        ctx: this rank's context.
+    """
+    if ctx.inner is None:
+        return {}
+    return {"slow_link_bytes_sent": ctx.comm.issued_bytes("train"),
+            "fast_link_bytes_sent": ctx.inner.issued_bytes("train")}
 
 
 def checkpoint_if_due(w: Worker, loop: Loop, step: int) -> None:
@@ -497,6 +626,7 @@ def checkpoint_state(w: Worker, loop: Loop, step: int) -> dict:
         "loader": w.loader.state_dict() if w.loader is not None else None,
         "rng": torch.get_rng_state(), "comm": ctx.comm.state_dict(),
         "pipe": ctx.pipe.state_dict() if ctx.pipe is not None else None,
+        "inner": ctx.inner.state_dict() if ctx.inner is not None else None,
         "loop": {"loss_sum": loop.loss_sum, "loss_count": loop.loss_count,
                  "eval_seconds": loop.eval_seconds,
                  "diagnostic_seconds": loop.diagnostic_seconds,
@@ -531,29 +661,107 @@ def last_checkpoint(w: Worker) -> None:
 #: The counters every rank reports at the end, in the order of its report tensor.
 COUNTERS = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
             "comm_seconds", "comm_wait_seconds", "train_seconds", "pipeline_bytes_sent",
-            "blocked_seconds", "skipped_inner_steps", "skipped_syncs")
+            "blocked_seconds", "skipped_inner_steps", "skipped_syncs", "fast_link_bytes_sent",
+            "max_rss_bytes")
+#: The parts of a rank's memory that ``algo.memory_bytes()`` reports, after ``COUNTERS``.
+MEMORY_PARTS = ("model", "inner_optimizer", "outer")
 
 
 def gather_counters(w: Worker, train_seconds: float) -> list[dict]:
     """Every rank's counters, by name (a tiny gather outside the training traffic). The
-    outer algorithm's bytes travel between replicas (ctx.comm); activations, their gradients
-    and the tied head's gradient travel between stages (ctx.pipe)."""
+    outer algorithm's bytes travel between replicas (ctx.comm, the slow link); the
+    gradients of a worker's ranks between them (ctx.inner, the fast link); activations,
+    their gradients and the tied head's gradient between stages (ctx.pipe). A rank's
+    ``memory_bytes`` is None when its algorithm does not report it."""
     ctx, algo = w.ctx, w.algo
     mine = ctx.comm.totals("train")
     piped = ctx.pipe.totals("train").sent_bytes if ctx.pipe is not None else 0
+    fast = ctx.inner.totals("train").sent_bytes if ctx.inner is not None else 0
+    memory = memory_bytes(algo)
     report = torch.tensor([mine.sent_bytes, mine.recv_bytes, mine.raw_bytes,
                            ctx.comm.peak_sent_bytes("train"), mine.ops, mine.seconds, mine.waited,
                            train_seconds, piped, blocked_seconds(ctx),
-                           algo.skipped["inner_steps"], algo.skipped["syncs"]],
-                          dtype=torch.float64, device=w.world.device)
-    gathered = w.world.all_gather(report, tag="report").wait()
-    workers = [dict(zip(COUNTERS, t.tolist())) for t in gathered]
-    for c in workers:
-        c["compute_utilization"] = 1 - c["blocked_seconds"] / c["train_seconds"]
-        for k in ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
-                  "pipeline_bytes_sent", "skipped_inner_steps", "skipped_syncs"):
-            c[k] = int(c[k])
-    return workers
+                           algo.skipped["inner_steps"], algo.skipped["syncs"], fast,
+                           max_rss_bytes(),
+                           *(memory[k] if memory else -1 for k in MEMORY_PARTS)],
+                          dtype=torch.float64, device=ctx.comm.device)
+    return [counters_of(t.tolist()) for t in w.gather_all(report)]
+
+
+def counters_of(values: list[float]) -> dict:
+    """One rank's report, by name: ``COUNTERS`` (counts as integers), its
+    ``compute_utilization``, and its ``memory_bytes`` by ``MEMORY_PARTS`` (None where its
+    algorithm does not report them: sent as -1).
+
+    Args:
+        values: the rank's report tensor as a list, in the order of ``COUNTERS`` and then
+            ``MEMORY_PARTS``.
+    """
+    c = dict(zip(COUNTERS, values))
+    c["compute_utilization"] = 1 - c["blocked_seconds"] / c["train_seconds"]
+    for k in ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
+              "pipeline_bytes_sent", "skipped_inner_steps", "skipped_syncs",
+              "fast_link_bytes_sent", "max_rss_bytes"):
+        c[k] = int(c[k])
+    held = values[len(COUNTERS):]
+    c["memory_bytes"] = (None if min(held) < 0
+                         else {k: int(v) for k, v in zip(MEMORY_PARTS, held)})
+    return c
+
+
+def memory_bytes(algo: Algorithm) -> dict[str, int] | None:
+    """Bytes of the tensors this rank holds, by ``MEMORY_PARTS`` (``algo.memory_bytes()``);
+    None for an algorithm that does not report them.
+
+    Args:
+        algo: this rank's algorithm.
+    """
+    report = getattr(algo, "memory_bytes", None)
+    if report is None:
+        return None
+    parts = report()
+    if not all(k in parts for k in MEMORY_PARTS):
+        return None
+    return {k: int(parts[k]) for k in MEMORY_PARTS}
+
+
+def max_rss_bytes() -> int:
+    """The peak resident memory of this process, in bytes (``getrusage``; under the threads
+    launcher that of all ranks together)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux counts kilobytes
+
+
+def link_bytes(mesh, counters: list[dict]) -> dict[str, int]:
+    """Training bytes sent over the slow link between workers (``bytes_sent``, ctx.comm) and
+    the fast link inside them (``fast_link_bytes_sent``, ctx.inner): the busiest rank's,
+    and the busiest worker's, summed over its ranks.
+
+    Args:
+        mesh: the run's layout of ranks (``ctx.mesh``).
+        counters: every rank's counters, in rank order (:func:`gather_counters`).
+    """
+    out = {}
+    for link, key in (("slow_link", "bytes_sent"), ("fast_link", "fast_link_bytes_sent")):
+        per_worker = [0] * mesh.replicas
+        for rank, c in enumerate(counters):
+            per_worker[mesh.coords(rank)[0]] += c[key]
+        out[f"{link}_bytes_sent_per_rank"] = max(c[key] for c in counters)
+        out[f"{link}_bytes_sent_per_worker"] = max(per_worker)
+    return out
+
+
+def memory_per_rank(counters: list[dict]) -> dict[str, int] | None:
+    """The largest ``memory_bytes`` of any rank, part by part; None when a rank has none.
+
+    Args:
+        counters: every rank's counters (:func:`gather_counters`).
+    """
+    if any(c["memory_bytes"] is None for c in counters):
+        return None
+    return {k: max(c["memory_bytes"][k] for c in counters) for k in MEMORY_PARTS}
 
 
 def final_evaluation(w: Worker) -> tuple[float | None, dict | None]:
@@ -591,7 +799,7 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
     tokens = cfg.steps * w.tokens_per_step
     w.log.metric({"step": cfg.steps, "tokens": tokens, "eval_loss": final_eval,
                   "bytes_sent": ctx.comm.totals("train").sent_bytes,
-                  "elapsed": time.perf_counter() - w.start})
+                  **issued_link_bytes(ctx), "elapsed": time.perf_counter() - w.start})
     wall = time.perf_counter() - w.start
     # The job is done when its slowest worker is: timing worker 0 alone would flatter
     # methods without a barrier, whose workers drift apart in speed.
@@ -600,6 +808,7 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
     summary = {
         "algorithm": cfg.algorithm, "workers": ctx.mesh.replicas, "stages": ctx.stages,
         "routing": cfg.routing if ctx.stages > 1 else None, "launcher": ctx.launcher,
+        "worker_ranks": ctx.mesh.shards, "worker_parallel": cfg.worker_parallel,
         "inner_steps": cfg.steps, "tokens": tokens, "final_eval_loss": final_eval,
         "unigram_entropy": w.corpus.unigram_entropy,
         "model_parameters": w.model.num_parameters(),
@@ -608,6 +817,9 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
         "raw_bytes_per_worker": most["raw_bytes"],
         "peak_sync_bytes_per_worker": most["peak_sync_bytes"],
         "pipeline_bytes_sent_per_rank": most["pipeline_bytes_sent"] if ctx.stages > 1 else None,
+        **link_bytes(ctx.mesh, workers),
+        "memory_bytes_per_rank": memory_per_rank(workers),
+        "max_rss_bytes": most["max_rss_bytes"],
         "syncs": workers[0]["syncs"],
         "comm_seconds": workers[0]["comm_seconds"],
         "comm_wait_seconds": most["blocked_seconds"],
@@ -620,6 +832,9 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
         "resumed_from_step": w.resumed_from, "restarts": restart_count(),
         "link": (None if cfg.link_bandwidth is None and cfg.link_latency is None else
                  {"bandwidth": cfg.link_bandwidth, "latency": cfg.link_latency}),
+        "fast_link": (None if cfg.fast_link_bandwidth is None and cfg.fast_link_latency is None
+                      else {"bandwidth": cfg.fast_link_bandwidth,
+                            "latency": cfg.fast_link_latency}),
         "wall_seconds": wall,
         "train_seconds": train_seconds,  # slowest worker's loop, evaluation excluded
         "eval_seconds": loop.eval_seconds,
@@ -637,22 +852,42 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
 
 
 @torch.no_grad()
-def replica_spread(algo: Algorithm, comm: Comm, pipeline: PipelineStage | None = None) -> float:
+def replica_spread(algo: Algorithm, comm: Comm, pipeline: PipelineStage | None = None,
+                   inner: Comm | None = None) -> float:
     """RMS over all parameters of each replica's distance to the replicas' mean.
 
     A diagnostic, not part of any algorithm: an all-worker all-reduce of the full model (of
     each stage's part, with pipeline stages) and one of two numbers, tagged ``diagnostic``,
     outside the training bytes and blocked time. With pipeline stages every stage measures
-    its own parameters and the sums are combined over all ranks."""
+    its own parameters and the sums are combined over all ranks. With workers of R ranks
+    every rank measures its part (:func:`rank_values`) with the same rank of the other
+    workers, and the sums are combined over the worker's ranks (``inner``)."""
     params = algo.params if pipeline is None else pipeline.owned_parameters()
-    flat = flatten_fp32(params)
+    flat = rank_values(params, inner)
     mean = flat.clone()
     comm.all_reduce_mean(mean, tag="diagnostic").wait()
-    sums = comm if pipeline is None else pipeline.pipe
     stats = torch.tensor([(flat - mean).double().pow(2).sum().item(), flat.numel()],
-                         dtype=torch.float64, device=sums.device)
-    sums.all_reduce_mean(stats, tag="diagnostic").wait()
+                         dtype=torch.float64, device=comm.device)
+    sums = [pipeline.pipe] if pipeline is not None else [comm, inner]
+    for c in sums:  # means over ranks: the ratio of the two is that of the sums
+        if c is not None:
+            c.all_reduce_mean(stats, tag="diagnostic").wait()
     return math.sqrt(stats[0].item() / stats[1].item())
+
+
+def rank_values(params, inner: Comm | None) -> torch.Tensor:
+    """This rank's part of ``params`` as one fp32 vector: its local shards (FSDP2), the
+    r-th of R near-equal ranges of the whole (every rank of the worker holds the whole
+    model), or all of it (a worker of one rank, ``inner`` None).
+
+    Args:
+        params: the parameters, in an order every rank shares.
+        inner: the worker's fast-link Comm; None for a worker of one rank.
+    """
+    flat = flatten_fp32([local(p) for p in params])
+    if inner is None or is_sharded(params):
+        return flat
+    return flat.tensor_split(inner.size)[inner.rank]
 
 
 @torch.no_grad()
@@ -661,21 +896,24 @@ def replica_report(model, algo: Algorithm, comm, batches, autocast, final_averag
     """Every replica's eval loss, their mean, and the eval loss of the replicas' average; with
     ``final_average`` every replica becomes the average, which is then the final model. The
     average is the same everywhere, so only replica 0 evaluates it. With pipeline stages the
-    losses are known on the last stages; the dict is complete there."""
+    losses are known on the last stages; the dict is complete there. With workers of R
+    ranks every rank takes part: each averages what it holds (the whole model, or its FSDP2
+    shards) with the same rank of the other workers."""
     own = evaluate(model, dict(model.named_parameters()), batches, autocast, pipeline)
     losses = None
     if own is not None:  # the replicas' last stages (every worker without pipeline stages)
         losses = comm.all_gather(torch.tensor([own], dtype=torch.float64, device=comm.device),
                                  tag="report").wait()
-    flat = flatten_fp32(algo.params)
+    held = [local(p) for p in algo.params]
+    flat = flatten_fp32(held)
     comm.all_reduce_mean(flat, tag="report").wait()
     average = dict(zip([n for n, p in model.named_parameters() if p.requires_grad],
-                       unflatten_views(flat, algo.params)))
+                       unflatten_views(flat, held)))
     replica = comm.rank  # the outer Comm's rank is the replica index
     average_loss = (evaluate(model, {**dict(model.named_parameters()), **average}, batches,
                              autocast, pipeline) if replica == 0 else None)
     if final_average:
-        torch._foreach_copy_(algo.params, unflatten_views(flat, algo.params))
+        torch._foreach_copy_(held, unflatten_views(flat, held))
     if losses is None:
         return {}
     losses = [t.item() for t in losses]
@@ -687,7 +925,8 @@ def replica_report(model, algo: Algorithm, comm, batches, autocast, final_averag
 def write_comm_totals(out: str, ctx: WorkerContext) -> None:
     """``out/comm/rank<r>.json``: this rank's byte and time totals by tag, for every Comm,
     after its last operation of the run (what a packet counter on its link should see)."""
-    comms = {"outer": ctx.comm, **({"pipe": ctx.pipe} if ctx.pipe is not None else {})}
+    comms = {"outer": ctx.comm, **({"pipe": ctx.pipe} if ctx.pipe is not None else {}),
+             **({"inner": ctx.inner} if ctx.inner is not None else {})}
     totals = {name: c.stats.as_dict() for name, c in comms.items()}
     tags = [t for by_tag in totals.values() for t in by_tag.values()]
     totals["sent_bytes"] = sum(t["sent_bytes"] for t in tags)
@@ -695,8 +934,8 @@ def write_comm_totals(out: str, ctx: WorkerContext) -> None:
     os.makedirs(os.path.join(out, "comm"), exist_ok=True)
     path = os.path.join(out, "comm", f"rank{ctx.rank}.json")
     with open(path + ".tmp", "w") as f:
-        json.dump({"rank": ctx.rank, "replica": ctx.replica, "stage": ctx.stage, **totals}, f,
-                  indent=2)
+        json.dump({"rank": ctx.rank, "replica": ctx.replica, "stage": ctx.stage,
+                   "shard": ctx.shard, **totals}, f, indent=2)
     os.replace(path + ".tmp", path)
 
 
@@ -719,10 +958,10 @@ def machine_info(device: torch.device) -> dict:
 
 
 def blocked_seconds(ctx: WorkerContext) -> float:
-    """Time this rank has spent blocked waiting for its training traffic and its pipeline's
-    (tag ``train``); not for the spread diagnostic, the checkpoints or the report, which
-    are no part of the algorithm."""
-    comms = [ctx.comm] + ([ctx.pipe] if ctx.pipe is not None else [])
+    """Time this rank has spent blocked waiting for its training traffic (tag ``train``):
+    the slow link's, its pipeline's and its worker's fast link's; not for the spread
+    diagnostic, the checkpoints or the report, which are no part of the algorithm."""
+    comms = [c for c in (ctx.comm, ctx.pipe, ctx.inner) if c is not None]
     return sum(c.totals("train").waited for c in comms)
 
 
@@ -746,6 +985,8 @@ def restore(state: dict, algo: Algorithm, schedule, loader: TokenLoader | None,
     ctx.comm.load_state_dict(state["comm"])
     if ctx.pipe is not None:
         ctx.pipe.load_state_dict(state["pipe"])
+    if ctx.inner is not None:
+        ctx.inner.load_state_dict(state["inner"])
 
 
 def _drain(algo: Algorithm) -> list[dict]:

@@ -111,7 +111,7 @@ class Share:
         full = self.full(self.read())
         torch._foreach_copy_(self.params, [f.to(p.dtype) for f, p in zip(full, self.params)])
 
-    def full(self, owned: torch.Tensor) -> list[torch.Tensor]:
+    def full(self, owned: torch.Tensor, tag: str = "train") -> list[torch.Tensor]:
         """Whole tensors shaped like the parameters from every rank's owned values
         (``owned`` here, ``numel`` of them, fp32): for one rank, views of ``owned``; for
         data-parallel inside, an all-gather over the fast link (collective: every rank of
@@ -119,6 +119,7 @@ class Share:
 
         Args:
             owned: this rank's values, in the order of ``views``.
+            tag: what the gather's bytes are counted as; default ``"train"``.
         """
         if self.sharded:
             return [DTensor.from_local(v, p.device_mesh, p.placements, shape=p.shape,
@@ -129,7 +130,7 @@ class Share:
             return unflatten_views(owned, self.params)
         padded = torch.zeros(self.width, dtype=torch.float32, device=owned.device)
         padded[:owned.numel()] = owned
-        gathered = torch.cat(self.inner.all_gather(padded, tag="train").wait())
+        gathered = torch.cat(self.inner.all_gather(padded, tag=tag).wait())
         return unflatten_views(gathered, self.params)
 
 

@@ -308,9 +308,10 @@ class StreamingDiLoCo(Algorithm):
         """The global copy θ^g of every synced parameter, on the parameters' device, by name
         (the same on every worker); a parameter in no fragment (frozen) is the model's own.
         With R ranks per worker it is collective over the worker's ranks (each holds 1/R):
-        every rank of the worker calls it at once; under FSDP2 the values are DTensors."""
-        by_id = {id(p): g for f in self.fragment_list
-                 for p, g in zip(f.params, f.share.full(f.global_flat.to(f.delta.device)))}
+        every rank of the worker calls it at once (its bytes count as ``"report"``, not
+        training); under FSDP2 the values are DTensors."""
+        by_id = {id(p): g for f in self.fragment_list for p, g in
+                 zip(f.params, f.share.full(f.global_flat.to(f.delta.device), tag="report"))}
         return {n: by_id[id(p)].to(p.device) if id(p) in by_id else p
                 for n, p in self.model.named_parameters()}
 

@@ -146,8 +146,8 @@ class WorkerContext:
         pipe: a Comm over the whole world (rank there = global rank) for the traffic
             between pipeline stages; None (default) when every replica is a single rank.
         inner: a Comm over the R ranks of this worker's stage (rank there = the shard), the
-            fast link inside a worker, never shaped by an emulated link; None (default)
-            when R = 1.
+            fast link inside a worker, shaped only by ``launch``'s ``fast_link``; None
+            (default) when R = 1.
         device_mesh: the run's ``torch.distributed.device_mesh.DeviceMesh`` of shape
             (M, S, R) with dimension names ``MESH_DIMS`` (processes and torchrun); None
             (default) under the threads launcher, whose groups torch.distributed's registry
@@ -210,7 +210,8 @@ def under_torchrun() -> bool:
 def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", *,
            args: tuple = (), kwargs: dict | None = None, ranks_per_replica: int = 1,
            timeout: float = DEFAULT_TIMEOUT, max_restarts: int = 0,
-           link: LinkSpec | None = None, shards: int = 1) -> list:
+           link: LinkSpec | None = None, shards: int = 1,
+           fast_link: LinkSpec | None = None) -> list:
     """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the results in rank order.
 
     Under torchrun (detected from the environment, whatever ``launcher`` says) this process
@@ -240,6 +241,9 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
         shards: R, the ranks that share each stage of a worker, joined by its fast link
             (``ctx.inner``); >= 1, with ``workers`` a multiple of S · R; default 1. Not yet
             with pipeline stages (S > 1).
+        fast_link: an emulated link of that bandwidth and latency for every rank's
+            ``ctx.inner``, the fast link inside a worker, apart from ``link``; default None
+            (the transport's own speed).
 
     Returns:
         ``fn``'s return value of every rank, in rank order (under torchrun: this rank's
@@ -271,11 +275,12 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
                          "(its RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID are missing)")
     if under_torchrun():
         return [_run_from_env(fn, args, workers if launcher != "torchrun" else None,
-                              ranks_per_replica, timeout, "torchrun", link, shards)]
+                              ranks_per_replica, timeout, "torchrun", (link, fast_link),
+                              shards)]
     mesh = Mesh(workers // (ranks_per_replica * shards), ranks_per_replica, shards)
     if launcher == "threads":
-        return _launch_threads(fn, args, mesh, timeout, link)
-    return _launch_processes(fn, args, mesh, timeout, max_restarts, link)
+        return _launch_threads(fn, args, mesh, timeout, (link, fast_link))
+    return _launch_processes(fn, args, mesh, timeout, max_restarts, (link, fast_link))
 
 
 # ------------------------------------------------------------------------------- threads
@@ -289,7 +294,12 @@ def _gloo_group(store, rank: int, size: int, timeout: float, loopback: bool):
     return dist.ProcessGroupGloo(store, rank, size, opts)
 
 
-def _launch_threads(fn, args, mesh: Mesh, timeout: float, link: LinkSpec | None) -> list:
+def _emulated(spec: LinkSpec | None) -> EmulatedLink | None:
+    """A rank's emulated link of that speed, or None for the transport's own."""
+    return EmulatedLink(spec) if spec is not None else None
+
+
+def _launch_threads(fn, args, mesh: Mesh, timeout: float, links: tuple) -> list:
     store = dist.HashStore()
     n = mesh.world_size
     results: list = [None] * n
@@ -306,15 +316,15 @@ def _launch_threads(fn, args, mesh: Mesh, timeout: float, link: LinkSpec | None)
             shard = mesh.shard_of(rank)
             group = _gloo_group(dist.PrefixStore(f"loco/outer/{local}/{shard}", store),
                                 replica, mesh.replicas, timeout, loopback=True)
-            wire = EmulatedLink(link) if link is not None else None  # this worker's link
+            wire = _emulated(links[0])  # this rank's slow link
             comm = Comm(group, replica, mesh.replicas, "cpu", abort_event=failed, link=wire)
             inner = None
-            if mesh.shards > 1:  # the worker's fast link: no emulated link
+            if mesh.shards > 1:  # the worker's fast link
                 inner_group = _gloo_group(
                     dist.PrefixStore(f"loco/inner/{replica}/{local}", store), shard,
                     mesh.shards, timeout, loopback=True)
                 inner = Comm(inner_group, shard, mesh.shards, "cpu", name="inner",
-                             abort_event=failed)
+                             abort_event=failed, link=_emulated(links[1]))
             pipe = None
             if mesh.ranks_per_replica > 1:
                 pipe_group = _gloo_group(dist.PrefixStore("loco/pipe", store), rank, n, timeout,
@@ -360,7 +370,7 @@ def _free_port() -> int:
 
 
 def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
-                      link: LinkSpec | None) -> list:
+                      links: tuple) -> list:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -373,7 +383,7 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
     )
     try:
         out = elastic_launch(config, _process_entry)(fn, args, mesh.ranks_per_replica, timeout,
-                                                     link, mesh.shards)
+                                                     links, mesh.shards)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message
@@ -384,11 +394,11 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
     return [out[r] for r in sorted(out)]
 
 
-def _process_entry(fn, args, ranks_per_replica: int, timeout: float, link: LinkSpec | None,
+def _process_entry(fn, args, ranks_per_replica: int, timeout: float, links: tuple,
                    shards: int = 1):
     workers = int(os.environ["WORLD_SIZE"])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
-    return _run_from_env(fn, args, workers, ranks_per_replica, timeout, "processes", link,
+    return _run_from_env(fn, args, workers, ranks_per_replica, timeout, "processes", links,
                          shards)
 
 
@@ -408,14 +418,15 @@ def _attempt_store(rank: int, world: int, timeout: float):
 
 
 def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout: float,
-                  launcher: str, link: LinkSpec | None = None, shards: int = 1):
+                  launcher: str, links: tuple = (None, None), shards: int = 1):
     world = int(os.environ["WORLD_SIZE"])
     if workers is not None and workers != world:
-        raise ValueError(f"--workers is {workers} but torchrun started {world} ranks; "
-                         "leave --workers out or make them agree")
+        raise ValueError(f"{workers} ranks asked for (--workers x --worker-ranks x --stages) "
+                         f"but torchrun started {world}; leave --workers out or make them agree")
     if world % (ranks_per_replica * shards):
-        raise ValueError(f"{world} ranks do not split into replicas of {ranks_per_replica} "
-                         f"stages x {shards} shards")
+        raise ValueError(f"torchrun's {world} ranks do not split into workers of "
+                         f"{ranks_per_replica} stage(s) x {shards} rank(s) (--stages x "
+                         "--worker-ranks must divide the world size)")
     rank = int(os.environ["RANK"])
     use_cuda = launcher == "torchrun" and torch.cuda.is_available()
     if use_cuda:
@@ -434,7 +445,7 @@ def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout
         # Every rank creates every group of every dimension, in the same order.
         device_mesh = init_device_mesh(device.type, mesh.shape, mesh_dim_names=MESH_DIMS)
         group = device_mesh.get_group("replica")  # this stage and shard in every worker
-        wire = EmulatedLink(link) if link is not None else None  # this worker's link
+        wire = _emulated(links[0])  # this rank's slow link
         # NCCL: one thread issues every operation of this rank, in one order (CommThread).
         thread = CommThread(f"loco-comm-{rank}") if use_cuda else None
         comm = Comm(group, replica, mesh.replicas, device, link=wire, thread=thread)
@@ -442,7 +453,8 @@ def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout
         pipe = (Comm(dist.group.WORLD, rank, world, device, name="pipe", link=wire,
                      thread=thread) if ranks_per_replica > 1 else None)
         inner = (Comm(device_mesh.get_group("shard"), mesh.shard_of(rank), shards, device,
-                      name="inner", thread=thread) if shards > 1 else None)  # the fast link
+                      name="inner", link=_emulated(links[1]), thread=thread)
+                 if shards > 1 else None)  # the fast link
         ctx = WorkerContext(rank, world, mesh, comm, device, launcher, pipe=pipe, inner=inner,
                             device_mesh=device_mesh)
         try:
