@@ -417,6 +417,23 @@ def _attempt_store(rank: int, world: int, timeout: float):
     return dist.PrefixStore(f"loco/attempt{attempt}", store)
 
 
+def _worker_group(mesh: Mesh, rank: int):
+    """A process group over the R ranks of this rank's worker (and stage), of loco's own:
+    the same ranks as the device mesh's ``"shard"`` group, which FSDP2 issues on from the
+    training thread, while loco's inner Comm issues from its communication thread; two
+    threads must not share one communicator (NCCL runs a communicator's operations in the
+    order they are issued, which would then differ between ranks). Every rank creates every
+    worker's group, in the same order."""
+    mine = None
+    for replica in range(mesh.replicas):
+        for local in range(mesh.ranks_per_replica):
+            ranks = mesh.worker_peers(replica, local)
+            group = dist.new_group(ranks)
+            if rank in ranks:
+                mine = group
+    return mine
+
+
 def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout: float,
                   launcher: str, links: tuple = (None, None), shards: int = 1):
     world = int(os.environ["WORLD_SIZE"])
@@ -452,7 +469,7 @@ def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout
         # Stages talk point to point over the default group, in global ranks.
         pipe = (Comm(dist.group.WORLD, rank, world, device, name="pipe", link=wire,
                      thread=thread) if ranks_per_replica > 1 else None)
-        inner = (Comm(device_mesh.get_group("shard"), mesh.shard_of(rank), shards, device,
+        inner = (Comm(_worker_group(mesh, rank), mesh.shard_of(rank), shards, device,
                       name="inner", link=_emulated(links[1]), thread=thread)
                  if shards > 1 else None)  # the fast link
         ctx = WorkerContext(rank, world, mesh, comm, device, launcher, pipe=pipe, inner=inner,
