@@ -311,3 +311,22 @@ def test_fsdp_inside_workers_trains_as_ddp_inside_them(runs, corpus, tmp_path):
         shards = [c["memory_bytes"]["model"] for c in a["per_worker"][:R]]
         assert sum(shards) == b["memory_bytes_per_rank"]["model"]
         assert max(shards) < b["memory_bytes_per_rank"]["model"]
+
+
+def test_fsdp_run_restarted_after_a_failure_ends_bit_identical(corpus, tmp_path, monkeypatch):
+    """--worker-parallel fsdp under the processes launcher: rank 1 (worker 0's second rank)
+    fails at step 11; the launcher restarts every rank from the checkpoint of step 9, each
+    loading its own FSDP2 shards, AdamW state, share of the outer state and the sync in
+    flight; the run ends with every rank's state and every metrics record as the
+    uninterrupted run's, bit for bit."""
+    flags = ("--algorithm", "streaming", "--worker-ranks", str(R), "--worker-parallel", "fsdp",
+             "--launcher", "processes")
+    full, out = tmp_path / "full", tmp_path / "restarted"
+    assert main(run(corpus, full, *flags)) == 0
+    monkeypatch.setenv("LOCO_FAULT", "1:11")
+    assert main(run(corpus, out, *flags, "--max-restarts", "1")) == 0
+    assert summary_of(out)["restarts"] == 1 and summary_of(out)["resumed_from_step"] == 9
+    assert records(out) == records(full)
+    for rank in range(M * R):
+        assert_same_tensors(final_state(out, rank)["algorithm"],
+                            final_state(full, rank)["algorithm"])

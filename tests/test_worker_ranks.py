@@ -14,13 +14,14 @@ pytestmark = pytest.mark.numerics
 H = 4
 
 
-@pytest.mark.parametrize("m,r", [(2, 2), (3, 2), (2, 4)])
+@pytest.mark.parametrize("m,r", [(2, 2), (3, 2), (2, 4), (2, 3)])
 def test_diloco_with_ranks_per_worker_matches_workers_with_the_whole_batch(m, r):
     """M workers x R ranks of batch b = the reference's M workers of batch R·b. Tolerance
     5e-5: the worker's gradient is the mean of R ranks' means instead of one mean over R·b
     samples (another summation order, ulps apart), and AdamW divides every entry by its own
     running RMS, so an entry near zero turns an ulp into a step of up to lr (3e-3) times a
-    tiny ratio. Measured: 4.1e-6, 5.6e-6, 1.27e-5 for (2, 2), (3, 2), (2, 4); a reference fed
+    tiny ratio. Measured: 4.1e-6, 5.6e-6, 1.27e-5, 1.8e-5 for (2, 2), (3, 2), (2, 4),
+    (2, 3) (R = 3: uneven ranges, padded); a reference fed
     only rank 0's batches is 4e-2 away."""
     steps = 2 * H
     out = loco.launch(sharded_worker, m * r, shards=r, args=(steps,),
@@ -229,3 +230,19 @@ def test_fsdp_collectives_are_counted_as_fast_link_bytes(fsdp_runs):
     root = padded([p for p in model.parameters() if id(p) not in in_blocks])
     per_step = (2 - 1) * (2 * blocks + root + blocks + root)
     assert all(r["ddp"]["fast"] == FSDP_STEPS * per_step for r in fsdp_runs)
+
+
+@pytest.mark.parametrize("m,r,algo_name", [(3, 2, "diloco"), (2, 3, "streaming")])
+def test_fsdp_with_more_workers_or_uneven_shards_matches_the_reference(m, r, algo_name):
+    """FSDP2 with M = 3 workers, and with R = 3 ranks, whose dim-0 chunks are uneven
+    (``torch.chunk``: 64 rows make 22, 22, 20; 16 make 6, 6, 4): the result is the
+    reference's with M workers of batch R·b (tolerance as above)."""
+    kw = (dict(sync_every=H, outer_lr=0.7, outer_momentum=0.9) if algo_name == "diloco"
+          else dict(STREAMING, codec="fp32"))
+    out = loco.launch(sharded_worker, m * r, "processes", shards=r,
+                      args=(FSDP_STEPS, algo_name), kwargs=dict(kw, parallel="fsdp"))
+    ref = (reference_diloco(m, FSDP_STEPS, H, 0.7, 0.9, data=worker_batches(r))
+           if algo_name == "diloco" else
+           reference_streaming(m, FSDP_STEPS, H, 2, 1, 0.5, data=worker_batches(r)))
+    for o in out:
+        assert max_diff(o["params"], ref) < 5e-5
