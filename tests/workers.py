@@ -23,6 +23,15 @@ def make_optimizer(model) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
 
 
+def smooth_optimizer(model) -> torch.optim.Optimizer:
+    """AdamW with eps = 1e-3, for comparing two summation orders of the same gradient (R
+    ranks' means averaged, against one mean over their samples). With the default eps, an
+    entry whose gradient is within ulps of zero steps by about ±lr either way (Adam's step is
+    lr · m / (√v + eps), near lr · sign(g) early on), so ulps can become 2 lr; with eps above
+    such gradients the step is continuous in the gradient and ulps stay ulps."""
+    return torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01, eps=1e-3)
+
+
 def batch(worker: int, step: int, size: int = BATCH):
     """The batch worker ``worker`` sees at inner step ``step`` (same in every test)."""
     g = torch.Generator().manual_seed(1000 * worker + step)
@@ -133,11 +142,11 @@ def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, parallel="
 
 # --------------------------------------------------------------------------- references
 def reference_diloco(workers, steps, sync_every, outer_lr, outer_momentum, nesterov=True,
-                     data=batch):
+                     data=batch, optimizer=make_optimizer):
     """DiLoCo as the paper's algorithm box, in one process, with the outer update by hand;
     ``data(m, t)``: worker m's batch at step t."""
     models = [make_model() for _ in range(workers)]
-    opts = [make_optimizer(m) for m in models]
+    opts = [optimizer(m) for m in models]
     names = [n for n, _ in models[0].named_parameters()]
     glob = [p.detach().clone() for p in models[0].parameters()]
     momentum = [torch.zeros_like(g) for g in glob]
@@ -161,7 +170,8 @@ def reference_diloco(workers, steps, sync_every, outer_lr, outer_momentum, neste
 
 def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, codec="fp32",
                         outer_lr=0.4, outer_momentum=0.9, nesterov=True, layers=4,
-                        pattern="strided", block=32, data=batch, shards=1, parallel="ddp"):
+                        pattern="strided", block=32, data=batch, shards=1, parallel="ddp",
+                        optimizer=make_optimizer):
     """Streaming DiLoCo as the paper's algorithm box, in one process: per-fragment
     pseudo-gradients, quantized (and the mean re-quantized) with the codec, an outer Nesterov
     step by hand, and the α-merge into each worker's moved-on parameters at t + τ_m (``overlap``
@@ -172,7 +182,7 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     qdq = get_codec(codec, block)
     roundtrip = lambda x: qdq.decode(qdq.encode(x), x.shape)  # noqa: E731
     models = [make_model(layers=layers) for _ in range(workers)]
-    opts = [make_optimizer(m) for m in models]
+    opts = [optimizer(m) for m in models]
     names = split_fragments(models[0], fragments, pattern)
     P, H = len(names), sync_every
     local = [dict(m.named_parameters()) for m in models]
@@ -283,13 +293,13 @@ def noloco_worker(ctx, steps, **kw):
 
 
 def reference_noloco(workers, steps, sync_every, group_size, beta, alpha, gamma,
-                     nesterov=False, seed=0, data=batch):
+                     nesterov=False, seed=0, data=batch, optimizer=make_optimizer):
     """NoLoCo's outer step by hand, in one process, for every worker, with the same groups;
     ``data(m, t)``: worker m's batch at step t."""
     from loco.algorithms.noloco import gossip_groups
 
     models = [make_model() for _ in range(workers)]
-    opts = [make_optimizer(m) for m in models]
+    opts = [optimizer(m) for m in models]
     flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
     slow = [flat(m) for m in models]
     mom = [torch.zeros_like(s) for s in slow]
@@ -318,7 +328,8 @@ def reference_noloco(workers, steps, sync_every, group_size, beta, alpha, gamma,
     return [params_of(dict(m.named_parameters())) for m in models]
 
 
-def sharded_worker(ctx, steps, algo_name="diloco", parallel="ddp", **kw):
+def sharded_worker(ctx, steps, algo_name="diloco", parallel="ddp", optimizer=make_optimizer,
+                   **kw):
     """An algorithm with R ranks per worker (``ctx.inner``), the model whole on every rank
     (``parallel="ddp"``) or FSDP2-sharded over them (``"fsdp"``): rank (m, r) trains on
     batch(m * R + r, t); the worker's gradient is their mean. Returns the global (or, for
@@ -328,7 +339,7 @@ def sharded_worker(ctx, steps, algo_name="diloco", parallel="ddp", **kw):
     model = make_model(layers=kw.pop("layers", 2))
     if parallel == "fsdp":
         shard_worker(model, ctx)
-    opt = make_optimizer(model)
+    opt = optimizer(model)
     cls = {"diloco": loco.DiLoCo, "streaming": loco.StreamingDiLoCo, "noloco": loco.NoLoCo,
            "ddp": loco.DataParallel}[algo_name]
     algo = cls(model, opt, ctx.comm, inner=ctx.inner, **kw)
