@@ -1,7 +1,8 @@
 """A worker as a group of ranks: 4 workers of 1 rank against 2 workers of 2 ranks.
 
 Trains the same job (model, data, seed, global batch and tokens) for DiLoCo and for Streaming
-DiLoCo with FP4 pseudo-gradients (its default codec), in three layouts:
+DiLoCo with FP4 pseudo-gradients (its default codec), in three layouts, after DataParallel
+over the same 4 ranks (the loss that fewer, larger replicas should come closer to):
 
 * ``4x1``       4 workers of one rank each: every rank is a replica on the slow link;
 * ``2x2-ddp``   2 workers of 2 ranks, each rank holding the whole model, the gradients
@@ -19,6 +20,7 @@ state, the largest resident set of a rank, and tokens/s.
     python benchmarks/hierarchical.py             # small model, 300 steps: ~12 min, 2 cores
     python benchmarks/hierarchical.py --quick     # tiny model, 40 steps: ~2 min
     python benchmarks/hierarchical.py --steps 100 --markdown hierarchical.md
+    python benchmarks/hierarchical.py --only dataparallel:4x1,diloco:2x2-fsdp   # a subset
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ import tempfile
 
 #: name -> the ``loco train`` flags of the method.
 METHODS = {
+    "dataparallel": ["--algorithm", "ddp"],
     "diloco": ["--algorithm", "diloco"],
     "streaming-fp4": ["--algorithm", "streaming", "--codec", "fp4_e3m0"],
 }
 #: name -> (workers M, ranks per worker R, --worker-parallel); the order of the rows.
 LAYOUTS = {"4x1": (4, 1, None), "2x2-ddp": (2, 2, "ddp"), "2x2-fsdp": (2, 2, "fsdp")}
+#: The baseline's row first: DataParallel over the 4 ranks, the loss the others approach.
+BASELINE = ("dataparallel", "4x1")
 #: the job's settings by default and with --quick; a flag given overrides either.
 PRESETS = {
     "full": dict(model="small", steps=300, sync_every=50, eval_batches=50),
@@ -69,6 +74,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fragments", type=int, default=2, help="P of the streaming runs")
     ap.add_argument("--seed", type=int, default=0, help="seed of every run")
     ap.add_argument("--markdown", metavar="PATH", help="also write the table as markdown here")
+    ap.add_argument("--only", metavar="RUNS", help="a comma-separated subset of the runs, "
+                    "each METHOD:LAYOUT (e.g. dataparallel:4x1,diloco:2x2-fsdp); default all")
     args = ap.parse_args(argv)
     for key, value in PRESETS["quick" if args.quick else "full"].items():
         if getattr(args, key) is None:
@@ -150,9 +157,23 @@ def notes(summaries: list[dict]) -> list[str]:
     return [f"summary.json has no {', '.join(missing)}: shown as -"] if missing else []
 
 
+def selected_runs(only: str | None) -> list[tuple[str, str]]:
+    """The runs, in the table's order: the DataParallel baseline, then every method in every
+    layout; or the subset ``only`` names (``METHOD:LAYOUT,...``)."""
+    runs = [BASELINE] + [(m, layout) for m in METHODS if m != BASELINE[0] for layout in LAYOUTS]
+    if only is None:
+        return runs
+    wanted = [tuple(item.split(":", 1)) for item in only.split(",")]
+    unknown = [":".join(w) for w in wanted if w not in runs]
+    if unknown:
+        raise SystemExit(f"--only: unknown run(s) {', '.join(unknown)}; choose from "
+                         + ", ".join(":".join(r) for r in runs))
+    return [r for r in runs if r in wanted]
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    runs = [(m, layout) for m in METHODS for layout in LAYOUTS]
+    runs = selected_runs(args.only)
     with tempfile.TemporaryDirectory() as tmp:
         summaries = [run_one(args, m, layout, tmp) for m, layout in runs]
     rows = [cells(m, layout, s) for (m, layout), s in zip(runs, summaries)]
