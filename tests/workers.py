@@ -54,7 +54,9 @@ def train_steps(model, opt, worker: int, steps, step_fn=None, clip: float | None
 
 
 def params_of(named) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in named.items()}
+    """Copies of the tensors, whole (an FSDP2 DTensor is gathered: collective)."""
+    return {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in named.items()}
 
 
 # --------------------------------------------------------------------------- worker fns
@@ -121,23 +123,19 @@ def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, parallel="
         kw = {"sync_every": sync_every, **extra} if algo_name in ("diloco", "streaming") else {}
         return model, opt, ALGORITHMS[algo_name](model, opt, ctx.comm, inner=ctx.inner, **kw)
 
-    def whole(named):
-        return params_of({n: p.full_tensor() if hasattr(p, "full_tensor") else p
-                          for n, p in named.items()})
-
     data_id = ctx.replica * ctx.mesh.shards + ctx.shard
     model, opt, algo = build()
     step = lambda: (algo.step(), algo.zero_grad())  # noqa: E731
     train_steps(model, opt, data_id, range(split), step)
     snapshot = copy.deepcopy(algo.state_dict())  # optimizer state is live tensors
     train_steps(model, opt, data_id, range(split, steps), step)
-    straight = whole(algo.global_parameters())
+    straight = params_of(algo.global_parameters())
 
     model, opt, algo = build()
     algo.load_state_dict(snapshot)
     step = lambda: (algo.step(), algo.zero_grad())  # noqa: E731
     train_steps(model, opt, data_id, range(split, steps), step)
-    return straight, whole(algo.global_parameters())
+    return straight, params_of(algo.global_parameters())
 
 
 # --------------------------------------------------------------------------- references
@@ -348,8 +346,7 @@ def sharded_worker(ctx, steps, algo_name="diloco", parallel="ddp", optimizer=mak
     algo.flush()
     named = (dict(model.named_parameters()) if algo_name in ("noloco", "ddp")
              else algo.global_parameters())
-    return {"params": params_of({n: p.full_tensor() if hasattr(p, "full_tensor") else p
-                                 for n, p in named.items()}),
+    return {"params": params_of(named),
             "slow": ctx.comm.totals().sent_bytes,
             "fast": ctx.inner.totals().sent_bytes if ctx.inner is not None else 0,
             "outer_bytes": algo.memory_bytes()["outer"],

@@ -28,7 +28,7 @@ from loco import checkpoint
 from loco.algorithms import ALGORITHMS, Algorithm
 from loco.algorithms.base import NonFiniteError, flatten_fp32, unflatten_views
 from loco.algorithms.fragments import split_fragments
-from loco.algorithms.sharding import is_sharded, local
+from loco.algorithms.sharding import Share, is_sharded, local
 from loco.comm.interface import Aborted, Comm
 from loco.comm.link import LinkSpec
 from loco.config import (ConfigError, TrainConfig, betas, check_layout, model_dims, overlaps,
@@ -860,10 +860,11 @@ def replica_spread(algo: Algorithm, comm: Comm, pipeline: PipelineStage | None =
     each stage's part, with pipeline stages) and one of two numbers, tagged ``diagnostic``,
     outside the training bytes and blocked time. With pipeline stages every stage measures
     its own parameters and the sums are combined over all ranks. With workers of R ranks
-    every rank measures its part (:func:`rank_values`) with the same rank of the other
-    workers, and the sums are combined over the worker's ranks (``inner``)."""
+    every rank measures its share (a ``Share``: its FSDP2 shards, or its 1/R range) with
+    the same rank of the other workers, and the sums are combined over the worker's ranks
+    (``inner``)."""
     params = algo.params if pipeline is None else pipeline.owned_parameters()
-    flat = rank_values(params, inner)
+    flat = Share(params, inner).read()
     mean = flat.clone()
     comm.all_reduce_mean(mean, tag="diagnostic").wait()
     stats = torch.tensor([(flat - mean).double().pow(2).sum().item(), flat.numel()],
@@ -873,21 +874,6 @@ def replica_spread(algo: Algorithm, comm: Comm, pipeline: PipelineStage | None =
         if c is not None:
             c.all_reduce_mean(stats, tag="diagnostic").wait()
     return math.sqrt(stats[0].item() / stats[1].item())
-
-
-def rank_values(params, inner: Comm | None) -> torch.Tensor:
-    """This rank's part of ``params`` as one fp32 vector: its local shards (FSDP2), the
-    r-th of R near-equal ranges of the whole (every rank of the worker holds the whole
-    model), or all of it (a worker of one rank, ``inner`` None).
-
-    Args:
-        params: the parameters, in an order every rank shares.
-        inner: the worker's fast-link Comm; None for a worker of one rank.
-    """
-    flat = flatten_fp32([local(p) for p in params])
-    if inner is None or is_sharded(params):
-        return flat
-    return flat.tensor_split(inner.size)[inner.rank]
 
 
 @torch.no_grad()
