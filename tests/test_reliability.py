@@ -36,8 +36,14 @@ def records(out):
 
 
 def final_state(out, rank):
+    """A rank's last checkpoint; for a worker of several ranks whose tensors went through
+    DCP, with the worker's tensors, whole, under ``["algorithm"]["tensors"]``."""
     meta = checkpoint.latest(str(out))
-    return checkpoint.load_rank(str(out), meta["step"], rank)
+    state = checkpoint.load_rank(str(out), meta["step"], rank)
+    if meta.get("dcp_workers"):
+        worker = checkpoint.worker_dir(str(out), meta["step"], rank // meta["worker_ranks"])
+        state["algorithm"]["tensors"] = checkpoint.read_worker(worker)
+    return state
 
 
 def assert_same_tensors(a, b, path=""):

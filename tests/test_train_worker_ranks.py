@@ -23,6 +23,7 @@ from loco.config import ConfigError, TrainConfig, check_layout, resume_config
 from loco.report import find_runs, write_report
 from test_cli import expect_error, records_of, small_run
 from test_reliability import assert_same_tensors, final_state, records
+from workers import resumed_tensors
 
 ALGORITHMS = ["diloco", "streaming", "noloco", "ddp", "local"]
 M, R, STEPS = 2, 2, 12  # small_run's workers and steps
@@ -109,17 +110,19 @@ def test_summary_reports_memory_and_the_metrics_both_links(runs):
         c["fast_link_bytes_sent"] for c in two["per_worker"][2:]]
 
 
-def test_checkpoint_records_the_layout_and_a_resume_keeps_it(runs, capsys, monkeypatch):
-    """Each rank's file holds its own shard of the outer state: a run is resumed with the
-    worker layout it was written with, never resharded."""
+def test_checkpoint_records_the_layout_and_rank_files_do_not_reshard(runs, capsys,
+                                                                     monkeypatch):
+    """Under the threads launcher each rank's file holds its own shard of the outer state:
+    such a run is resumed with the worker layout it was written with."""
     meta = checkpoint.latest(str(runs["diloco", R]))
     assert (meta["worker_ranks"], meta["worker_parallel"], meta["world_size"]) == (R, "ddp",
                                                                                    M * R)
+    assert not meta["dcp_workers"]  # threads: per-rank files
     for written, asked in ((R, 1), (1, R)):
         expect_error(["train", "--resume", str(runs["diloco", written]), "--worker-ranks",
                       str(asked), "--no-progress"], "--worker-ranks",
-                     f"resharding is not supported; resume with --worker-ranks {written}",
-                     capsys, monkeypatch)
+                      f"which do not reshard; resume with --worker-ranks {written}",
+                      capsys, monkeypatch)
     cfg = resume_config(str(runs["diloco", R]), {})
     with pytest.raises(ConfigError, match="--worker-ranks: .*resume with --worker-ranks 2"):
         loco.train.prepare_config(dataclasses.replace(cfg, worker_ranks=1))
@@ -128,14 +131,77 @@ def test_checkpoint_records_the_layout_and_a_resume_keeps_it(runs, capsys, monke
 def test_check_layout_names_the_option_that_differs():
     meta = {"step": 8, "worker_ranks": 2, "worker_parallel": "fsdp"}
     check_layout(meta, 2, "fsdp")
-    with pytest.raises(ConfigError, match="^--worker-parallel: .*resume with --worker-ranks 2 "
+    with pytest.raises(ConfigError, match="^--worker-parallel: .*resume with "
                                           "--worker-parallel fsdp"):
         check_layout(meta, 2, "ddp")
-    with pytest.raises(ConfigError, match="^--worker-ranks: "):
+    with pytest.raises(ConfigError, match="^--worker-ranks: .*do not reshard; resume with "
+                                          "--worker-ranks 2 --worker-parallel fsdp"):
         check_layout(meta, 4, "fsdp")
     check_layout({"step": 8, "config": {}}, 1, "ddp")  # written before --worker-ranks
     with pytest.raises(ConfigError, match="resume with --worker-ranks 1"):
         check_layout({"step": 8}, 2, "ddp")
+    # written through DCP (processes, torchrun): any R of the same worker_parallel
+    dcp = dict(meta, dcp_workers=2)
+    for ranks in (3, 4):
+        check_layout(dcp, ranks, "fsdp", "torchrun")
+    check_layout(dict(dcp, worker_parallel="ddp"), 1, "ddp", "threads")
+    with pytest.raises(ConfigError, match="^--worker-parallel: .*flat ranges under ddp"):
+        check_layout(dcp, 1, "ddp")
+    with pytest.raises(ConfigError, match="^--launcher: .*resume with --launcher processes"):
+        check_layout(dcp, 2, "fsdp", "threads")
+
+
+def test_dcp_checkpoint_reshards_to_workers_of_another_size(runs, corpus, tmp_path,
+                                                           monkeypatch, capsys):
+    """Workers of 2 ranks (processes) save through torch.distributed.checkpoint; a run
+    resumed with workers of 3 or 1 rank(s) loads every tensor of the worker exactly
+    (model, AdamW, global copy, outer momentum), its byte counters sum to the old ranks'
+    and its loaders continue after as many tokens; then it trains to the end, its totals
+    those of the whole run."""
+    out = tmp_path / "run"
+    monkeypatch.setenv("LOCO_FAULT", "1:11")
+    assert main(run(corpus, out, "--algorithm", "diloco", "--worker-ranks", str(R),
+                    "--launcher", "processes",
+                    "--max-restarts", "0")) == 1
+    monkeypatch.delenv("LOCO_FAULT")
+    capsys.readouterr()
+    meta = checkpoint.latest(str(out))
+    assert (meta["step"], meta["dcp_workers"]) == (8, M)
+    saved = [final_state(out, rank) for rank in range(M * R)]
+    for ranks in (3, 1):
+        cfg = loco.train.prepare_config(resume_config(str(out), {
+            "worker_ranks": ranks, "launcher": "processes"}))
+        got = loco.launch(resumed_tensors, M * ranks, "processes", shards=ranks,
+                          args=(cfg, loco.train.prepare_data(cfg)))
+        for m in range(M):
+            mine, before = got[m * ranks:(m + 1) * ranks], saved[m * R:(m + 1) * R]
+            whole = before[0]["algorithm"]["tensors"]
+            for key in ("model", "outer"):
+                for r in mine:
+                    assert_same_tensors(r["tensors"][key], whole[key])
+            for r in mine:
+                assert_same_tensors(r["tensors"]["inner_optimizer"]["state"],
+                                    whole["inner_optimizer"]["state"])
+            for link in ("comm", "inner") if ranks > 1 else ("comm",):  # R' = 1: no fast link
+                for field in ("sent_bytes", "ops"):
+                    total = sum(s[link]["stats"]["train"][field] for s in before)
+                    assert sum(r[link]["stats"]["train"][field] for r in mine) == total
+            # every rank read 8 batches; the worker's R' ranks read as many tokens in all
+            assert all(8 * R // ranks == r["loader"]["position"] for r in mine)
+            assert all(r["tokens"] == 8 * M * R * 4 * 32 for r in mine)
+    assert main(["train", "--resume", str(out), "--worker-ranks", "3", "--launcher",
+                 "processes", "--no-progress"]) == 0
+    a, full = summary_of(out), summary_of(runs["diloco", R])
+    assert (a["resumed_from_step"], a["worker_ranks"], len(a["per_worker"])) == (8, 3, M * 3)
+    assert a["tokens"] == 8 * M * R * 4 * 32 + (STEPS - 8) * M * 3 * 4 * 32
+    assert math.isfinite(a["final_eval_loss"])
+    slack = a["syncs"] * 3 * 2 * (M - 1) * 17  # the padding of the shards, as above
+    assert abs(a["slow_link_bytes_sent_per_worker"]
+               - full["slow_link_bytes_sent_per_worker"]) <= slack
+    # a worker's DCP files are checked before any worker starts
+    (out / "checkpoints" / f"step{STEPS:08d}" / "worker0001" / ".metadata").unlink()
+    expect_error(["train", "--resume", str(out), "--no-progress"], "--resume",
+                 "worker0001 is missing or incomplete", capsys, monkeypatch)
 
 
 @pytest.mark.parametrize("algorithm", ["diloco", "streaming"])
@@ -317,8 +383,9 @@ def test_fsdp_run_restarted_after_a_failure_ends_bit_identical(corpus, tmp_path,
     """--worker-parallel fsdp under the processes launcher: rank 1 (worker 0's second rank)
     fails at step 11; the launcher restarts every rank from the checkpoint of step 9, each
     loading its own FSDP2 shards, AdamW state, share of the outer state and the sync in
-    flight; the run ends with every rank's state and every metrics record as the
-    uninterrupted run's, bit for bit."""
+    flight through torch.distributed.checkpoint; the run ends with every rank's state and
+    every metrics record as the uninterrupted run's, bit for bit. Its last checkpoint then
+    loads into workers of 3 ranks, every tensor exactly."""
     flags = ("--algorithm", "streaming", "--worker-ranks", str(R), "--worker-parallel", "fsdp",
              "--launcher", "processes")
     full, out = tmp_path / "full", tmp_path / "restarted"
@@ -330,3 +397,13 @@ def test_fsdp_run_restarted_after_a_failure_ends_bit_identical(corpus, tmp_path,
     for rank in range(M * R):
         assert_same_tensors(final_state(out, rank)["algorithm"],
                             final_state(full, rank)["algorithm"])
+    # DCP reshards FSDP2's shards, AdamW's and the outer state's to workers of 3 ranks
+    cfg = loco.train.prepare_config(resume_config(str(out), {"worker_ranks": 3}))
+    got = loco.launch(resumed_tensors, M * 3, "processes", shards=3,
+                      args=(cfg, loco.train.prepare_data(cfg)))
+    for rank, r in enumerate(got):
+        whole = final_state(out, rank // 3 * R)["algorithm"]["tensors"]
+        assert_same_tensors(r["tensors"]["model"], whole["model"])
+        assert_same_tensors(r["tensors"]["outer"], whole["outer"])
+        assert_same_tensors(r["tensors"]["inner_optimizer"]["state"],
+                            whole["inner_optimizer"]["state"])

@@ -144,15 +144,22 @@ FSDP_CASES = {
                       dict(STREAMING, codec="fp4_e3m0", **SMOOTH)),
     "noloco": (sharded_worker, (FSDP_STEPS, "noloco"), dict(NOLOCO, **SMOOTH)),
     "ddp": (sharded_worker, (FSDP_STEPS, "ddp"), SMOOTH),
-    # a checkpoint taken while fragment 0's sync is in flight (sent at step 2, tau = 1)
-    "resume": (resume_worker, (FSDP_STEPS, 2, H, "streaming"),
-               dict(fragments=2, overlap=1, layers=4))}
+    # a checkpoint taken while fragment 0's sync is in flight (sent at step 6, tau = 1),
+    # both fragments with outer momentum
+    "resume": (resume_worker, (FSDP_STEPS, H + 2, H, "streaming"),
+               dict(fragments=2, overlap=1, layers=4)),
+    # the same through DCP with the model whole on every rank (ddp inside), and NoLoCo's
+    "resume_ddp": (resume_worker, (FSDP_STEPS, H + 2, H, "streaming"),
+                   dict(fragments=2, overlap=1, layers=4, parallel="ddp")),
+    "resume_noloco": (resume_worker, (FSDP_STEPS, H + 1, H, "noloco"),
+                      {k: v for k, v in NOLOCO.items() if k != "sync_every"})}
 
 
 @pytest.fixture(scope="module")
 def fsdp_runs():
     """Every FSDP2 case, M = 2 workers x R = 2 ranks, in one processes launch."""
-    cases = {k: (fn, args, dict(kw, parallel="fsdp")) for k, (fn, args, kw) in FSDP_CASES.items()}
+    cases = {k: (fn, args, {"parallel": "fsdp", **kw}) for k, (fn, args, kw) in
+             FSDP_CASES.items()}
     return loco.launch(sharded_cases, 4, "processes", shards=2, args=(cases,))
 
 
@@ -193,12 +200,14 @@ def test_fsdp_with_fp4_encodes_each_rank_s_local_shards(fsdp_runs):
     assert share_beyond(fsdp_runs[0]["streaming_fp4"]["params"], ranges, TOL) > 1e-2
 
 
-def test_fsdp_checkpoint_with_a_sync_in_flight_resumes_bit_identically(fsdp_runs):
-    """Each rank's state_dict holds its own shards (model, AdamW, global copy, momentum, the
-    pseudo-gradient in flight); rebuilt and loaded, the run ends bit for bit where the
-    uninterrupted one does."""
+@pytest.mark.parametrize("case", ["resume", "resume_ddp", "resume_noloco"])
+def test_dcp_checkpoint_with_a_sync_in_flight_resumes_bit_identically(fsdp_runs, case):
+    """The worker's tensors (model, AdamW, global copy, momentum, the pseudo-gradient in
+    flight; NoLoCo's φ and δ) saved through torch.distributed.checkpoint, each rank its own
+    shards (FSDP2) or share (ddp inside), and loaded into a rebuilt algorithm with its small
+    state: the run ends bit for bit where the uninterrupted one does."""
     for r in fsdp_runs:
-        straight, resumed = r["resume"]
+        straight, resumed = r[case]
         assert max_diff(straight, resumed) == 0
 
 

@@ -5,6 +5,7 @@ single-process references of the algorithms' maths."""
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
@@ -109,33 +110,62 @@ def streaming_worker(ctx, steps, layers=4, step_hook=None, **kw):
 
 
 def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, parallel="ddp", **extra):
-    """Train ``split`` steps, snapshot state_dict, finish; then rebuild from the snapshot and
+    """Train ``split`` steps, checkpoint, finish; then rebuild from the checkpoint and
     finish again. Returns both final parameter sets (whole). With R ranks per worker
-    (``ctx.inner``) the model is whole on every rank or FSDP2-sharded (``parallel``)."""
+    (``ctx.inner``) the model is whole on every rank or FSDP2-sharded (``parallel``). Under
+    the processes launcher (``ctx.checkpoint_group``) the tensors go through
+    ``torch.distributed.checkpoint`` into a temporary directory, as ``loco train`` saves
+    them; otherwise the whole ``state_dict`` is kept in memory."""
+    import tempfile
+
+    from loco import checkpoint
     from loco.algorithms import ALGORITHMS
     from loco.runtime.fsdp import shard_worker
+    from loco.train import shard_mesh
 
     def build():
         model = make_model(layers=layers)
         if parallel == "fsdp":
             shard_worker(model, ctx)
         opt = make_optimizer(model)
-        kw = {"sync_every": sync_every, **extra} if algo_name in ("diloco", "streaming") else {}
+        kw = ({"sync_every": sync_every, **extra}
+              if algo_name in ("diloco", "streaming", "noloco") else {})
         return model, opt, ALGORITHMS[algo_name](model, opt, ctx.comm, inner=ctx.inner, **kw)
 
+    dcp, mesh = ctx.checkpoint_group is not None, shard_mesh(ctx)
     data_id = ctx.replica * ctx.mesh.shards + ctx.shard
     model, opt, algo = build()
     step = lambda: (algo.step(), algo.zero_grad())  # noqa: E731
     train_steps(model, opt, data_id, range(split), step)
-    snapshot = copy.deepcopy(algo.state_dict())  # optimizer state is live tensors
-    train_steps(model, opt, data_id, range(split, steps), step)
-    straight = params_of(algo.global_parameters())
+    snapshot = copy.deepcopy(algo.state_dict(tensors=not dcp))  # optimizer: live tensors
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"worker{ctx.replica}")
+        if dcp:  # every rank of the worker writes into the first rank's directory
+            path = _broadcast_path(ctx, path if ctx.shard == 0 else None)
+            checkpoint.save_worker(path, checkpoint.snapshot(algo.checkpoint_tensors(mesh)),
+                                   ctx.checkpoint_group)
+        train_steps(model, opt, data_id, range(split, steps), step)
+        straight = params_of(algo.global_parameters())
 
-    model, opt, algo = build()
-    algo.load_state_dict(snapshot)
+        model, opt, algo = build()
+        algo.load_state_dict(snapshot)
+        if dcp:
+            tensors = algo.checkpoint_tensors(mesh)
+            checkpoint.load_worker(path, tensors, ctx.checkpoint_group)
+            algo.load_checkpoint_tensors(tensors, mesh)
+            torch.distributed.barrier(ctx.checkpoint_group)  # before the first rank cleans up
     step = lambda: (algo.step(), algo.zero_grad())  # noqa: E731
     train_steps(model, opt, data_id, range(split, steps), step)
     return straight, params_of(algo.global_parameters())
+
+
+def _broadcast_path(ctx, path):
+    """The worker's first rank's ``path`` on every rank of the worker."""
+    box = [path]
+    torch.distributed.broadcast_object_list(
+        box, src=torch.distributed.get_global_rank(ctx.checkpoint_group, 0),
+        group=ctx.checkpoint_group)
+    return box[0]
 
 
 # --------------------------------------------------------------------------- references
@@ -401,3 +431,26 @@ def worker_batches(shards: int):
         parts = [batch(worker * shards + r, t) for r in range(shards)]
         return torch.cat([x for x, _ in parts]), torch.cat([y for _, y in parts])
     return data
+
+
+def resumed_tensors(ctx, cfg, corpus):
+    """Set a rank of ``loco train`` up as a resumed run of ``cfg`` does; return its worker's
+    tensors whole (collective over the worker's ranks), its loader's position and its byte
+    counters of both links."""
+    from torch.distributed.tensor import DTensor
+
+    from loco.train import setup_worker, shard_mesh
+
+    w, _ = setup_worker(ctx, cfg, corpus)
+    w.bar.close()
+
+    def whole(t):
+        if isinstance(t, dict):
+            return {k: whole(v) for k, v in t.items()}
+        if isinstance(t, DTensor):
+            return t.full_tensor()
+        return t.detach().clone() if isinstance(t, torch.Tensor) else t
+    return {"tensors": whole(w.algo.checkpoint_tensors(shard_mesh(ctx))),
+            "loader": w.loader.state_dict(), "comm": ctx.comm.state_dict(),
+            "inner": ctx.inner.state_dict() if ctx.inner is not None else None,
+            "tokens": w.resumed_tokens}

@@ -3,8 +3,16 @@
 Layout in the run directory::
 
     checkpoints/step00000100/rank0000.pt   one file per rank (torch.save of plain data)
+    checkpoints/step00000100/worker0000/   workers of several ranks: the worker's tensors,
+                                           through torch.distributed.checkpoint (DCP)
     checkpoints/latest.json                {"step": 100, "world_size": 4, ...}: the last
                                            checkpoint that every rank finished writing
+
+A worker of one rank keeps everything in its rank's file. The ranks of a worker of R ranks
+(processes or torchrun) save the worker's model, inner optimizer and outer state together
+with ``torch.distributed.checkpoint`` over a process group of their own (no message crosses
+workers, so NoLoCo stays free of collectives): each rank writes its shards once, and any
+other R can load them (DCP reshards); their rank files keep the rest (counters, positions).
 
 A rank writes its file to a temporary name and renames it (never a half file). Only when
 every rank's file exists does the lead rank move ``latest.json`` to the new step (again by
@@ -45,6 +53,78 @@ def rank_file(out: str, step: int, rank: int) -> str:
     return os.path.join(step_dir(out, step), f"rank{rank:04d}.pt")
 
 
+def worker_dir(out: str, step: int, worker: int) -> str:
+    """Where a worker of several ranks saves its tensors of a checkpoint (DCP's files).
+
+    Args:
+        out: the run directory.
+        step: the checkpoint's step.
+        worker: the worker's index (its replica), in [0, M).
+    """
+    return os.path.join(step_dir(out, step), f"worker{worker:04d}")
+
+
+def save_worker(path: str, tensors: dict, group=None) -> None:
+    """Save a worker's tensors with ``torch.distributed.checkpoint``: collective over the
+    worker's ranks; ``.metadata`` appears last, by rename, once every rank's file is whole.
+
+    Args:
+        path: the worker's directory (:func:`worker_dir`).
+        tensors: the worker's state, each rank's own view of it (DTensors for shards); it
+            must not change meanwhile (pass a :func:`snapshot`).
+        group: a process group over the worker's ranks (``ctx.checkpoint_group``); None:
+            a worker of one rank, no process group.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(path), process_group=group,
+             no_dist=group is None)
+
+
+def load_worker(path: str, tensors: dict, group=None) -> None:
+    """Load a worker's tensors saved by :func:`save_worker` into ``tensors`` in place (each
+    rank reads its part, whatever R wrote them); collective over the worker's ranks.
+
+    Args:
+        path: the worker's directory.
+        tensors: a dict of the same keys, shaped as this layout holds them; a key the
+            checkpoint lacks is an error.
+        group: as for :func:`save_worker`.
+
+    Raises:
+        CheckpointError: the files are missing, unreadable, or do not fit ``tensors``.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        dcp.load(tensors, storage_reader=dcp.FileSystemReader(path), process_group=group,
+                 no_dist=group is None)
+    except Exception as e:  # noqa: BLE001 - DCP wraps a rank's failure in its own error
+        first = str(e).strip().splitlines()
+        raise CheckpointError(f"{path} cannot be loaded ({type(e).__name__}: "
+                              f"{first[0][:300] if first else ''})") from None
+
+
+def read_worker(path: str) -> dict:
+    """All of a worker's tensors saved by :func:`save_worker`, as whole tensors, in this
+    process (to inspect or export a checkpoint; no process group needed).
+
+    Args:
+        path: the worker's directory (:func:`worker_dir`).
+
+    Returns:
+        The nested dict the worker saved (``model``, ``inner_optimizer``, ``outer``), with
+        every tensor whole: a sharded tensor assembled from the ranks' files.
+    """
+    import tempfile
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(path, os.path.join(tmp, "state.pt"))
+        return torch.load(os.path.join(tmp, "state.pt"), weights_only=True)
+
+
 def save_rank(out: str, step: int, rank: int, state: dict) -> str:
     """Write this rank's state for ``step`` atomically; return the file's path."""
     path = rank_file(out, step, rank)
@@ -83,7 +163,8 @@ def latest(out: str) -> dict | None:
     return meta
 
 
-def discard_uncommitted(out: str, rank: int, committed: int | None) -> None:
+def discard_uncommitted(out: str, rank: int, committed: int | None,
+                        worker: int | None = None) -> None:
     """Remove this rank's files of checkpoints later than ``committed``: left by an attempt
     that failed before they were committed. A resumed attempt writes those steps again, and
     the lead must not take an old file for a new one while it waits for every rank's.
@@ -92,6 +173,8 @@ def discard_uncommitted(out: str, rank: int, committed: int | None) -> None:
         out: the run directory.
         rank: this rank.
         committed: the step of the last committed checkpoint; None: every step is later.
+        worker: also remove this worker's DCP directories of those steps (the first rank of
+            a worker of several ranks passes its worker); default None.
     """
     root = os.path.join(out, DIRNAME)
     if not os.path.isdir(root):
@@ -103,6 +186,8 @@ def discard_uncommitted(out: str, rank: int, committed: int | None) -> None:
                 os.remove(rank_file(out, int(d[4:]), rank))
             except FileNotFoundError:
                 pass
+            if worker is not None:
+                shutil.rmtree(worker_dir(out, int(d[4:]), worker), ignore_errors=True)
 
 
 def load_rank(out: str, step: int, rank: int, device: torch.device | str = "cpu") -> dict:
@@ -121,10 +206,17 @@ def load_rank(out: str, step: int, rank: int, device: torch.device | str = "cpu"
 
 def check_files(out: str, meta: dict) -> None:
     """Before any worker starts: every rank's file of the latest checkpoint exists and is a
-    whole archive (its checksums are verified, nothing is unpickled). A bad file is named."""
+    whole archive (its checksums are verified, nothing is unpickled), and so does every
+    worker's DCP ``.metadata`` and the data files next to it. A bad file is named."""
     import zipfile
 
     step = int(meta["step"])
+    for worker in range(int(meta.get("dcp_workers", 0))):
+        path = worker_dir(out, step, worker)
+        names = os.listdir(path) if os.path.isdir(path) else []
+        if ".metadata" not in names or not any(n.endswith(".distcp") for n in names):
+            raise CheckpointError(f"{path} is missing or incomplete (no .metadata or no "
+                                  f"data file): the checkpoint of step {step} is incomplete")
     for rank in range(int(meta["world_size"])):
         path = rank_file(out, step, rank)
         if not os.path.exists(path):
@@ -217,19 +309,26 @@ class Writer:
             commits); None (default) on the other ranks.
         timeout: seconds the lead waits for the other ranks' files, and a drill for the
             commit, > 0; default 300.
+        worker: for a worker of several ranks, its index: its ranks save the tensors they
+            are given through DCP into :func:`worker_dir` before their rank files; default
+            None.
+        group: the process group over the worker's ranks for DCP (``ctx.checkpoint_group``),
+            used on the writer's thread only; default None.
     """
 
     def __init__(self, out: str, rank: int, world_size: int, commit_meta: dict | None = None,
-                 timeout: float = 300.0):
+                 timeout: float = 300.0, worker: int | None = None, group=None):
         self.out, self.rank, self.world_size = out, rank, world_size
         self.commit_meta, self.timeout = commit_meta, timeout
+        self.worker, self.group = worker, group
         self.last_step: int | None = None
         """The step of the last checkpoint handed over."""
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._stop = threading.Event()
 
-    def save(self, step: int, state: dict, check: Callable[[], None] | None = None) -> None:
+    def save(self, step: int, state: dict, check: Callable[[], None] | None = None,
+             tensors: dict | None = None) -> None:
         """Write ``state`` as this rank's checkpoint of ``step``, in the background, once
         the previous write is done.
 
@@ -238,6 +337,9 @@ class Writer:
             state: what to save; it must not change afterwards (pass a :func:`snapshot`).
             check: called while waiting for the previous write (it may raise to stop
                 waiting, e.g. ``Comm.check_aborted``); default None.
+            tensors: the worker's tensors to save through DCP first (a writer built with
+                ``worker``; every rank of the worker passes its view); a :func:`snapshot`;
+                default None.
 
         Raises:
             CheckpointError: the previous write failed (or its commit timed out).
@@ -245,12 +347,14 @@ class Writer:
         """
         self.wait(check)
         self.last_step = step
-        self._thread = threading.Thread(target=self._write, args=(step, state), daemon=True,
-                                        name=f"loco-checkpoint-{self.rank}")
+        self._thread = threading.Thread(target=self._write, args=(step, state, tensors),
+                                        daemon=True, name=f"loco-checkpoint-{self.rank}")
         self._thread.start()
 
-    def _write(self, step: int, state: dict) -> None:
+    def _write(self, step: int, state: dict, tensors: dict | None) -> None:
         try:
+            if tensors is not None:  # the rank file, written after, says that it is whole
+                save_worker(worker_dir(self.out, step, self.worker), tensors, self.group)
             save_rank(self.out, step, self.rank, state)
             if self.commit_meta is not None and wait_for_ranks(
                     self.out, step, self.world_size, self.timeout, self._stop):

@@ -68,10 +68,11 @@ def prepare_config(cfg: TrainConfig) -> TrainConfig:
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=os.path.join(
             "runs", f"{cfg.algorithm}-{datetime.now():%Y%m%d-%H%M%S}"))
-    if cfg.resume is not None:  # each rank's file holds its shard: no resharding
+    if cfg.resume is not None:  # rank files do not reshard; DCP does
         meta = checkpoint.latest(cfg.resume)
         if meta is not None:
-            check_layout(meta, cfg.worker_ranks, cfg.worker_parallel)
+            check_layout(meta, cfg.worker_ranks, cfg.worker_parallel,
+                         "torchrun" if under_torchrun() else cfg.launcher)
     if cfg.resume is None and restart_count() == 0:
         try:
             held = checkpoint.latest(cfg.out)
@@ -288,6 +289,8 @@ class Worker:
         fault: this rank's injected fault (``LOCO_FAULT``), if any.
         resumed_from: the checkpoint's step this run resumed from; None for a fresh run.
         start: ``time.perf_counter()`` when the worker started.
+        resumed_tokens: the training tokens of the steps before ``resumed_from`` (workers
+            of another R trained them at another rate); default 0.
     """
 
     cfg: TrainConfig
@@ -307,6 +310,13 @@ class Worker:
     fault: Fault | None
     resumed_from: int | None
     start: float
+    resumed_tokens: int = 0
+
+    def tokens_at(self, step: int) -> int:
+        """Training tokens of the whole run after ``step``, every rank together."""
+        if self.resumed_from is None:
+            return step * self.tokens_per_step
+        return self.resumed_tokens + (step - self.resumed_from) * self.tokens_per_step
 
     @property
     def first(self) -> int:
@@ -412,7 +422,7 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
                           device=device)
               if ctx.stage == 0 else None)  # later stages receive their inputs
     main = ctx.rank == ctx.mesh.rank_of(0, ctx.stages - 1)  # replica 0's last stage, shard 0
-    state, loop = resume_state(cfg, ctx), Loop()
+    state, loop = resume_state(cfg, ctx, corpus), Loop()
     if state is not None:
         restore(state, algo, schedule, loader, ctx)
         loop = Loop(**{k: state["loop"][k] for k in SAVED_LOOP if k in state["loop"]})
@@ -422,18 +432,24 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
                + (f"x{ctx.stages} stages" if ctx.stages > 1 else "")
                + (f"x{ctx.mesh.shards} ranks" if ctx.mesh.shards > 1 else ""), unit="step",
                disable=not (main and cfg.progress), dynamic_ncols=True)
+    dcp = ctx.checkpoint_group is not None  # a worker of R ranks saves through DCP
     writer = checkpoint.Writer(cfg.out, ctx.rank, ctx.world_size, timeout=cfg.comm_timeout,
                                commit_meta={"world_size": ctx.world_size,
                                             "algorithm": cfg.algorithm,
                                             "worker_ranks": cfg.worker_ranks,
                                             "worker_parallel": cfg.worker_parallel,
-                                            "config": cfg.to_dict()} if main else None)
+                                            "dcp_workers": cfg.workers if dcp else 0,
+                                            "config": cfg.to_dict()} if main else None,
+                               worker=ctx.replica if dcp else None, group=ctx.checkpoint_group)
     worker = Worker(
         cfg, ctx, corpus, model, trained, pipeline, schedule, algo, loader, autocast, main,
         log=RunLog(cfg.out, resume_at=loop.metrics_bytes if state else None) if main else None,
         bar=bar, writer=writer,
         fault=Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None,
-        resumed_from=None if state is None else int(state["step"]), start=start)
+        resumed_from=None if state is None else int(state["step"]), start=start,
+        resumed_tokens=0 if state is None else int(state["loop"].get(
+            "tokens", int(state["step"]) * ctx.mesh.replicas * ctx.mesh.shards
+            * cfg.batch_size * cfg.seq_len)))
     return worker, loop
 
 
@@ -458,15 +474,97 @@ def build_model(cfg: TrainConfig, ctx: WorkerContext, vocab_size: int) -> Transf
     return model
 
 
-def resume_state(cfg: TrainConfig, ctx: WorkerContext) -> dict | None:
-    """This rank's state in the last complete checkpoint, if the run continues one."""
+def resume_state(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> dict | None:
+    """This rank's state in the last complete checkpoint, if the run continues one: its
+    rank file; for a checkpoint written by workers of another R, the rank files of its
+    worker mapped onto this layout (:func:`reshard_rank_state`). The key ``"dcp"`` says
+    where the worker's tensors are when they are not in the file."""
     if cfg.resume is None and restart_count() == 0:
         return None
     meta = checkpoint.latest(cfg.out)
-    checkpoint.discard_uncommitted(cfg.out, ctx.rank, None if meta is None else int(meta["step"]))
+    checkpoint.discard_uncommitted(cfg.out, ctx.rank, None if meta is None else int(meta["step"]),
+                                   worker=ctx.replica if ctx.checkpoint_group is not None
+                                   and ctx.shard == 0 else None)
     if meta is None:
         return None
-    return checkpoint.load_rank(cfg.out, int(meta["step"]), ctx.rank, ctx.device)
+    step, ranks = int(meta["step"]), int(meta.get("worker_ranks", 1))
+    if ranks == ctx.mesh.shards:
+        state = checkpoint.load_rank(cfg.out, step, ctx.rank, ctx.device)
+    else:  # check_layout let only a DCP checkpoint through
+        old = [checkpoint.load_rank(cfg.out, step, ctx.replica * ranks + j, ctx.device)
+               for j in range(ranks)]
+        state = reshard_rank_state(old, ctx, cfg, corpus)
+    if meta.get("dcp_workers"):
+        state["dcp"] = checkpoint.worker_dir(cfg.out, step, ctx.replica)
+    return state
+
+
+def reshard_rank_state(old: list[dict], ctx: WorkerContext, cfg: TrainConfig,
+                       corpus: Corpus) -> dict:
+    """This rank's small state when its worker's checkpoint was written by R ranks and this
+    run has R' (the tensors reshard through DCP). Rank r' takes rank (r' mod R)'s state
+    (the schedule, the step counters and the random state are the same on every rank of a
+    worker), with two changes:
+
+    - its byte counters are the sums of those of old ranks j with j mod R' = r' (peaks: the
+      largest), so a worker's totals carry over exactly;
+    - its data loader continues at the same number of tokens read by the worker, in the
+      new split of the data over M x R' readers (the batches differ from those an
+      uninterrupted run would read).
+
+    Args:
+        old: the rank files of this worker's R ranks, in shard order.
+        ctx: this rank's context.
+        cfg: the run's configuration.
+        corpus: the tokenized corpus.
+    """
+    ranks, shard = len(old), ctx.shard
+    state = dict(old[shard % ranks])
+    mine = [s for j, s in enumerate(old) if j % ctx.mesh.shards == shard]
+    for key in ("comm", "inner"):
+        state[key] = _fold([s[key] for s in mine], state[key])
+    algorithm = state["algorithm"] = dict(state["algorithm"])
+    if "fragments" in algorithm:
+        algorithm["fragments"] = [{**f, "stats": _fold([s["algorithm"]["fragments"][i]["stats"]
+                                                         for s in mine], f["stats"])}
+                                  for i, f in enumerate(algorithm["fragments"])]
+    if algorithm.get("in_flight") and algorithm["in_flight"].get("record"):
+        algorithm["in_flight"] = {**algorithm["in_flight"], "record": _fold(
+            [s["algorithm"]["in_flight"]["record"] for s in mine],
+            algorithm["in_flight"]["record"])}
+    if state.get("loader") is not None:
+        state["loader"] = _reshard_loader(state["loader"], shard % ranks, ranks, ctx, cfg,
+                                          corpus)
+    return state
+
+
+def _fold(states: list, like, key: str = ""):
+    """Sum counters: nested dicts of numbers, those under a key starting with ``peak``
+    combined by the largest; with no states, ``like`` with every number 0."""
+    if isinstance(like, dict):
+        keys = dict.fromkeys([*like, *(k for s in states for k in s)])
+        return {k: _fold([s[k] for s in states if k in s],
+                         like[k] if k in like else next(s[k] for s in states if k in s), k)
+                for k in keys}
+    if isinstance(like, (int, float)) and not isinstance(like, bool):
+        return type(like)((max if key.startswith("peak") else sum)(states) if states else 0)
+    return like
+
+
+def _reshard_loader(loader: dict, old_shard: int, ranks: int, ctx: WorkerContext,
+                    cfg: TrainConfig, corpus: Corpus) -> dict:
+    """The position of this rank's loader after as many tokens per worker as the old
+    layout's rank ``old_shard`` of R = ``ranks`` had read (see ``reshard_rank_state``)."""
+    def batches_per_epoch(rank: int, readers: int) -> int:
+        return TokenLoader(corpus.train, cfg.batch_size, cfg.seq_len, rank=rank,
+                           world_size=readers, seed=cfg.seed).batches_per_epoch
+    workers = ctx.mesh.replicas
+    before = batches_per_epoch(ctx.replica * ranks + old_shard, workers * ranks)
+    read = int(loader["epoch"]) * before + int(loader["position"])  # batches, each rank
+    now = batches_per_epoch(ctx.replica * ctx.mesh.shards + ctx.shard,
+                            workers * ctx.mesh.shards)
+    epoch, position = divmod(read * ranks // ctx.mesh.shards, now)
+    return {"epoch": epoch, "position": position}
 
 
 def train_loop(w: Worker, loop: Loop) -> None:
@@ -560,7 +658,7 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
     """The lead rank's records of a step: its sync events, and a metrics record when there
     is something to log (every --log-every steps, a spread or an evaluation); then the
     progress bar."""
-    cfg, tokens = w.cfg, step * w.tokens_per_step
+    cfg, tokens = w.cfg, w.tokens_at(step)
     for sync in syncs:
         w.log.metric({"event": "sync", **sync})
     loss_value = loss.item()
@@ -615,14 +713,26 @@ def checkpoint_if_due(w: Worker, loop: Loop, step: int) -> None:
     delay = max(overlaps(cfg)) if cfg.algorithm == "streaming" else 0
     if step == cfg.steps or (every and step > delay and (step - delay) % every == 0):
         assert step == cfg.steps or not w.algo.sync_in_flight, "a sync is in flight"
-        w.writer.save(step, checkpoint_state(w, loop, step), w.ctx.comm.check_aborted)
+        dcp = w.ctx.checkpoint_group is not None  # the tensors go through DCP
+        w.writer.save(step, checkpoint_state(w, loop, step, tensors=not dcp),
+                      w.ctx.comm.check_aborted,
+                      tensors=checkpoint.snapshot(w.algo.checkpoint_tensors(shard_mesh(w.ctx)))
+                      if dcp else None)
 
 
-def checkpoint_state(w: Worker, loop: Loop, step: int) -> dict:
-    """Everything this rank needs to continue after ``step``, copied to CPU memory."""
+def shard_mesh(ctx: WorkerContext):
+    """The ``DeviceMesh`` of this worker's R ranks; None without one (threads, R = 1)."""
+    return ctx.device_mesh["shard"] if ctx.device_mesh is not None and ctx.mesh.shards > 1 \
+        else None
+
+
+def checkpoint_state(w: Worker, loop: Loop, step: int, tensors: bool = True) -> dict:
+    """Everything this rank needs to continue after ``step``, copied to CPU memory (without
+    the algorithm's tensors when ``tensors`` is False: DCP saves them)."""
     ctx = w.ctx
     return checkpoint.snapshot({
-        "step": step, "algorithm": w.algo.state_dict(), "schedule": w.schedule.state_dict(),
+        "step": step, "algorithm": w.algo.state_dict(tensors),
+        "schedule": w.schedule.state_dict(),
         "loader": w.loader.state_dict() if w.loader is not None else None,
         "rng": torch.get_rng_state(), "comm": ctx.comm.state_dict(),
         "pipe": ctx.pipe.state_dict() if ctx.pipe is not None else None,
@@ -631,7 +741,8 @@ def checkpoint_state(w: Worker, loop: Loop, step: int) -> dict:
                  "eval_seconds": loop.eval_seconds,
                  "diagnostic_seconds": loop.diagnostic_seconds,
                  "train_seconds": loop.elapsed(),
-                 "metrics_bytes": w.log.tell() if w.log is not None else 0}})
+                 "metrics_bytes": w.log.tell() if w.log is not None else 0,
+                 "tokens": w.tokens_at(step)}})
 
 
 def finish_worker(w: Worker, loop: Loop) -> dict:
@@ -796,7 +907,7 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
     """The lead rank's last metrics record, ``summary.json`` and ``loss.png``; returns the
     summary."""
     cfg, ctx, algo = w.cfg, w.ctx, w.algo
-    tokens = cfg.steps * w.tokens_per_step
+    tokens = w.tokens_at(cfg.steps)
     w.log.metric({"step": cfg.steps, "tokens": tokens, "eval_loss": final_eval,
                   "bytes_sent": ctx.comm.totals("train").sent_bytes,
                   **issued_link_bytes(ctx), "elapsed": time.perf_counter() - w.start})
@@ -962,8 +1073,13 @@ class TrainingError(RuntimeError):
 
 def restore(state: dict, algo: Algorithm, schedule, loader: TokenLoader | None,
             ctx: WorkerContext) -> None:
-    """Put a worker back where its checkpoint left it."""
+    """Put a worker back where its checkpoint left it (the algorithm's tensors from its
+    rank file, or through DCP from its worker's directory)."""
     algo.load_state_dict(state["algorithm"])
+    if state.get("dcp"):
+        tensors = algo.checkpoint_tensors(shard_mesh(ctx))
+        checkpoint.load_worker(state["dcp"], tensors, ctx.checkpoint_group)
+        algo.load_checkpoint_tensors(tensors, shard_mesh(ctx))
     schedule.load_state_dict(state["schedule"])
     if loader is not None:
         loader.load_state_dict(state["loader"])

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from loco.algorithms.sharding import flatten_fp32, is_sharded, local, unflatten_views
+from loco.algorithms.sharding import Share, flatten_fp32, is_sharded, local, unflatten_views
 from loco.comm import Comm
 
 __all__ = ["Algorithm", "NonFiniteError", "flatten_fp32", "unflatten_views"]
@@ -330,24 +330,36 @@ class Algorithm:
         return dict(self.model.named_parameters())
 
     # -------------------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict:
+    def state_dict(self, tensors: bool = True) -> dict:
         """Everything needed to continue: model, inner optimizer, counters, outer state.
 
+        Args:
+            tensors: include the tensors of the model, the optimizers and the outer state
+                (default True); False: only the rest (counters, the schedule's position),
+                for a checkpoint that saves the tensors through
+                [`checkpoint_tensors`][loco.algorithms.base.Algorithm.checkpoint_tensors].
+
         Returns:
-            A dict of tensors and numbers for ``torch.save``; each worker saves its own.
+            A dict of tensors and numbers for ``torch.save``; each rank saves its own (under
+            FSDP2 its local shards, with R ranks per worker its share of the outer state).
         """
-        return {"model": _local_tree(self.model.state_dict()),
-                "inner_optimizer": _local_tree(self.inner_optimizer.state_dict()),
-                "inner_steps": self.inner_steps, "skipped": dict(self.skipped)}
+        state = {"inner_steps": self.inner_steps, "skipped": dict(self.skipped)}
+        if tensors:
+            state.update(model=_local_tree(self.model.state_dict()),
+                         inner_optimizer=_local_tree(self.inner_optimizer.state_dict()))
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what [`state_dict`][loco.algorithms.base.Algorithm.state_dict] saved, so
-        training continues exactly.
+        training continues exactly (without tensors: load them next with
+        [`load_checkpoint_tensors`][loco.algorithms.base.Algorithm.load_checkpoint_tensors]).
 
         Args:
             state: a dict from ``state_dict()`` of an algorithm built the same way.
         """
-        if self.sharded:  # this rank's shards: into the DTensors' local tensors
+        if "model" not in state:
+            pass
+        elif self.sharded:  # this rank's shards: into the DTensors' local tensors
             with torch.no_grad():
                 for name, t in self.model.state_dict().items():
                     local(t).copy_(state["model"][name])
@@ -358,6 +370,72 @@ class Algorithm:
             self.inner_optimizer.load_state_dict(state["inner_optimizer"])
         self.inner_steps = int(state["inner_steps"])
         self.skipped = {k: int(v) for k, v in state.get("skipped", self.skipped).items()}
+
+    def outer_state(self) -> dict[str, tuple[Share, torch.Tensor]]:
+        """The outer algorithm's tensors by name, each as (the
+        [`Share`][loco.algorithms.sharding.Share] it holds values of, this rank's values as
+        one fp32 vector); none here. A vector may be a copy:
+        [`load_outer_state`][loco.algorithms.base.Algorithm.load_outer_state] puts values
+        back."""
+        return {}
+
+    def load_outer_state(self, values: dict[str, torch.Tensor]) -> None:
+        """Set the outer state from vectors shaped like those of
+        [`outer_state`][loco.algorithms.base.Algorithm.outer_state].
+
+        Args:
+            values: a vector for every name of ``outer_state()``.
+        """
+        for name, (_, flat) in self.outer_state().items():
+            flat.copy_(values[name])
+
+    def checkpoint_tensors(self, mesh=None) -> dict:
+        """Every tensor of this rank's state as the worker's whole tensors, for
+        ``torch.distributed.checkpoint`` (DCP): the model and inner optimizer from
+        ``torch.distributed.checkpoint.state_dict`` (FSDP2's DTensors as they are), the outer
+        state as [`Share.logical`][loco.algorithms.sharding.Share.logical] gives it. DCP
+        saves each rank's part once and loads any layout of R ranks from it. No message.
+
+        Args:
+            mesh: the worker's ``DeviceMesh`` of its R ranks (``ctx.device_mesh["shard"]``);
+                None for a worker of one rank.
+
+        Returns:
+            ``{"model": ..., "inner_optimizer": ..., "outer": {name: tensor}}``; the model's
+            tensors alias its parameters, so ``dcp.load`` into a fresh algorithm's dict
+            fills them (then call ``load_checkpoint_tensors``).
+        """
+        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
+                                                             get_optimizer_state_dict)
+
+        return {"model": get_model_state_dict(self.model),
+                "inner_optimizer": get_optimizer_state_dict(self.model, self.inner_optimizer),
+                "outer": {_join(name, key): t for name, (share, flat) in
+                          self.outer_state().items()
+                          for key, t in share.logical(flat, mesh).items()}}
+
+    def load_checkpoint_tensors(self, tensors: dict, mesh=None) -> None:
+        """Take the state from a ``checkpoint_tensors()`` dict that ``dcp.load`` filled.
+
+        Args:
+            tensors: the dict, loaded.
+            mesh: as for ``checkpoint_tensors``.
+        """
+        from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
+                                                             set_optimizer_state_dict)
+
+        set_model_state_dict(self.model, tensors["model"])
+        set_optimizer_state_dict(self.model, self.inner_optimizer, tensors["inner_optimizer"])
+        values = {}
+        for name, (share, flat) in self.outer_state().items():
+            keys = share.logical(flat, mesh)
+            values[name] = flatten_fp32([local(tensors["outer"][_join(name, k)]) for k in keys],
+                                        out=torch.empty_like(flat))
+        self.load_outer_state(values)
+
+
+def _join(name: str, key: str) -> str:
+    return f"{name}.{key}" if key else name
 
 
 def _number(norm: torch.Tensor) -> float:

@@ -174,14 +174,20 @@ class NoLoCo(Algorithm):
         """This rank's share of the slow weights φ and the momentum δ."""
         return [self.slow, self.momentum]
 
-    def state_dict(self) -> dict:
+    def state_dict(self, tensors: bool = True) -> dict:
         """The base state plus the outer step counter, the slow weights φ and the momentum δ.
+
+        Args:
+            tensors: include the tensors (default True); False: the counters only (see
+                [`Algorithm.state_dict`][loco.algorithms.base.Algorithm.state_dict]).
 
         Returns:
             A dict for ``torch.save``.
         """
-        return {**super().state_dict(), "outer_steps": self.outer_steps,
-                "slow": self.slow.clone(), "momentum": self.momentum.clone()}
+        state = {**super().state_dict(tensors), "outer_steps": self.outer_steps}
+        if tensors:
+            state.update(slow=self.slow.clone(), momentum=self.momentum.clone())
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what [`state_dict`][loco.algorithms.noloco.NoLoCo.state_dict] saved.
@@ -191,8 +197,14 @@ class NoLoCo(Algorithm):
         """
         super().load_state_dict(state)
         self.outer_steps = int(state["outer_steps"])
-        self.slow.copy_(state["slow"])
-        self.momentum.copy_(state["momentum"])
+        if "slow" in state:
+            self.slow.copy_(state["slow"])
+            self.momentum.copy_(state["momentum"])
+
+    def outer_state(self) -> dict:
+        """φ and δ: this rank's share of them (see
+        [`Algorithm.outer_state`][loco.algorithms.base.Algorithm.outer_state])."""
+        return {"slow": (self.share, self.slow), "momentum": (self.share, self.momentum)}
 
 
 def gossip_groups(seed: int, outer_step: int, workers: int, size: int) -> list[list[int]]:

@@ -19,7 +19,7 @@ parameters, so the algorithms read, step and write them in one code path for all
 from __future__ import annotations
 
 import torch
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from loco.comm import Comm
 
@@ -132,6 +132,32 @@ class Share:
         padded[:owned.numel()] = owned
         gathered = torch.cat(self.inner.all_gather(padded, tag=tag).wait())
         return unflatten_views(gathered, self.params)
+
+    def logical(self, owned: torch.Tensor, mesh=None) -> dict[str, torch.Tensor]:
+        """``owned`` as the whole tensors it is a share of, for
+        ``torch.distributed.checkpoint`` (DCP), which saves and loads each rank's part of
+        them and reshards to another R. No copy, no message: the tensors alias ``owned``,
+        so loading into them fills it.
+
+        - one rank: ``{"": owned}``, the flattened parameters themselves;
+        - data-parallel inside: ``{"": DTensor}``, the flattened parameters sharded on
+          dimension 0 over ``mesh``: rank r's range is ``torch.chunk``'s r-th, as here;
+        - FSDP2: ``{"0": DTensor, "1": ...}``, one per parameter with its placements.
+
+        Args:
+            owned: this rank's values (``numel`` of them, fp32), in the order of ``views``.
+            mesh: the worker's ``DeviceMesh`` of its R ranks (``ctx.device_mesh["shard"]``);
+                needed for data-parallel inside only.
+        """
+        if self.sharded:
+            return {str(i): t for i, t in enumerate(self.full(owned))}
+        if self.inner is None:
+            return {"": owned}
+        if mesh is None:
+            raise ValueError("a worker of several ranks needs its DeviceMesh to checkpoint "
+                             "through torch.distributed.checkpoint")
+        return {"": DTensor.from_local(owned, mesh, [Shard(0)], shape=(self.total,),
+                                       stride=(1,), run_check=False)}
 
 
 def _slice(flat: list[torch.Tensor], start: int, stop: int) -> list[torch.Tensor]:

@@ -30,7 +30,7 @@ from torch import nn
 
 from loco.algorithms.base import Algorithm
 from loco.algorithms.fragments import PATTERNS, split_fragments
-from loco.algorithms.sharding import Share, unflatten_views
+from loco.algorithms.sharding import Share, flatten_fp32, unflatten_views
 from loco.comm import Comm, Handle
 from loco.comm.codecs import get_codec
 
@@ -316,9 +316,14 @@ class StreamingDiLoCo(Algorithm):
                 for n, p in self.model.named_parameters()}
 
     # -------------------------------------------------------------------------- checkpoints
-    def state_dict(self) -> dict:
+    def state_dict(self, tensors: bool = True) -> dict:
         """The base state plus every fragment's global copy and outer optimizer, and the
         sync in flight, if any (waited for: its result is fixed once sent).
+
+        Args:
+            tensors: include the tensors (default True); False: the counters only, and
+                which outer momenta exist (see
+                [`Algorithm.state_dict`][loco.algorithms.base.Algorithm.state_dict]).
 
         Returns:
             A dict for ``torch.save``.
@@ -329,16 +334,20 @@ class StreamingDiLoCo(Algorithm):
             self._wait(flight)
             rec = flight.handle.record if flight.handle is not None else None
             in_flight = {"fragment": flight.fragment.index, "sent_at": flight.sent_at,
-                         "delta": flight.fragment.delta.clone(),
                          "record": flight.record if rec is None else {
                              k: getattr(rec, k) for k in ("raw_bytes", "sent_bytes",
                                                           "recv_bytes", "seconds", "waited")}}
-        return {**super().state_dict(), "outer_steps": self.outer_steps,
-                "fragments": [{"global_params": f.global_flat.clone(),
-                               "outer_optimizer": f.outer_optimizer.state_dict(),
-                               "syncs": f.syncs, "stats": dict(f.stats)}
-                              for f in self.fragment_list],
-                "in_flight": in_flight}
+            if tensors:
+                in_flight["delta"] = flight.fragment.delta.clone()
+        fragments = [{"syncs": f.syncs, "stats": dict(f.stats)} for f in self.fragment_list]
+        for f, s in zip(self.fragment_list, fragments):
+            if tensors:
+                s.update(global_params=f.global_flat.clone(),
+                         outer_optimizer=f.outer_optimizer.state_dict())
+            else:
+                s["momentum"] = _momentum(f) is not None
+        return {**super().state_dict(tensors), "outer_steps": self.outer_steps,
+                "fragments": fragments, "in_flight": in_flight}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what
@@ -357,16 +366,62 @@ class StreamingDiLoCo(Algorithm):
                              f"{len(self.fragment_list)}")
         self.outer_steps = int(state["outer_steps"])
         for f, s in zip(self.fragment_list, state["fragments"]):
-            f.global_flat.copy_(s["global_params"])
-            f.outer_optimizer.load_state_dict(s["outer_optimizer"])
+            if "global_params" in s:
+                f.global_flat.copy_(s["global_params"])
+                f.outer_optimizer.load_state_dict(s["outer_optimizer"])
+            elif s.get("momentum"):  # its values come with load_outer_state
+                for g in f.global_params:
+                    f.outer_optimizer.state[g]["momentum_buffer"] = torch.zeros_like(g)
             f.syncs = int(s["syncs"])
             f.stats.update({k: int(v) for k, v in s.get("stats", {}).items()})
         self._in_flight = None
         if state["in_flight"] is not None:
             fragment = self.fragment_list[state["in_flight"]["fragment"]]
-            fragment.delta.copy_(state["in_flight"]["delta"])
+            if "delta" in state["in_flight"]:
+                fragment.delta.copy_(state["in_flight"]["delta"])
             self._in_flight = _InFlight(fragment, None, int(state["in_flight"]["sent_at"]),
                                         state["in_flight"].get("record"))
+
+    def outer_state(self) -> dict:
+        """Every fragment's global copy and outer momentum (a copy: the optimizer keeps one
+        buffer per parameter) and the pseudo-gradient in flight, this rank's share of each
+        (see [`Algorithm.outer_state`][loco.algorithms.base.Algorithm.outer_state])."""
+        state = {}
+        for f in self.fragment_list:
+            state[f"fragment{f.index}.global"] = (f.share, f.global_flat)
+            momentum = _momentum(f)
+            if momentum is not None:
+                state[f"fragment{f.index}.momentum"] = (f.share, momentum)
+        if self._in_flight is not None:
+            state["in_flight.delta"] = (self._in_flight.fragment.share,
+                                        self._in_flight.fragment.delta)
+        return state
+
+    def load_outer_state(self, values: dict[str, torch.Tensor]) -> None:
+        """Set the global copies, outer momenta and pseudo-gradient in flight (see
+        [`Algorithm.load_outer_state`][loco.algorithms.base.Algorithm.load_outer_state]).
+
+        Args:
+            values: a vector for every name of ``outer_state()``.
+        """
+        for f in self.fragment_list:
+            momentum = values.get(f"fragment{f.index}.momentum")
+            if momentum is not None:
+                buffers = [f.outer_optimizer.state[g]["momentum_buffer"]
+                           for g in f.global_params]
+                torch._foreach_copy_(buffers, unflatten_views(momentum.to(f.global_flat.device),
+                                                              buffers))
+        super().load_outer_state(values)  # the rest (a momentum's copy is thrown away)
+
+
+def _momentum(f: Fragment) -> torch.Tensor | None:
+    """Fragment ``f``'s outer momentum as one fp32 vector (a copy), None before its first
+    outer step or without momentum."""
+    buffers = [f.outer_optimizer.state.get(g, {}).get("momentum_buffer")
+               for g in f.global_params]
+    if not buffers or any(b is None for b in buffers):
+        return None
+    return flatten_fp32(buffers)
 
 
 __all__ = ["PATTERNS", "StreamingDiLoCo"]

@@ -152,6 +152,9 @@ class WorkerContext:
             (M, S, R) with dimension names ``MESH_DIMS`` (processes and torchrun); None
             (default) under the threads launcher, whose groups torch.distributed's registry
             does not know.
+        checkpoint_group: a gloo process group over the R ranks of this worker's stage, for
+            ``torch.distributed.checkpoint`` on the checkpoint writer's thread (processes and
+            torchrun, R > 1); None (default) otherwise.
     """
 
     rank: int
@@ -166,6 +169,7 @@ class WorkerContext:
     pipe: Comm | None = None
     inner: Comm | None = None
     device_mesh: Any = None
+    checkpoint_group: Any = None
 
     @property
     def replica(self) -> int:
@@ -417,18 +421,19 @@ def _attempt_store(rank: int, world: int, timeout: float):
     return dist.PrefixStore(f"loco/attempt{attempt}", store)
 
 
-def _worker_group(mesh: Mesh, rank: int):
+def _worker_group(mesh: Mesh, rank: int, backend: str | None = None):
     """A process group over the R ranks of this rank's worker (and stage), of loco's own:
     the same ranks as the device mesh's ``"shard"`` group, which FSDP2 issues on from the
-    training thread, while loco's inner Comm issues from its communication thread; two
-    threads must not share one communicator (NCCL runs a communicator's operations in the
-    order they are issued, which would then differ between ranks). Every rank creates every
-    worker's group, in the same order."""
+    training thread, while loco's inner Comm issues from its communication thread (and the
+    checkpoint writer from its own, with ``backend="gloo"``: DCP's plans are Python objects
+    on the CPU); two threads must not share one communicator (NCCL runs a communicator's
+    operations in the order they are issued, which would then differ between ranks). Every
+    rank creates every worker's group, in the same order."""
     mine = None
     for replica in range(mesh.replicas):
         for local in range(mesh.ranks_per_replica):
             ranks = mesh.worker_peers(replica, local)
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, backend=backend)
             if rank in ranks:
                 mine = group
     return mine
@@ -473,7 +478,9 @@ def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout
                       name="inner", link=_emulated(links[1]), thread=thread)
                  if shards > 1 else None)  # the fast link
         ctx = WorkerContext(rank, world, mesh, comm, device, launcher, pipe=pipe, inner=inner,
-                            device_mesh=device_mesh)
+                            device_mesh=device_mesh,
+                            checkpoint_group=_worker_group(mesh, rank, "gloo")
+                            if shards > 1 else None)
         try:
             return fn(ctx, *args)
         finally:
