@@ -33,6 +33,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -96,6 +97,9 @@ def load_worker(path: str, tensors: dict, group=None) -> None:
     """
     import torch.distributed.checkpoint as dcp
 
+    if group is None:  # one rank per worker: no process group, on purpose
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable "
+                                "or uninitialized, assuming the intent is to load in a single")
     try:
         dcp.load(tensors, storage_reader=dcp.FileSystemReader(path), process_group=group,
                  no_dist=group is None)
