@@ -36,8 +36,10 @@ import time
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
+from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 DIRNAME = "checkpoints"
 
@@ -65,7 +67,7 @@ def worker_dir(out: str, step: int, worker: int) -> str:
     return os.path.join(step_dir(out, step), f"worker{worker:04d}")
 
 
-def save_worker(path: str, tensors: dict, group=None) -> None:
+def save_worker(path: str, tensors: dict, group: ProcessGroup | None = None) -> None:
     """Save a worker's tensors with ``torch.distributed.checkpoint``: collective over the
     worker's ranks; ``.metadata`` appears last, by rename, once every rank's file is whole.
 
@@ -82,7 +84,7 @@ def save_worker(path: str, tensors: dict, group=None) -> None:
              no_dist=group is None)
 
 
-def load_worker(path: str, tensors: dict, group=None) -> None:
+def load_worker(path: str, tensors: dict, group: ProcessGroup | None = None) -> None:
     """Load a worker's tensors saved by :func:`save_worker` into ``tensors`` in place (each
     rank reads its part, whatever R wrote them); collective over the worker's ranks.
 
@@ -235,7 +237,7 @@ def check_files(out: str, meta: dict) -> None:
             raise CheckpointError(f"{path} is corrupt or truncated ({bad})")
 
 
-def snapshot(state):
+def snapshot(state: Any) -> Any:
     """A copy of ``state`` that later training cannot change: every tensor copied to CPU
     memory, every dict, list and tuple rebuilt (numbers and strings are immutable).
 
@@ -321,7 +323,8 @@ class Writer:
     """
 
     def __init__(self, out: str, rank: int, world_size: int, commit_meta: dict | None = None,
-                 timeout: float = 300.0, worker: int | None = None, group=None):
+                 timeout: float = 300.0, worker: int | None = None,
+                 group: ProcessGroup | None = None):
         self.out, self.rank, self.world_size = out, rank, world_size
         self.commit_meta, self.timeout = commit_meta, timeout
         self.worker, self.group = worker, group

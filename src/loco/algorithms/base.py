@@ -17,6 +17,7 @@ import math
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from loco.algorithms.sharding import Share, flatten_fp32, is_sharded, local, unflatten_views
@@ -389,7 +390,7 @@ class Algorithm:
         for name, (_, flat) in self.outer_state().items():
             flat.copy_(values[name])
 
-    def checkpoint_tensors(self, mesh=None) -> dict:
+    def checkpoint_tensors(self, mesh: DeviceMesh | None = None) -> dict:
         """Every tensor of this rank's state as the worker's whole tensors, for
         ``torch.distributed.checkpoint`` (DCP): the model and inner optimizer from
         ``torch.distributed.checkpoint.state_dict`` (FSDP2's DTensors as they are), the outer
@@ -414,7 +415,7 @@ class Algorithm:
                           self.outer_state().items()
                           for key, t in share.logical(flat, mesh).items()}}
 
-    def load_checkpoint_tensors(self, tensors: dict, mesh=None) -> None:
+    def load_checkpoint_tensors(self, tensors: dict, mesh: DeviceMesh | None = None) -> None:
         """Take the state from a ``checkpoint_tensors()`` dict that ``dcp.load`` filled.
 
         Args:

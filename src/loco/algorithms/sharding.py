@@ -19,6 +19,7 @@ parameters, so the algorithms read, step and write them in one code path for all
 from __future__ import annotations
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from loco.comm import Comm
@@ -133,7 +134,8 @@ class Share:
         gathered = torch.cat(self.inner.all_gather(padded, tag=tag).wait())
         return unflatten_views(gathered, self.params)
 
-    def logical(self, owned: torch.Tensor, mesh=None) -> dict[str, torch.Tensor]:
+    def logical(self, owned: torch.Tensor, mesh: DeviceMesh | None = None
+                ) -> dict[str, torch.Tensor]:
         """``owned`` as the whole tensors it is a share of, for
         ``torch.distributed.checkpoint`` (DCP), which saves and loads each rank's part of
         them and reshards to another R. No copy, no message: the tensors alias ``owned``,
