@@ -351,18 +351,27 @@ def test_fast_link_flags_warn_where_they_do_not_apply():
 
 
 # ---------------------------------------------------------------------- FSDP2 inside
+FSDP_FLAGS = ("--algorithm", "streaming", "--worker-ranks", str(R), "--eval-replicas",
+              "--worker-parallel", "fsdp", "--launcher", "processes")
+
+
+@pytest.fixture(scope="module")
+def fsdp_run(corpus, tmp_path_factory):
+    """Streaming DiLoCo, workers of R ranks with FSDP2 inside, processes, uninterrupted."""
+    out = tmp_path_factory.mktemp("fsdp") / "run"
+    assert main(run(corpus, out, *FSDP_FLAGS)) == 0
+    return out
+
+
 @pytest.mark.numerics
-def test_fsdp_inside_workers_trains_as_ddp_inside_them(runs, corpus, tmp_path):
+def test_fsdp_inside_workers_trains_as_ddp_inside_them(runs, corpus, tmp_path, fsdp_run):
     """--worker-parallel fsdp under the processes launcher: each rank holds half the model,
     the global model is evaluated from its shards (periodically, and at the end with every
     replica and their average), every loss is that of the same job with ddp inside the
     workers, and so are the slow link's bytes. Tolerance 5e-5: FSDP2 reduce-scatters the gradients where ddp all-reduces them,
     another summation order (measured: at most 3e-6)."""
-    flags = ("--algorithm", "streaming", "--worker-ranks", str(R), "--eval-replicas")
-    ddp, fsdp = tmp_path / "ddp", tmp_path / "fsdp"
-    assert main(run(corpus, ddp, *flags)) == 0
-    assert main(run(corpus, fsdp, *flags, "--worker-parallel", "fsdp",
-                    "--launcher", "processes")) == 0
+    ddp, fsdp = tmp_path / "ddp", fsdp_run
+    assert main(run(corpus, ddp, *FSDP_FLAGS[:5])) == 0
     a, b = summary_of(fsdp), summary_of(ddp)
     assert (a["worker_parallel"], a["launcher"]) == ("fsdp", "processes")
     evals = [[r["eval_loss"] for r in records_of(out) if "eval_loss" in r] for out in (fsdp, ddp)]
@@ -380,19 +389,17 @@ def test_fsdp_inside_workers_trains_as_ddp_inside_them(runs, corpus, tmp_path):
         assert max(shards) < b["memory_bytes_per_rank"]["model"]
 
 
-def test_fsdp_run_restarted_after_a_failure_ends_bit_identical(corpus, tmp_path, monkeypatch):
+def test_fsdp_run_restarted_after_a_failure_ends_bit_identical(corpus, tmp_path, monkeypatch,
+                                                               fsdp_run):
     """--worker-parallel fsdp under the processes launcher: rank 1 (worker 0's second rank)
     fails at step 11; the launcher restarts every rank from the checkpoint of step 9, each
     loading its own FSDP2 shards, AdamW state, share of the outer state and the sync in
     flight through torch.distributed.checkpoint; the run ends with every rank's state and
     every metrics record as the uninterrupted run's, bit for bit. Its last checkpoint then
     loads into workers of 3 ranks, every tensor exactly."""
-    flags = ("--algorithm", "streaming", "--worker-ranks", str(R), "--worker-parallel", "fsdp",
-             "--launcher", "processes")
-    full, out = tmp_path / "full", tmp_path / "restarted"
-    assert main(run(corpus, full, *flags)) == 0
+    full, out = fsdp_run, tmp_path / "restarted"
     monkeypatch.setenv("LOCO_FAULT", "1:11")
-    assert main(run(corpus, out, *flags, "--max-restarts", "1")) == 0
+    assert main(run(corpus, out, *FSDP_FLAGS, "--max-restarts", "1")) == 0
     assert summary_of(out)["restarts"] == 1 and summary_of(out)["resumed_from_step"] == 9
     assert records(out) == records(full)
     for rank in range(M * R):
