@@ -86,6 +86,14 @@ BAD_INPUTS = [
     (["--worker-parallel", "zero"], "--worker-parallel", "'ddp', 'fsdp'"),
     (["--fast-link-bandwidth", "fast"], "--fast-link-bandwidth", "100Mbit"),
     (["--fast-link-latency=-5ms"], "--fast-link-latency", "50ms"),
+    (["--min-workers", "2"], "--min-workers", "only means something with --elastic"),
+    (["--elastic"], "--elastic", "--launcher processes"),
+    (["--elastic", "--launcher", "processes", "--worker-ranks", "2"], "--worker-ranks",
+     "must be 1 with --elastic"),
+    (["--elastic", "--launcher", "processes", "--min-workers", "5"], "--min-workers",
+     "[1, --workers 4]"),
+    (["--elastic", "--launcher", "processes", "--eval-replicas"], "--eval-replicas",
+     "leave it out with --elastic"),
 ]
 
 

@@ -199,11 +199,24 @@ def reference_diloco(workers, steps, sync_every, outer_lr, outer_momentum, neste
 def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, codec="fp32",
                         outer_lr=0.4, outer_momentum=0.9, nesterov=True, layers=4,
                         pattern="strided", block=32, data=batch, shards=1, parallel="ddp",
-                        optimizer=make_optimizer):
+                        optimizer=make_optimizer, lost=None, rejoin=None):
     """Streaming DiLoCo as the paper's algorithm box, in one process: per-fragment
     pseudo-gradients, quantized (and the mean re-quantized) with the codec, an outer Nesterov
     step by hand, and the α-merge into each worker's moved-on parameters at t + τ_m (``overlap``
-    an int, or one τ per worker). Fragment p is sent at t % H == floor((p + 1) H / P) % H."""
+    an int, or one τ per worker). Fragment p is sent at t % H == floor((p + 1) H / P) % H.
+
+    Elastic membership: ``lost={m: s}``: worker m's contributions are dropped from the sync
+    sent at step s on (the mean is over the others); ``rejoin={m: (s, start)}``: it joins again
+    at the sync sent at s, taking the global copy as it was before that sync's outer step at
+    step ``start`` (s, or s + τ when it joined during a retry), with a fresh inner optimizer;
+    it contributes to the syncs after that one and trains from step start + 1."""
+    lost, rejoin = lost or {}, rejoin or {}
+
+    def contributes(m, s):
+        return m not in lost or s < lost[m] or (m in rejoin and s > rejoin[m][0])
+
+    def trains(m, t):
+        return m not in lost or t < lost[m] or (m in rejoin and t > rejoin[m][1])
     from loco.algorithms.fragments import split_fragments
     from loco.comm.codecs import get_codec
 
@@ -238,18 +251,33 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
                     w.copy_(g if alpha == 0 else w.lerp(g, 1 - alpha))
                     offset += w.numel()
 
+    before = None  # the global copy before the outer step of a rejoin's sync
     for t in range(1, steps + 1):
         for m in range(workers):
-            train_steps(models[m], opts[m], m, [t - 1], data=data)
+            if trains(m, t):
+                train_steps(models[m], opts[m], m, [t - 1], data=data)
         for p in range(P):
             if t % H == ((p + 1) * H // P) % H:
+                live = [m for m in range(workers) if contributes(m, t)]
+                if any(r[0] == t for r in rejoin.values()):
+                    before = [g.clone() for g in glob]
                 with torch.no_grad():
                     deltas = [per_shard[p](glob[p] - torch.cat([local[m][n].reshape(-1)
                                                                 for n in names[p]]))
-                              for m in range(workers)]
-                in_flight = [p, t, per_shard[p](torch.stack(deltas).sum(0) / workers)]
+                              for m in live]
+                in_flight = [p, t, per_shard[p](torch.stack(deltas).sum(0) / len(live))]
                 outer_step(p, in_flight[2])  # the same on every worker, whenever it applies
                 in_flight.append(set(range(workers)))
+        for m, (_, start) in rejoin.items():
+            if t == start:  # the joiner takes the global copy, its optimizer starts anew
+                with torch.no_grad():
+                    for frag, g in zip(names, before):
+                        offset = 0
+                        for n in frag:
+                            w = local[m][n]
+                            w.copy_(g[offset:offset + w.numel()].view_as(w))
+                            offset += w.numel()
+                opts[m] = optimizer(models[m])
         if in_flight is not None:
             due = {m for m in in_flight[3] if in_flight[1] + taus[m] == t}
             merge(in_flight[0], sorted(due))
@@ -268,14 +296,16 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     return out
 
 
-def reference_big_batch(workers, steps, clip=None, optimizer=make_optimizer):
+def reference_big_batch(workers, steps, clip=None, optimizer=make_optimizer, lost=None):
     """One process training on every worker's batch at once (batch workers x BATCH); returns
-    the parameters and the gradient every step applied."""
+    the parameters and the gradient every step applied. ``lost={m: k}``: worker m's batches
+    are left out from inner step k (1-based) on."""
     model = make_model()
     opt = optimizer(model)
     grads = []
+    lost = lost or {}
     for t in range(steps):
-        xs, ys = zip(*(batch(m, t) for m in range(workers)))
+        xs, ys = zip(*(batch(m, t) for m in range(workers) if t + 1 < lost.get(m, steps + 1)))
         model(torch.cat(xs), torch.cat(ys)).backward()
         if clip:
             torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
@@ -454,3 +484,55 @@ def resumed_tensors(ctx, cfg, corpus):
             "loader": w.loader.state_dict(), "comm": ctx.comm.state_dict(),
             "inner": ctx.inner.state_dict() if ctx.inner is not None else None,
             "tokens": w.resumed_tokens}
+
+
+def elastic_worker(ctx, steps, kill=None, **kw):
+    """Streaming DiLoCo under elastic membership: joins, trains until ``steps`` inner steps
+    from wherever it joined (its batches are those of its own index at each step), flushes.
+    ``kill=(worker, step, where)`` kills that worker's first process with SIGKILL: before
+    inner step ``step`` (``where="step"``), or in the middle of the reduction of the sync
+    sent at ``step`` (``"reduction"``: after its reduce-scatter, before its all-gather)."""
+    import signal
+
+    from loco.runtime.elastic import RESTART_ENV
+
+    import time
+
+    pause = kw.pop("step_seconds", 0.0)  # slower steps: a restarted worker can catch up
+    name = kw.pop("algo_name", "streaming")
+    model = make_model(layers=kw.pop("layers", 4 if name == "streaming" else 2))
+    opt = (smooth_optimizer if kw.pop("smooth", False) else make_optimizer)(model)
+    algo = {"streaming": loco.StreamingDiLoCo, "dp": loco.DataParallel,
+            "noloco": loco.NoLoCo}[name](model, opt, ctx.comm, **kw)
+    groups = {}  # NoLoCo: outer step -> its groups, in workers' indexes
+    victim = kill is not None and kill[0] == ctx.replica and os.environ[RESTART_ENV] == "0"
+    if victim and kill[2] == "reduction":
+        gather = ctx.comm._gather
+
+        def dying_gather(out, tensor):
+            if tensor.dtype != torch.int64 and algo.inner_steps >= kill[1]:  # not membership
+                os.kill(os.getpid(), signal.SIGKILL)
+            gather(out, tensor)
+        ctx.comm._gather = dying_gather
+    joined = algo.join()
+    start, sent = algo.inner_steps, {}
+    join_sync = algo._syncing[1] if joined else None
+    after_join = params_of(dict(model.named_parameters())) if joined else None
+    while algo.inner_steps < steps:
+        if victim and kill[2] == "step" and algo.inner_steps + 1 == kill[1]:
+            os.kill(os.getpid(), signal.SIGKILL)
+        x, y = batch(ctx.replica, algo.inner_steps)
+        model(x, y).backward()
+        algo.step()
+        algo.zero_grad()
+        if algo.sync_in_flight and algo._in_flight.sent_at == algo.inner_steps:
+            sent[algo.inner_steps] = params_of(algo.global_parameters())  # before its step
+        if name == "noloco" and algo.inner_steps % algo.sync_every == 0:
+            k, members = algo.outer_steps - 1, ctx.comm.members
+            groups[k] = sorted(sorted(members[r] for r in g) for g in algo.groups(k))
+        time.sleep(pause)
+    algo.flush()
+    return {"params": params_of(algo.global_parameters()), "joined": joined, "start": start,
+            "after_join": after_join, "join_sync": join_sync,
+            "sent": sent, "groups": groups, "syncs": list(ctx.comm.syncs),
+            "events": list(ctx.comm.events), "sync_log": list(getattr(algo, "sync_log", []))}

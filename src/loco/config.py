@@ -263,7 +263,17 @@ class TrainConfig:
                              " may change")
     max_restarts: int = opt(2, "processes launcher: when a worker process dies, restart all "
                             "of them from the last checkpoint, at most this many times "
-                            "(under torchrun, give torchrun --max-restarts)")
+                            "(with --elastic: restart that worker alone, at most this many "
+                            "times per worker; under torchrun, give torchrun --max-restarts)")
+    elastic: bool = opt(False, "elastic membership (torchft): a worker that dies is "
+                        "restarted alone (at most --max-restarts times each) and joins from a "
+                        "live worker's state while the others keep training; every sync "
+                        "averages over the workers alive then. Processes launcher, workers of "
+                        "one rank, no pipeline stages; no disk checkpoints, spread diagnostic "
+                        "or --eval-replicas yet")
+    min_workers: int | None = opt(None, "with --elastic: the fewest live workers a sync counts "
+                                  "with; below it the workers wait (at most --comm-timeout) "
+                                  "for more (default: a majority, workers // 2 + 1)")
     on_nonfinite: str = opt("stop", "a non-finite gradient or pseudo-gradient is caught before "
                             "it reaches the parameters; stop the run (the last checkpoint is "
                             "the last good state) or skip that step or sync and count it",
@@ -600,6 +610,7 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.checkpoint_every >= 0, "checkpoint_every", "must be an integer >= 0 (0: only at "
          "the end)")
     need(0 <= cfg.max_restarts <= 100, "max_restarts", "must be in [0, 100]")
+    validate_elastic(cfg)
     if cfg.algorithm == "noloco":
         need(cfg.group_size >= 2 and cfg.workers % cfg.group_size == 0, "group_size",
              f"must be an integer >= 2 that divides --workers ({cfg.workers})")
@@ -672,6 +683,43 @@ def validate_worker_ranks(cfg: TrainConfig) -> None:
                           "processes and torchrun build, which the threads launcher does not; "
                           "add --launcher processes, or start the run with torchrun "
                           "(got fsdp with --launcher threads)")
+
+
+def validate_elastic(cfg: TrainConfig) -> None:
+    """Check ``elastic`` and ``min_workers``: elastic runs under the processes launcher, with
+    workers of one rank and no pipeline stages, and not with ``eval_replicas`` or
+    ``resume`` (they have no disk checkpoints yet); ``min_workers`` in [1, ``workers``],
+    only with ``elastic``.
+
+    Args:
+        cfg: the configuration.
+
+    Raises:
+        ConfigError: naming the option and what is allowed.
+    """
+    from loco.runtime import under_torchrun
+
+    if cfg.min_workers is not None and not cfg.elastic:
+        raise ConfigError("min_workers", "only means something with --elastic (got "
+                          f"{cfg.min_workers})")
+    if not cfg.elastic:
+        return
+    if cfg.launcher != "processes" or under_torchrun():
+        raise ConfigError("elastic", "elastic membership runs under --launcher processes "
+                          f"for now (got --launcher {cfg.launcher})")
+    for name, allowed in (("worker_ranks", 1), ("stages", 1)):
+        if getattr(cfg, name) != allowed:
+            raise ConfigError(name, f"must be {allowed} with --elastic: workers of one rank "
+                              f"for now (got {getattr(cfg, name)})")
+    if cfg.eval_replicas:
+        raise ConfigError("eval_replicas", "is a collective outside the syncs, which an "
+                          "elastic run does not make; leave it out with --elastic")
+    if cfg.resume is not None:
+        raise ConfigError("resume", "elastic runs write no disk checkpoints yet, so there is "
+                          "nothing to resume with --elastic")
+    if cfg.min_workers is not None and not 1 <= cfg.min_workers <= cfg.workers:
+        raise ConfigError("min_workers", f"must be in [1, --workers {cfg.workers}] (got "
+                          f"{cfg.min_workers})")
 
 
 def check_layout(meta: dict, worker_ranks: int, worker_parallel: str,

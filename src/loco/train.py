@@ -35,7 +35,8 @@ from loco.config import (ConfigError, TrainConfig, betas, check_layout, model_di
                          resolve, validate, warnings_for)
 from loco.data import Corpus, CorpusError, TokenLoader, eval_batches, prepare_corpus
 from loco.model import Transformer, model_config
-from loco.runtime import WorkerContext, launch, under_torchrun
+from loco.runtime import Elastic, WorkerContext, launch, under_torchrun
+from loco.runtime.elastic import RESTART_ENV, recovery_report
 from loco.runtime.faults import Fault, InjectedFault
 from loco.runtime.pipeline import PipelineStage
 
@@ -86,8 +87,10 @@ def prepare_config(cfg: TrainConfig) -> TrainConfig:
 
 
 def restart_count() -> int:
-    """How many times torch elastic (the processes launcher, torchrun) restarted the workers."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    """How many times torch elastic (the processes launcher, torchrun) restarted the workers,
+    or (``--elastic``) this worker."""
+    return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+               int(os.environ.get(RESTART_ENV, "0") or 0))
 
 
 def prepare_data(cfg: TrainConfig) -> Corpus:
@@ -105,9 +108,13 @@ def launch_training(cfg: TrainConfig, corpus: Corpus) -> dict:
                      args=(cfg, corpus), ranks_per_replica=cfg.stages, shards=cfg.worker_ranks,
                      timeout=cfg.comm_timeout, max_restarts=cfg.max_restarts,
                      link=LinkSpec.parse(cfg.link_bandwidth, cfg.link_latency),
-                     fast_link=LinkSpec.parse(cfg.fast_link_bandwidth, cfg.fast_link_latency))
-    # The lead rank's summary (under torchrun the list holds only this rank's value).
-    return next((r for r in results if "final_eval_loss" in r), results[0])
+                     fast_link=LinkSpec.parse(cfg.fast_link_bandwidth, cfg.fast_link_latency),
+                     elastic=Elastic(min_workers=cfg.min_workers, restarts=cfg.max_restarts)
+                     if cfg.elastic else None)
+    # The lead rank's summary (under torchrun the list holds only this rank's value; in an
+    # elastic run a worker lost for good has None).
+    return next((r for r in results if r and "final_eval_loss" in r),
+                next(r for r in results if r))
 
 
 def check_fits(cfg: TrainConfig, corpus: Corpus) -> None:
@@ -311,9 +318,15 @@ class Worker:
     resumed_from: int | None
     start: float
     resumed_tokens: int = 0
+    elastic_logged: tuple[int, int] = (0, 0)  # syncs and events of an ElasticComm logged
+    lead: int = 0  # the worker that evaluates and reports (elastic: the lowest live one)
+    elastic_tokens: int = 0  # elastic: tokens the live workers trained, counted as they go
 
     def tokens_at(self, step: int) -> int:
-        """Training tokens of the whole run after ``step``, every rank together."""
+        """Training tokens of the whole run after ``step``, every rank together (elastic:
+        of the live workers, counted step by step; ``step`` is the current one)."""
+        if self.ctx.comm.elastic:
+            return self.elastic_tokens
         if self.resumed_from is None:
             return step * self.tokens_per_step
         return self.resumed_tokens + (step - self.resumed_from) * self.tokens_per_step
@@ -326,8 +339,9 @@ class Worker:
     @property
     def evaluates(self) -> bool:
         """Whether this rank evaluates the global model (replica 0's stages and ranks do,
-        together: its global parameters are gathered over the worker's ranks)."""
-        return self.ctx.replica == 0
+        together: its global parameters are gathered over the worker's ranks; at the end
+        of an elastic run, the lead's)."""
+        return self.ctx.replica == self.lead
 
     @property
     def tokens_per_step(self) -> int:
@@ -426,7 +440,11 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     if state is not None:
         restore(state, algo, schedule, loader, ctx)
         loop = Loop(**{k: state["loop"][k] for k in SAVED_LOOP if k in state["loop"]})
-    first = 1 if state is None else int(state["step"]) + 1
+    joined = ctx.comm.elastic and algo.join()  # a restarted worker takes a live one's state
+    if joined:
+        seek(schedule, loader, algo.inner_steps)
+    resumed_from = algo.inner_steps if joined else None if state is None else int(state["step"])
+    first = 1 if resumed_from is None else resumed_from + 1
     bar = tqdm(total=cfg.steps, initial=first - 1,
                desc=f"{cfg.algorithm} x{ctx.mesh.replicas}"
                + (f"x{ctx.stages} stages" if ctx.stages > 1 else "")
@@ -441,16 +459,33 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
                                             "dcp_workers": cfg.workers if dcp else 0,
                                             "config": cfg.to_dict()} if main else None,
                                worker=ctx.replica if dcp else None, group=ctx.checkpoint_group)
+    metrics = os.path.join(cfg.out, "metrics.jsonl")
+    keep = (loop.metrics_bytes if state else os.path.getsize(metrics)
+            if joined and os.path.exists(metrics) else None)  # a rejoined lead appends
     worker = Worker(
         cfg, ctx, corpus, model, trained, pipeline, schedule, algo, loader, autocast, main,
-        log=RunLog(cfg.out, resume_at=loop.metrics_bytes if state else None) if main else None,
-        bar=bar, writer=writer,
+        log=RunLog(cfg.out, resume_at=keep) if main else None, bar=bar, writer=writer,
         fault=Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None,
-        resumed_from=None if state is None else int(state["step"]), start=start,
-        resumed_tokens=0 if state is None else int(state["loop"].get(
-            "tokens", int(state["step"]) * ctx.mesh.replicas * ctx.mesh.shards
-            * cfg.batch_size * cfg.seq_len)))
+        resumed_from=resumed_from, start=start,
+        resumed_tokens=0 if resumed_from is None else int(state["loop"].get(
+            "tokens", resumed_from * ctx.mesh.replicas * ctx.mesh.shards * cfg.batch_size
+            * cfg.seq_len)) if state else resumed_from * cfg.tokens_per_step)
+    worker.elastic_tokens = worker.resumed_tokens
     return worker, loop
+
+
+def seek(schedule, loader: TokenLoader | None, step: int) -> None:
+    """Put the learning-rate schedule and the loader where a worker is after ``step`` inner
+    steps (a worker that joined an elastic run at that step: its batches are its own
+    shard's, as if it had never stopped)."""
+    for group, base, f in zip(schedule.optimizer.param_groups, schedule.base_lrs,
+                              schedule.lr_lambdas):
+        group["lr"] = base * f(step)
+    schedule.last_epoch = step
+    schedule._last_lr = [g["lr"] for g in schedule.optimizer.param_groups]
+    if loader is not None:
+        per_epoch = loader.batches_per_epoch
+        loader.load_state_dict({"epoch": step // per_epoch, "position": step % per_epoch})
 
 
 def build_model(cfg: TrainConfig, ctx: WorkerContext, vocab_size: int) -> Transformer:
@@ -619,6 +654,8 @@ def train_step(w: Worker, step: int) -> torch.Tensor | None:
     w.algo.step()
     w.schedule.step()
     w.algo.zero_grad()
+    if w.ctx.comm.elastic:  # the workers in the quorum of the latest sync trained this step
+        w.elastic_tokens += len(w.ctx.comm.members) * w.cfg.batch_size * w.cfg.seq_len
     if step == w.cfg.steps:
         w.algo.flush()  # the last fragment sent must reach the evaluated global model
     return loss
@@ -629,7 +666,8 @@ def spread_diagnostic(w: Worker, loop: Loop, step: int) -> float | None:
     to their mean. A diagnostic, not part of the algorithm: its all-worker reductions and
     their time are kept out of the training bytes, blocked time and loop time."""
     cfg = w.cfg
-    if w.algo.replicas_identical or not cfg.spread_every or step % cfg.spread_every:
+    if (w.algo.replicas_identical or not cfg.spread_every or step % cfg.spread_every
+            or w.ctx.comm.elastic):  # not between the syncs of an elastic run
         return None
     t0 = time.perf_counter()
     spread = replica_spread(w.algo, w.ctx.comm, w.pipeline, w.ctx.inner)
@@ -661,6 +699,8 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
     cfg, tokens = w.cfg, w.tokens_at(step)
     for sync in syncs:
         w.log.metric({"event": "sync", **sync})
+    if w.ctx.comm.elastic:
+        log_membership(w, step)
     loss_value = loss.item()
     loop.loss_sum += loss_value
     loop.loss_count += 1
@@ -687,6 +727,28 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
     w.bar.update(1)
 
 
+def log_membership(w: Worker, step: int) -> None:
+    """An elastic run's records (lead rank): every committed sync's participants and every
+    change of membership or dropped sync since the last call; changes also on the console."""
+    comm = w.ctx.comm
+    for rec in comm.syncs[w.elastic_logged[0]:]:
+        w.log.metric({"event": "elastic_sync", "step": step, **rec})
+    for ev in comm.events[w.elastic_logged[1]:]:
+        w.log.metric({**ev, "step": step, "elastic": ev["event"]} | {"event": "membership"})
+        if ev["event"] != "membership" or ev["joined"] != sorted(ev["members"]):
+            tqdm.write(f"loco: step {step}: {describe_event(ev)}", file=sys.stderr)
+    w.elastic_logged = (len(comm.syncs), len(comm.events))
+
+
+def describe_event(ev: dict) -> str:
+    """One line for a membership event of an ElasticComm."""
+    if ev["event"] == "membership":
+        change = ", ".join(f"worker {w} {what}" for what in ("joined", "left")
+                           for w in ev[what])
+        return f"{change or 'membership'}; members {ev['members']}"
+    return f"{ev['event'].replace('_', ' ')} ({ev.get('error') or 'no error text'})"
+
+
 def issued_link_bytes(ctx: WorkerContext) -> dict[str, int]:
     """This rank's training bytes so far on the slow and the fast link, counted as each
     operation is issued (the same at a step whatever their timing), for a metrics record;
@@ -709,6 +771,8 @@ def checkpoint_if_due(w: Worker, loop: Loop, step: int) -> None:
     and at the last step. The state is copied on this thread; the writer saves it in the
     background."""
     cfg = w.cfg
+    if w.ctx.comm.elastic:  # not yet: an elastic run's state lives in its live workers
+        return
     every = cfg.checkpoint_every * cfg.sync_every
     delay = max(overlaps(cfg)) if cfg.algorithm == "streaming" else 0
     if step == cfg.steps or (every and step > delay and (step - delay) % every == 0):
@@ -749,6 +813,8 @@ def finish_worker(w: Worker, loop: Loop) -> dict:
     """The end of the run: gather every rank's counters, evaluate the final model(s), wait
     for the last checkpoint, write this rank's comm totals; the lead writes the summary."""
     train_seconds = loop.elapsed()
+    if w.ctx.comm.elastic:
+        take_lead(w)
     per_worker = gather_counters(w, train_seconds)
     final_eval, replicas = final_evaluation(w)
     last_checkpoint(w)
@@ -756,6 +822,18 @@ def finish_worker(w: Worker, loop: Loop) -> dict:
     if not w.main:
         return {"rank": w.ctx.rank}
     return write_summary(w, loop, per_worker, final_eval, replicas)
+
+
+def take_lead(w: Worker) -> None:
+    """At the end of an elastic run the lowest live worker reports (worker 0 if alive); one
+    that takes over from a lost worker 0 appends to its metrics.jsonl."""
+    w.lead = min(w.ctx.comm.members)
+    lead = w.ctx.replica == w.lead
+    if lead and not w.main:
+        path = os.path.join(w.cfg.out, "metrics.jsonl")
+        w.log = RunLog(w.cfg.out, resume_at=os.path.getsize(path) if os.path.exists(path)
+                       else None)
+    w.main = lead
 
 
 def last_checkpoint(w: Worker) -> None:
@@ -941,6 +1019,9 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
         "nonfinite_skipped": {"inner_steps": sum(c["skipped_inner_steps"] for c in workers),
                               "syncs": sum(c["skipped_syncs"] for c in workers)},
         "resumed_from_step": w.resumed_from, "restarts": restart_count(),
+        "elastic": (None if not ctx.comm.elastic else {
+            "min_workers": ctx.comm.min_workers,
+            **recovery_report(ctx.comm.events, ctx.comm.syncs, ctx.comm.workers)}),
         "link": (None if cfg.link_bandwidth is None and cfg.link_latency is None else
                  {"bandwidth": cfg.link_bandwidth, "latency": cfg.link_latency}),
         "fast_link": (None if cfg.fast_link_bandwidth is None and cfg.fast_link_latency is None

@@ -122,7 +122,12 @@ class Algorithm:
         self.skipped = {"inner_steps": 0, "syncs": 0}
         """Inner steps and syncs skipped because of non-finite values
         (``on_nonfinite="skip"``)."""
-        self._sync_initial_state(init_sync)
+        self._init_sync = init_sync
+        self._syncing = None  # (what, when) of the sync whose quorum this worker is in
+        if comm.elastic:  # the first quorum comes with join()
+            comm.register_state("algorithm", self.heal_state, self.load_heal_state)
+        else:
+            self._sync_initial_state(init_sync)
 
     # ----------------------------------------------------------------------- initial state
     def _sync_initial_state(self, mode: str) -> None:
@@ -146,6 +151,58 @@ class Algorithm:
         self.comm.verify_identical(state, what="initial weights")
         if self.inner is not None and not self.sharded:  # R ranks hold one replica
             self.inner.verify_identical(state, what="initial weights inside a worker")
+
+    # ------------------------------------------------------------------ elastic membership
+    def join(self) -> bool:
+        """Take part in the first quorum of an elastic job
+        ([`ElasticComm`][loco.comm.elastic.ElasticComm]); call it once, before the first
+        step (it does nothing on a fixed Comm). In a fresh job the workers wait for each
+        other (all M, within the timeout) and start from the same state, as without
+        elasticity. A worker that joins a running job (restarted after a failure, or
+        started by hand) receives the state of a live worker at its next sync and goes on
+        from there: its ``inner_steps`` jump to that worker's.
+
+        Returns:
+            Whether this worker joined a running job.
+        """
+        if not self.comm.elastic:
+            return False
+        while True:
+            if self.comm.begin():
+                self._resume()
+                return True
+            if len(self.comm.members) == self.comm.workers:
+                break
+        self._sync_initial_state(self._init_sync)
+        self.comm.commit(True, record=False)
+        return False
+
+    def heal_state(self) -> dict:
+        """What a worker that is behind receives from this one, at the quorum of a sync:
+        the counters and the outer state (copies), and which sync it is."""
+        state = self.state_dict(tensors=False)
+        state["outer"] = {name: flat.clone() for name, (_, flat) in self.outer_state().items()}
+        state["syncing"] = self._syncing
+        return state
+
+    def load_heal_state(self, state: dict) -> None:
+        """Take a live worker's ``heal_state()``: its counters and outer state; the
+        replica restarts from the global copy, the inner optimizer from zero.
+
+        Args:
+            state: a dict from ``heal_state()`` of a worker of the same job.
+        """
+        self.load_state_dict({k: v for k, v in state.items() if k not in ("outer", "syncing")})
+        self.load_outer_state(state["outer"])
+        self._syncing = state["syncing"]
+        self.inner_optimizer.state.clear()
+        self.restart_from_global()
+
+    def restart_from_global(self) -> None:
+        """Set the replica's parameters to the global copy (outer algorithms)."""
+
+    def _resume(self) -> None:
+        """Go on with the sync of ``_syncing`` after ``load_heal_state`` (subclasses)."""
 
     # ----------------------------------------------------------------------------- the loop
     def clip_gradients(self) -> float:

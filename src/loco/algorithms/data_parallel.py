@@ -64,10 +64,18 @@ class DataParallel(Algorithm):
         for p in self.params:  # a parameter that got no gradient contributes zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
+        self._syncing = ("step", self.inner_steps)
+        if self.comm.begin():  # elastic: this worker was behind and took a peer's state
+            return self._resume()
+        self._average()
+
+    def _average(self) -> None:
         grads = [local(p.grad) for p in self.params]
         flatten_fp32(grads, out=self._grads)
         if self.inner is None or self.sharded:  # (FSDP2 has averaged inside the worker)
-            self.comm.all_reduce_mean(self._grads, tag="train", codec=self.codec).wait()
+            handle = self.comm.all_reduce_mean(self._grads, tag="train", codec=self.codec)
+            if self.comm.settle(handle) is None:  # elastic: healed during a retry
+                return self._resume()
         else:  # inside the worker (fast), then shard r across workers (slow), gathered
             self.inner.all_reduce_mean(self._grads, tag="train").wait()
             self.comm.all_reduce_mean(self.own_shard(self._wire), tag="train",
@@ -76,3 +84,25 @@ class DataParallel(Algorithm):
         torch._foreach_copy_(grads, unflatten_views(self._grads, grads))
         self.inner_update()  # the averaged gradient: every worker decides the same
         self.inner_steps += 1
+
+    # ------------------------------------------------------------------ elastic membership
+    def heal_state(self) -> dict:
+        """The replica is the global model here: a worker that is behind receives the
+        parameters and the inner optimizer's state, with the counters."""
+        full = self.state_dict(tensors=True)
+        return {**full, "syncing": self._syncing}
+
+    def load_heal_state(self, state: dict) -> None:
+        """Take a live worker's model, inner optimizer and counters (see ``heal_state``).
+
+        Args:
+            state: a dict from ``heal_state()`` of a worker of the same job.
+        """
+        self.load_state_dict({k: v for k, v in state.items() if k != "syncing"})
+        self._syncing = state["syncing"]
+
+    def _resume(self) -> None:
+        """Take part in the step the live worker was at, with a zero gradient."""
+        for p in self.params:
+            p.grad = torch.zeros_like(p)
+        self._average()

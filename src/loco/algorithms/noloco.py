@@ -92,9 +92,9 @@ class NoLoCo(Algorithm):
                  slow_codec: str = "fp32", seed: int = 0, warn: bool = True, **kwargs: Any):
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1 (got {sync_every!r})")
-        if not isinstance(group_size, int) or group_size < 2 or comm.size % group_size:
+        if not isinstance(group_size, int) or group_size < 2 or comm.workers % group_size:
             raise ValueError(f"group_size (n) must be an integer >= 2 that divides the number "
-                             f"of workers, {comm.size} (got {group_size!r})")
+                             f"of workers, {comm.workers} (got {group_size!r})")
         if slow_codec not in SLOW_CODECS:
             raise ValueError(f"slow_codec must be one of {', '.join(SLOW_CODECS)}: the slow "
                              f"weights travel in at least bf16 (got {slow_codec!r})")
@@ -142,32 +142,58 @@ class NoLoCo(Algorithm):
         """Swap Δ and φ with this outer step's group, then update δ, φ and θ (see
         [`NoLoCo`][loco.algorithms.noloco.NoLoCo]). Called by [`step`][loco.algorithms.noloco.NoLoCo.step] every H inner
         steps; every member of the group must call it at the same outer step."""
-        group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
+        self._syncing = ("outer", self.inner_steps)
+        if self.comm.begin():  # elastic: this worker was behind and took a peer's state
+            return self._resume()
+        self._exchange_and_step()
+
+    def _resume(self) -> None:
+        """After taking a live worker's φ and δ (elastic; θ = φ, so Δ = 0): take part in
+        the outer step that worker was at."""
+        self._exchange_and_step()
+
+    def restart_from_global(self) -> None:
+        """θ ← φ, the slow weights (taken from a live worker)."""
+        torch._foreach_copy_(self.share.views, [s.to(v.dtype) for s, v in
+                                                zip(self.slow_params, self.share.views)])
+        self.share.gather()
+
+    @torch.no_grad()
+    def _exchange_and_step(self) -> None:
         delta = self.share.read().sub_(self.slow)  # Δ_i = θ_i − φ_i (this rank's share)
         # Rank r of each member swaps its share with rank r of the others.
-        mean_delta, mean_slow = self._group_means(delta, self.slow, group)
+        means = self._group_means(delta, self.slow)
+        if means is None:  # elastic: healed during a retry
+            return self._resume()
+        mean_delta, mean_slow = means
         if (self.finite(mean_delta, "pseudo-gradient")
                 and self.finite(mean_slow, "slow weights")):
             g = mean_delta.mul_(self.beta).sub_(self.slow.sub(mean_slow).mul_(self.gamma))
             self.momentum.mul_(self.alpha).add_(g)  # δ ← α δ + β mean(Δ) − γ (φ − mean φ)
             self.slow.add_(self.momentum.mul(self.alpha).add_(g) if self.nesterov
                            else self.momentum)
-        # θ_i ← φ_i (skipped: back to the old φ_i); the worker's ranks gather the model.
-        torch._foreach_copy_(self.share.views, [s.to(v.dtype) for s, v in
-                                                zip(self.slow_params, self.share.views)])
-        self.share.gather()
+        self.restart_from_global()  # θ_i ← φ_i (skipped: back to the old φ_i)
         self.outer_steps += 1
 
-    def _group_means(self, delta: torch.Tensor, slow: torch.Tensor, group
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Swap Δ and φ (or their shards) with the group; their means, the same bits on
-        every member (each decodes the same bytes in the same order)."""
+    def _group_means(self, delta: torch.Tensor, slow: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Swap Δ and φ (or their shards) with this outer step's group; their means, the
+        same bits on every member (each decodes the same bytes in the same order). None
+        when an elastic retry healed this worker. A retry forms the groups anew over the
+        members then alive."""
         n = delta.numel()
         payload = torch.cat([self.codec.encode(delta), self.slow_codec.encode(slow)])
         split = self.codec.encoded_nbytes(n)
-        received = self.comm.exchange(payload, group, tag="train").wait()
-        mean_delta = sum(self.codec.decode(b[:split], (n,)) for b in received) / len(group)
-        mean_slow = sum(self.slow_codec.decode(b[split:], (n,)) for b in received) / len(group)
+
+        def issue():
+            group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
+            return self.comm.exchange(payload, group, tag="train")
+
+        received = self.comm.settle(issue(), issue)
+        if received is None:
+            return None
+        mean_delta = sum(self.codec.decode(b[:split], (n,)) for b in received) / len(received)
+        mean_slow = sum(self.slow_codec.decode(b[split:], (n,)) for b in received) / len(received)
         return mean_delta, mean_slow
 
     def outer_tensors(self) -> list[torch.Tensor]:

@@ -226,6 +226,13 @@ class StreamingDiLoCo(Algorithm):
     @torch.no_grad()
     def _send(self, fragment: Fragment, t: int) -> None:
         assert self._in_flight is None, "tau < H/P leaves one fragment in flight at a time"
+        self._syncing = (fragment.index, t)
+        if self.comm.begin():  # elastic: this worker was behind and took a peer's state
+            self._resume()
+        else:
+            self._issue(fragment, t)
+
+    def _issue(self, fragment: Fragment, t: int) -> None:
         fragment.share.read(out=fragment.delta)
         global_flat = fragment.global_flat.to(fragment.delta.device, non_blocking=True)
         torch.sub(global_flat, fragment.delta, out=fragment.delta)  # Δ = θ^g − θ_m
@@ -238,17 +245,35 @@ class StreamingDiLoCo(Algorithm):
         if flight.handle is not None:
             flight.handle.wait()
 
+    def _resume(self) -> None:
+        """After taking a live worker's state (elastic): issue the sync it was at (this
+        worker contributes zeros) and apply it if it is due now, as that worker does."""
+        index, sent_at = self._syncing
+        self._issue(self.fragment_list[index], sent_at)
+        if sent_at + self.overlap == self.inner_steps:
+            self._apply()
+
+    def restart_from_global(self) -> None:
+        """Set every fragment of the replica to its global copy."""
+        for fragment in self.fragment_list:
+            self._restart(fragment)
+
+    @staticmethod
+    def _restart(fragment: Fragment) -> None:
+        views = fragment.share.views
+        torch._foreach_copy_(views, [g.to(v.device, v.dtype)
+                                     for g, v in zip(fragment.global_params, views)])
+        fragment.share.gather()
+
     @torch.no_grad()
     def _apply(self) -> None:
         flight, self._in_flight = self._in_flight, None
         fragment = flight.fragment
-        self._wait(flight)
+        if flight.handle is not None and self.comm.settle(flight.handle) is None:
+            return self._resume()  # elastic: healed during a retry, go on from that state
         if not self.finite(fragment.delta, f"pseudo-gradient (fragment {fragment.index})"):
             # Skipped: the global fragment stays; the replicas restart from it.
-            views = fragment.share.views
-            torch._foreach_copy_(views, [g.to(v.device, v.dtype)
-                                         for g, v in zip(fragment.global_params, views)])
-            fragment.share.gather()
+            self._restart(fragment)
             self.outer_steps += 1
             self._log(fragment, flight)
             return

@@ -331,6 +331,13 @@ class Comm:
         self.group = group
         self.rank = rank
         self.size = size
+        self.contributors = size
+        self.workers = size
+        """M, the workers of the job at full strength (``size`` may be fewer in an
+        [`ElasticComm`][loco.comm.elastic.ElasticComm])."""
+        """What ``all_reduce_mean`` divides the sum by: the workers that contribute (all of
+        them here; fewer in an [`ElasticComm`][loco.comm.elastic.ElasticComm] where a
+        worker just healed sends zeros)."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -519,12 +526,15 @@ class Comm:
             chunk = codec.padded(_chunk_elems(n, m))
             row_bytes = codec.row_bytes(chunk)
         wire = 2 * (m - 1) * row_bytes
+        divisor = self.contributors
         # Two dependent phases (reduce-scatter, then all-gather): two latencies on a link.
         return self._submit("all_reduce_mean", tag, n * b, wire, wire,
-                            lambda: self._reduce_mean(flat, chunk, codec), [flat], phases=2)
+                            lambda: self._reduce_mean(flat, chunk, codec, m, divisor), [flat],
+                            phases=2)
 
-    def _reduce_mean(self, flat: torch.Tensor, chunk: int, codec) -> torch.Tensor:
-        m, n = self.size, flat.numel()
+    def _reduce_mean(self, flat: torch.Tensor, chunk: int, codec, m: int, divisor: int
+                     ) -> torch.Tensor:
+        n = flat.numel()
         if n == 0 or (m == 1 and codec is None):
             return flat
         padded = torch.zeros(m * chunk, dtype=flat.dtype, device=flat.device)
@@ -540,10 +550,10 @@ class Comm:
         self.group.alltoall_base(received.view(-1), outgoing.view(-1), [], [],
                                  dist.AllToAllOptions()).wait()
         # ... and averages it in fp32; summing in rank order gives the same bits everywhere.
-        mine = encode(decode(received).sum(dim=0, keepdim=True).div_(m))
+        mine = encode(decode(received).sum(dim=0, keepdim=True).div_(divisor))
         # All-gather the averaged chunks; everyone decodes the same bytes.
         gathered = torch.empty((m, mine.shape[1]), dtype=mine.dtype, device=mine.device)
-        self.group.allgather([list(gathered.unbind(0))], [mine[0]]).wait()
+        self._gather(list(gathered.unbind(0)), mine[0])
         flat.copy_(decode(gathered).view(-1)[:n])
         return flat
 
@@ -594,11 +604,15 @@ class Comm:
             if m == 1:
                 out[0].copy_(tensor)
             else:
-                self.group.allgather([out], [tensor]).wait()
+                self._gather(out, tensor)
             return out
 
         return self._submit("all_gather", tag, nbytes, (m - 1) * nbytes, (m - 1) * nbytes, run,
                             [tensor])
+
+    def _gather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """The group's all-gather of ``tensor`` into ``out`` (one tensor per rank)."""
+        self.group.allgather([out], [tensor]).wait()
 
     def exchange(self, tensor: torch.Tensor, members: Iterable[int], tag: str = "train"
                  ) -> Handle:
@@ -718,6 +732,26 @@ class Comm:
         return self._submit(op, tag, raw, sent, received,
                             lambda: self._posted(self._post(sends, recvs), result),
                             [t for t, _, _ in sends + recvs], participants=peers)
+
+    # ----------------------------------------------------------------------- a sync's frame
+    elastic = False
+    """Whether the membership may change between syncs
+    ([`ElasticComm`][loco.comm.elastic.ElasticComm])."""
+
+    def begin(self) -> bool:
+        """Called before the collective of an outer sync. A fixed group has nothing to
+        agree on: returns False (see [`ElasticComm.begin`][loco.comm.elastic.ElasticComm.begin])."""
+        return False
+
+    def settle(self, handle: Handle, reissue: Callable[[], Handle] | None = None) -> Any:
+        """Wait for the collective of an outer sync and return its result (see
+        [`ElasticComm.settle`][loco.comm.elastic.ElasticComm.settle], which may retry it).
+
+        Args:
+            handle: the sync's handle.
+            reissue: how to issue it again (only an ElasticComm retries); default None.
+        """
+        return handle.wait()
 
     # ------------------------------------------------------------------------------ helpers
     def account(self, op: str, raw: int, sent: int, recv: int, tag: str = "train") -> None:

@@ -2,6 +2,7 @@
 pipeline stages across the ranks of a replica, with fixed or random routing; FSDP2 over the
 ranks of one worker."""
 
+from loco.runtime.elastic import Elastic
 from loco.runtime.fsdp import shard_worker
 from loco.runtime.launch import LAUNCHERS, Mesh, WorkerContext, WorkerError, launch, under_torchrun
 from loco.runtime.pipeline import (
@@ -16,4 +17,4 @@ from loco.runtime.pipeline import (
 
 __all__ = ["LAUNCHERS", "Mesh", "WorkerContext", "WorkerError", "launch", "under_torchrun",
            "ROUTINGS", "PipelineStage", "StageModule", "routing_path", "routing_permutation",
-           "split_stages", "stage_bounds", "shard_worker"]
+           "split_stages", "stage_bounds", "shard_worker", "Elastic"]

@@ -44,6 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from loco.comm import Comm
 from loco.comm.interface import Aborted, CommThread
 from loco.comm.link import EmulatedLink, LinkSpec
+from loco.runtime.elastic import Elastic, launch_elastic
 
 LAUNCHERS = ("threads", "processes", "torchrun")
 """How the workers run: threads of this process, local processes, or ranks of torchrun."""
@@ -215,7 +216,7 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
            args: tuple = (), kwargs: dict | None = None, ranks_per_replica: int = 1,
            timeout: float = DEFAULT_TIMEOUT, max_restarts: int = 0,
            link: LinkSpec | None = None, shards: int = 1,
-           fast_link: LinkSpec | None = None) -> list:
+           fast_link: LinkSpec | None = None, elastic: Elastic | None = None) -> list:
     """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the results in rank order.
 
     Under torchrun (detected from the environment, whatever ``launcher`` says) this process
@@ -248,6 +249,11 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
         fast_link: an emulated link of that bandwidth and latency for every rank's
             ``ctx.inner``, the fast link inside a worker, apart from ``link``; default None
             (the transport's own speed).
+        elastic: run with elastic membership ([`Elastic`][loco.runtime.elastic.Elastic]):
+            workers of one rank each, under ``"processes"``; a worker that dies is
+            restarted alone and the others keep training (see
+            [`launch_elastic`][loco.runtime.elastic.launch_elastic]). Default None: a fixed
+            membership.
 
     Returns:
         ``fn``'s return value of every rank, in rank order (under torchrun: this rank's
@@ -274,6 +280,11 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
     if shards > 1 and ranks_per_replica > 1:
         raise ValueError("shards > 1 with pipeline stages (ranks_per_replica > 1) is not "
                          "supported yet; use one or the other")
+    if elastic is not None:
+        if launcher != "processes" or under_torchrun() or ranks_per_replica > 1 or shards > 1:
+            raise ValueError("elastic membership runs under the 'processes' launcher, with "
+                             "workers of one rank (no --stages or --worker-ranks) for now")
+        return launch_elastic(fn, args, workers, timeout, elastic, link)
     if launcher == "torchrun" and not under_torchrun():
         raise ValueError("launcher 'torchrun' needs a process started by torchrun "
                          "(its RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID are missing)")

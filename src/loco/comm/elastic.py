@@ -1,0 +1,376 @@
+"""Workers that come and go: a Comm over the live membership, kept by torchft.
+
+An [`ElasticComm`][loco.comm.elastic.ElasticComm] is a [`Comm`][loco.comm.interface.Comm]
+whose process group is the *membership* of the moment. torchft provides the parts that are
+hard to get right: a Lighthouse that forms a quorum of the live workers at every sync (a
+worker that stops heartbeating is left out), a gloo group rebuilt for each new quorum, and
+the transfer of the state from a live worker to one that is behind (a restarted worker, or
+one whose sync failed while the others' succeeded). loco keeps its own collectives, codecs
+and byte counters on top of that group.
+
+Every outer sync goes through three calls, which a static Comm answers at once:
+
+1. [`begin`][loco.comm.elastic.ElasticComm.begin]: the quorum. A worker that is behind
+   receives the state of a live one here (it then contributes zeros to this sync); the
+   members exchange who contributes, so the mean divides by the contributors only.
+2. the collective itself, as on any Comm (``all_reduce_mean`` of the pseudo-gradient).
+3. [`settle`][loco.comm.elastic.ElasticComm.settle]: wait for it, then *commit*: every
+   participant tells every other whether its collective succeeded. A sync counts only if
+   all did; otherwise it is discarded everywhere (the global copy is left as it was) and
+   retried with a new quorum, from the same pseudo-gradient (NoLoCo: over the groups of
+   the new members).
+
+The members talk only in all-to-all patterns (every member sends to every other directly),
+so that when one dies every survivor's next operation fails at once, instead of some of
+them waiting on a neighbour in a ring until the timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import re
+import time
+import urllib.request
+import warnings
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+
+from loco.comm.interface import Aborted, Comm, Handle
+
+if TYPE_CHECKING:
+    from loco.comm.codecs import Codec
+
+log = logging.getLogger("loco.elastic")
+
+MEMBERSHIP_TAG = "membership"
+"""Tag of the small exchanges of the quorum and the commit (who contributes, who succeeded)."""
+
+
+class _Quiet(logging.Filter):
+    """Drops torchft's warning, at every new quorum, that there is no NCCL flight recorder
+    to reset (true on every CPU run, and of no use)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "flight recorder" not in record.getMessage()
+
+
+def _torchft():
+    try:
+        import torchft.manager
+        import torchft.process_group
+    except ImportError as e:  # pragma: no cover - torchft is a dependency of loco
+        raise RuntimeError("elastic membership needs torchft (pip install torchft)") from e
+    logging.getLogger("torchft.manager").addFilter(_Quiet())
+    # The state a joiner receives arrives in a read-only buffer that torch copies anyway.
+    warnings.filterwarnings("ignore", message="The given buffer is not writable")
+    return torchft
+
+
+def start_lighthouse(min_workers: int, heartbeat_timeout: float = 1.0,
+                     join_timeout: float = 60.0) -> Any:
+    """Start torchft's Lighthouse, the quorum service, in this process.
+
+    Args:
+        min_workers: the fewest workers a quorum may have (``--min-workers``), >= 1.
+        heartbeat_timeout: seconds without a heartbeat after which a worker counts as gone;
+            default 1.0.
+        join_timeout: seconds a quorum waits for a worker that is alive but has not asked
+            to join yet (one still computing its inner steps); default 60.
+
+    Returns:
+        The ``torchft.coordination.LighthouseServer``; its ``address()`` is what the
+            workers connect to, ``shutdown()`` stops it.
+    """
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers: no line per quorum
+    from torchft.coordination import LighthouseServer
+
+    return LighthouseServer(bind="[::]:0", min_replicas=min_workers,
+                            join_timeout_ms=int(join_timeout * 1000), quorum_tick_ms=10,
+                            heartbeat_timeout_ms=int(heartbeat_timeout * 1000))
+
+
+def _group_class():
+    base = _torchft().process_group.ProcessGroupGloo
+
+    class MemberGroup(base):
+        """torchft's reconfigurable gloo group, which also remembers this worker's rank in
+        the quorum and the quorum's size (torchft keeps them to itself)."""
+
+        member_rank, member_count = 0, 1
+
+        def configure(self, store_addr, replica_id, rank, world_size, *args, **kwargs):
+            super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
+            self.member_rank, self.member_count = rank, world_size
+
+        def backend(self):
+            return self.parent._get_backend(torch.device("cpu"))
+
+    return MemberGroup
+
+
+class ElasticComm(Comm):
+    """A Comm among the workers alive at each sync (torchft's quorum), see the module.
+
+    Built by [`launch`][loco.runtime.launch.launch] with ``elastic=`` (``ctx.comm``), one
+    per worker of one rank. Its ``rank`` and ``size`` are those of the current quorum;
+    ``worker`` is this worker's fixed index.
+
+    Args:
+        worker: this worker's index in [0, workers).
+        workers: M, how many workers the job has at full strength.
+        lighthouse: the Lighthouse's address (``http://host:port``).
+        min_workers: the fewest workers a sync may count with, in [1, M].
+        timeout: seconds any wait may last (a quorum, a collective, a state transfer).
+        host: the address peers reach this worker at; default ``"127.0.0.1"``.
+        **kwargs: passed to [`Comm`][loco.comm.interface.Comm] (``device``, ``name``,
+            ``link``, ``abort_event``, ...).
+    """
+
+    elastic = True
+
+    def __init__(self, worker: int, workers: int, lighthouse: str, min_workers: int,
+                 timeout: float, host: str = "127.0.0.1", **kwargs: Any):
+        super().__init__(None, 0, 1, **kwargs)
+        self.lighthouse = lighthouse
+        self.waiting = False
+        """Whether this worker is waiting for a quorum now."""
+        tft = _torchft()
+        td = datetime.timedelta(seconds=timeout)
+        self.worker, self.workers, self.min_workers, self.timeout = (worker, workers,
+                                                                      min_workers, timeout)
+        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                    timeout=td)
+        self._members_group = _group_class()(timeout=td)
+        self.manager = tft.manager.Manager(
+            pg=self._members_group, load_state_dict=None, state_dict=None,
+            min_replica_size=min_workers, use_async_quorum=False, timeout=td,
+            quorum_timeout=td, connect_timeout=td, rank=0, world_size=1, store_addr=host,
+            store_port=self._store.port, lighthouse_addr=lighthouse,
+            replica_id=f"loco_worker_{worker}", hostname=host, init_sync=False)
+        self.members: tuple[int, ...] = ()
+        """The workers (fixed indexes) of the current quorum, in quorum rank order."""
+        self.contributors = 1
+        self.healed = False
+        """Whether this worker's state was replaced by a peer's since its last commit."""
+        self.events: list[dict] = []
+        """Every change of membership and every dropped sync, in order (``time``, ``event``,
+        ``members``, ``joined``, ``left``, ``quorum_seconds``: how long the quorum that
+        brought the change took, ...), for the run's log and reports."""
+        self.syncs: list[dict] = []
+        """One record per committed sync: ``participants`` (its members), ``contributors``
+        and ``retries``."""
+        self._retries = 0
+        self._t0 = time.time()
+
+    # ------------------------------------------------------------------- the state a joiner gets
+    def register_state(self, key: str, state_fn: Callable[[], Any],
+                       load_fn: Callable[[Any], None]) -> None:
+        """Add to what a worker that is behind receives from a live one.
+
+        Args:
+            key: a name, unique per Comm.
+            state_fn: returns the state (a tree of tensors and numbers) on the live worker.
+            load_fn: takes it on the worker that is behind.
+        """
+        def load(state):
+            self.healed = True
+            load_fn(state)
+
+        self.manager.register_state_dict_fn(key, load, state_fn)
+
+    # ------------------------------------------------------------------------------- a sync
+    def begin(self) -> bool:
+        """The quorum of a sync: wait (at most ``timeout``) for at least ``min_workers``
+        live workers, take the new group if the membership changed, and agree on who
+        contributes (a worker just healed contributes zeros). Collective over the members.
+
+        Returns:
+            Whether this worker was healed (its state replaced by a live worker's) here.
+
+        Raises:
+            TimeoutError: no quorum of ``min_workers`` formed within ``timeout``; names
+                the workers that did not answer.
+        """
+        started = time.monotonic()
+        deadline = started + self.timeout
+        healed_before = self.healed
+        while True:
+            left = max(deadline - time.monotonic(), 0.1)
+            try:
+                # One request for the whole wait: torchft's manager does not take kindly to
+                # quorum requests cut short and repeated.
+                self.waiting = True
+                self.manager.start_quorum(timeout=datetime.timedelta(seconds=left))
+                self.waiting = False
+                err = self.manager.errored()
+                if err is None:
+                    self._rebind()
+                    self._agree(time.monotonic() - started)
+                    return self.healed and not healed_before
+            except Aborted:
+                raise
+            except Exception as e:  # noqa: BLE001 - no quorum in time, or a peer died in it
+                err = e
+            self.waiting = False
+            self._event("quorum_failed", error=str(err).splitlines()[0][:200])
+            if time.monotonic() > deadline:
+                alive = self.alive()
+                missing = sorted(set(range(self.workers)) - set(alive))
+                raise TimeoutError(
+                    f"worker {self.worker}: no quorum of --min-workers {self.min_workers} "
+                    f"within {self.timeout:g} s: workers {missing} did not answer (alive: "
+                    f"{alive}; last members {list(self.members)})")
+            self.manager.report_error(err if isinstance(err, Exception) else RuntimeError(err))
+
+    def alive(self) -> list[int]:
+        """The workers whose heartbeats the Lighthouse receives now (from its status
+        page; the last members if it cannot be read)."""
+        try:
+            with urllib.request.urlopen(f"{self.lighthouse}/status", timeout=5) as r:
+                page = r.read().decode()
+        except OSError:
+            return sorted(self.members)
+        entries = re.findall(r'class="heartbeat([^"]*)">\s*loco_worker_(\d+):', page)
+        return sorted({int(w) for state, w in entries if "old" not in state})
+
+    def _rebind(self) -> None:
+        backend = self._members_group.backend()
+        if backend is not self.group:
+            self.group = backend
+            self.rank = self._members_group.member_rank
+            self.size = self._members_group.member_count
+
+    def _agree(self, waited: float) -> None:
+        mine = torch.tensor([self.worker, 0 if self.healed else 1], dtype=torch.int64,
+                            device=self.device)
+        rows = self.all_gather(mine, tag=MEMBERSHIP_TAG).wait()
+        members = tuple(int(r[0]) for r in rows)
+        self.contributors = sum(int(r[1]) for r in rows)
+        if members != self.members:
+            joined = sorted(set(members) - set(self.members))
+            left = sorted(set(self.members) - set(members))
+            self.members = members
+            self._event("membership", members=list(members), joined=joined, left=left,
+                        quorum_seconds=round(waited, 3))
+        if self.contributors == 0:  # every member was healed: nothing to average
+            raise RuntimeError("no member of the quorum has a pseudo-gradient to contribute")
+
+    def commit(self, ok: bool, record: bool = True) -> bool:
+        """Tell every member whether this worker's collective succeeded and learn theirs;
+        the sync counts only if all did (torchft's should-commit, here across workers).
+
+        Args:
+            ok: whether this worker's collective of the sync completed.
+            record: add the sync to ``syncs`` (default True; False for the start).
+
+        Returns:
+            Whether the sync is committed (its result may be applied).
+        """
+        error = None
+        try:
+            flags = self.all_gather(torch.tensor([int(ok)], device=self.device),
+                                    tag=MEMBERSHIP_TAG).wait()
+            ok = all(int(f) == 1 for f in flags)
+        except Aborted:
+            raise
+        except Exception as e:  # noqa: BLE001 - a member is gone
+            ok, error = False, e
+        if not ok:
+            self.manager.report_error(error or RuntimeError("a member's collective failed"))
+        committed = self.manager.should_commit()
+        if committed and record:
+            self.syncs.append({"participants": list(self.members),
+                               "contributors": self.contributors, "retries": self._retries,
+                               "time": time.time() - self._t0})
+        if committed:
+            self.healed, self._retries = False, 0
+        else:
+            self._retries += 1
+            self._event("sync_dropped", members=list(self.members),
+                        error=str(error).splitlines()[0][:200] if error else None)
+        return committed
+
+    def settle(self, handle: Handle, reissue: Callable[[], Handle] | None = None) -> Any:
+        """Wait for the collective of a sync and commit it; if it is not committed, retry
+        it with a new quorum (``begin``) until it is: ``reissue()`` issues it again over the
+        new members (by default ``handle.reissue``, which ``all_reduce_mean`` sets: the
+        same input again).
+
+        Args:
+            handle: the sync's handle.
+            reissue: issues the sync's collective again, for operations whose peers depend
+                on the members (NoLoCo's groups); default None.
+
+        Returns:
+            The committed operation's result; None when this worker was healed during a
+                retry (its state was replaced by a live worker's): the caller must go on
+                from that state instead of this sync.
+        """
+        while True:
+            try:
+                result, ok = handle.wait(), True
+            except Aborted:
+                raise
+            except Exception as e:  # noqa: BLE001 - a member died: the commit says no
+                log.info("worker %d: sync failed: %s", self.worker, e)
+                result, ok = None, False
+            if self.commit(ok):
+                return result
+            if self.begin():
+                return None
+            handle = (reissue or handle.reissue)()
+
+    def all_reduce_mean(self, tensor: torch.Tensor, tag: str = "train",
+                        codec: Codec | None = None) -> Handle:
+        """[`Comm.all_reduce_mean`][loco.comm.interface.Comm.all_reduce_mean] over the
+        members, divided by the contributors; a copy of the input is kept so that a sync
+        that is not committed can be issued again from it (``handle.reissue()``).
+
+        Args:
+            tensor: as for ``Comm.all_reduce_mean``; zeroed on a worker just healed.
+            tag: as for ``Comm.all_reduce_mean``.
+            codec: as for ``Comm.all_reduce_mean``.
+
+        Returns:
+            The handle, with a ``reissue()`` that issues the same reduction again.
+        """
+        if self.healed:
+            tensor.zero_()
+        saved = tensor.detach().clone()
+        handle = super().all_reduce_mean(tensor, tag, codec)
+
+        def reissue() -> Handle:
+            tensor.copy_(saved)
+            return self.all_reduce_mean(tensor, tag, codec)
+
+        handle.reissue = reissue
+        return handle
+
+    def _gather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> None:
+        """All-gather as an all-to-all (the same bytes): every member hears from every other
+        directly, so a dead one fails everyone's operation at once."""
+        m = len(out)
+        stacked = torch.empty((m, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+        self.group.alltoall_base(stacked.view(-1), tensor.unsqueeze(0).expand(m, *tensor.shape)
+                                 .contiguous().view(-1), [], [], dist.AllToAllOptions()).wait()
+        for o, s in zip(out, stacked.unbind(0)):
+            o.copy_(s)
+
+    def _event(self, event: str, **fields: Any) -> None:
+        record = {"time": round(time.time() - self._t0, 3), "event": event,
+                  "worker": self.worker, **fields}
+        self.events.append(record)
+        log.info("elastic: %s", record)
+
+    def close(self) -> None:
+        """Stop the Comm, then torchft's manager (its servers) and this worker's store."""
+        super().close()
+        self.manager.shutdown(wait=False)
+
+
+__all__ = ["ElasticComm", "MEMBERSHIP_TAG", "start_lighthouse"]

@@ -1,0 +1,169 @@
+"""Elastic membership (torchft's quorum under loco's Comm): workers of an M = 4 job die and
+come back while the others keep training. Every case compares the survivors' final global
+model with a single-process reference of Streaming DiLoCo that drops the lost worker's
+contributions from the failed sync on (and, for a rejoin, takes it back from the sync it
+joined at), and checks that the workers that finish hold the same bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import loco
+from workers import (elastic_worker, max_diff, reference_big_batch, reference_streaming,
+                     smooth_optimizer)
+
+
+M, STEPS, H, P, TAU, ALPHA = 4, 40, 8, 2, 1, 0.5
+ALGO = dict(sync_every=H, fragments=P, overlap=TAU, alpha=ALPHA, codec="fp32")
+# fp32 pseudo-gradients: the reduction sums the contributors' chunks in rank order on their
+# owner, the reference with torch.stack(...).sum(0); over a few syncs the two orders differ
+# by a few ulps of the parameters (~1e-7), far inside 1e-5.
+TOL = 1e-5
+
+
+def run(kill, restarts=0, steps=STEPS, algo=ALGO, **extra):
+    return loco.launch(elastic_worker, workers=M, launcher="processes", timeout=60,
+                       elastic=loco.Elastic(min_workers=2, restarts=restarts),
+                       args=(steps,), kwargs=dict(kill=kill, **algo, **extra))
+
+
+def assert_same_bits(results):
+    first = results[0]["params"]
+    for r in results[1:]:
+        assert all(torch.equal(r["params"][n], first[n]) for n in first)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("where,kill_step,lost_from", [
+    ("step", 13, 12),       # dies before step 13: the sync sent at 12 (applied at 13) is
+                            # in flight and never committed by it
+    ("reduction", 20, 20),  # dies inside the reduction of the sync sent at 20, between
+                            # its reduce-scatter and its all-gather
+])
+def test_survivors_finish_without_the_lost_worker(where, kill_step, lost_from):
+    out = run((3, kill_step, where))
+    assert out[3] is None  # lost for good (no restart)
+    survivors = out[:3]
+    assert_same_bits(survivors)
+    ref = reference_streaming(M, STEPS, H, P, TAU, ALPHA, lost={3: lost_from})
+    assert max_diff(survivors[0]["params"], ref) < TOL
+    # and it is not the run without the loss
+    assert max_diff(survivors[0]["params"], reference_streaming(M, STEPS, H, P, TAU, ALPHA)) > 1e-4
+    for r in survivors:
+        syncs = r["syncs"]
+        sent = [s["step"] for s in r["sync_log"]]
+        assert len(syncs) == len(sent) == STEPS // (H // P)
+        for s, at in zip(syncs, sent):
+            assert s["participants"] == ([0, 1, 2, 3] if at < lost_from else [0, 1, 2])
+            assert s["contributors"] == (4 if at < lost_from else 3)
+            assert s["retries"] == (1 if at == lost_from else 0)
+        events = [e["event"] for e in r["events"]]
+        assert events == ["membership", "sync_dropped", "membership"]
+        assert r["events"][-1]["left"] == [3]
+
+
+@pytest.mark.numerics
+def test_a_restarted_worker_rejoins_from_a_peer_bit_for_bit():
+    # Steps slowed to 0.15 s so that the restarted process (~3 s to start) joins mid-run.
+    steps = 64
+    out = run((3, 20, "reduction"), restarts=1, steps=steps, step_seconds=0.15)
+    joiner, peers = out[3], out[:3]
+    assert joiner["joined"] and 20 < joiner["start"] < steps
+    s = joiner["join_sync"]
+    assert joiner["start"] in (s, s + TAU)  # at the send, or during the retry at s + τ
+    # after joining, its replica is the global copy the others held at that sync, exactly
+    assert all(torch.equal(joiner["after_join"][n], v) for n, v in peers[0]["sent"][s].items())
+    assert_same_bits(out)
+    ref = reference_streaming(M, steps, H, P, TAU, ALPHA, lost={3: 20},
+                              rejoin={3: (s, joiner["start"])})
+    assert max_diff(joiner["params"], ref) < TOL
+    syncs = {at: rec for at, rec in zip([x["step"] for x in peers[0]["sync_log"]],
+                                        peers[0]["syncs"])}
+    assert syncs[s]["participants"] == [0, 1, 2, 3] and syncs[s]["contributors"] == 3
+    assert all(rec["contributors"] == 4 for at, rec in syncs.items() if at > s)
+    assert peers[0]["events"][-1] == {**peers[0]["events"][-1], "event": "membership",
+                                      "joined": [3], "left": []}
+
+
+@pytest.mark.numerics
+def test_data_parallel_retries_the_step_without_the_lost_worker():
+    out = run((3, 13, "step"), algo={"algo_name": "dp", "smooth": True})
+    survivors = out[:3]
+    assert out[3] is None
+    assert_same_bits(survivors)
+    # A mean of the workers' means sums the same terms as the big batch's one mean, in
+    # another order (ulps); AdamW with eps = 1e-3 passes such differences on smoothly
+    # (see smooth_optimizer), so after 40 steps they stay far inside 1e-5.
+    ref, _ = reference_big_batch(M, STEPS, optimizer=smooth_optimizer, lost={3: 13})
+    assert max_diff(survivors[0]["params"], ref) < TOL
+    full, _ = reference_big_batch(M, STEPS, optimizer=smooth_optimizer)
+    assert max_diff(survivors[0]["params"], full) > 1e-4
+    syncs = survivors[0]["syncs"]
+    assert len(syncs) == STEPS
+    assert [s["participants"] for s in syncs] == [[0, 1, 2, 3]] * 12 + [[0, 1, 2]] * 28
+    assert [s["contributors"] for s in syncs] == [4] * 12 + [3] * (STEPS - 12)
+
+
+def test_noloco_goes_on_when_a_partner_is_lost():
+    out = run((3, 13, "step"), algo=dict(algo_name="noloco", sync_every=4, group_size=2))
+    survivors = out[:3]
+    assert out[3] is None
+    groups = survivors[0]["groups"]
+    assert len(groups) == STEPS // 4
+    for r in survivors[1:]:  # the same groups on every live worker, without a word
+        assert r["groups"] == groups
+    for k, g in groups.items():
+        assert sorted(w for grp in g for w in grp) == ([0, 1, 2, 3] if 4 * (k + 1) < 13
+                                                       else [0, 1, 2])
+        if 4 * (k + 1) >= 13:  # three workers in groups of 2: one steps alone this time
+            assert sorted(len(grp) for grp in g) == [1, 2]
+
+
+def test_below_min_workers_the_wait_ends_and_names_the_missing_worker():
+    with pytest.raises(loco.WorkerError, match=r"workers \[1\] did not answer"):
+        loco.launch(elastic_worker, workers=2, launcher="processes", timeout=6,
+                    elastic=loco.Elastic(min_workers=2, restarts=0),
+                    args=(STEPS,), kwargs=dict(kill=(1, 13, "step"), **ALGO))
+
+
+def test_elastic_options_are_checked_before_any_worker_starts():
+    with pytest.raises(ValueError, match=r"min_workers must be an integer in \[1, workers=4\]"):
+        loco.launch(elastic_worker, workers=4, launcher="processes",
+                    elastic=loco.Elastic(min_workers=5))
+    with pytest.raises(ValueError, match="restarts must be an integer >= 0"):
+        loco.launch(elastic_worker, workers=4, launcher="processes",
+                    elastic=loco.Elastic(restarts=-1))
+    with pytest.raises(ValueError, match="'processes' launcher"):
+        loco.launch(elastic_worker, workers=4, launcher="threads", elastic=loco.Elastic())
+
+
+def test_loco_train_elastic_survives_a_killed_worker(corpus, tmp_path, monkeypatch):
+    """The CLI: 4 workers, worker 3 killed (SIGKILL) before step 10 and not restarted; the
+    others finish, and the run's records say who took part in every sync."""
+    import json
+
+    from loco.cli import main
+    from test_cli import small_run
+
+    monkeypatch.setenv("LOCO_FAULT", "3:10:kill")
+    out = tmp_path / "run"
+    assert main(small_run(corpus, out, "--workers", "4", "--steps", "16", "--elastic",
+                          "--launcher", "processes", "--max-restarts", "0",
+                          "--checkpoint-every", "0", "--final-eval-batches", "2")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    elastic = summary["elastic"]
+    assert elastic["min_workers"] == 3  # a majority of 4
+    # streaming, H = 4, P = 2: a fragment sent every 2 steps; those sent at 2, 4, 6 and 8
+    # (applied at 9) with all four, those from step 10 on with three
+    assert elastic["syncs_by_participants"] == {"4": 4, "3": 4}
+    assert [loss["left"] for loss in elastic["losses"]] == [[3]]
+    assert elastic["losses"][0]["to_next_sync"] > 0
+    assert elastic["losses"][0]["to_full_strength"] is None
+    # steps x members x batch x seq: the members of the latest sync count each step, so
+    # step 10, after whose inner step the first sync without worker 3 began, counts three
+    assert summary["tokens"] == (9 * 4 + 7 * 3) * 4 * 32
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    syncs = [r for r in records if r.get("event") == "elastic_sync"]
+    assert [len(r["participants"]) for r in syncs] == [4] * 4 + [3] * 4
+    assert [r["left"] for r in records if r.get("event") == "membership" and r["left"]] == [[3]]
