@@ -167,3 +167,45 @@ def test_loco_train_elastic_survives_a_killed_worker(corpus, tmp_path, monkeypat
     syncs = [r for r in records if r.get("event") == "elastic_sync"]
     assert [len(r["participants"]) for r in syncs] == [4] * 4 + [3] * 4
     assert [r["left"] for r in records if r.get("event") == "membership" and r["left"]] == [[3]]
+
+
+def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_path):
+    """One torchrun job per worker (the multi-machine setting), all joined by one Lighthouse:
+    worker 2 is killed at step 30; torchrun restarts it (--max-restarts 1) and it rejoins
+    from a live worker while the others go on."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from loco.comm.elastic import start_lighthouse
+    from loco.data import prepare_corpus
+    from test_cli import small_run
+
+    text, cache = corpus
+    prepare_corpus(text, 300, 0.05, cache)  # once, before three processes read it
+    lighthouse = start_lighthouse(min_workers=2)
+    out = tmp_path / "run"
+    # slowed by an emulated 20 ms link, so that the restart (~5 s) comes well before the end
+    args = small_run(corpus, out, "--workers", "3", "--steps", "400", "--elastic",
+                     "--link-latency", "20ms", "--log-every", "50", "--eval-every", "0",
+                     "--lighthouse", lighthouse.address(), "--checkpoint-every", "0",
+                     "--final-eval-batches", "2")
+    env = {**os.environ, "LOCO_FAULT": "2:30:kill", "OMP_NUM_THREADS": "1"}
+    try:
+        jobs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  "--nproc-per-node", "1", "--max-restarts", "1", "-m", "loco",
+                                  *args, "--worker-index", str(w)], env=env,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                for w in range(3)]
+        logs = [job.communicate(timeout=120)[0] for job in jobs]
+    finally:
+        lighthouse.shutdown()
+    assert [job.returncode for job in jobs] == [0, 0, 0], logs[2][-3000:]
+    summary = json.loads((out / "summary.json").read_text())
+    elastic = summary["elastic"]
+    assert [loss["left"] for loss in elastic["losses"]] == [[2]]
+    assert elastic["losses"][0]["to_full_strength"] is not None  # worker 2 came back
+    assert set(elastic["syncs_by_participants"]) == {"2", "3"}
+    joined = [e for e in elastic["events"] if e["event"] == "membership" and e["joined"] == [2]]
+    assert joined and joined[-1]["members"] == [0, 1, 2]

@@ -274,6 +274,14 @@ class TrainConfig:
     min_workers: int | None = opt(None, "with --elastic: the fewest live workers a sync counts "
                                   "with; below it the workers wait (at most --comm-timeout) "
                                   "for more (default: a majority, workers // 2 + 1)")
+    lighthouse: str | None = opt(None, "with --elastic: the address (http://host:port) of a "
+                                 "running torchft Lighthouse (torchft_lighthouse "
+                                 "--min_replicas N); this process is then one worker, "
+                                 "--worker-index, started by hand or by torchrun (one process "
+                                 "per worker) on any machine (default: loco starts the "
+                                 "Lighthouse and all workers on this machine)")
+    worker_index: int | None = opt(None, "with --lighthouse: this process's worker, in [0, "
+                                   "--workers)")
     on_nonfinite: str = opt("stop", "a non-finite gradient or pseudo-gradient is caught before "
                             "it reaches the parameters; stop the run (the last checkpoint is "
                             "the last good state) or skip that step or sync and count it",
@@ -686,10 +694,11 @@ def validate_worker_ranks(cfg: TrainConfig) -> None:
 
 
 def validate_elastic(cfg: TrainConfig) -> None:
-    """Check ``elastic`` and ``min_workers``: elastic runs under the processes launcher, with
-    workers of one rank and no pipeline stages, and not with ``eval_replicas`` or
-    ``resume`` (they have no disk checkpoints yet); ``min_workers`` in [1, ``workers``],
-    only with ``elastic``.
+    """Check ``elastic`` and its options: elastic runs under the processes launcher (or,
+    with ``lighthouse`` and ``worker_index``, as one worker of an external Lighthouse's job,
+    also under torchrun), with workers of one rank and no pipeline stages, and not with
+    ``eval_replicas`` or ``resume`` (they have no disk checkpoints yet); ``min_workers`` in
+    [1, ``workers``], ``worker_index`` in [0, ``workers``); these only with ``elastic``.
 
     Args:
         cfg: the configuration.
@@ -699,14 +708,25 @@ def validate_elastic(cfg: TrainConfig) -> None:
     """
     from loco.runtime import under_torchrun
 
-    if cfg.min_workers is not None and not cfg.elastic:
-        raise ConfigError("min_workers", "only means something with --elastic (got "
-                          f"{cfg.min_workers})")
+    for name in ("min_workers", "lighthouse", "worker_index"):
+        if getattr(cfg, name) is not None and not cfg.elastic:
+            raise ConfigError(name, f"only means something with --elastic (got "
+                              f"{getattr(cfg, name)})")
     if not cfg.elastic:
         return
-    if cfg.launcher != "processes" or under_torchrun():
-        raise ConfigError("elastic", "elastic membership runs under --launcher processes "
-                          f"for now (got --launcher {cfg.launcher})")
+    if (cfg.lighthouse is None) != (cfg.worker_index is None):
+        raise ConfigError("worker_index" if cfg.worker_index is None else "lighthouse",
+                          "--lighthouse and --worker-index go together: this process is one "
+                          f"worker of that Lighthouse's job (got --lighthouse "
+                          f"{cfg.lighthouse}, --worker-index {cfg.worker_index})")
+    if cfg.worker_index is not None and not 0 <= cfg.worker_index < cfg.workers:
+        raise ConfigError("worker_index", f"must be in [0, --workers {cfg.workers}) (got "
+                          f"{cfg.worker_index})")
+    if cfg.lighthouse is None and (cfg.launcher != "processes" or under_torchrun()):
+        raise ConfigError("elastic", "loco starts the workers of an elastic run under "
+                          "--launcher processes; under torchrun (one job per worker) give "
+                          "--lighthouse and --worker-index (got --launcher "
+                          f"{'torchrun' if under_torchrun() else cfg.launcher})")
     for name, allowed in (("worker_ranks", 1), ("stages", 1)):
         if getattr(cfg, name) != allowed:
             raise ConfigError(name, f"must be {allowed} with --elastic: workers of one rank "

@@ -54,7 +54,7 @@ def run_training(cfg: TrainConfig) -> dict:
 def prepare_config(cfg: TrainConfig) -> TrainConfig:
     """Validated, with the defaults that depend on other options (and torchrun's world size)
     filled in; raises ConfigError before anything runs."""
-    if under_torchrun() and cfg.stages >= 1 and cfg.worker_ranks >= 1:
+    if under_torchrun() and cfg.stages >= 1 and cfg.worker_ranks >= 1 and not cfg.lighthouse:
         # torchrun, not --workers, decides how many workers there are
         world = int(os.environ["WORLD_SIZE"])
         per_worker = cfg.stages * cfg.worker_ranks
@@ -109,7 +109,8 @@ def launch_training(cfg: TrainConfig, corpus: Corpus) -> dict:
                      timeout=cfg.comm_timeout, max_restarts=cfg.max_restarts,
                      link=LinkSpec.parse(cfg.link_bandwidth, cfg.link_latency),
                      fast_link=LinkSpec.parse(cfg.fast_link_bandwidth, cfg.fast_link_latency),
-                     elastic=Elastic(min_workers=cfg.min_workers, restarts=cfg.max_restarts)
+                     elastic=Elastic(min_workers=cfg.min_workers, restarts=cfg.max_restarts,
+                                     lighthouse=cfg.lighthouse, worker=cfg.worker_index)
                      if cfg.elastic else None)
     # The lead rank's summary (under torchrun the list holds only this rank's value; in an
     # elastic run a worker lost for good has None).

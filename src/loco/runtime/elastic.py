@@ -41,11 +41,19 @@ class Elastic:
         restarts: how many times each worker is restarted after it died, >= 0; default 3.
         heartbeat_timeout: seconds without a heartbeat after which a worker counts as gone
             (its peers go on without it), > 0; default 1.0.
+        lighthouse: the address (``http://host:port``) of a Lighthouse that runs already
+            (``torchft_lighthouse``, see [Elastic membership](../elastic.md)): then this
+            process is one worker of the job, ``worker``, started by you or by torchrun
+            (one process per worker, on any machine); default None: ``launch`` starts the
+            Lighthouse and every worker, as processes of this machine.
+        worker: with ``lighthouse``: this process's worker index, in [0, M).
     """
 
     min_workers: int | None = None
     restarts: int = 3
     heartbeat_timeout: float = 1.0
+    lighthouse: str | None = None
+    worker: int | None = None
 
     def check(self, workers: int) -> int:
         """Validate against M workers; returns the min_workers in effect.
@@ -64,6 +72,12 @@ class Elastic:
             raise ValueError(f"restarts must be an integer >= 0 (got {self.restarts!r})")
         if not self.heartbeat_timeout > 0:
             raise ValueError(f"heartbeat_timeout must be > 0 (got {self.heartbeat_timeout!r})")
+        if (self.lighthouse is None) != (self.worker is None):
+            raise ValueError("lighthouse and worker go together: this process is worker "
+                             f"`worker` of the job of that Lighthouse (got lighthouse="
+                             f"{self.lighthouse!r}, worker={self.worker!r})")
+        if self.worker is not None and not 0 <= self.worker < workers:
+            raise ValueError(f"worker must be in [0, workers={workers}) (got {self.worker!r})")
         return need
 
 
@@ -168,23 +182,58 @@ def _too_late(job_over, comm, worker: int, results) -> None:
     os._exit(0)
 
 
+def run_worker(fn: Callable[..., Any], args: tuple, workers: int, timeout: float,
+               spec: Elastic, link: Any = None, launcher: str = "processes") -> Any:
+    """Run ``fn(ctx, *args)`` as worker ``spec.worker`` of the elastic job whose Lighthouse
+    runs at ``spec.lighthouse`` (``launch`` with ``Elastic(lighthouse=..., worker=...)``).
+
+    Args:
+        fn: the worker function.
+        args: its positional arguments after ``ctx``.
+        workers: M.
+        timeout: seconds any wait may last.
+        spec: the [`Elastic`][loco.runtime.elastic.Elastic] options, with ``lighthouse``
+            and ``worker``.
+        link: an emulated slow link ([`LinkSpec`][loco.comm.link.LinkSpec]) or None.
+        launcher: what ``ctx.launcher`` says; default ``"processes"``.
+
+    Returns:
+        ``fn``'s return value.
+    """
+    comm = _comm(spec.worker, workers, spec.lighthouse, spec.check(workers), timeout, link)
+    try:
+        return fn(_context(comm, launcher), *args)
+    finally:
+        comm.close()
+
+
+def _comm(worker: int, workers: int, lighthouse: str, min_workers: int, timeout: float,
+          link: Any):
+    from loco.comm.elastic import ElasticComm
+    from loco.runtime.launch import _emulated
+
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers: no line per quorum
+    return ElasticComm(worker, workers, lighthouse, min_workers, timeout, link=_emulated(link))
+
+
+def _context(comm, launcher: str):
+    from loco.runtime.launch import Mesh, WorkerContext
+
+    return WorkerContext(comm.worker, comm.workers, Mesh(comm.workers, 1, 1), comm,
+                         torch.device("cpu"), launcher)
+
+
 def _entry(fn, args, workers, lighthouse, min_workers, timeout, link, job_over, worker,
            restart, results) -> None:
     """A worker process: its ElasticComm and context, then ``fn``; the result (or the
     traceback) goes back through ``results``."""
-    from loco.comm.elastic import ElasticComm
-    from loco.runtime.launch import Mesh, WorkerContext, _emulated
-
     os.environ[RESTART_ENV] = str(restart)
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers: no line per quorum
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-    comm = ElasticComm(worker, workers, lighthouse, min_workers, timeout, link=_emulated(link))
+    comm = _comm(worker, workers, lighthouse, min_workers, timeout, link)
     threading.Thread(target=_too_late, args=(job_over, comm, worker, results), daemon=True,
                      name="loco-job-over").start()
     try:
-        ctx = WorkerContext(worker, workers, Mesh(workers, 1, 1), comm, torch.device("cpu"),
-                            "processes")
-        value = fn(ctx, *args)
+        value = fn(_context(comm, "processes"), *args)
         # By value: a queue would pass tensors as shared memory this process must outlive.
         results.put((worker, True, pickle.dumps(value)))
     except BaseException:
@@ -236,4 +285,4 @@ def recovery_report(events: list[dict], syncs: list[dict], workers: int) -> dict
             "losses": losses, "events": list(events)}
 
 
-__all__ = ["Elastic", "RESTART_ENV", "launch_elastic", "recovery_report"]
+__all__ = ["Elastic", "RESTART_ENV", "launch_elastic", "recovery_report", "run_worker"]

@@ -44,7 +44,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from loco.comm import Comm
 from loco.comm.interface import Aborted, CommThread
 from loco.comm.link import EmulatedLink, LinkSpec
-from loco.runtime.elastic import Elastic, launch_elastic
+from loco.runtime.elastic import Elastic, launch_elastic, run_worker
 
 LAUNCHERS = ("threads", "processes", "torchrun")
 """How the workers run: threads of this process, local processes, or ranks of torchrun."""
@@ -281,10 +281,8 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
         raise ValueError("shards > 1 with pipeline stages (ranks_per_replica > 1) is not "
                          "supported yet; use one or the other")
     if elastic is not None:
-        if launcher != "processes" or under_torchrun() or ranks_per_replica > 1 or shards > 1:
-            raise ValueError("elastic membership runs under the 'processes' launcher, with "
-                             "workers of one rank (no --stages or --worker-ranks) for now")
-        return launch_elastic(fn, args, workers, timeout, elastic, link)
+        return _launch_elastic(fn, args, workers, launcher, timeout, elastic, link,
+                               ranks_per_replica * shards)
     if launcher == "torchrun" and not under_torchrun():
         raise ValueError("launcher 'torchrun' needs a process started by torchrun "
                          "(its RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID are missing)")
@@ -296,6 +294,28 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
     if launcher == "threads":
         return _launch_threads(fn, args, mesh, timeout, (link, fast_link))
     return _launch_processes(fn, args, mesh, timeout, max_restarts, (link, fast_link))
+
+
+def _launch_elastic(fn, args, workers: int, launcher: str, timeout: float, spec: Elastic,
+                    link, ranks: int) -> list:
+    """An elastic run: every worker as a local process (``spec.lighthouse`` None), or this
+    process as one worker (under torchrun, or started by hand)."""
+    if ranks > 1:
+        raise ValueError("elastic membership runs with workers of one rank (no pipeline "
+                         "stages, no shards) for now")
+    if spec.lighthouse is not None:
+        spec.check(workers)
+        if under_torchrun() and int(os.environ["WORLD_SIZE"]) != 1:
+            raise ValueError("an elastic worker is one torchrun job of one process "
+                             "(--nproc-per-node 1), one per worker, each with its --worker-"
+                             f"index (got a world of {os.environ['WORLD_SIZE']})")
+        return [run_worker(fn, args, workers, timeout, spec, link,
+                           "torchrun" if under_torchrun() else "processes")]
+    if launcher != "processes" or under_torchrun():
+        raise ValueError("elastic membership starts its workers under the 'processes' "
+                         "launcher; under torchrun give the Lighthouse's address and each "
+                         "job's worker index (Elastic(lighthouse=..., worker=...))")
+    return launch_elastic(fn, args, workers, timeout, spec, link)
 
 
 # ------------------------------------------------------------------------------- threads
