@@ -519,6 +519,13 @@ def warnings_for(cfg: TrainConfig) -> list[str]:
         resolved = resolve(cfg)
         out += convergence_warnings(resolved.outer_lr, resolved.outer_momentum, cfg.gamma,
                                     cfg.group_size)
+    if cfg.elastic and cfg.checkpoint_every:
+        out.append(f"--checkpoint-every {cfg.checkpoint_every} ignored: an elastic run writes "
+                   "no disk checkpoints yet (its state lives in its live workers); add "
+                   "--checkpoint-every 0 to say so")
+    if cfg.elastic and cfg.spread_every and cfg.algorithm in ("noloco", "local"):
+        out.append("--spread-every ignored: an elastic run measures no spread (a collective "
+                   "outside the syncs)")
     fast = [f"--{n.replace('_', '-')}" for n in ("fast_link_bandwidth", "fast_link_latency")
             if getattr(cfg, n) is not None]
     if fast and cfg.worker_ranks == 1:
