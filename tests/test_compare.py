@@ -45,6 +45,7 @@ def table_rows(report: str) -> dict[str, list[str]]:
 def test_compare_writes_report_json_plots_and_one_run_per_method(compared):
     for name in ("report.md", "compare.json", *PLOTS):
         assert (compared / name).stat().st_size > 0, name
+    assert not (compared / "participants.png").exists()  # no elastic run among them
     for label in ("ddp", "diloco", "streaming", "noloco", "local", "wide"):
         for name in ("metrics.jsonl", "summary.json", "loss.png"):
             assert (compared / label / name).exists(), (label, name)

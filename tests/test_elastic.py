@@ -65,8 +65,9 @@ def test_survivors_finish_without_the_lost_worker(where, kill_step, lost_from):
 
 @pytest.mark.numerics
 def test_a_restarted_worker_rejoins_from_a_peer_bit_for_bit():
-    # Steps slowed to 0.15 s so that the restarted process (~3 s to start) joins mid-run.
-    steps = 64
+    # Steps slowed to 0.15 s so that the restarted process (~3 s to start) joins mid-run,
+    # with some 8 s to spare on a loaded machine.
+    steps = 96
     out = run((3, 20, "reduction"), restarts=1, steps=steps, step_seconds=0.15)
     joiner, peers = out[3], out[:3]
     assert joiner["joined"] and 20 < joiner["start"] < steps
@@ -167,6 +168,11 @@ def test_loco_train_elastic_survives_a_killed_worker(corpus, tmp_path, monkeypat
     syncs = [r for r in records if r.get("event") == "elastic_sync"]
     assert [len(r["participants"]) for r in syncs] == [4] * 4 + [3] * 4
     assert [r["left"] for r in records if r.get("event") == "membership" and r["left"]] == [[3]]
+    # loco compare plots the participants of the syncs of elastic runs
+    from loco.report import load_run, write_report
+
+    write_report([load_run(str(out))], str(tmp_path / "compared"))
+    assert (tmp_path / "compared" / "participants.png").exists()
 
 
 def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_path):

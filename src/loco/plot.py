@@ -92,6 +92,12 @@ def plot_comparison(runs, out: str) -> list[str]:
               if any("spread" in rec for rec in r.records)]
     figure("spread.png", "tokens (all workers)", "RMS distance of the replicas to their mean",
            "replica spread (methods whose replicas differ)", spread, marker=".")
+    participants = [(r, [(rec["step"], len(rec["participants"])) for rec in r.records
+                         if rec.get("event") == "elastic_sync"]) for r in runs
+                    if any(rec.get("event") == "elastic_sync" for rec in r.records)]
+    figure("participants.png", "inner step", "workers in the sync",
+           "participants of every committed sync (elastic runs)", participants, marker=".",
+           steps=True)
     return written
 
 

@@ -14,6 +14,7 @@ data-parallel training clips the averaged gradient, as DDP does.
 from __future__ import annotations
 
 import math
+import time
 
 import torch
 from torch import nn
@@ -157,8 +158,8 @@ class Algorithm:
         """Take part in the first quorum of an elastic job
         ([`ElasticComm`][loco.comm.elastic.ElasticComm]); call it once, before the first
         step (it does nothing on a fixed Comm). In a fresh job the workers wait for each
-        other (all M, within the timeout) and start from the same state, as without
-        elasticity. A worker that joins a running job (restarted after a failure, or
+        other (all M; after the timeout, those that came, at least ``min_workers``) and
+        start from the same state, as without elasticity. A worker that joins a running job (restarted after a failure, or
         started by hand) receives the state of a live worker at its next sync and goes on
         from there: its ``inner_steps`` jump to that worker's.
 
@@ -167,12 +168,14 @@ class Algorithm:
         """
         if not self.comm.elastic:
             return False
+        deadline = time.monotonic() + self.comm.timeout
         while True:
             if self.comm.begin():
                 self._resume()
                 return True
-            if len(self.comm.members) == self.comm.workers:
-                break
+            if len(self.comm.members) == self.comm.workers or time.monotonic() > deadline:
+                break  # all M, or as many as came within the timeout (>= min_workers)
+            time.sleep(0.5)  # the others are still starting
         self._sync_initial_state(self._init_sync)
         self.comm.commit(True, record=False)
         return False

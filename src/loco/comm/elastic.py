@@ -162,8 +162,8 @@ class ElasticComm(Comm):
         ``members``, ``joined``, ``left``, ``quorum_seconds``: how long the quorum that
         brought the change took, ...), for the run's log and reports."""
         self.syncs: list[dict] = []
-        """One record per committed sync: ``participants`` (its members), ``contributors``
-        and ``retries``."""
+        """One record per committed sync: ``participants`` (its members), ``contributors``,
+        ``retries``, ``time`` (seconds since this Comm was made) and ``unix_time``."""
         self._retries = 0
         self._t0 = time.time()
 
@@ -286,7 +286,7 @@ class ElasticComm(Comm):
         if committed and record:
             self.syncs.append({"participants": list(self.members),
                                "contributors": self.contributors, "retries": self._retries,
-                               "time": time.time() - self._t0})
+                               "time": time.time() - self._t0, "unix_time": time.time()})
         if committed:
             self.healed, self._retries = False, 0
         else:
@@ -362,7 +362,8 @@ class ElasticComm(Comm):
             o.copy_(s)
 
     def _event(self, event: str, **fields: Any) -> None:
-        record = {"time": round(time.time() - self._t0, 3), "event": event,
+        record = {"time": round(time.time() - self._t0, 3), "unix_time": time.time(),
+                  "event": event,
                   "worker": self.worker, **fields}
         self.events.append(record)
         log.info("elastic: %s", record)
