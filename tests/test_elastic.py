@@ -215,3 +215,68 @@ def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_pat
     assert set(elastic["syncs_by_participants"]) == {"2", "3"}
     joined = [e for e in elastic["events"] if e["event"] == "membership" and e["joined"] == [2]]
     assert joined and joined[-1]["members"] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("algo_name,kw", [
+    ("streaming", dict(sync_every=4, fragments=2, overlap=0, alpha=0.5, codec="fp4_e3m0")),
+    ("dp", {}),
+    ("noloco", dict(sync_every=4, group_size=2)),
+])
+def test_heal_state_carries_the_global_model_exactly(algo_name, kw):
+    """What a joiner receives (and an elastic checkpoint holds): after load_heal_state a
+    fresh algorithm's global model, and its replica, are the sender's global model bit for
+    bit, its counters the sender's; its inner optimizer starts from zero but for
+    DataParallel, whose replica is the model."""
+    from workers import heal_roundtrip_worker
+
+    # 8 steps: an outer step's end, where NoLoCo's replica (its "global" model) is its φ
+    for r in loco.launch(heal_roundtrip_worker, workers=2, args=(algo_name, 8), kwargs=kw):
+        assert r["steps"] == (8, 8)
+        for name, value in r["global"].items():
+            assert torch.equal(r["fresh_global"][name], value), name
+            assert torch.equal(r["fresh_replica"][name], value), name
+        assert (r["optimizer_state"] > 0) == (algo_name == "dp")
+
+
+def test_an_elastic_run_that_lost_every_worker_resumes_from_its_lead_checkpoint(
+        corpus, tmp_path):
+    """The lead (worker 0) writes one checkpoint file; every process of the run is killed;
+    --resume continues all workers from it."""
+    import json
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from loco import checkpoint
+    from loco.cli import main
+    from test_cli import small_run
+
+    out = tmp_path / "run"
+    args = small_run(corpus, out, "--workers", "3", "--steps", "100", "--elastic",
+                     "--launcher", "processes", "--checkpoint-every", "2",
+                     "--link-latency", "20ms", "--eval-every", "0", "--log-every", "10",
+                     "--final-eval-batches", "2")
+    job = subprocess.Popen([sys.executable, "-m", "loco", *args], start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while (checkpoint.latest(str(out)) or {}).get("step", 0) < 9:
+            assert job.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        os.killpg(job.pid, signal.SIGKILL)  # the launcher and every worker at once
+        job.wait()
+    meta = checkpoint.latest(str(out))
+    step = int(meta["step"])
+    assert meta["elastic"] and step < 100 and (step - 1) % 8 == 0  # every 2 rounds, + tau
+    assert sorted(os.listdir(out / "checkpoints" / f"step{step:08d}")) == ["rank0000.pt"]
+    assert main(["train", "--resume", str(out), "--no-progress"]) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["resumed_from_step"] == step and summary["inner_steps"] == 100
+    assert summary["elastic"]["syncs_by_participants"] == {"3": (100 - step) // 2 + 1}
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    logged = [r["step"] for r in records if "train_loss" in r]
+    assert logged == sorted(set(logged)) and logged[-1] == 100  # cut at the checkpoint
+    assert checkpoint.latest(str(out))["step"] == 100

@@ -536,3 +536,26 @@ def elastic_worker(ctx, steps, kill=None, **kw):
             "after_join": after_join, "join_sync": join_sync,
             "sent": sent, "groups": groups, "syncs": list(ctx.comm.syncs),
             "events": list(ctx.comm.events), "sync_log": list(getattr(algo, "sync_log", []))}
+
+
+def heal_roundtrip_worker(ctx, algo_name, steps, **kw):
+    """Train ``steps`` steps, pass ``heal_state()`` through torch.save/load into a fresh
+    algorithm's ``load_heal_state``; return both global models, the fresh replica and the
+    counters."""
+    import io
+
+    cls = {"streaming": loco.StreamingDiLoCo, "dp": loco.DataParallel, "noloco": loco.NoLoCo}
+    model = make_model()
+    algo = cls[algo_name](model, make_optimizer(model), ctx.comm, **kw)
+    train_steps(model, None, ctx.rank, range(steps), lambda: (algo.step(), algo.zero_grad()))
+    buf = io.BytesIO()
+    torch.save(algo.heal_state(), buf)
+    fresh_model = make_model(seed=1)  # other weights: everything must come from the state
+    fresh = cls[algo_name](fresh_model, make_optimizer(fresh_model), ctx.comm, **kw)
+    buf.seek(0)
+    fresh.load_heal_state(torch.load(buf, weights_only=True))
+    return {"global": params_of(algo.global_parameters()),
+            "fresh_global": params_of(fresh.global_parameters()),
+            "fresh_replica": params_of(dict(fresh_model.named_parameters())),
+            "steps": (algo.inner_steps, fresh.inner_steps),
+            "optimizer_state": len(fresh.inner_optimizer.state)}

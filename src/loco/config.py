@@ -269,8 +269,9 @@ class TrainConfig:
                         "restarted alone (at most --max-restarts times each) and joins from a "
                         "live worker's state while the others keep training; every sync "
                         "averages over the workers alive then. Processes launcher, workers of "
-                        "one rank, no pipeline stages; no disk checkpoints, spread diagnostic "
-                        "or --eval-replicas yet")
+                        "one rank, no pipeline stages; checkpoints are the lead worker's one "
+                        "file (resuming restarts every replica from the global copy); no "
+                        "spread diagnostic or --eval-replicas yet")
     min_workers: int | None = opt(None, "with --elastic: the fewest live workers a sync counts "
                                   "with; below it the workers wait (at most --comm-timeout) "
                                   "for more (default: a majority, workers // 2 + 1)")
@@ -519,10 +520,6 @@ def warnings_for(cfg: TrainConfig) -> list[str]:
         resolved = resolve(cfg)
         out += convergence_warnings(resolved.outer_lr, resolved.outer_momentum, cfg.gamma,
                                     cfg.group_size)
-    if cfg.elastic and cfg.checkpoint_every:
-        out.append(f"--checkpoint-every {cfg.checkpoint_every} ignored: an elastic run writes "
-                   "no disk checkpoints yet (its state lives in its live workers); add "
-                   "--checkpoint-every 0 to say so")
     if cfg.elastic and cfg.spread_every and cfg.algorithm in ("noloco", "local"):
         out.append("--spread-every ignored: an elastic run measures no spread (a collective "
                    "outside the syncs)")
@@ -704,8 +701,8 @@ def validate_elastic(cfg: TrainConfig) -> None:
     """Check ``elastic`` and its options: elastic runs under the processes launcher (or,
     with ``lighthouse`` and ``worker_index``, as one worker of an external Lighthouse's job,
     also under torchrun), with workers of one rank and no pipeline stages, and not with
-    ``eval_replicas`` or ``resume`` (they have no disk checkpoints yet); ``min_workers`` in
-    [1, ``workers``], ``worker_index`` in [0, ``workers``); these only with ``elastic``.
+    ``eval_replicas``; ``min_workers`` in [1, ``workers``], ``worker_index`` in
+    [0, ``workers``); these only with ``elastic``.
 
     Args:
         cfg: the configuration.
@@ -741,9 +738,6 @@ def validate_elastic(cfg: TrainConfig) -> None:
     if cfg.eval_replicas:
         raise ConfigError("eval_replicas", "is a collective outside the syncs, which an "
                           "elastic run does not make; leave it out with --elastic")
-    if cfg.resume is not None:
-        raise ConfigError("resume", "elastic runs write no disk checkpoints yet, so there is "
-                          "nothing to resume with --elastic")
     if cfg.min_workers is not None and not 1 <= cfg.min_workers <= cfg.workers:
         raise ConfigError("min_workers", f"must be in [1, --workers {cfg.workers}] (got "
                           f"{cfg.min_workers})")

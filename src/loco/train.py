@@ -74,7 +74,8 @@ def prepare_config(cfg: TrainConfig) -> TrainConfig:
         if meta is not None:
             check_layout(meta, cfg.worker_ranks, cfg.worker_parallel,
                          "torchrun" if under_torchrun() else cfg.launcher)
-    if cfg.resume is None and restart_count() == 0:
+    # (a worker of an external Lighthouse's job may start after the lead checkpointed)
+    if cfg.resume is None and restart_count() == 0 and cfg.lighthouse is None:
         try:
             held = checkpoint.latest(cfg.out)
         except checkpoint.CheckpointError:
@@ -439,8 +440,10 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     main = ctx.rank == ctx.mesh.rank_of(0, ctx.stages - 1)  # replica 0's last stage, shard 0
     state, loop = resume_state(cfg, ctx, corpus), Loop()
     if state is not None:
-        restore(state, algo, schedule, loader, ctx)
-        loop = Loop(**{k: state["loop"][k] for k in SAVED_LOOP if k in state["loop"]})
+        (restore_elastic if state.get("elastic") else restore)(state, algo, schedule, loader,
+                                                               ctx)
+        loop = Loop(**{k: state["loop"][k] for k in SAVED_LOOP
+                       if state["loop"].get(k) is not None})
     joined = ctx.comm.elastic and algo.join()  # a restarted worker takes a live one's state
     if joined:
         seek(schedule, loader, algo.inner_steps)
@@ -452,17 +455,25 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
                + (f"x{ctx.mesh.shards} ranks" if ctx.mesh.shards > 1 else ""), unit="step",
                disable=not (main and cfg.progress), dynamic_ncols=True)
     dcp = ctx.checkpoint_group is not None  # a worker of R ranks saves through DCP
-    writer = checkpoint.Writer(cfg.out, ctx.rank, ctx.world_size, timeout=cfg.comm_timeout,
-                               commit_meta={"world_size": ctx.world_size,
+    # An elastic run's checkpoint is one file, the lead's (whichever worker leads then).
+    elastic = ctx.comm.elastic
+    writer = checkpoint.Writer(cfg.out, 0 if elastic else ctx.rank,
+                               1 if elastic else ctx.world_size, timeout=cfg.comm_timeout,
+                               commit_meta={"world_size": 1 if elastic else ctx.world_size,
                                             "algorithm": cfg.algorithm,
                                             "worker_ranks": cfg.worker_ranks,
                                             "worker_parallel": cfg.worker_parallel,
                                             "dcp_workers": cfg.workers if dcp else 0,
-                                            "config": cfg.to_dict()} if main else None,
+                                            "elastic": elastic,
+                                            "config": cfg.to_dict()}
+                               if main or elastic else None,
                                worker=ctx.replica if dcp else None, group=ctx.checkpoint_group)
     metrics = os.path.join(cfg.out, "metrics.jsonl")
-    keep = (loop.metrics_bytes if state else os.path.getsize(metrics)
-            if joined and os.path.exists(metrics) else None)  # a rejoined lead appends
+    appends = os.path.exists(metrics) and (joined or state is not None
+                                           and state["loop"].get("metrics_bytes") is None)
+    # a resumed lead cuts metrics.jsonl where its checkpoint was; a rejoined lead, or one
+    # resumed from a checkpoint another worker led, appends
+    keep = os.path.getsize(metrics) if appends else loop.metrics_bytes if state else None
     worker = Worker(
         cfg, ctx, corpus, model, trained, pipeline, schedule, algo, loader, autocast, main,
         log=RunLog(cfg.out, resume_at=keep) if main else None, bar=bar, writer=writer,
@@ -517,6 +528,8 @@ def resume_state(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> dict |
     where the worker's tensors are when they are not in the file."""
     if cfg.resume is None and restart_count() == 0:
         return None
+    if cfg.elastic:  # a restarted worker joins from a live one; a resumed job reads the lead's
+        return elastic_resume_state(cfg, ctx) if restart_count() == 0 else None
     meta = checkpoint.latest(cfg.out)
     checkpoint.discard_uncommitted(cfg.out, ctx.rank, None if meta is None else int(meta["step"]),
                                    worker=ctx.replica if ctx.checkpoint_group is not None
@@ -533,6 +546,25 @@ def resume_state(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> dict |
     if meta.get("dcp_workers"):
         state["dcp"] = checkpoint.worker_dir(cfg.out, step, ctx.replica)
     return state
+
+
+def elastic_resume_state(cfg: TrainConfig, ctx: WorkerContext) -> dict | None:
+    """The last complete checkpoint of an elastic run: the one file its lead wrote, which
+    every worker continues from."""
+    meta = checkpoint.latest(cfg.out)
+    if meta is None:
+        return None
+    return checkpoint.load_rank(cfg.out, int(meta["step"]), 0, ctx.device)
+
+
+def restore_elastic(state: dict, algo: Algorithm, schedule, loader: TokenLoader | None,
+                    ctx: WorkerContext) -> None:
+    """Continue an elastic run from its lead's checkpoint, as a worker that joins takes a
+    live one's state (``Algorithm.load_heal_state``: the counters and the outer state; the
+    replica restarts from the global copy, the inner optimizer from zero, except
+    DataParallel's, which is in the state), at its own data position."""
+    algo.load_heal_state(state["heal"])
+    seek(schedule, loader, int(state["step"]))
 
 
 def reshard_rank_state(old: list[dict], ctx: WorkerContext, cfg: TrainConfig,
@@ -772,12 +804,15 @@ def checkpoint_if_due(w: Worker, loop: Loop, step: int) -> None:
     and at the last step. The state is copied on this thread; the writer saves it in the
     background."""
     cfg = w.cfg
-    if w.ctx.comm.elastic:  # not yet: an elastic run's state lives in its live workers
-        return
     every = cfg.checkpoint_every * cfg.sync_every
     delay = max(overlaps(cfg)) if cfg.algorithm == "streaming" else 0
     if step == cfg.steps or (every and step > delay and (step - delay) % every == 0):
         assert step == cfg.steps or not w.algo.sync_in_flight, "a sync is in flight"
+        if w.ctx.comm.elastic:
+            if w.ctx.replica == min(w.ctx.comm.members):  # the lead writes the one file
+                w.writer.save(step, elastic_checkpoint_state(w, loop, step),
+                              w.ctx.comm.check_aborted)
+            return
         dcp = w.ctx.checkpoint_group is not None  # the tensors go through DCP
         w.writer.save(step, checkpoint_state(w, loop, step, tensors=not dcp),
                       w.ctx.comm.check_aborted,
@@ -802,12 +837,26 @@ def checkpoint_state(w: Worker, loop: Loop, step: int, tensors: bool = True) -> 
         "rng": torch.get_rng_state(), "comm": ctx.comm.state_dict(),
         "pipe": ctx.pipe.state_dict() if ctx.pipe is not None else None,
         "inner": ctx.inner.state_dict() if ctx.inner is not None else None,
-        "loop": {"loss_sum": loop.loss_sum, "loss_count": loop.loss_count,
-                 "eval_seconds": loop.eval_seconds,
-                 "diagnostic_seconds": loop.diagnostic_seconds,
-                 "train_seconds": loop.elapsed(),
-                 "metrics_bytes": w.log.tell() if w.log is not None else 0,
-                 "tokens": w.tokens_at(step)}})
+        "loop": loop_state(w, loop, step)})
+
+
+def loop_state(w: Worker, loop: Loop, step: int) -> dict:
+    """The loop's running values after ``step``, for a checkpoint (``metrics_bytes``: the
+    length of metrics.jsonl; None on a rank that does not write it in an elastic run)."""
+    return {"loss_sum": loop.loss_sum, "loss_count": loop.loss_count,
+            "eval_seconds": loop.eval_seconds, "diagnostic_seconds": loop.diagnostic_seconds,
+            "train_seconds": loop.elapsed(),
+            "metrics_bytes": w.log.tell() if w.log is not None else
+            None if w.ctx.comm.elastic else 0,
+            "tokens": w.tokens_at(step)}
+
+
+def elastic_checkpoint_state(w: Worker, loop: Loop, step: int) -> dict:
+    """What an elastic run's lead saves after ``step``: the state a joining worker receives
+    (``Algorithm.heal_state``), with its tensors, and the loop's running values (the
+    length of metrics.jsonl only when the lead writes it)."""
+    return checkpoint.snapshot({"step": step, "elastic": True, "heal": w.algo.heal_state(),
+                                "loop": loop_state(w, loop, step)})
 
 
 def finish_worker(w: Worker, loop: Loop) -> dict:
