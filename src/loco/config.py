@@ -268,7 +268,8 @@ class TrainConfig:
     elastic: bool = opt(False, "elastic membership (torchft): a worker that dies is "
                         "restarted alone (at most --max-restarts times each) and joins from a "
                         "live worker's state while the others keep training; every sync "
-                        "averages over the workers alive then. Processes launcher, workers of "
+                        "averages over the workers alive then. Processes launcher (or one "
+                        "process per worker with --lighthouse, also under torchrun), workers of "
                         "one rank, no pipeline stages; checkpoints are the lead worker's one "
                         "file (resuming restarts every replica from the global copy); no "
                         "spread diagnostic or --eval-replicas yet")
