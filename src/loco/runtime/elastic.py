@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue
+import socket
 import threading
 import time
 import traceback
@@ -25,6 +26,10 @@ from typing import Any, Callable
 import torch
 
 log = logging.getLogger("loco.elastic")
+
+HOST_ENV = "LOCO_ELASTIC_HOST"
+"""Environment variable: the address the other workers reach this one at, for a worker of
+an external Lighthouse's job (default: this machine's host name)."""
 
 RESTART_ENV = "LOCO_WORKER_RESTART"
 """Environment variable holding how many times this worker process was restarted (0 for
@@ -200,7 +205,11 @@ def run_worker(fn: Callable[..., Any], args: tuple, workers: int, timeout: float
     Returns:
         ``fn``'s return value.
     """
-    comm = _comm(spec.worker, workers, spec.lighthouse, spec.check(workers), timeout, link)
+    # The address the other workers reach this one at (its torchft servers, its store, its
+    # gloo pairs): LOCO_ELASTIC_HOST, or this machine's name.
+    host = os.environ.get(HOST_ENV) or socket.gethostname()
+    comm = _comm(spec.worker, workers, spec.lighthouse, spec.check(workers), timeout, link,
+                 host)
     try:
         return fn(_context(comm, launcher), *args)
     finally:
@@ -208,12 +217,13 @@ def run_worker(fn: Callable[..., Any], args: tuple, workers: int, timeout: float
 
 
 def _comm(worker: int, workers: int, lighthouse: str, min_workers: int, timeout: float,
-          link: Any):
+          link: Any, host: str = "127.0.0.1"):
     from loco.comm.elastic import ElasticComm
     from loco.runtime.launch import _emulated
 
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers: no line per quorum
-    return ElasticComm(worker, workers, lighthouse, min_workers, timeout, link=_emulated(link))
+    return ElasticComm(worker, workers, lighthouse, min_workers, timeout, host=host,
+                       link=_emulated(link))
 
 
 def _context(comm, launcher: str):
@@ -285,4 +295,4 @@ def recovery_report(events: list[dict], syncs: list[dict], workers: int) -> dict
             "losses": losses, "events": list(events)}
 
 
-__all__ = ["Elastic", "RESTART_ENV", "launch_elastic", "recovery_report", "run_worker"]
+__all__ = ["Elastic", "HOST_ENV", "RESTART_ENV", "launch_elastic", "recovery_report", "run_worker"]
