@@ -58,8 +58,9 @@ def test_survivors_finish_without_the_lost_worker(where, kill_step, lost_from):
             assert s["participants"] == ([0, 1, 2, 3] if at < lost_from else [0, 1, 2])
             assert s["contributors"] == (4 if at < lost_from else 3)
             assert s["retries"] == (1 if at == lost_from else 0)
-        events = [e["event"] for e in r["events"]]
-        assert events == ["membership", "sync_dropped", "membership"]
+        events = [e["event"] for e in r["events"]]  # the start may take several quorums
+        assert events[-2:] == ["sync_dropped", "membership"] and set(events[:-2]) == {
+            "membership"}
         assert r["events"][-1]["left"] == [3]
 
 
