@@ -478,10 +478,10 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
         cfg, ctx, corpus, model, trained, pipeline, schedule, algo, loader, autocast, main,
         log=RunLog(cfg.out, resume_at=keep) if main else None, bar=bar, writer=writer,
         fault=Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None,
-        resumed_from=resumed_from, start=start,
-        resumed_tokens=0 if resumed_from is None else int(state["loop"].get(
-            "tokens", resumed_from * ctx.mesh.replicas * ctx.mesh.shards * cfg.batch_size
-            * cfg.seq_len)) if state else resumed_from * cfg.tokens_per_step)
+        resumed_from=resumed_from, start=start)
+    if resumed_from is not None:  # a checkpoint counts its tokens; a joiner estimates them
+        nominal = resumed_from * ctx.mesh.replicas * ctx.mesh.shards * cfg.batch_size * cfg.seq_len
+        worker.resumed_tokens = int(state["loop"].get("tokens", nominal)) if state else nominal
     worker.elastic_tokens = worker.resumed_tokens
     return worker, loop
 
@@ -767,7 +767,7 @@ def log_membership(w: Worker, step: int) -> None:
     for rec in comm.syncs[w.elastic_logged[0]:]:
         w.log.metric({"event": "elastic_sync", "step": step, **rec})
     for ev in comm.events[w.elastic_logged[1]:]:
-        w.log.metric({**ev, "step": step, "elastic": ev["event"]} | {"event": "membership"})
+        w.log.metric({**ev, "step": step, "event": "membership", "elastic": ev["event"]})
         if ev["event"] != "membership" or ev["joined"] != sorted(ev["members"]):
             tqdm.write(f"loco: step {step}: {describe_event(ev)}", file=sys.stderr)
     w.elastic_logged = (len(comm.syncs), len(comm.events))

@@ -332,12 +332,12 @@ class Comm:
         self.rank = rank
         self.size = size
         self.contributors = size
-        self.workers = size
-        """M, the workers of the job at full strength (``size`` may be fewer in an
-        [`ElasticComm`][loco.comm.elastic.ElasticComm])."""
         """What ``all_reduce_mean`` divides the sum by: the workers that contribute (all of
         them here; fewer in an [`ElasticComm`][loco.comm.elastic.ElasticComm] where a
         worker just healed sends zeros)."""
+        self.workers = size
+        """M, the workers of the job at full strength (``size`` may be fewer in an
+        [`ElasticComm`][loco.comm.elastic.ElasticComm])."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
