@@ -488,24 +488,30 @@ def resumed_tensors(ctx, cfg, corpus):
 
 def elastic_worker(ctx, steps, kill=None, **kw):
     """Streaming DiLoCo under elastic membership: joins, trains until ``steps`` inner steps
-    from wherever it joined (its batches are those of its own index at each step), flushes.
-    ``kill=(worker, step, where)`` kills that worker's first process with SIGKILL: before
-    inner step ``step`` (``where="step"``), or in the middle of the reduction of the sync
-    sent at ``step`` (``"reduction"``: after its reduce-scatter, before its all-gather)."""
+    from wherever it joined (rank (m, r) reads batch(m * R + r, t) at each step), flushes.
+    ``kill=(worker, step, where[, shard])`` kills that worker's first process (of rank
+    ``shard``, default 0) with SIGKILL: before inner step ``step`` (``where="step"``), or in
+    the middle of the reduction of the sync sent at ``step`` (``"reduction"``: after its
+    reduce-scatter, before its all-gather). ``parallel="fsdp"`` shards the model over the
+    worker's ranks."""
     import signal
+    import time
 
     from loco.runtime.elastic import RESTART_ENV
-
-    import time
+    from loco.runtime.fsdp import shard_worker
 
     pause = kw.pop("step_seconds", 0.0)  # slower steps: a restarted worker can catch up
     name = kw.pop("algo_name", "streaming")
     model = make_model(layers=kw.pop("layers", 4 if name == "streaming" else 2))
+    if kw.pop("parallel", "ddp") == "fsdp":
+        shard_worker(model, ctx)
     opt = (smooth_optimizer if kw.pop("smooth", False) else make_optimizer)(model)
     algo = {"streaming": loco.StreamingDiLoCo, "dp": loco.DataParallel,
-            "noloco": loco.NoLoCo}[name](model, opt, ctx.comm, **kw)
+            "noloco": loco.NoLoCo}[name](model, opt, ctx.comm, inner=ctx.inner, **kw)
     groups = {}  # NoLoCo: outer step -> its groups, in workers' indexes
-    victim = kill is not None and kill[0] == ctx.replica and os.environ[RESTART_ENV] == "0"
+    data_id = ctx.replica * ctx.mesh.shards + ctx.shard
+    victim = (kill is not None and kill[0] == ctx.replica and os.environ[RESTART_ENV] == "0"
+              and ctx.shard == (kill[3] if len(kill) > 3 else 0))
     if victim and kill[2] == "reduction":
         gather = ctx.comm._gather
 
@@ -521,7 +527,7 @@ def elastic_worker(ctx, steps, kill=None, **kw):
     while algo.inner_steps < steps:
         if victim and kill[2] == "step" and algo.inner_steps + 1 == kill[1]:
             os.kill(os.getpid(), signal.SIGKILL)
-        x, y = batch(ctx.replica, algo.inner_steps)
+        x, y = batch(data_id, algo.inner_steps)
         model(x, y).backward()
         algo.step()
         algo.zero_grad()

@@ -188,6 +188,7 @@ class Algorithm:
         state["syncing"] = self._syncing
         return state
 
+    @torch.no_grad()
     def load_heal_state(self, state: dict) -> None:
         """Take a live worker's ``heal_state()``: its counters and outer state; the
         replica restarts from the global copy, the inner optimizer from zero.

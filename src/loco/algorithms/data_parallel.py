@@ -78,8 +78,10 @@ class DataParallel(Algorithm):
                 return self._resume()
         else:  # inside the worker (fast), then shard r across workers (slow), gathered
             self.inner.all_reduce_mean(self._grads, tag="train").wait()
-            self.comm.all_reduce_mean(self.own_shard(self._wire), tag="train",
-                                      codec=self.codec).wait()
+            handle = self.comm.all_reduce_mean(self.own_shard(self._wire), tag="train",
+                                               codec=self.codec)
+            if self.comm.settle(handle) is None:  # elastic: healed during a retry
+                return self._resume()
             self.gather_shards(self._wire)
         torch._foreach_copy_(grads, unflatten_views(self._grads, grads))
         self.inner_update()  # the averaged gradient: every worker decides the same
@@ -92,6 +94,7 @@ class DataParallel(Algorithm):
         full = self.state_dict(tensors=True)
         return {**full, "syncing": self._syncing}
 
+    @torch.no_grad()
     def load_heal_state(self, state: dict) -> None:
         """Take a live worker's model, inner optimizer and counters (see ``heal_state``).
 

@@ -47,6 +47,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("loco.elastic")
 
+_STORE_KEY = "loco/elastic/store"
+
 MEMBERSHIP_TAG = "membership"
 """Tag of the small exchanges of the quorum and the commit (who contributes, who succeeded)."""
 
@@ -117,8 +119,10 @@ class ElasticComm(Comm):
     """A Comm among the workers alive at each sync (torchft's quorum), see the module.
 
     Built by [`launch`][loco.runtime.launch.launch] with ``elastic=`` (``ctx.comm``), one
-    per worker of one rank. Its ``rank`` and ``size`` are those of the current quorum;
-    ``worker`` is this worker's fixed index.
+    per rank of every worker. Its ``rank`` and ``size`` are those of the current quorum;
+    ``worker`` is this worker's fixed index. With workers of R ranks, rank r of a worker
+    talks to rank r of the others (its share of the outer state), and the worker's ranks
+    take one quorum and commit or drop every sync together (torchft's replica group).
 
     Args:
         worker: this worker's index in [0, workers).
@@ -127,6 +131,10 @@ class ElasticComm(Comm):
         min_workers: the fewest workers a sync may count with, in [1, M].
         timeout: seconds any wait may last (a quorum, a collective, a state transfer).
         host: the address peers reach this worker at; default ``"127.0.0.1"``.
+        shard: this rank's index among its worker's ranks, in [0, shards); default 0.
+        shards: R, the ranks of every worker; default 1.
+        store: with R > 1, a store the worker's ranks share (their own process group's),
+            where rank 0 publishes the address of the worker's torchft store; default None.
         **kwargs: passed to [`Comm`][loco.comm.interface.Comm] (``device``, ``name``,
             ``link``, ``abort_event``, ...).
     """
@@ -134,7 +142,8 @@ class ElasticComm(Comm):
     elastic = True
 
     def __init__(self, worker: int, workers: int, lighthouse: str, min_workers: int,
-                 timeout: float, host: str = "127.0.0.1", **kwargs: Any):
+                 timeout: float, host: str = "127.0.0.1", shard: int = 0, shards: int = 1,
+                 store: dist.Store | None = None, **kwargs: Any):
         super().__init__(None, 0, 1, **kwargs)
         self.lighthouse = lighthouse
         self.waiting = False
@@ -143,14 +152,14 @@ class ElasticComm(Comm):
         td = datetime.timedelta(seconds=timeout)
         self.worker, self.workers, self.min_workers, self.timeout = (worker, workers,
                                                                       min_workers, timeout)
-        self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
-                                    timeout=td)
+        self.shard = shard
+        store_host, store_port = self._worker_store(host, shard, shards, store, td)
         self._members_group = _group_class()(timeout=td)
         self.manager = tft.manager.Manager(
             pg=self._members_group, load_state_dict=None, state_dict=None,
             min_replica_size=min_workers, use_async_quorum=False, timeout=td,
-            quorum_timeout=td, connect_timeout=td, rank=0, world_size=1, store_addr=host,
-            store_port=self._store.port, lighthouse_addr=lighthouse,
+            quorum_timeout=td, connect_timeout=td, rank=shard, world_size=shards,
+            store_addr=store_host, store_port=store_port, lighthouse_addr=lighthouse,
             replica_id=f"loco_worker_{worker}", hostname=host, init_sync=False)
         self.members: tuple[int, ...] = ()
         """The workers (fixed indexes) of the current quorum, in quorum rank order."""
@@ -166,6 +175,23 @@ class ElasticComm(Comm):
         ``retries``, ``time`` (seconds since this Comm was made) and ``unix_time``."""
         self._retries = 0
         self._t0 = time.time()
+
+    def _worker_store(self, host: str, shard: int, shards: int, store: dist.Store | None,
+                      td: datetime.timedelta) -> tuple[str, int]:
+        """The worker's torchft store (its manager's address, the quorum's rendezvous):
+        hosted by its rank 0, at ``host``, which peers must reach; with R > 1 its address
+        goes to the other ranks through ``store``."""
+        if shards > 1 and store is None:
+            raise ValueError("an ElasticComm of a worker of several ranks needs the store "
+                             "its ranks share (store=...)")
+        if shard == 0:
+            self._store = dist.TCPStore(host, 0, is_master=True, wait_for_workers=False,
+                                        timeout=td)
+            if shards > 1:
+                store.set(_STORE_KEY, f"{host} {self._store.port}")
+            return host, self._store.port
+        address, port = store.get(_STORE_KEY).decode().rsplit(" ", 1)
+        return address, int(port)
 
     # ------------------------------------------------------------------- the state a joiner gets
     def register_state(self, key: str, state_fn: Callable[[], Any],

@@ -11,6 +11,7 @@ state from a live worker (``Algorithm.join``). The rest never stop.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import multiprocessing as mp
 import os
@@ -24,6 +25,10 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+from loco.comm.interface import Comm
 
 log = logging.getLogger("loco.elastic")
 
@@ -87,8 +92,9 @@ class Elastic:
 
 
 def launch_elastic(fn: Callable[..., Any], args: tuple, workers: int, timeout: float,
-                   spec: Elastic, link: Any = None) -> list:
-    """Run ``fn(ctx, *args)`` on M worker processes with elastic membership (see the module).
+                   spec: Elastic, links: tuple = (None, None), shards: int = 1) -> list:
+    """Run ``fn(ctx, *args)`` on M workers of R rank processes each, with elastic
+    membership (see the module).
 
     Args:
         fn: the worker function (picklable).
@@ -96,101 +102,171 @@ def launch_elastic(fn: Callable[..., Any], args: tuple, workers: int, timeout: f
         workers: M.
         timeout: seconds any wait of a worker may last.
         spec: the [`Elastic`][loco.runtime.elastic.Elastic] options.
-        link: an emulated slow link ([`LinkSpec`][loco.comm.link.LinkSpec]) or None.
+        links: the emulated slow and fast links ([`LinkSpec`][loco.comm.link.LinkSpec] or
+            None each); default none.
+        shards: R, the ranks (processes) of every worker, joined by its own process group
+            (``ctx.inner``, ``ctx.device_mesh``); default 1. When one of them dies, the
+            worker's other ranks are stopped and all R restart together.
 
     Returns:
-        Each worker's return value, in worker order; None for a worker that was lost for
-            good (it died more than ``restarts`` times).
+        Each rank's return value, in rank order (worker · R + shard); None for the ranks
+            of a worker lost for good (it died more than ``restarts`` times).
 
     Raises:
         WorkerError: a worker raised an exception (it is not restarted: it would raise
             again; the others finish first), or every worker was lost.
     """
     from loco.comm.elastic import start_lighthouse
-    from loco.runtime.launch import WorkerError
 
     min_workers = spec.check(workers)
     lighthouse = start_lighthouse(min_workers, spec.heartbeat_timeout,
                                   join_timeout=timeout)
     ctx = mp.get_context("spawn")
-    results: queue.Queue = ctx.Queue()
-    job_over = ctx.Event()  # set when a worker finished: one still joining then stops
-    job = (fn, args, workers, lighthouse.address(), min_workers, timeout, link, job_over)
-    procs = {w: _start(ctx, job, w, 0, results) for w in range(workers)}
-    restarts = dict.fromkeys(range(workers), 0)
-    done: dict[int, Any] = {}
-    raised: dict[int, str] = {}  # a worker that raised is not restarted: it would again
-    lost: dict[int, str] = {}
+    job = _Job(ctx, (fn, args, workers, shards, lighthouse.address(), min_workers, timeout,
+                     links, ctx.Event()), ctx.Queue(), shards)
     try:
-        while len(done) + len(raised) + len(lost) < workers:
-            _collect(results, done, raised)
-            if done and not job_over.is_set():
-                job_over.set()
-            for w, p in list(procs.items()):
-                if w in done or w in raised or w in lost or p.is_alive():
-                    continue
-                _collect(results, done, raised, wait=1.0)  # a result still in the pipe
-                if w in done or w in raised:
-                    continue
-                if restarts[w] < spec.restarts:
-                    restarts[w] += 1
-                    log.warning("elastic: worker %d died (exit code %s); restart %d of %d",
-                                w, p.exitcode, restarts[w], spec.restarts)
-                    procs[w] = _start(ctx, job, w, restarts[w], results)
-                else:
-                    lost[w] = f"died {restarts[w] + 1} times (exit code {p.exitcode})"
+        for w in range(workers):
+            job.start(w, 0)
+        while not job.settled(workers):
+            job.collect()
+            for w in range(workers):
+                job.check(w, spec.restarts)
             time.sleep(0.05)
     finally:
-        for p in procs.values():
+        job.stop()
+        lighthouse.shutdown()
+    return job.outcome(workers)
+
+
+class _Job:
+    """The supervisor's view of an elastic job's processes: R per worker, keyed
+    (worker, shard); a worker's ranks live, die and restart together."""
+
+    def __init__(self, ctx, job: tuple, results, shards: int):
+        self.ctx, self.job, self.results, self.shards = ctx, job, results, shards
+        self.job_over = job[-1]  # set when a rank finished: one still joining then stops
+        self.procs: dict[int, list] = {}
+        self.stores: list = []  # each start's store of the worker's ranks, kept alive
+        self.restarts: dict[int, int] = {}
+        self.done: dict[tuple[int, int], Any] = {}
+        self.raised: dict[tuple[int, int], str] = {}  # not restarted: it would raise again
+        self.lost: dict[int, str] = {}
+
+    def start(self, worker: int, restart: int) -> None:
+        port = None
+        if self.shards > 1:  # the rendezvous of the worker's own process group
+            store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+            self.stores.append(store)
+            port = store.port
+        self.restarts[worker] = restart
+        self.procs[worker] = [
+            self.ctx.Process(target=_entry, args=(*self.job, worker, r, restart, port,
+                                                  self.results),
+                             name=f"loco-worker-{worker}-{r}", daemon=True)
+            for r in range(self.shards)]
+        for p in self.procs[worker]:
+            p.start()
+
+    def settled(self, workers: int) -> bool:
+        return all(self._finished(w) or w in self.lost or self._raised(w)
+                   for w in range(workers))
+
+    def _finished(self, worker: int) -> bool:
+        return all((worker, r) in self.done for r in range(self.shards))
+
+    def _raised(self, worker: int) -> bool:
+        return any((worker, r) in self.raised for r in range(self.shards))
+
+    def collect(self, wait: float = 0.0) -> None:
+        while True:
+            try:
+                key, ok, value = (self.results.get(timeout=wait) if wait
+                                  else self.results.get_nowait())
+            except queue.Empty:
+                break
+            if ok:
+                self.done[key] = pickle.loads(value)
+            else:
+                self.raised[key] = value
+            wait = 0.0
+        if self.done and not self.job_over.is_set():
+            self.job_over.set()
+
+    def _dead(self, worker: int) -> list:
+        return [p for r, p in enumerate(self.procs[worker])
+                if not p.is_alive() and (worker, r) not in self.done]
+
+    def check(self, worker: int, restarts: int) -> None:
+        """A worker with a rank that died without a word (killed, crashed): stop its other
+        ranks (whose errors, their fast link broken, are its consequence), then restart them
+        all, or count the worker lost. One whose rank raised: stop its other ranks."""
+        if worker in self.lost or self._finished(worker) or not self._dead(worker):
+            return
+        self.collect(wait=1.0)  # a result still in the pipe
+        dead = self._dead(worker)
+        silent = [p for r, p in enumerate(self.procs[worker])
+                  if p in dead and (worker, r) not in self.raised]
+        if not dead:
+            return
+        for p in self.procs[worker]:
             if p.is_alive():
                 p.kill()
-        lighthouse.shutdown()
-    if raised:
-        w = min(raised)
-        raise WorkerError(f"worker {w} failed:\n{raised[w]}")
-    if not done:
-        raise WorkerError("every worker of the elastic run was lost: " + "; ".join(
-            f"worker {w} {e}" for w, e in sorted(lost.items())))
-    return [done.get(w) for w in range(workers)]
-
-
-def _start(ctx, job: tuple, worker: int, restart: int, results) -> Any:
-    p = ctx.Process(target=_entry, args=(*job, worker, restart, results),
-                    name=f"loco-worker-{worker}", daemon=True)
-    p.start()
-    return p
-
-
-def _collect(results, done: dict, errors: dict, wait: float = 0.0) -> None:
-    while True:
-        try:
-            worker, ok, value = results.get(timeout=wait) if wait else results.get_nowait()
-        except queue.Empty:
+                p.join()
+        if not silent:  # it raised: it would again
+            log.error("elastic: worker %d failed:\n%s", worker, self.raised[min(
+                k for k in self.raised if k[0] == worker)])
             return
-        if ok:
-            done[worker] = pickle.loads(value)
+        if any(k[0] == worker for k in self.raised):
+            log.warning("elastic: worker %d lost a rank; its other ranks stopped", worker)
+        for r in range(self.shards):
+            self.done.pop((worker, r), None)
+            self.raised.pop((worker, r), None)
+        code = silent[0].exitcode
+        if self.restarts[worker] < restarts:
+            log.warning("elastic: worker %d died (exit code %s); restart %d of %d", worker,
+                        code, self.restarts[worker] + 1, restarts)
+            self.start(worker, self.restarts[worker] + 1)
         else:
-            errors[worker] = value
-        wait = 0.0
+            self.lost[worker] = f"died {self.restarts[worker] + 1} times (exit code {code})"
+
+    def stop(self) -> None:
+        for procs in self.procs.values():
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+
+    def outcome(self, workers: int) -> list:
+        from loco.runtime.launch import WorkerError
+
+        if self.raised:
+            key = min(self.raised)
+            raise WorkerError(f"worker {key[0]} failed:\n{self.raised[key]}")
+        if not self.done:
+            raise WorkerError("every worker of the elastic run was lost: " + "; ".join(
+                f"worker {w} {e}" for w, e in sorted(self.lost.items())))
+        return [self.done.get((w, r)) for w in range(workers) for r in range(self.shards)]
 
 
-def _too_late(job_over, comm, worker: int, results) -> None:
+def _too_late(job_over, comm, key: tuple[int, int], results) -> None:
     """Once a worker has finished the job, one still waiting for a quorum (restarted too
     late to rejoin: no quorum will come) exits cleanly, its result None."""
     # Polled, not waited on: a process that exits while waiting on a multiprocessing Event
     # leaves it a sleeper that the setter would wait for forever.
     while not (job_over.is_set() and comm.waiting):
         time.sleep(0.2)
-    print(f"[loco] worker {worker}: the job finished while it waited to join", flush=True)
-    results.put((worker, True, pickle.dumps(None)))
+    print(f"[loco] worker {key[0]}: the job finished while it waited to join", flush=True)
+    results.put((key, True, pickle.dumps(None)))
     time.sleep(0.5)  # the queue's feeder thread hands the result over
     os._exit(0)
 
 
 def run_worker(fn: Callable[..., Any], args: tuple, workers: int, timeout: float,
-               spec: Elastic, link: Any = None, launcher: str = "processes") -> Any:
-    """Run ``fn(ctx, *args)`` as worker ``spec.worker`` of the elastic job whose Lighthouse
-    runs at ``spec.lighthouse`` (``launch`` with ``Elastic(lighthouse=..., worker=...)``).
+               spec: Elastic, links: tuple = (None, None), launcher: str = "processes",
+               shards: int = 1) -> Any:
+    """Run ``fn(ctx, *args)`` as (one rank of) worker ``spec.worker`` of the elastic job
+    whose Lighthouse runs at ``spec.lighthouse`` (``launch`` with ``Elastic(lighthouse=...,
+    worker=...)``). A worker of R > 1 ranks is a torchrun job of R processes: this is its
+    rank ``RANK``.
 
     Args:
         fn: the worker function.
@@ -199,60 +275,92 @@ def run_worker(fn: Callable[..., Any], args: tuple, workers: int, timeout: float
         timeout: seconds any wait may last.
         spec: the [`Elastic`][loco.runtime.elastic.Elastic] options, with ``lighthouse``
             and ``worker``.
-        link: an emulated slow link ([`LinkSpec`][loco.comm.link.LinkSpec]) or None.
+        links: the emulated slow and fast links ([`LinkSpec`][loco.comm.link.LinkSpec] or
+            None each); default none.
         launcher: what ``ctx.launcher`` says; default ``"processes"``.
+        shards: R, the ranks of every worker (torchrun's world here); default 1.
 
     Returns:
         ``fn``'s return value.
     """
+    from loco.runtime.launch import _attempt_store
+
     # The address the other workers reach this one at (its torchft servers, its store, its
     # gloo pairs): LOCO_ELASTIC_HOST, or this machine's name.
     host = os.environ.get(HOST_ENV) or socket.gethostname()
-    comm = _comm(spec.worker, workers, spec.lighthouse, spec.check(workers), timeout, link,
-                 host)
+    shard = int(os.environ["RANK"]) if shards > 1 else 0
+    store = _attempt_store(shard, shards, timeout) if shards > 1 else None
+    return _run(fn, args, (spec.worker, shard), (workers, shards),
+                (spec.lighthouse, spec.check(workers), timeout, links, host), store, launcher)
+
+
+def _run(fn, args, key: tuple[int, int], sizes: tuple[int, int], job: tuple, store,
+         launcher: str, started: Callable[[Any], None] | None = None) -> Any:
+    """One rank of an elastic worker: the worker's own process group (R > 1), its
+    ElasticComm and context, then ``fn``."""
+    from loco.comm.elastic import ElasticComm
+    from loco.runtime.launch import Mesh, WorkerContext, _emulated
+
+    (worker, shard), (workers, shards) = key, sizes
+    lighthouse, min_workers, timeout, links, host = job
+    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers: no line per quorum
+    inner, device_mesh, checkpoint_group = (_worker_world(store, shard, shards, timeout,
+                                                          links[1])
+                                            if shards > 1 else (None, None, None))
+    comm = ElasticComm(worker, workers, lighthouse, min_workers, timeout, host=host,
+                       shard=shard, shards=shards, store=store, link=_emulated(links[0]))
+    if started is not None:
+        started(comm)
+    ctx = WorkerContext(worker * shards + shard, workers * shards, Mesh(workers, 1, shards),
+                        comm, torch.device("cpu"), launcher, inner=inner,
+                        device_mesh=device_mesh, checkpoint_group=checkpoint_group)
     try:
-        return fn(_context(comm, launcher), *args)
+        return fn(ctx, *args)
     finally:
         comm.close()
+        if inner is not None:
+            inner.close()
+            dist.destroy_process_group()
 
 
-def _comm(worker: int, workers: int, lighthouse: str, min_workers: int, timeout: float,
-          link: Any, host: str = "127.0.0.1"):
-    from loco.comm.elastic import ElasticComm
-    from loco.runtime.launch import _emulated
+def _worker_world(store, shard: int, shards: int, timeout: float, fast_link: Any) -> tuple:
+    """The process group of one worker's R ranks (its own world: there is none across the
+    workers), its device mesh of shape (1, 1, R), the fast-link Comm over it and a gloo
+    group for checkpoints."""
+    from loco.runtime.launch import MESH_DIMS, Mesh, _emulated, _worker_group
 
-    os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers: no line per quorum
-    return ElasticComm(worker, workers, lighthouse, min_workers, timeout, host=host,
-                       link=_emulated(link))
-
-
-def _context(comm, launcher: str):
-    from loco.runtime.launch import Mesh, WorkerContext
-
-    return WorkerContext(comm.worker, comm.workers, Mesh(comm.workers, 1, 1), comm,
-                         torch.device("cpu"), launcher)
+    dist.init_process_group("gloo", store=dist.PrefixStore("loco/world", store), rank=shard,
+                            world_size=shards, timeout=datetime.timedelta(seconds=timeout))
+    local = Mesh(1, 1, shards)
+    device_mesh = init_device_mesh("cpu", local.shape, mesh_dim_names=MESH_DIMS)
+    inner = Comm(_worker_group(local, shard), shard, shards, "cpu", name="inner",
+                 link=_emulated(fast_link))
+    return inner, device_mesh, _worker_group(local, shard, "gloo")
 
 
-def _entry(fn, args, workers, lighthouse, min_workers, timeout, link, job_over, worker,
-           restart, results) -> None:
-    """A worker process: its ElasticComm and context, then ``fn``; the result (or the
+def _entry(fn, args, workers, shards, lighthouse, min_workers, timeout, links, job_over,
+           worker, shard, restart, port, results) -> None:
+    """A rank process of an elastic worker: ``fn`` in its context; the result (or the
     traceback) goes back through ``results``."""
     os.environ[RESTART_ENV] = str(restart)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
-    comm = _comm(worker, workers, lighthouse, min_workers, timeout, link)
-    threading.Thread(target=_too_late, args=(job_over, comm, worker, results), daemon=True,
-                     name="loco-job-over").start()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (workers * shards)))
+    key = (worker, shard)
+    store = (dist.TCPStore("127.0.0.1", port, is_master=False,
+                           timeout=datetime.timedelta(seconds=timeout))
+             if port is not None else None)
+
+    def watch(comm):
+        threading.Thread(target=_too_late, args=(job_over, comm, key, results), daemon=True,
+                         name="loco-job-over").start()
     try:
-        value = fn(_context(comm, "processes"), *args)
+        value = _run(fn, args, key, (workers, shards),
+                     (lighthouse, min_workers, timeout, links, "127.0.0.1"), store,
+                     "processes", started=watch)
         # By value: a queue would pass tensors as shared memory this process must outlive.
-        results.put((worker, True, pickle.dumps(value)))
-    except BaseException:
-        trace = traceback.format_exc()
-        print(f"[loco] worker {worker} failed:\n{trace}", flush=True)
-        results.put((worker, False, trace))
+        results.put((key, True, pickle.dumps(value)))
+    except BaseException:  # the supervisor tells a cause from a consequence, and says it
+        results.put((key, False, traceback.format_exc()))
         raise SystemExit(1) from None
-    finally:
-        comm.close()
 
 
 def recovery_report(events: list[dict], syncs: list[dict], workers: int) -> dict:

@@ -250,8 +250,9 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
             ``ctx.inner``, the fast link inside a worker, apart from ``link``; default None
             (the transport's own speed).
         elastic: run with elastic membership ([`Elastic`][loco.runtime.elastic.Elastic]):
-            workers of one rank each, under ``"processes"``; a worker that dies is
-            restarted alone and the others keep training (see
+            workers of R = ``shards`` ranks each (no pipeline stages), under
+            ``"processes"``; a worker that dies is restarted alone (all its ranks) and the
+            others keep training (see
             [`launch_elastic`][loco.runtime.elastic.launch_elastic]). Default None: a fixed
             membership.
 
@@ -281,8 +282,8 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
         raise ValueError("shards > 1 with pipeline stages (ranks_per_replica > 1) is not "
                          "supported yet; use one or the other")
     if elastic is not None:
-        return _launch_elastic(fn, args, workers, launcher, timeout, elastic, link,
-                               ranks_per_replica * shards)
+        return _launch_elastic(fn, args, workers, launcher, timeout, elastic,
+                               (link, fast_link), ranks_per_replica, shards)
     if launcher == "torchrun" and not under_torchrun():
         raise ValueError("launcher 'torchrun' needs a process started by torchrun "
                          "(its RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID are missing)")
@@ -297,25 +298,29 @@ def launch(fn: Callable[..., Any], workers: int = 2, launcher: str = "threads", 
 
 
 def _launch_elastic(fn, args, workers: int, launcher: str, timeout: float, spec: Elastic,
-                    link, ranks: int) -> list:
-    """An elastic run: every worker as a local process (``spec.lighthouse`` None), or this
-    process as one worker (under torchrun, or started by hand)."""
-    if ranks > 1:
-        raise ValueError("elastic membership runs with workers of one rank (no pipeline "
-                         "stages, no shards) for now")
+                    links: tuple, stages: int, shards: int) -> list:
+    """An elastic run: every worker as local processes (``spec.lighthouse`` None), or this
+    process as (one rank of) one worker (under torchrun, or started by hand)."""
+    if stages > 1:
+        raise ValueError("elastic membership runs without pipeline stages "
+                         "(ranks_per_replica must be 1) for now")
+    if workers % shards:
+        raise ValueError(f"workers ({workers}) must be a multiple of shards ({shards})")
+    workers //= shards
     if spec.lighthouse is not None:
         spec.check(workers)
-        if under_torchrun() and int(os.environ["WORLD_SIZE"]) != 1:
-            raise ValueError("an elastic worker is one torchrun job of one process "
-                             "(--nproc-per-node 1), one per worker, each with its --worker-"
-                             f"index (got a world of {os.environ['WORLD_SIZE']})")
-        return [run_worker(fn, args, workers, timeout, spec, link,
-                           "torchrun" if under_torchrun() else "processes")]
+        world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
+        if world != shards:
+            raise ValueError(f"an elastic worker of {shards} rank(s) is one torchrun job of "
+                             f"{shards} process(es) (--nproc-per-node {shards}), one job per "
+                             f"worker, each with its --worker-index (got a world of {world})")
+        return [run_worker(fn, args, workers, timeout, spec, links,
+                           "torchrun" if under_torchrun() else "processes", shards)]
     if launcher != "processes" or under_torchrun():
         raise ValueError("elastic membership starts its workers under the 'processes' "
                          "launcher; under torchrun give the Lighthouse's address and each "
                          "job's worker index (Elastic(lighthouse=..., worker=...))")
-    return launch_elastic(fn, args, workers, timeout, spec, link)
+    return launch_elastic(fn, args, workers, timeout, spec, links, shards)
 
 
 # ------------------------------------------------------------------------------- threads
