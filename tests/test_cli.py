@@ -88,7 +88,7 @@ BAD_INPUTS = [
     (["--fast-link-latency=-5ms"], "--fast-link-latency", "50ms"),
     (["--min-workers", "2"], "--min-workers", "only means something with --elastic"),
     (["--elastic"], "--elastic", "--launcher processes"),
-    (["--elastic", "--launcher", "processes", "--worker-ranks", "2"], "--worker-ranks",
+    (["--elastic", "--launcher", "processes", "--stages", "2"], "--stages",
      "must be 1 with --elastic"),
     (["--elastic", "--launcher", "processes", "--min-workers", "5"], "--min-workers",
      "[1, --workers 4]"),

@@ -210,10 +210,14 @@ def test_loco_train_elastic_survives_a_killed_worker(corpus, tmp_path, monkeypat
     assert (tmp_path / "compared" / "participants.png").exists()
 
 
-def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_path):
-    """One torchrun job per worker (the multi-machine setting), all joined by one Lighthouse:
-    worker 2 is killed at step 30; torchrun restarts it (--max-restarts 1) and it rejoins
-    from a live worker while the others go on."""
+@pytest.mark.parametrize("workers,ranks", [(3, 1), (2, 2)])
+def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_path, workers,
+                                                                 ranks):
+    """One torchrun job per worker (the multi-machine setting), of R processes each, all
+    joined by one Lighthouse: the last worker's last rank is killed at step 30; torchrun
+    restarts the job (all R ranks, --max-restarts 1) and the worker rejoins from a live one
+    while the others go on (with 3 workers; with 2, --min-workers 2 makes the other wait
+    for it)."""
     import json
     import os
     import subprocess
@@ -224,32 +228,37 @@ def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_pat
     from test_cli import small_run
 
     text, cache = corpus
-    prepare_corpus(text, 300, 0.05, cache)  # once, before three processes read it
+    prepare_corpus(text, 300, 0.05, cache)  # once, before the processes read it
     lighthouse = start_lighthouse(min_workers=2)
     out = tmp_path / "run"
     # slowed by an emulated 20 ms link, so that the restart (~5 s) comes well before the end
-    args = small_run(corpus, out, "--workers", "3", "--steps", "400", "--elastic",
+    args = small_run(corpus, out, "--workers", str(workers), "--worker-ranks", str(ranks),
+                     "--steps", "400", "--elastic", "--min-workers", "2",
                      "--link-latency", "20ms", "--log-every", "50", "--eval-every", "0",
                      "--lighthouse", lighthouse.address(), "--checkpoint-every", "0",
                      "--final-eval-batches", "2")
-    env = {**os.environ, "LOCO_FAULT": "2:30:kill", "OMP_NUM_THREADS": "1"}
+    victim = workers - 1
+    env = {**os.environ, "LOCO_FAULT": f"{victim * ranks + ranks - 1}:30:kill",
+           "OMP_NUM_THREADS": "1"}
     try:
         jobs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  "--nproc-per-node", "1", "--max-restarts", "1", "-m", "loco",
-                                  *args, "--worker-index", str(w)], env=env,
+                                  "--nproc-per-node", str(ranks), "--max-restarts", "1", "-m",
+                                  "loco", *args, "--worker-index", str(w)], env=env,
                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                for w in range(3)]
+                for w in range(workers)]
         logs = [job.communicate(timeout=120)[0] for job in jobs]
     finally:
         lighthouse.shutdown()
-    assert [job.returncode for job in jobs] == [0, 0, 0], logs[2][-3000:]
+    assert [job.returncode for job in jobs] == [0] * workers, logs[victim][-3000:]
     summary = json.loads((out / "summary.json").read_text())
     elastic = summary["elastic"]
-    assert [loss["left"] for loss in elastic["losses"]] == [[2]]
-    assert elastic["losses"][0]["to_full_strength"] is not None  # worker 2 came back
-    assert set(elastic["syncs_by_participants"]) == {"2", "3"}
-    joined = [e for e in elastic["events"] if e["event"] == "membership" and e["joined"] == [2]]
-    assert joined and joined[-1]["members"] == [0, 1, 2]
+    assert [loss["left"] for loss in elastic["losses"]] == [[victim]]
+    assert elastic["losses"][0]["to_full_strength"] is not None  # the victim came back
+    assert set(elastic["syncs_by_participants"]) == {str(n) for n in (workers - 1, workers)
+                                                     if n >= 2}
+    joined = [e for e in elastic["events"]
+              if e["event"] == "membership" and e["joined"] == [victim]]
+    assert joined and joined[-1]["members"] == list(range(workers))
 
 
 @pytest.mark.parametrize("algo_name,kw", [
@@ -273,10 +282,12 @@ def test_heal_state_carries_the_global_model_exactly(algo_name, kw):
         assert (r["optimizer_state"] > 0) == (algo_name == "dp")
 
 
+@pytest.mark.parametrize("workers,ranks", [(3, 1), (2, 2)])
 def test_an_elastic_run_that_lost_every_worker_resumes_from_its_lead_checkpoint(
-        corpus, tmp_path):
-    """The lead (worker 0) writes one checkpoint file; every process of the run is killed;
-    --resume continues all workers from it."""
+        corpus, tmp_path, workers, ranks):
+    """The lead (worker 0) writes the checkpoint, one file per rank (its share); every
+    process of the run is killed; --resume continues all workers from it, rank r of each
+    from file r."""
     import json
     import os
     import signal
@@ -289,7 +300,8 @@ def test_an_elastic_run_that_lost_every_worker_resumes_from_its_lead_checkpoint(
     from test_cli import small_run
 
     out = tmp_path / "run"
-    args = small_run(corpus, out, "--workers", "3", "--steps", "100", "--elastic",
+    args = small_run(corpus, out, "--workers", str(workers), "--worker-ranks", str(ranks),
+                     "--steps", "100", "--elastic",
                      "--launcher", "processes", "--checkpoint-every", "2",
                      "--link-latency", "20ms", "--eval-every", "0", "--log-every", "10",
                      "--final-eval-batches", "2")
@@ -306,11 +318,14 @@ def test_an_elastic_run_that_lost_every_worker_resumes_from_its_lead_checkpoint(
     meta = checkpoint.latest(str(out))
     step = int(meta["step"])
     assert meta["elastic"] and step < 100 and (step - 1) % 8 == 0  # every 2 rounds, + tau
-    assert sorted(os.listdir(out / "checkpoints" / f"step{step:08d}")) == ["rank0000.pt"]
+    assert sorted(os.listdir(out / "checkpoints" / f"step{step:08d}")) == [
+        f"rank{r:04d}.pt" for r in range(ranks)]
     assert main(["train", "--resume", str(out), "--no-progress"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["resumed_from_step"] == step and summary["inner_steps"] == 100
-    assert summary["elastic"]["syncs_by_participants"] == {"3": (100 - step) // 2 + 1}
+    assert summary["elastic"]["syncs_by_participants"] == {
+        str(workers): (100 - step) // 2 + 1}
+    assert summary["tokens"] == 100 * workers * ranks * 4 * 32
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     logged = [r["step"] for r in records if "train_loss" in r]
     assert logged == sorted(set(logged)) and logged[-1] == 100  # cut at the checkpoint

@@ -701,7 +701,7 @@ def validate_worker_ranks(cfg: TrainConfig) -> None:
 def validate_elastic(cfg: TrainConfig) -> None:
     """Check ``elastic`` and its options: elastic runs under the processes launcher (or,
     with ``lighthouse`` and ``worker_index``, as one worker of an external Lighthouse's job,
-    also under torchrun), with workers of one rank and no pipeline stages, and not with
+    also under torchrun), without pipeline stages (workers of R ranks are fine), and not with
     ``eval_replicas``; ``min_workers`` in [1, ``workers``], ``worker_index`` in
     [0, ``workers``); these only with ``elastic``.
 
@@ -732,10 +732,9 @@ def validate_elastic(cfg: TrainConfig) -> None:
                           "--launcher processes; under torchrun (one job per worker) give "
                           "--lighthouse and --worker-index (got --launcher "
                           f"{'torchrun' if under_torchrun() else cfg.launcher})")
-    for name, allowed in (("worker_ranks", 1), ("stages", 1)):
-        if getattr(cfg, name) != allowed:
-            raise ConfigError(name, f"must be {allowed} with --elastic: workers of one rank "
-                              f"for now (got {getattr(cfg, name)})")
+    if cfg.stages != 1:
+        raise ConfigError("stages", "must be 1 with --elastic: elastic workers are not "
+                          f"pipelines for now (got {cfg.stages})")
     if cfg.eval_replicas:
         raise ConfigError("eval_replicas", "is a collective outside the syncs, which an "
                           "elastic run does not make; leave it out with --elastic")

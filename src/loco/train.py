@@ -364,8 +364,8 @@ class Worker:
             return (ctx.pipe or ctx.comm).all_gather(tensor, tag="report").wait()
         across = torch.stack(ctx.comm.all_gather(tensor, tag="report").wait())  # by replica
         inside = ctx.inner.all_gather(across, tag="report").wait()  # by shard
-        return [inside[shard][replica] for replica in range(ctx.mesh.replicas)
-                for shard in range(ctx.mesh.shards)]  # rank = replica x R + shard
+        return [inside[shard][replica] for replica in range(len(across))  # (elastic: the
+                for shard in range(ctx.mesh.shards)]  # members) rank = replica x R + shard
 
 
 #: The running values a checkpoint saves (under "loop"), to continue them exactly.
@@ -454,20 +454,25 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
                + (f"x{ctx.stages} stages" if ctx.stages > 1 else "")
                + (f"x{ctx.mesh.shards} ranks" if ctx.mesh.shards > 1 else ""), unit="step",
                disable=not (main and cfg.progress), dynamic_ncols=True)
-    dcp = ctx.checkpoint_group is not None  # a worker of R ranks saves through DCP
-    # An elastic run's checkpoint is one file, the lead's (whichever worker leads then).
+    # An elastic run's checkpoint is the lead's (whichever worker leads then): one file per
+    # rank of that worker, each with its share; otherwise a worker of R ranks saves its
+    # tensors through DCP.
     elastic = ctx.comm.elastic
-    writer = checkpoint.Writer(cfg.out, 0 if elastic else ctx.rank,
-                               1 if elastic else ctx.world_size, timeout=cfg.comm_timeout,
-                               commit_meta={"world_size": 1 if elastic else ctx.world_size,
+    dcp = ctx.checkpoint_group is not None and not elastic
+    writer = checkpoint.Writer(cfg.out, ctx.shard if elastic else ctx.rank,
+                               ctx.mesh.shards if elastic else ctx.world_size,
+                               timeout=cfg.comm_timeout,
+                               commit_meta={"world_size": ctx.mesh.shards if elastic
+                                            else ctx.world_size,
                                             "algorithm": cfg.algorithm,
                                             "worker_ranks": cfg.worker_ranks,
                                             "worker_parallel": cfg.worker_parallel,
                                             "dcp_workers": cfg.workers if dcp else 0,
                                             "elastic": elastic,
                                             "config": cfg.to_dict()}
-                               if main or elastic else None,
-                               worker=ctx.replica if dcp else None, group=ctx.checkpoint_group)
+                               if main or elastic and ctx.shard == 0 else None,
+                               worker=ctx.replica if dcp else None,
+                               group=ctx.checkpoint_group if dcp else None)
     metrics = os.path.join(cfg.out, "metrics.jsonl")
     appends = os.path.exists(metrics) and (joined or state is not None
                                            and state["loop"].get("metrics_bytes") is None)
@@ -549,12 +554,12 @@ def resume_state(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> dict |
 
 
 def elastic_resume_state(cfg: TrainConfig, ctx: WorkerContext) -> dict | None:
-    """The last complete checkpoint of an elastic run: the one file its lead wrote, which
-    every worker continues from."""
+    """The last complete checkpoint of an elastic run: the files its lead worker wrote (one
+    per rank, its share), which every worker continues from: rank r of each from file r."""
     meta = checkpoint.latest(cfg.out)
     if meta is None:
         return None
-    return checkpoint.load_rank(cfg.out, int(meta["step"]), 0, ctx.device)
+    return checkpoint.load_rank(cfg.out, int(meta["step"]), ctx.shard, ctx.device)
 
 
 def restore_elastic(state: dict, algo: Algorithm, schedule, loader: TokenLoader | None,
@@ -688,7 +693,8 @@ def train_step(w: Worker, step: int) -> torch.Tensor | None:
     w.schedule.step()
     w.algo.zero_grad()
     if w.ctx.comm.elastic:  # the workers in the quorum of the latest sync trained this step
-        w.elastic_tokens += len(w.ctx.comm.members) * w.cfg.batch_size * w.cfg.seq_len
+        w.elastic_tokens += (len(w.ctx.comm.members) * w.ctx.mesh.shards * w.cfg.batch_size
+                             * w.cfg.seq_len)
     if step == w.cfg.steps:
         w.algo.flush()  # the last fragment sent must reach the evaluated global model
     return loss
@@ -776,7 +782,7 @@ def log_membership(w: Worker, step: int) -> None:
 def describe_event(ev: dict) -> str:
     """One line for a membership event of an ElasticComm."""
     if ev["event"] == "membership":
-        change = ", ".join(f"worker {w} {what}" for what in ("joined", "left")
+        change = ", ".join(f"worker {w} {what}" for what in ("left", "joined")
                            for w in ev[what])
         return f"{change or 'membership'}; members {ev['members']}"
     return f"{ev['event'].replace('_', ' ')} ({ev.get('error') or 'no error text'})"
@@ -878,7 +884,7 @@ def take_lead(w: Worker) -> None:
     """At the end of an elastic run the lowest live worker reports (worker 0 if alive); one
     that takes over from a lost worker 0 appends to its metrics.jsonl."""
     w.lead = min(w.ctx.comm.members)
-    lead = w.ctx.replica == w.lead
+    lead = w.ctx.replica == w.lead and w.ctx.shard == 0
     if lead and not w.main:
         path = os.path.join(w.cfg.out, "metrics.jsonl")
         w.log = RunLog(w.cfg.out, resume_at=os.path.getsize(path) if os.path.exists(path)

@@ -168,17 +168,21 @@ class Algorithm:
         """
         if not self.comm.elastic:
             return False
-        deadline = time.monotonic() + self.comm.timeout
-        while True:
-            if self.comm.begin():
-                self._resume()
-                return True
-            if len(self.comm.members) == self.comm.workers or time.monotonic() > deadline:
-                break  # all M, or as many as came within the timeout (>= min_workers)
-            time.sleep(0.5)  # the others are still starting
-        self._sync_initial_state(self._init_sync)
-        self.comm.commit(True, record=False)
-        return False
+        self.comm.joining = True
+        try:
+            deadline = time.monotonic() + self.comm.timeout
+            while True:
+                if self.comm.begin():
+                    self._resume()
+                    return True
+                if len(self.comm.members) == self.comm.workers or time.monotonic() > deadline:
+                    break  # all M, or as many as came within the timeout (>= min_workers)
+                time.sleep(0.5)  # the others are still starting
+            self._sync_initial_state(self._init_sync)
+            self.comm.commit(True, record=False)
+            return False
+        finally:
+            self.comm.joining = False
 
     def heal_state(self) -> dict:
         """What a worker that is behind receives from this one, at the quorum of a sync:

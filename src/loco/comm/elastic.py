@@ -148,6 +148,8 @@ class ElasticComm(Comm):
         self.lighthouse = lighthouse
         self.waiting = False
         """Whether this worker is waiting for a quorum now."""
+        self.joining = False
+        """Whether this worker is joining the job (``Algorithm.join``), not training yet."""
         tft = _torchft()
         td = datetime.timedelta(seconds=timeout)
         self.worker, self.workers, self.min_workers, self.timeout = (worker, workers,
@@ -161,6 +163,8 @@ class ElasticComm(Comm):
             quorum_timeout=td, connect_timeout=td, rank=shard, world_size=shards,
             store_addr=store_host, store_port=store_port, lighthouse_addr=lighthouse,
             replica_id=f"loco_worker_{worker}", hostname=host, init_sync=False)
+        self._incarnation = int.from_bytes(os.urandom(7), "big")  # this process's start
+        self._incarnations: dict[int, int] = {}  # of the current members
         self.members: tuple[int, ...] = ()
         """The workers (fixed indexes) of the current quorum, in quorum rank order."""
         self.contributors = 1
@@ -272,15 +276,19 @@ class ElasticComm(Comm):
             self.size = self._members_group.member_count
 
     def _agree(self, waited: float) -> None:
-        mine = torch.tensor([self.worker, 0 if self.healed else 1], dtype=torch.int64,
-                            device=self.device)
+        mine = torch.tensor([self.worker, 0 if self.healed else 1, self._incarnation],
+                            dtype=torch.int64, device=self.device)
         rows = self.all_gather(mine, tag=MEMBERSHIP_TAG).wait()
         members = tuple(int(r[0]) for r in rows)
+        incarnations = {int(r[0]): int(r[2]) for r in rows}
         self.contributors = sum(int(r[1]) for r in rows)
-        if members != self.members:
-            joined = sorted(set(members) - set(self.members))
-            left = sorted(set(self.members) - set(members))
-            self.members = members
+        # a worker restarted between two quorums left and joined, though it kept its index
+        back = {w for w in members
+                if incarnations[w] != self._incarnations.get(w, incarnations[w])}
+        if members != self.members or back:
+            joined = sorted(set(members) - set(self.members) | back)
+            left = sorted(set(self.members) - set(members) | back)
+            self.members, self._incarnations = members, incarnations
             self._event("membership", members=list(members), joined=joined, left=left,
                         quorum_seconds=round(waited, 3))
         if self.contributors == 0:  # every member was healed: nothing to average
@@ -317,8 +325,11 @@ class ElasticComm(Comm):
             self.healed, self._retries = False, 0
         else:
             self._retries += 1
+            few = len(self.members) < self.min_workers  # the Lighthouse let a smaller quorum be
             self._event("sync_dropped", members=list(self.members),
-                        error=str(error).splitlines()[0][:200] if error else None)
+                        error=str(error).splitlines()[0][:200] if error else
+                        f"{len(self.members)} live worker(s), fewer than --min-workers "
+                        f"{self.min_workers}" if few else None)
         return committed
 
     def settle(self, handle: Handle, reissue: Callable[[], Handle] | None = None) -> Any:

@@ -248,11 +248,11 @@ class _Job:
 
 
 def _too_late(job_over, comm, key: tuple[int, int], results) -> None:
-    """Once a worker has finished the job, one still waiting for a quorum (restarted too
-    late to rejoin: no quorum will come) exits cleanly, its result None."""
+    """Once a worker has finished the job, one still joining it (restarted too late to
+    rejoin: no quorum with a live worker will come) exits cleanly, its result None."""
     # Polled, not waited on: a process that exits while waiting on a multiprocessing Event
     # leaves it a sleeper that the setter would wait for forever.
-    while not (job_over.is_set() and comm.waiting):
+    while not (job_over.is_set() and (comm.waiting or comm.joining)):
         time.sleep(0.2)
     print(f"[loco] worker {key[0]}: the job finished while it waited to join", flush=True)
     results.put((key, True, pickle.dumps(None)))
@@ -290,8 +290,31 @@ def run_worker(fn: Callable[..., Any], args: tuple, workers: int, timeout: float
     host = os.environ.get(HOST_ENV) or socket.gethostname()
     shard = int(os.environ["RANK"]) if shards > 1 else 0
     store = _attempt_store(shard, shards, timeout) if shards > 1 else None
+    restarted = max(int(os.environ.get(v) or 0)
+                    for v in ("TORCHELASTIC_RESTART_COUNT", RESTART_ENV)) > 0
+
+    def watch(comm):
+        if restarted:
+            threading.Thread(target=_alone, args=(comm,), daemon=True,
+                             name="loco-alone").start()
     return _run(fn, args, (spec.worker, shard), (workers, shards),
-                (spec.lighthouse, spec.check(workers), timeout, links, host), store, launcher)
+                (spec.lighthouse, spec.check(workers), timeout, links, host), store, launcher,
+                started=watch)
+
+
+def _alone(comm, polls: int = 3) -> None:
+    """A restarted worker of an external Lighthouse's job that is still joining while the
+    Lighthouse hears from no other worker (``polls`` times, a second apart): the job is over
+    (or every other worker is gone), so no quorum will come; it exits cleanly rather than
+    wait out the timeout."""
+    lonely = 0
+    while lonely < polls:
+        time.sleep(1.0)
+        alone = (comm.waiting or comm.joining) and set(comm.alive()) <= {comm.worker}
+        lonely = lonely + 1 if alone else 0
+    print(f"[loco] worker {comm.worker}: no other worker is alive while it waits to join (the "
+          "job is over); exiting", flush=True)
+    os._exit(0)
 
 
 def _run(fn, args, key: tuple[int, int], sizes: tuple[int, int], job: tuple, store,
