@@ -15,6 +15,10 @@ uninterrupted. It prints:
 
     .venv/bin/python benchmarks/elastic.py              # ~6 minutes on 2 cores
     .venv/bin/python benchmarks/elastic.py --steps 150  # a quicker look
+    .venv/bin/python benchmarks/elastic.py --worker-ranks 2   # workers of 2 ranks
+
+With ``--worker-ranks R`` every worker is a torchrun job of R processes (ddp inside), and
+the kill takes the whole job (its process group: every rank of worker 3).
 """
 
 from __future__ import annotations
@@ -45,7 +49,8 @@ def last_step(out: str) -> int:
 
 def start(cmd: list[str], worker: int, log) -> subprocess.Popen:
     return subprocess.Popen([*cmd, "--worker-index", str(worker)], stdout=log, stderr=log,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+                            env={**os.environ, "OMP_NUM_THREADS": "1"},
+                            start_new_session=True)  # its own group: kill every rank
 
 
 def wait_for_step(out: str, step: int, jobs: list) -> float:
@@ -63,7 +68,7 @@ def interrupted(cmd: list[str], out: str, steps: int, workers: int, min_workers:
         try:
             jobs = [start(cmd, w, log) for w in range(workers)]
             killed_at = wait_for_step(out, steps // 3, jobs)
-            jobs[-1].send_signal(signal.SIGKILL)
+            os.killpg(jobs[-1].pid, signal.SIGKILL)
             restarted_at = wait_for_step(out, 2 * steps // 3, jobs)
             jobs[-1] = start(cmd, workers - 1, log)
             codes = [j.wait() for j in jobs]
@@ -110,21 +115,28 @@ def main() -> int:
     p.add_argument("--sync-every", type=int, default=60, help="H (P = 2 fragments)")
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--min-workers", type=int, default=2)
+    p.add_argument("--worker-ranks", type=int, default=1,
+                   help="R ranks per worker: each worker a torchrun job of R processes")
     args = p.parse_args()
     base = ["train", "--workers", str(args.workers), "--steps", str(args.steps),
             "--sync-every", str(args.sync_every), "--fragments", "2", "--codec", "fp4_e3m0",
             "--elastic", "--min-workers", str(args.min_workers), "--checkpoint-every", "0",
-            "--eval-every", "0", "--log-every", "10", "--no-progress"]
+            "--eval-every", "0", "--log-every", "10", "--no-progress",
+            "--worker-ranks", str(args.worker_ranks)]
     loco = [sys.executable, "-m", "loco"]
+    worker = loco if args.worker_ranks == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+        str(args.worker_ranks), "--max-restarts", "0", "-m", "loco"]
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([*loco, *base, "--launcher", "processes", "--out", f"{tmp}/whole"],
                        check=True, capture_output=True)
         whole = json.load(open(f"{tmp}/whole/summary.json"))
-        times = interrupted([*loco, *base], f"{tmp}/broken", args.steps, args.workers,
+        times = interrupted([*worker, *base], f"{tmp}/broken", args.steps, args.workers,
                             args.min_workers)
         r = report(f"{tmp}/broken", times, args.workers)
-    print(f"Streaming DiLoCo, M = {args.workers}, {args.steps} steps, H = {args.sync_every}, "
-          f"P = 2, FP4; worker {args.workers - 1} killed at step ~{args.steps // 3}, "
+    print(f"Streaming DiLoCo, M = {args.workers} workers of {args.worker_ranks} rank(s), "
+          f"{args.steps} steps, H = {args.sync_every}, P = 2, FP4; "
+          f"worker {args.workers - 1} killed at step ~{args.steps // 3}, "
           f"restarted at step ~{2 * args.steps // 3}\n")
     print("| | value |\n|---|---|")
     print(f"| tokens/s before the kill | {r['before']:,.0f} |")

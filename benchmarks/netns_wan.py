@@ -294,27 +294,58 @@ def _die_with_parent() -> None:
         pass
 
 
-def start_workers(net: WanNet, train_args: list[str], out: str,
-                  port: int) -> list[subprocess.Popen]:
-    os.makedirs(os.path.join(out, "logs"), exist_ok=True)
+def start_workers(net: WanNet, train_args: list[str], out: str, port: int,
+                  lighthouse: str | None = None, restarts: int = 0,
+                  fault: str | None = None) -> list[subprocess.Popen]:
+    """One torchrun per worker namespace: all of one world (static rendezvous on worker 0),
+    or, with ``lighthouse``, each a world of its own, one worker of that elastic job
+    (``fault``: its LOCO_FAULT, a drill)."""
     procs = []
     threads = max(1, (os.cpu_count() or 1) // net.workers)
     for i in range(net.workers):
         env = dict(os.environ, GLOO_SOCKET_IFNAME=net.dev(i), OMP_NUM_THREADS=str(threads),
-                   PYTHONUNBUFFERED="1")
+                   PYTHONUNBUFFERED="1", LOCO_ELASTIC_HOST=net.addr(i))
+        if fault:
+            env["LOCO_FAULT"] = fault
+        if lighthouse is None:
+            run = ["--nnodes", str(net.workers), "--nproc-per-node", "1", "--node-rank", str(i),
+                   "--rdzv-backend", "static", "--master-addr", net.addr(0),
+                   "--master-port", str(port), "--local-addr", net.addr(i), "--max-restarts",
+                   "0", "-m", "loco", "train", *train_args]
+        else:
+            run = ["--standalone", "--nproc-per-node", "1", "--max-restarts", str(restarts),
+                   "-m", "loco", "train", *train_args, "--elastic", "--lighthouse", lighthouse,
+                   "--worker-index", str(i)]
         cmd = ["ip", "netns", "exec", net.ns(i), sys.executable, "-m", "torch.distributed.run",
-               "--nnodes", str(net.workers), "--nproc-per-node", "1", "--node-rank", str(i),
-               "--rdzv-backend", "static", "--master-addr", net.addr(0),
-               "--master-port", str(port), "--local-addr", net.addr(i), "--max-restarts", "0",
-               "-m", "loco", "train", *train_args]
-        log = open(os.path.join(out, "logs", f"worker{i}.log"), "w")
-        try:
-            procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                          stdin=subprocess.DEVNULL, start_new_session=True,
-                                          preexec_fn=_die_with_parent))
-        finally:
-            log.close()
+               *run]
+        procs.append(_spawn(cmd, env, os.path.join(out, "logs", f"worker{i}.log")))
     return procs
+
+
+def _spawn(cmd: list[str], env: dict, log_path: str) -> subprocess.Popen:
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "w") as log:
+        return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, start_new_session=True,
+                                preexec_fn=_die_with_parent)
+
+
+def start_lighthouse(net: WanNet, out: str, min_workers: int,
+                     timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
+    """torchft's Lighthouse in worker 0's namespace; returns the process and its address."""
+    code = ("import sys, time; from loco.comm.elastic import start_lighthouse; "
+            f"h = start_lighthouse({min_workers}); "
+            "print('PORT', h.address().rsplit(':', 1)[1], flush=True); time.sleep(1e9)")
+    path = os.path.join(out, "logs", "lighthouse.log")
+    proc = _spawn(["ip", "netns", "exec", net.ns(0), sys.executable, "-c", code],
+                  dict(os.environ, PYTHONUNBUFFERED="1"), path)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        found = re.search(r"^PORT (\d+)$", open(path).read(), re.M)
+        if found:
+            return proc, f"http://{net.addr(0)}:{found.group(1)}"
+        time.sleep(0.2)
+    raise CommandError(f"the Lighthouse did not start; see {path}")
 
 
 def stop_workers(procs: list[subprocess.Popen]) -> None:
@@ -449,6 +480,22 @@ def analyse(net: WanNet, before: list[dict], after: list[dict], out: str, qdiscs
     }
 
 
+def report_elastic(out: str, wall: float) -> dict:
+    """Print and return the membership of an elastic run (its summary's ``elastic``)."""
+    with open(os.path.join(out, "summary.json")) as f:
+        summary = json.load(f)
+    elastic = {k: v for k, v in summary["elastic"].items() if k != "events"}
+    print(f"elastic run finished in {wall:.1f} s: final eval loss "
+          f"{summary['final_eval_loss']:.4f}; syncs by participants "
+          f"{elastic['syncs_by_participants']}; dropped syncs {elastic['dropped_syncs']}")
+    for loss in elastic["losses"]:
+        print(f"  workers {loss['left']} lost: next committed sync after "
+              f"{loss['to_next_sync']:.1f} s, full strength after "
+              + (f"{loss['to_full_strength']:.1f} s" if loss["to_full_strength"] is not None
+                 else "never"))
+    return elastic
+
+
 def report(res: dict, args, wall: float) -> None:
     rows, tot = res["workers"], res["totals"]
     total = dict(tot, worker="total")
@@ -559,7 +606,23 @@ def parse_args(argv: list[str]):
     ap.add_argument("--out", help="run directory for loco's output and the worker logs "
                     "(default: runs/netns-wan-<time>)")
     ap.add_argument("--json", metavar="PATH", help="also write the results here as JSON")
+    ap.add_argument("--elastic", action="store_true",
+                    help="an elastic job instead (loco train --elastic): a torchft Lighthouse "
+                    "in worker 0's namespace, each worker a torchrun job of its own that "
+                    "advertises its namespace's address; reports the membership, not the "
+                    "byte agreement (torchft's own traffic is not the library's)")
+    ap.add_argument("--kill", metavar="WORKER:STEP",
+                    help="with --elastic: kill that worker (SIGKILL) before that step; "
+                    "torchrun restarts it (--max-restarts) and it rejoins from a live one")
+    ap.add_argument("--max-restarts", type=int, default=1,
+                    help="with --elastic: torchrun's restarts of each worker")
+    ap.add_argument("--min-workers", type=int,
+                    help="with --elastic: loco train --min-workers (default: a majority)")
     args = ap.parse_args(argv)
+    if (args.kill or args.min_workers) and not args.elastic:
+        ap.error("--kill and --min-workers go with --elastic")
+    if args.kill and not re.fullmatch(r"\d+:\d+", args.kill):
+        ap.error(f"--kill must look like WORKER:STEP (got {args.kill!r})")
     if not 2 <= args.workers <= 250:
         ap.error("--workers must be between 2 and 250 (one address each in a /24)")
     if not 576 <= args.mtu <= 65535:
@@ -615,12 +678,23 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         before = net.counters()
         t0 = time.perf_counter()
-        procs = start_workers(net, train_args, out, args.port)
-        codes = wait_workers(procs, args.timeout)
+        if args.elastic:
+            need = args.min_workers or args.workers // 2 + 1
+            lighthouse, address = start_lighthouse(net, out, need)
+            procs.append(lighthouse)
+            procs += start_workers(net, [*train_args, "--min-workers", str(need)], out,
+                                   args.port, address, args.max_restarts,
+                                   fault=f"{args.kill}:kill" if args.kill else None)
+        else:
+            procs = start_workers(net, train_args, out, args.port)
+        codes = wait_workers(procs[1:] if args.elastic else procs, args.timeout)
         wall = time.perf_counter() - t0
         after = net.counters()
         result.update(exit_codes=codes, wall_seconds=wall)
-        if any(c != 0 for c in codes):
+        if args.elastic and all(c == 0 for c in codes):
+            result["elastic"] = report_elastic(out, wall)
+            code = 0
+        elif any(c != 0 for c in codes):
             print(f"the run failed: worker exit codes {codes}; see {out}/logs", file=sys.stderr)
             for i, c in enumerate(codes):
                 if c != 0:

@@ -89,9 +89,10 @@ def test_a_restarted_worker_rejoins_from_a_peer_bit_for_bit():
 
 
 @pytest.mark.numerics
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_a_worker_of_two_ranks_is_lost_whole_and_rejoins_rank_by_rank(parallel):
-    """Workers of R = 2 ranks (the model whole on each, or FSDP2-sharded over them): killing
+def test_a_worker_of_two_ranks_is_lost_whole_and_rejoins_rank_by_rank():
+    """Workers of R = 2 ranks, the model FSDP2-sharded over them (the hybrid-sharded case;
+    the whole model on each rank goes through the same shares, and through the CLI tests
+    with --worker-ranks 2 below): killing
     rank 1 of worker 2 inside its share's reduction takes the whole worker down (the
     supervisor stops its rank 0); the survivors drop that sync on both shares and go on;
     the restarted worker's ranks each receive their share of the state from the same rank
@@ -100,7 +101,7 @@ def test_a_worker_of_two_ranks_is_lost_whole_and_rejoins_rank_by_rank(parallel):
     out = loco.launch(elastic_worker, workers=m * r, launcher="processes", timeout=60,
                       shards=r, elastic=loco.Elastic(min_workers=2, restarts=1),
                       args=(steps,), kwargs=dict(kill=(2, 12, "reduction", 1), smooth=True,
-                                                 step_seconds=0.3, parallel=parallel, **ALGO))
+                                                 step_seconds=0.3, parallel="fsdp", **ALGO))
     peers, joiner = out[:4], out[4:]
     s = joiner[0]["join_sync"]
     assert all(j["joined"] and j["join_sync"] == s for j in joiner) and 12 < s < steps
@@ -259,6 +260,56 @@ def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_pat
     joined = [e for e in elastic["events"]
               if e["event"] == "membership" and e["joined"] == [victim]]
     assert joined and joined[-1]["members"] == list(range(workers))
+
+
+def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_path):
+    """Scaling up: a job of M = 3 whose workers 0 and 1 start alone (--min-workers 2: they
+    wait --comm-timeout for worker 2, then begin); worker 2, started by hand once they are
+    past step 50, joins at their next sync from a live worker, and the syncs from then on
+    count three."""
+    import json
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from loco.comm.elastic import start_lighthouse
+    from loco.data import prepare_corpus
+    from test_cli import small_run
+
+    text, cache = corpus
+    prepare_corpus(text, 300, 0.05, cache)
+    lighthouse = start_lighthouse(min_workers=2)
+    out = tmp_path / "run"
+    args = small_run(corpus, out, "--workers", "3", "--steps", "300", "--elastic",
+                     "--min-workers", "2", "--comm-timeout", "8", "--link-latency", "20ms",
+                     "--log-every", "10", "--eval-every", "0", "--checkpoint-every", "0",
+                     "--lighthouse", lighthouse.address(), "--final-eval-batches", "2")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+    def start(w):
+        return subprocess.Popen([sys.executable, "-m", "loco", *args, "--worker-index", str(w)],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+    try:
+        jobs = [start(0), start(1)]
+        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 90
+        while not (metrics.exists() and '"step": 50,' in metrics.read_text()):
+            assert jobs[0].poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        jobs.append(start(2))
+        logs = [job.communicate(timeout=120)[0] for job in jobs]
+    finally:
+        lighthouse.shutdown()
+    assert [job.returncode for job in jobs] == [0, 0, 0], logs[2][-3000:]
+    elastic = json.loads((out / "summary.json").read_text())["elastic"]
+    assert set(elastic["syncs_by_participants"]) == {"2", "3"} and elastic["losses"] == []
+    joins = [e for e in elastic["events"] if e["event"] == "membership" and e["joined"]]
+    assert [e["members"] for e in joins] == [[0, 1], [0, 1, 2]]
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    first_three = min(r["step"] for r in records if r.get("event") == "elastic_sync"
+                      and len(r["participants"]) == 3)
+    assert first_three > 50  # it joined the running job, after the step it was started at
 
 
 @pytest.mark.parametrize("algo_name,kw", [

@@ -7,6 +7,7 @@ is skipped elsewhere. The refusal without root is tested everywhere.
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -102,3 +103,30 @@ def test_real_links_bytes_agree(namespaces_work, tmp_path):
     # Every namespace of the run is gone.
     assert res["prefix"].startswith("loco-wan-") and res["namespaces_left"] == []
     assert not [n for n in netns_names() if n.startswith(res["prefix"] + "-")]
+
+
+def test_elastic_workers_on_separate_hosts_rejoin(namespaces_work, tmp_path):
+    """Elastic membership across hosts: 3 workers in namespaces of their own (an address
+    each, nothing on loopback between them), a Lighthouse in worker 0's; worker 2 killed at
+    step 30, restarted by its torchrun, rejoins from a live worker over the veth links."""
+    results = tmp_path / "netns.json"
+    cmd = [sys.executable, str(SCRIPT), "--elastic", "--workers", "3", "--model", "tiny",
+           "--steps", "100", "--sync-every", "4", "--kill", "2:30", "--min-workers", "2",
+           "--out", str(tmp_path / "run"), "--json", str(results), "--timeout", "150",
+           "--", "--link-latency", "20ms", "--log-every", "50", "--checkpoint-every", "0"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout + p.stderr
+    res = json.loads(results.read_text())
+    assert res["exit_codes"] == [0, 0, 0] and res["namespaces_left"] == []
+    elastic = res["elastic"]
+    assert [loss["left"] for loss in elastic["losses"]] == [[2]]
+    assert elastic["losses"][0]["to_full_strength"] is not None  # back from a live worker
+    assert set(elastic["syncs_by_participants"]) == {"2", "3"}
+    # a live worker served the joiner's state to worker 2's address, over the links
+    served = "".join((tmp_path / "run" / "logs" / f"worker{i}.log").read_text()
+                     for i in (0, 1))
+    assert re.search(r"10\.77\.0\.3 .*GET /checkpoint/", served)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    joined = [e for e in summary["elastic"]["events"] if e["event"] == "membership"
+              and 2 in e["joined"] and e["time"] > 0]
+    assert joined[-1]["members"] == [0, 1, 2]

@@ -96,6 +96,19 @@ def start_lighthouse(min_workers: int, heartbeat_timeout: float = 1.0,
                             heartbeat_timeout_ms=int(heartbeat_timeout * 1000))
 
 
+def _transport(host: str, timeout: datetime.timedelta):
+    """torchft's HTTP checkpoint transport (a joiner fetches a live worker's state from
+    it), advertised at ``host`` rather than at this machine's host name, which the other
+    workers may not resolve."""
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    class HostTransport(HTTPTransport):
+        def address(self) -> str:
+            return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
+
+    return HostTransport(timeout=timeout, num_chunks=0)
+
+
 def _group_class():
     base = _torchft().process_group.ProcessGroupGloo
 
@@ -162,7 +175,8 @@ class ElasticComm(Comm):
             min_replica_size=min_workers, use_async_quorum=False, timeout=td,
             quorum_timeout=td, connect_timeout=td, rank=shard, world_size=shards,
             store_addr=store_host, store_port=store_port, lighthouse_addr=lighthouse,
-            replica_id=f"loco_worker_{worker}", hostname=host, init_sync=False)
+            replica_id=f"loco_worker_{worker}", hostname=host, init_sync=False,
+            checkpoint_transport=_transport(host, td))
         self._incarnation = int.from_bytes(os.urandom(7), "big")  # this process's start
         self._incarnations: dict[int, int] = {}  # of the current members
         self.members: tuple[int, ...] = ()

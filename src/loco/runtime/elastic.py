@@ -326,6 +326,9 @@ def _run(fn, args, key: tuple[int, int], sizes: tuple[int, int], job: tuple, sto
 
     (worker, shard), (workers, shards) = key, sizes
     lighthouse, min_workers, timeout, links, host = job
+    if shard == 0 and torch.cuda.is_available():
+        log.warning("elastic: worker %d trains on the CPU and syncs over gloo: elastic runs "
+                    "do not use GPUs yet", worker)
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers: no line per quorum
     inner, device_mesh, checkpoint_group = (_worker_world(store, shard, shards, timeout,
                                                           links[1])
