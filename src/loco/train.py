@@ -36,7 +36,7 @@ from loco.config import (ConfigError, TrainConfig, betas, check_layout, model_di
 from loco.data import Corpus, CorpusError, TokenLoader, eval_batches, prepare_corpus
 from loco.model import Transformer, model_config
 from loco.runtime import Elastic, WorkerContext, launch, under_torchrun
-from loco.runtime.elastic import RESTART_ENV, recovery_report
+from loco.runtime.elastic import recovery_report, restart_count
 from loco.runtime.faults import Fault, InjectedFault
 from loco.runtime.pipeline import PipelineStage
 
@@ -85,13 +85,6 @@ def prepare_config(cfg: TrainConfig) -> TrainConfig:
                               f"--resume {cfg.out}, or choose another --out (nothing is "
                               "overwritten)")
     return cfg
-
-
-def restart_count() -> int:
-    """How many times torch elastic (the processes launcher, torchrun) restarted the workers,
-    or (``--elastic``) this worker."""
-    return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
-               int(os.environ.get(RESTART_ENV, "0") or 0))
 
 
 def prepare_data(cfg: TrainConfig) -> Corpus:

@@ -28,7 +28,6 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from loco.comm.interface import Comm
 
 log = logging.getLogger("loco.elastic")
 
@@ -39,6 +38,12 @@ an external Lighthouse's job (default: this machine's host name)."""
 RESTART_ENV = "LOCO_WORKER_RESTART"
 """Environment variable holding how many times this worker process was restarted (0 for
 the first start); fault injection acts on first starts only."""
+
+
+def restart_count() -> int:
+    """How many times torch elastic (the processes launcher, torchrun) restarted this
+    process's workers, or the elastic supervisor this worker (``RESTART_ENV``)."""
+    return max(int(os.environ.get(v) or 0) for v in ("TORCHELASTIC_RESTART_COUNT", RESTART_ENV))
 
 
 @dataclass(frozen=True)
@@ -204,10 +209,10 @@ class _Job:
             return
         self.collect(wait=1.0)  # a result still in the pipe
         dead = self._dead(worker)
-        silent = [p for r, p in enumerate(self.procs[worker])
-                  if p in dead and (worker, r) not in self.raised]
         if not dead:
             return
+        silent = [p for r, p in enumerate(self.procs[worker])
+                  if p in dead and (worker, r) not in self.raised]
         for p in self.procs[worker]:
             if p.is_alive():
                 p.kill()
@@ -290,11 +295,8 @@ def run_worker(fn: Callable[..., Any], args: tuple, workers: int, timeout: float
     host = os.environ.get(HOST_ENV) or socket.gethostname()
     shard = int(os.environ["RANK"]) if shards > 1 else 0
     store = _attempt_store(shard, shards, timeout) if shards > 1 else None
-    restarted = max(int(os.environ.get(v) or 0)
-                    for v in ("TORCHELASTIC_RESTART_COUNT", RESTART_ENV)) > 0
-
     def watch(comm):
-        if restarted:
+        if restart_count() > 0:
             threading.Thread(target=_alone, args=(comm,), daemon=True,
                              name="loco-alone").start()
     return _run(fn, args, (spec.worker, shard), (workers, shards),
@@ -353,15 +355,14 @@ def _worker_world(store, shard: int, shards: int, timeout: float, fast_link: Any
     """The process group of one worker's R ranks (its own world: there is none across the
     workers), its device mesh of shape (1, 1, R), the fast-link Comm over it and a gloo
     group for checkpoints."""
-    from loco.runtime.launch import MESH_DIMS, Mesh, _emulated, _worker_group
+    from loco.runtime.launch import MESH_DIMS, Mesh, _worker_comms
 
     dist.init_process_group("gloo", store=dist.PrefixStore("loco/world", store), rank=shard,
                             world_size=shards, timeout=datetime.timedelta(seconds=timeout))
     local = Mesh(1, 1, shards)
     device_mesh = init_device_mesh("cpu", local.shape, mesh_dim_names=MESH_DIMS)
-    inner = Comm(_worker_group(local, shard), shard, shards, "cpu", name="inner",
-                 link=_emulated(fast_link))
-    return inner, device_mesh, _worker_group(local, shard, "gloo")
+    inner, checkpoint_group = _worker_comms(local, shard, torch.device("cpu"), fast_link)
+    return inner, device_mesh, checkpoint_group
 
 
 def _entry(fn, args, workers, shards, lighthouse, min_workers, timeout, links, job_over,
@@ -429,4 +430,5 @@ def recovery_report(events: list[dict], syncs: list[dict], workers: int) -> dict
             "losses": losses, "events": list(events)}
 
 
-__all__ = ["Elastic", "HOST_ENV", "RESTART_ENV", "launch_elastic", "recovery_report", "run_worker"]
+__all__ = ["Elastic", "HOST_ENV", "RESTART_ENV", "launch_elastic", "recovery_report",
+           "restart_count", "run_worker"]

@@ -475,6 +475,17 @@ def _worker_group(mesh: Mesh, rank: int, backend: str | None = None):
     return mine
 
 
+def _worker_comms(mesh: Mesh, rank: int, device: torch.device, fast_link: LinkSpec | None,
+                  thread: CommThread | None = None) -> tuple:
+    """The fast-link Comm over this rank's worker (its R ranks) and a gloo group of the same
+    ranks for checkpoints; (None, None) for workers of one rank."""
+    if mesh.shards == 1:
+        return None, None
+    inner = Comm(_worker_group(mesh, rank), mesh.shard_of(rank), mesh.shards, device,
+                 name="inner", link=_emulated(fast_link), thread=thread)
+    return inner, _worker_group(mesh, rank, "gloo")
+
+
 def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout: float,
                   launcher: str, links: tuple = (None, None), shards: int = 1):
     world = int(os.environ["WORLD_SIZE"])
@@ -510,13 +521,9 @@ def _run_from_env(fn, args, workers: int | None, ranks_per_replica: int, timeout
         # Stages talk point to point over the default group, in global ranks.
         pipe = (Comm(dist.group.WORLD, rank, world, device, name="pipe", link=wire,
                      thread=thread) if ranks_per_replica > 1 else None)
-        inner = (Comm(_worker_group(mesh, rank), mesh.shard_of(rank), shards, device,
-                      name="inner", link=_emulated(links[1]), thread=thread)
-                 if shards > 1 else None)  # the fast link
+        inner, checkpoint_group = _worker_comms(mesh, rank, device, links[1], thread)
         ctx = WorkerContext(rank, world, mesh, comm, device, launcher, pipe=pipe, inner=inner,
-                            device_mesh=device_mesh,
-                            checkpoint_group=_worker_group(mesh, rank, "gloo")
-                            if shards > 1 else None)
+                            device_mesh=device_mesh, checkpoint_group=checkpoint_group)
         try:
             return fn(ctx, *args)
         finally:
