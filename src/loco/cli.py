@@ -38,7 +38,7 @@ def _flag_type(f: dataclasses.Field):
     return str
 
 
-PATHS = {"corpus", "cache_dir", "out", "resume"}
+PATHS = {"corpus", "cache_dir", "out", "resume", "tokenizer", "eval_corpus"}
 
 
 def _metavar(f: dataclasses.Field) -> str:
@@ -51,6 +51,12 @@ COMPARE_EPILOG = """Examples:
   loco compare --link-bandwidth 100Mbit --link-latency 50ms --preset quick
   loco report runs/compare-20261122-101500         # re-render from the saved runs"""
 
+
+EVAL_EPILOG = """Examples:
+  loco eval runs/diloco-20261122-101500 --tasks hellaswag,piqa,arc_easy
+  loco eval runs/noloco-20261122-101500 --tasks piqa --limit 200 --no-replicas
+  loco eval RUN_DIR --tasks my_piqa --include-path my_tasks/   # tasks on local files
+  loco report runs/compare-20261122-101500   # the report adds a downstream table"""
 
 
 def add_train_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
@@ -125,6 +131,37 @@ def build_parser() -> argparse.ArgumentParser:
                         "directories holding run directories")
     report.add_argument("--out", metavar="DIR", default=None,
                         help="where to write (default: DIR when a single directory is given)")
+    evaluate = sub.add_parser(
+        "eval", help="score a finished run's final model on downstream tasks "
+        "(lm-evaluation-harness: HellaSwag, PIQA, ARC-Easy, ...)",
+        description="Run lm-evaluation-harness tasks on the model a run ends with (the "
+        "global model; for NoLoCo also every replica and their average), read from its last "
+        "checkpoint, and write the scores into its summary.json (downstream) and the full "
+        "results into RUN_DIR/eval/. Tasks whose data is on the Hugging Face Hub need the "
+        "network; without it, define them on local files (--include-path, docs/eval.md).",
+        epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    evaluate.add_argument("run_dir", metavar="RUN_DIR", help="a loco train --out directory")
+    evaluate.add_argument("--tasks", metavar="LIST", required=True,
+                          help="comma-separated lm-eval task or group names (or task YAML "
+                          "files), e.g. hellaswag,piqa,arc_easy")
+    evaluate.add_argument("--include-path", metavar="DIR", default=None,
+                          help="a directory of your own task YAML files (e.g. tasks on local "
+                          "data files)")
+    evaluate.add_argument("--limit", metavar="N", type=float, default=None,
+                          help="at most N documents per task (a fraction of them when < 1); "
+                          "default all")
+    evaluate.add_argument("--num-fewshot", metavar="K", type=int, default=None,
+                          help="examples in each prompt (default: the task's own, 0 for most)")
+    evaluate.add_argument("--batch-size", metavar="B", type=int, default=16,
+                          help="sequences per forward pass (default: 16)")
+    evaluate.add_argument("--replicas", action=argparse.BooleanOptionalAction, default=None,
+                          help="also every replica (NoLoCo and Local: and their average); "
+                          "default: on for NoLoCo, off otherwise")
+    evaluate.add_argument("--device", metavar="DEVICE", default=None,
+                          help="where to run the model (default: cuda when available, else "
+                          "cpu)")
+    evaluate.add_argument("--verbose", action="store_true",
+                          help="show lm-eval's own log messages")
     simulate = sub.add_parser("simulate", help="what each method needs at scale, without "
                               "training: compute utilization against bandwidth, and latency",
                               description="Simulators of the papers' scaling arguments.")
@@ -159,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         return _compare(args)
     if args.command == "report":
         return _report(args)
+    if args.command == "eval":
+        return _eval(args)
     if args.command == "simulate":
         try:
             return _simulation(args.simulation).run(args)
@@ -282,6 +321,28 @@ def _report(args: argparse.Namespace) -> int:
     if code:
         return code
     _print_report(out, numbers)
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from loco.harness import EvalError, evaluate_run, score_table
+
+    limit = args.limit
+    if limit is not None and limit >= 1 and limit == int(limit):
+        limit = int(limit)
+    try:
+        entries = evaluate_run(args.run_dir, args.tasks.split(","), args.include_path, limit,
+                               args.num_fewshot, args.batch_size, args.replicas, args.device,
+                               verbose=args.verbose)
+    except EvalError as e:
+        print(f"loco eval: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nloco eval: interrupted (summary.json is unchanged)", file=sys.stderr)
+        return 130
+    print("\n".join(score_table(entries)))
+    print(f"wrote {os.path.join(args.run_dir, 'summary.json')} (downstream) and "
+          f"{os.path.join(args.run_dir, entries['downstream_setup']['results'])}")
     return 0
 
 

@@ -18,6 +18,7 @@ final eval loss (and bytes) against the swept value, one line per value of the o
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -42,7 +43,8 @@ SHARED = ("model", "layers", "dim", "heads", "steps", "tokens", "workers", "stag
           "text_field", "vocab_size", "val_fraction", "cache_dir", "dtype", "eval_every",
           "eval_batches", "final_eval_batches", "log_every", "launcher", "link_bandwidth",
           "link_latency", "fast_link_bandwidth", "fast_link_latency", "out", "progress",
-          "resume")
+          "resume", "tokenizer", "eval_corpus", "tensorboard", "wandb", "wandb_project",
+          "wandb_mode")
 #: Options that mean something to some methods only; --set (or a preset's, a YAML file's
 #: per-method entry, a --sweep) elsewhere is an error. Options not listed (the inner optimizer's
 #: lr, adam_betas, weight_decay, z_loss, ...) apply to every method.
@@ -554,6 +556,9 @@ def _method_configs(methods: list[Method], values: dict[str, Any], out: str
     for m in methods:
         cfg = TrainConfig(**{**values, **m.options, "algorithm": m.algorithm,
                              "out": os.path.join(out, m.label), "progress": False})
+        if values.get("wandb_run_name") and "wandb_run_name" not in m.options:
+            # one W&B run per method: a shared name gets the label (default: the label)
+            cfg = dataclasses.replace(cfg, wandb_run_name=f"{values['wandb_run_name']}-{m.label}")
         try:
             cfg = prepare_config(cfg)
         except ConfigError as e:
@@ -612,7 +617,8 @@ def run(p: Plan, progress: bool = True) -> dict[str, dict]:
         bar.set_description(f"[{i + 1}/{len(p.configs)}] {m.label}")
         done = i * steps
         with FollowMetrics(os.path.join(cfg.out, "metrics.jsonl"),
-                           lambda rec: _advance(bar, done + rec["step"], rec)):
+                           lambda rec: _advance(bar, done + rec["step"], rec)), \
+                wandb_group(p.out):
             summary = launch_training(cfg, corpus)
         _advance(bar, done + steps, {})
         bar.write(f"{m.label}: eval loss {summary['final_eval_loss']:.4f}, sent per worker "
@@ -621,6 +627,23 @@ def run(p: Plan, progress: bool = True) -> dict[str, dict]:
         runs.append(load_run(cfg.out, m.label))
     bar.close()
     return write_report(sorted(runs, key=order_key), p.out)
+
+
+@contextlib.contextmanager
+def wandb_group(out: str):
+    """While the methods train: ``$LOCO_WANDB_GROUP`` set to the comparison directory's name
+    (unless already set), so that ``--wandb`` puts every method's run in one W&B group (the
+    processes launcher's workers inherit it)."""
+    from loco.dashboard import GROUP_ENV
+
+    if os.environ.get(GROUP_ENV):
+        yield
+        return
+    os.environ[GROUP_ENV] = os.path.basename(os.path.normpath(os.path.abspath(out)))
+    try:
+        yield
+    finally:
+        os.environ.pop(GROUP_ENV, None)
 
 
 def _advance(bar, n: int, record: dict) -> None:

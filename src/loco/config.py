@@ -9,6 +9,7 @@ worker starts and raises :class:`ConfigError` naming the option and what is allo
 from __future__ import annotations
 
 import dataclasses
+import glob
 import math
 import os
 from dataclasses import dataclass, field
@@ -43,7 +44,8 @@ whole model and their gradients are averaged) or fsdp (FSDP2 shards the model ov
 LAYOUT = ("worker_ranks", "worker_parallel")
 #: Options a resumed run may change: how it runs, not what it computes.
 RESUMABLE = ("launcher", "progress", "comm_timeout", "checkpoint_every", "max_restarts",
-             "on_nonfinite", "resume", "out")
+             "on_nonfinite", "resume", "out", "tensorboard", "wandb", "wandb_project",
+             "wandb_run_name", "wandb_mode")
 DTYPES = ("fp32", "bf16")
 
 
@@ -200,7 +202,9 @@ class TrainConfig:
     model: str = opt("small", "model size: tiny (~0.1M params, tests), small (~1.3M, CPU "
                      "default), medium (~7.5M), large (~100M), xl (~300M), or the Streaming "
                      "DiLoCo paper's ladder: 35m, 100m, 200m, 300m, 500m, 1b (layers x d: "
-                     "6x512 ... 24x2048, head size 64)")
+                     "6x512 ... 24x2048, head size 64); or hf:PATH, a Hugging Face causal LM: "
+                     "a local directory with a config.json (random init) and optionally its "
+                     "weights (loaded, never downloaded), e.g. hf:configs/llama-35m")
     layers: int | None = opt(None, "blocks of the model, overriding --model's (default: the "
                              "named size's)")
     dim: int | None = opt(None, "d_model, overriding --model's; a multiple of --heads with an "
@@ -211,8 +215,13 @@ class TrainConfig:
     dtype: str = opt("fp32", "compute precision: fp32, or bf16 autocast (faster on GPUs and "
                      "on CPUs with AMX at d_model >= 256)", DTYPES)
     corpus: str = opt("shakespeare", "training text: 'shakespeare' (bundled), a text file, "
-                      "a .jsonl file, or a directory of them")
-    text_field: str = opt("text", "field holding the text in JSONL corpora")
+                      "a .jsonl, .parquet or .arrow file, a glob of them ('data/*.parquet'), a "
+                      "directory of them, or a Hugging Face datasets directory (save_to_disk)")
+    text_field: str = opt("text", "field holding the text in JSONL, Parquet, Arrow and "
+                          "Hugging Face datasets corpora")
+    tokenizer: str | None = opt(None, "a tokenizer.json or a Hugging Face tokenizer directory "
+                                "to use instead of training a BPE (--vocab-size is then the "
+                                "tokenizer's) (default: train a byte-level BPE on the corpus)")
     vocab_size: int = opt(4096, "byte-level BPE vocabulary size (trained once, then cached)")
     val_fraction: float = opt(0.05, "fraction of the text held out for evaluation")
     cache_dir: str | None = opt(None, "where tokenizers and tokenized data are cached "
@@ -222,10 +231,24 @@ class TrainConfig:
     eval_every: int = opt(100, "evaluate the global model every this many inner steps "
                           "(0: only at the end)")
     eval_batches: int = opt(8, "batches per periodic evaluation")
+    eval_corpus: str | None = opt(None, "a second held-out set, in any --corpus format, whose "
+                                  "loss is reported next to the validation split's at every "
+                                  "evaluation (eval_loss_extra) (default: none)")
     final_eval_batches: int = opt(100, "at most this many batches in the final evaluation")
     log_every: int = opt(10, "write a metrics record every this many inner steps")
     out: str | None = opt(None, "run directory (default: runs/<algorithm>-<time>)")
     progress: bool = opt(True, "show a progress bar (--no-progress to hide it)")
+    tensorboard: bool = opt(False, "also log every metric, sync and the summary to TensorBoard "
+                            "event files under <out>/tensorboard (needs the extra: pip install "
+                            "'loco[tensorboard]')")
+    wandb: bool = opt(False, "also log every metric, sync and the summary to Weights & Biases "
+                      "(needs the extra: pip install 'loco[wandb]')")
+    wandb_project: str = opt("loco", "the W&B project of --wandb")
+    wandb_run_name: str | None = opt(None, "the W&B run name of --wandb (default: the run "
+                                     "directory's name)")
+    wandb_mode: str = opt("offline", "online: stream to the W&B server; offline: write the run "
+                          "under <out>/wandb, to upload later with wandb sync (needs no "
+                          "network)", ("offline", "online"))
     # --- runtime
     launcher: str = opt("threads", "how workers run: threads of this process (fast start), "
                         "local processes (torch elastic), or torchrun (detected from its "
@@ -420,7 +443,11 @@ def steps_for_tokens(cfg: TrainConfig) -> int:
     if not (math.isfinite(value) and value > 0):
         raise ConfigError("tokens", f"expected a token count such as 2e7 or tokens per "
                           f"parameter such as 20x (got {cfg.tokens!r})")
-    if text.endswith("x"):
+    if text.endswith("x") and cfg.model.startswith("hf:"):
+        from loco import hf
+
+        value *= hf.parameter_count(cfg.model, cfg.vocab_size)
+    elif text.endswith("x"):
         mcfg = ModelConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, **model_dims(cfg))
         value *= parameter_count(mcfg)
     return max(1, math.ceil(value / cfg.tokens_per_step))
@@ -585,18 +612,14 @@ def validate(cfg: TrainConfig) -> None:
         choices = f.metadata.get("choices")
         if choices:
             need(getattr(cfg, f.name) in choices, f.name, f"must be one of {', '.join(choices)}")
-    need(cfg.model in MODEL_SIZES, "model", f"must be one of {', '.join(MODEL_SIZES)}")
+    need(cfg.model in MODEL_SIZES or cfg.model.startswith("hf:"), "model",
+         f"must be one of {', '.join(MODEL_SIZES)}, or hf:PATH")
     for name in ("layers", "dim", "heads", "steps", "sync_every"):
         need(getattr(cfg, name) is None or getattr(cfg, name) >= 1, name,
              "must be an integer >= 1")
     cfg = resolve(cfg)
-    dims = model_dims(cfg)
-    head = dims["d_model"] // dims["n_heads"]
-    need(dims["d_model"] % dims["n_heads"] == 0 and head % 2 == 0,
-         "dim" if cfg.dim else "heads", f"d_model {dims['d_model']} must be a multiple of the "
-         f"{dims['n_heads']} heads with an even head size (rotary embeddings)")
+    layers = validate_model(cfg)
     betas(cfg)
-    layers = dims["n_layers"]
     need(1 <= cfg.stages <= layers, "stages",
          f"must be in [1, {layers}], the number of blocks of the {cfg.model} model")
     need(cfg.routing == "fixed" or cfg.stages > 1, "routing",
@@ -661,11 +684,78 @@ def validate(cfg: TrainConfig) -> None:
     need(0 < cfg.val_fraction <= 0.5, "val_fraction", "must be in (0, 0.5]")
     need(257 <= cfg.vocab_size <= 1 << 20, "vocab_size",
          "must be in [257, 1048576] (256 byte symbols plus the end-of-text token)")
-    if cfg.corpus != "shakespeare":
-        need(os.path.exists(cfg.corpus), "corpus",
-             "path does not exist; give a text file, a .jsonl file, a directory, or 'shakespeare'")
-        if os.path.isfile(cfg.corpus):
-            need(os.path.getsize(cfg.corpus) > 0, "corpus", "file is empty")
+    for name in ("corpus", "eval_corpus"):
+        validate_corpus_path(cfg, name)
+    from loco.dashboard import missing_extra
+
+    missing = missing_extra(cfg)
+    if missing:  # "--wandb needs the wandb extra: pip install 'loco[wandb]'"
+        flag, message = missing.split("; ")[0].split(" ", 1)
+        raise ConfigError(flag[2:], message)
+    if cfg.tokenizer is not None:
+        need(os.path.exists(cfg.tokenizer), "tokenizer", "path does not exist; give a "
+             "tokenizer.json or a Hugging Face tokenizer directory")
+
+
+def validate_corpus_path(cfg: TrainConfig, name: str) -> None:
+    """``corpus`` (or ``eval_corpus``, when given) is ``shakespeare``, an existing non-empty
+    path, or a glob that matches files.
+
+    Args:
+        cfg: the configuration.
+        name: ``"corpus"`` or ``"eval_corpus"``.
+    """
+    path = getattr(cfg, name)
+    if path is None or path == "shakespeare":
+        return
+    if any(c in path for c in "*?["):
+        if not glob.glob(os.path.expanduser(path), recursive=True):
+            raise ConfigError(name, f"no files match the pattern (got {path!r})")
+        return
+    if not os.path.exists(path):
+        raise ConfigError(name, "path does not exist; give a text, .jsonl, .parquet or "
+                          ".arrow file, a glob or a directory of them, a Hugging Face datasets "
+                          f"directory, or 'shakespeare' (got {path!r})")
+    if os.path.isfile(path) and os.path.getsize(path) == 0:
+        raise ConfigError(name, f"file is empty (got {path!r})")
+
+
+def validate_model(cfg: TrainConfig) -> int:
+    """Check the model's options; return its number of blocks. The built-in model: ``dim`` a
+    multiple of ``heads`` with an even head size. ``hf:PATH``: a directory with a causal
+    LM's config.json, no ``layers``/``dim``/``heads`` overrides, ``seq_len`` within its
+    position embeddings, and its architecture splittable into ``stages``.
+
+    Args:
+        cfg: the resolved configuration.
+    """
+    if not cfg.model.startswith("hf:"):
+        dims = model_dims(cfg)
+        head = dims["d_model"] // dims["n_heads"]
+        if dims["d_model"] % dims["n_heads"] or head % 2:
+            raise ConfigError("dim" if cfg.dim else "heads", f"d_model {dims['d_model']} must "
+                              f"be a multiple of the {dims['n_heads']} heads with an even head "
+                              f"size (rotary embeddings) (got {dims})")
+        return dims["n_layers"]
+    from loco import hf
+
+    for name in ("layers", "dim", "heads"):
+        if getattr(cfg, name) is not None:
+            raise ConfigError(name, f"resizes the built-in model only; with --model hf:PATH "
+                              f"edit its config.json (got {getattr(cfg, name)})")
+    try:
+        config = hf.load_config(cfg.model)
+    except hf.HFModelError as e:
+        raise ConfigError("model", str(e)) from None
+    limit = hf.max_positions(config)
+    if limit is not None and cfg.seq_len > limit:
+        raise ConfigError("seq_len", f"must be at most the model's max_position_embeddings "
+                          f"{limit} (got {cfg.seq_len})")
+    if cfg.stages > 1 and not hf.splits_into_stages(config):
+        raise ConfigError("stages", f"pipeline stages cannot split a {config.model_type} model "
+                          f"yet (they can: {', '.join(hf.STAGE_ARCHITECTURES)}); use --stages 1 "
+                          f"(got {cfg.stages})")
+    return hf.num_layers(config)
 
 
 def validate_worker_ranks(cfg: TrainConfig) -> None:

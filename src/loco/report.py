@@ -90,6 +90,26 @@ def sweep_point(label: str, config: dict) -> tuple[str, dict[str, Any]] | None:
     return match["base"], {k: config[k] for k in keys}
 
 
+#: Downstream task metrics (``loco eval``) a report shows, by preference: both papers quote
+#: accuracy, HellaSwag, PIQA and ARC-Easy usually length-normalized.
+MAIN_METRICS = ("acc_norm", "acc", "exact_match", "f1", "mcc", "word_perplexity",
+                "perplexity")
+
+
+def main_metric(entry: dict) -> tuple[str, float | None] | None:
+    """A downstream task's headline metric: the first of ``MAIN_METRICS`` it has, else its
+    first; None when it has none.
+
+    Args:
+        entry: the task's ``{metric: value}`` (``summary.json``'s ``downstream[task]``).
+    """
+    names = [k for k in entry if k not in ("samples", "shots")]
+    for name in MAIN_METRICS:
+        if name in entry:
+            return name, entry[name]
+    return (names[0], entry[names[0]]) if names else None
+
+
 @dataclass
 class Run:
     """A finished run directory.
@@ -269,7 +289,9 @@ def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
             ``method``, ``setting``, ``run_dir``, ``eval_loss_vs_ddp_pct``,
             ``ddp_bytes_over_bytes``, ``diloco_peak_over_peak`` (None where there is no such
             baseline), ``grad_codec`` (DataParallel's runs; None for others) and ``sweep`` (a
-            sweep run's grid point; None for others).
+            sweep run's grid point; None for others) and ``downstream`` (``loco eval``'s
+            headline metric of each task, ``{task: {"metric", "value"}}``; None for a run
+            not evaluated).
     """
     ddp = baseline(runs, "ddp")
     diloco = baseline(runs, "diloco")
@@ -281,7 +303,10 @@ def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
                "run_dir": os.path.relpath(r.path, out), "eval_loss_vs_ddp_pct": None,
                "ddp_bytes_over_bytes": None, "diloco_peak_over_peak": None,
                "grad_codec": grad_codec(r) if r.algorithm == "ddp" else None,
-               "sweep": sweep[1] if sweep else None}
+               "sweep": sweep[1] if sweep else None,
+               "downstream": {task: dict(zip(("metric", "value"), main_metric(entry)))
+                              for task, entry in (s.get("downstream") or {}).items()
+                              if main_metric(entry)} or None}
         if ddp is not None:
             base = ddp.summary["final_eval_loss"]
             rel["eval_loss_vs_ddp_pct"] = 100 * (s["final_eval_loss"] - base) / base
@@ -432,6 +457,47 @@ def table(runs: list[Run], numbers: dict[str, dict]) -> list[str]:
             row[6:6] = [_link_bytes(r, "slow"), _link_bytes(r, "fast")]
         if link:
             row.append(f"{s['compute_utilization']:.1%}")
+        lines.append("| " + " | ".join(row) + " |")
+    return lines
+
+
+def downstream_table(runs: list[Run]) -> list[str]:
+    """The downstream tasks' table (``loco eval``), one row per run, one column per task's
+    headline metric (the final model's score); empty when no run was evaluated.
+
+    Args:
+        runs: the runs, in report order.
+    """
+    scored = [r for r in runs if r.summary.get("downstream")]
+    if not scored:
+        return []
+    metrics: dict[str, str] = {}
+    for r in scored:
+        for task, entry in r.summary["downstream"].items():
+            found = main_metric(entry)
+            if found and task not in metrics:
+                metrics[task] = found[0]
+    entries = [e for r in scored for e in r.summary["downstream"].values()]
+    shots = {e.get("shots") for e in entries}
+    head = ["method"]
+    for task, metric in metrics.items():
+        docs = {r.summary["downstream"][task].get("samples") for r in scored
+                if task in r.summary["downstream"]}
+        head.append(f"{task} ({metric}" + (f", {docs.pop()} docs)" if len(docs) == 1
+                                           and None not in docs else ")"))
+    note = ("Each run's final model (the global model; for NoLoCo and Local replica 0 "
+            "unless the run ends with the replicas' average) on lm-evaluation-harness tasks, "
+            "scored by `loco eval`: each task's headline metric (acc_norm where it has one, "
+            "else acc)"
+            + (f", {shots.pop()}-shot" if len(shots) == 1 and None not in shots else
+               " (shots per task: see each summary.json's downstream)") + ". –: not scored.")
+    lines = ["", "## Downstream tasks", "", note, "", "| " + " | ".join(head) + " |",
+             "|" + "---|" * len(head)]
+    for r in runs:
+        row = [r.name]
+        for task, metric in metrics.items():
+            value = (r.summary.get("downstream") or {}).get(task, {}).get(metric)
+            row.append("–" if value is None else f"{value:.3f}")
         lines.append("| " + " | ".join(row) + " |")
     return lines
 
@@ -617,6 +683,7 @@ def render_markdown(runs: list[Run], numbers: dict[str, dict], plots: list[str])
         lines += [f"| {claim} | {value} | {'yes' if ok else '**no**'} |"
                   for claim, value, ok in rows]
     lines += sweep_tables(runs, numbers)
+    lines += downstream_table(runs)
     if plots:
         lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     lines += ["", "## Settings", ""] + settings(runs)

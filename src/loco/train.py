@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from loco import checkpoint
+from loco import checkpoint, hf
 from loco.algorithms import ALGORITHMS, Algorithm
 from loco.algorithms.base import NonFiniteError, flatten_fp32, unflatten_views
 from loco.algorithms.fragments import split_fragments
@@ -33,7 +33,10 @@ from loco.comm.interface import Aborted, Comm
 from loco.comm.link import LinkSpec
 from loco.config import (ConfigError, TrainConfig, betas, check_layout, model_dims, overlaps,
                          resolve, validate, warnings_for)
-from loco.data import Corpus, CorpusError, TokenLoader, eval_batches, prepare_corpus
+from loco.dashboard import Dashboards
+from loco.data import (Corpus, CorpusError, EvalCorpusError, TokenizerError, TokenLoader,
+                       eval_batches, prepare_corpus, prepare_eval_tokens)
+from loco.hf import is_hf
 from loco.model import Transformer, model_config
 from loco.runtime import Elastic, WorkerContext, launch, under_torchrun
 from loco.runtime.elastic import recovery_report, restart_count
@@ -90,8 +93,16 @@ def prepare_config(cfg: TrainConfig) -> TrainConfig:
 def prepare_data(cfg: TrainConfig) -> Corpus:
     """The tokenized corpus (trained and cached on first use)."""
     try:
-        return prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.val_fraction, cfg.cache_dir,
-                              cfg.text_field, progress=cfg.progress)
+        corpus = prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.val_fraction, cfg.cache_dir,
+                                cfg.text_field, progress=cfg.progress, tokenizer=cfg.tokenizer)
+        if cfg.eval_corpus is not None:
+            corpus.eval_extra = prepare_eval_tokens(cfg.eval_corpus, corpus, cfg.text_field,
+                                                    cfg.cache_dir, progress=cfg.progress)
+        return corpus
+    except TokenizerError as e:
+        raise ConfigError("tokenizer", str(e)) from None
+    except EvalCorpusError as e:
+        raise ConfigError("eval_corpus", str(e)) from None
     except CorpusError as e:
         raise ConfigError("corpus", str(e)) from None
 
@@ -131,9 +142,17 @@ def check_fits(cfg: TrainConfig, corpus: Corpus) -> None:
                           f"{per_reader} windows of {cfg.seq_len} tokens but a batch needs "
                           f"{cfg.batch_size}; lower --batch-size, --seq-len or --workers"
                           + (" or --worker-ranks" if cfg.worker_ranks > 1 else ""))
+    if corpus.eval_extra is not None and len(corpus.eval_extra) <= cfg.seq_len:
+        raise ConfigError("eval_corpus", f"it has {len(corpus.eval_extra)} tokens, fewer than "
+                          f"one sequence of {cfg.seq_len} + 1; give more text or lower --seq-len")
     if len(corpus.val) <= cfg.seq_len:
         raise ConfigError("seq_len", f"the validation split ({len(corpus.val)} tokens) is "
                           f"shorter than one sequence; lower --seq-len or raise --val-fraction")
+    if is_hf(cfg.model) and hf.has_weights(cfg.model):
+        try:
+            hf.check_vocab(cfg.model, hf.load_config(cfg.model), corpus.vocab_size)
+        except hf.HFModelError as e:
+            raise ConfigError("tokenizer" if cfg.tokenizer else "model", str(e)) from None
     val_windows = (len(corpus.val) - 1) // cfg.seq_len
     if cfg.stages > 1 and val_windows < cfg.batch_size:  # stages exchange whole batches
         raise ConfigError("batch_size", f"the validation split has {val_windows} windows of "
@@ -166,7 +185,7 @@ def make_algorithm(cfg: TrainConfig, model, optimizer, comm,
                       nesterov=cfg.nesterov, seed=cfg.seed, warn=False)
     if cfg.algorithm == "streaming":
         fragments = cfg.fragments
-        if pipeline is not None and pipeline.stages > 1 and model.embed is not None:
+        if pipeline is not None and pipeline.module.tied is not None:
             # The tied embedding's two copies (first and last stage) must be synced at the
             # same steps to stay identical: both go into fragment 0.
             names = split_fragments(model, cfg.fragments, cfg.fragment_pattern)
@@ -298,7 +317,7 @@ class Worker:
     cfg: TrainConfig
     ctx: WorkerContext
     corpus: Corpus
-    model: Transformer
+    model: torch.nn.Module
     trained: torch.nn.Module
     pipeline: PipelineStage | None
     schedule: Any
@@ -404,8 +423,13 @@ def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     checkpoint, report; the lead rank returns the summary, the others ``{"rank": r}``."""
     torch.set_flush_denormal(True)  # denormals made CPU steps 8x slower
     worker, loop = setup_worker(ctx, cfg, corpus)
-    train_loop(worker, loop)
-    return finish_worker(worker, loop)
+    try:
+        train_loop(worker, loop)
+        return finish_worker(worker, loop)
+    except BaseException:
+        if worker.log is not None:  # the dashboards mark the run failed
+            worker.log.dash.close(failed=True)
+        raise
 
 
 def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[Worker, Loop]:
@@ -474,7 +498,9 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     keep = os.path.getsize(metrics) if appends else loop.metrics_bytes if state else None
     worker = Worker(
         cfg, ctx, corpus, model, trained, pipeline, schedule, algo, loader, autocast, main,
-        log=RunLog(cfg.out, resume_at=keep) if main else None, bar=bar, writer=writer,
+        log=RunLog(cfg.out, resume_at=keep, cfg=cfg,
+                   resumed_from=None if appends or state is None else int(state["step"]))
+        if main else None, bar=bar, writer=writer,
         fault=Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None,
         resumed_from=resumed_from, start=start)
     if resumed_from is not None:  # a checkpoint counts its tokens; a joiner estimates them
@@ -498,20 +524,35 @@ def seek(schedule, loader: TokenLoader | None, step: int) -> None:
         loader.load_state_dict({"epoch": step // per_epoch, "position": step % per_epoch})
 
 
-def build_model(cfg: TrainConfig, ctx: WorkerContext, vocab_size: int) -> Transformer:
-    """The model on this rank's device; with ``--worker-parallel fsdp``, sharded over the
-    worker's ranks by FSDP2 (before any optimizer sees its parameters). Every rank builds
-    the same weights from the seed; the algorithm still broadcasts worker 0's and verifies
-    checksums.
+def make_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+    """The run's model in fp32 on the CPU, before any sharding: the built-in ``Transformer``
+    of ``--model`` (with ``--layers``, ``--dim``, ``--heads``), or a Hugging Face model
+    (``hf:PATH``, see [`loco.hf`][loco.hf]). Its weights are drawn from ``--seed`` (or loaded),
+    the same in every process.
+
+    Args:
+        cfg: the run's configuration.
+        vocab_size: the tokenizer's vocabulary size.
+    """
+    if is_hf(cfg.model):
+        return hf.build(cfg.model, vocab_size, cfg.seed, cfg.z_loss)
+    mcfg = model_config(cfg.model, vocab_size, cfg.seq_len, z_loss=cfg.z_loss,
+                        **model_dims(cfg))
+    return Transformer(mcfg, torch.Generator().manual_seed(cfg.seed))
+
+
+def build_model(cfg: TrainConfig, ctx: WorkerContext, vocab_size: int) -> torch.nn.Module:
+    """The model (:func:`make_model`) on this rank's device; with ``--worker-parallel fsdp``,
+    sharded over the worker's ranks by FSDP2 (before any optimizer sees its parameters).
+    Every rank builds the same weights from the seed; the algorithm still broadcasts worker
+    0's and verifies checksums.
 
     Args:
         cfg: the run's configuration.
         ctx: this rank's context.
         vocab_size: the corpus's vocabulary size.
     """
-    mcfg = model_config(cfg.model, vocab_size, cfg.seq_len, z_loss=cfg.z_loss,
-                        **model_dims(cfg))
-    model = Transformer(mcfg, torch.Generator().manual_seed(cfg.seed)).to(ctx.device)
+    model = make_model(cfg, vocab_size).to(ctx.device)
     if cfg.worker_parallel == "fsdp":
         from loco.runtime.fsdp import shard_worker
 
@@ -642,9 +683,9 @@ def train_loop(w: Worker, loop: Loop) -> None:
             loss = train_step(w, step)
             syncs = _drain(w.algo)
             spread = spread_diagnostic(w, loop, step)
-            eval_loss = periodic_eval(w, loop, step)
+            evals = periodic_eval(w, loop, step)
             if w.main:
-                log_step(w, loop, step, loss, syncs, spread, eval_loss)
+                log_step(w, loop, step, loss, syncs, spread, evals)
             checkpoint_if_due(w, loop, step)
     except (Aborted, KeyboardInterrupt):
         w.writer.close(abandon=True)
@@ -707,24 +748,34 @@ def spread_diagnostic(w: Worker, loop: Loop, step: int) -> float | None:
     return spread
 
 
-def periodic_eval(w: Worker, loop: Loop, step: int) -> float | None:
+def periodic_eval(w: Worker, loop: Loop, step: int) -> dict:
     """Every --eval-every steps but the last, on replica 0's ranks: the global model's loss
-    (on its last stage; None elsewhere)."""
+    on the validation split (``eval_loss``) and on ``--eval-corpus`` (``eval_loss_extra``),
+    on its last stage; empty elsewhere."""
     cfg = w.cfg
     if not (cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
             and w.evaluates):
-        return None
+        return {}
     t0 = time.perf_counter()
-    batches = eval_batches(w.corpus.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches,
-                           w.ctx.device)
-    eval_loss = evaluate(w.trained, w.algo.global_parameters(), batches, w.autocast,
-                         w.pipeline)
+    losses = {name: evaluate(w.trained, w.algo.global_parameters(),
+                             eval_batches(tokens, cfg.batch_size, cfg.seq_len, cfg.eval_batches,
+                                          w.ctx.device), w.autocast, w.pipeline)
+              for name, tokens in held_out(w.corpus)}
     loop.eval_seconds += time.perf_counter() - t0
-    return eval_loss
+    return {k: v for k, v in losses.items() if v is not None}
+
+
+def held_out(corpus: Corpus) -> list[tuple[str, Any]]:
+    """The held-out sets a run evaluates on, by record field: the validation split, and the
+    ``--eval-corpus`` if given."""
+    sets = [("eval_loss", corpus.val)]
+    if corpus.eval_extra is not None:
+        sets.append(("eval_loss_extra", corpus.eval_extra))
+    return sets
 
 
 def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[dict],
-             spread: float | None, eval_loss: float | None) -> None:
+             spread: float | None, evals: dict) -> None:
     """The lead rank's records of a step: its sync events, and a metrics record when there
     is something to log (every --log-every steps, a spread or an evaluation); then the
     progress bar."""
@@ -742,9 +793,8 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
                   "train_loss": loop.loss_sum / loop.loss_count,
                   "lr": w.schedule.get_last_lr()[0]}
         loop.loss_sum, loop.loss_count = 0.0, 0
-    if eval_loss is not None:
-        record = record or {"step": step, "tokens": tokens}
-        record["eval_loss"] = eval_loss
+    if evals:
+        record = {**(record or {"step": step, "tokens": tokens}), **evals}
     sent = w.ctx.comm.issued_bytes("train")  # at issue: the same whatever the timing
     if record is not None:
         record.update(bytes_sent=sent, **issued_link_bytes(w.ctx),
@@ -866,11 +916,24 @@ def finish_worker(w: Worker, loop: Loop) -> dict:
         take_lead(w)
     per_worker = gather_counters(w, train_seconds)
     final_eval, replicas = final_evaluation(w)
+    extra = final_extra_evaluation(w)
     last_checkpoint(w)
     write_comm_totals(w.cfg.out, w.ctx)
     if not w.main:
         return {"rank": w.ctx.rank}
-    return write_summary(w, loop, per_worker, final_eval, replicas)
+    return write_summary(w, loop, per_worker, final_eval, replicas, extra)
+
+
+def final_extra_evaluation(w: Worker) -> float | None:
+    """The final model's loss on ``--eval-corpus`` (on the lead rank; None elsewhere or
+    without one): the global model, or for NoLoCo and Local the lead worker's replica (the
+    replicas' average with ``--final-average``), over at most --final-eval-batches."""
+    cfg = w.cfg
+    if w.corpus.eval_extra is None or not w.evaluates:
+        return None
+    batches = eval_batches(w.corpus.eval_extra, cfg.batch_size, cfg.seq_len,
+                           cfg.final_eval_batches, w.ctx.device)
+    return evaluate(w.trained, w.algo.global_parameters(), batches, w.autocast, w.pipeline)
 
 
 def take_lead(w: Worker) -> None:
@@ -881,7 +944,7 @@ def take_lead(w: Worker) -> None:
     if lead and not w.main:
         path = os.path.join(w.cfg.out, "metrics.jsonl")
         w.log = RunLog(w.cfg.out, resume_at=os.path.getsize(path) if os.path.exists(path)
-                       else None)
+                       else None, cfg=w.cfg)
     w.main = lead
 
 
@@ -1030,12 +1093,13 @@ def final_evaluation(w: Worker) -> tuple[float | None, dict | None]:
 
 
 def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float | None,
-                  replicas: dict | None) -> dict:
+                  replicas: dict | None, extra: float | None = None) -> dict:
     """The lead rank's last metrics record, ``summary.json`` and ``loss.png``; returns the
     summary."""
     cfg, ctx, algo = w.cfg, w.ctx, w.algo
     tokens = w.tokens_at(cfg.steps)
     w.log.metric({"step": cfg.steps, "tokens": tokens, "eval_loss": final_eval,
+                  **({} if extra is None else {"eval_loss_extra": extra}),
                   "bytes_sent": ctx.comm.totals("train").sent_bytes,
                   **issued_link_bytes(ctx), "elapsed": time.perf_counter() - w.start})
     wall = time.perf_counter() - w.start
@@ -1048,6 +1112,7 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
         "routing": cfg.routing if ctx.stages > 1 else None, "launcher": ctx.launcher,
         "worker_ranks": ctx.mesh.shards, "worker_parallel": cfg.worker_parallel,
         "inner_steps": cfg.steps, "tokens": tokens, "final_eval_loss": final_eval,
+        "final_eval_loss_extra": extra,
         "unigram_entropy": w.corpus.unigram_entropy,
         "model_parameters": w.model.num_parameters(),
         "bytes_sent_per_worker": most["bytes_sent"],
@@ -1085,7 +1150,9 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
         "fragments": algo.fragment_stats() if hasattr(algo, "fragment_stats") else None,
         "replicas": replicas,
         "corpus": {"name": w.corpus.name, "train_tokens": len(w.corpus.train),
-                   "val_tokens": len(w.corpus.val), "vocab_size": w.corpus.vocab_size},
+                   "val_tokens": len(w.corpus.val), "vocab_size": w.corpus.vocab_size,
+                   "eval_corpus_tokens": (None if w.corpus.eval_extra is None
+                                          else len(w.corpus.eval_extra))},
         "device": str(ctx.device), "machine": machine_info(ctx.device), "config": cfg.to_dict(),
     }
     w.log.finish(summary)
@@ -1242,12 +1309,16 @@ def human_bytes(n: float) -> str:
 class RunLog:
     """The run directory: metrics.jsonl as training goes, summary.json and loss.png at the end."""
 
-    def __init__(self, out: str, resume_at: int | None = None):
+    def __init__(self, out: str, resume_at: int | None = None, cfg: TrainConfig | None = None,
+                 resumed_from: int | None = None):
         """``resume_at``: continue a resumed run's metrics.jsonl, cut at that many bytes (its
-        size at the checkpoint), so that no record is lost or repeated."""
+        size at the checkpoint), so that no record is lost or repeated. ``cfg``: also log to
+        the dashboards it asks for (--tensorboard, --wandb); ``resumed_from``: the step
+        metrics.jsonl was cut back to, so a dashboard hides what came after it."""
         os.makedirs(out, exist_ok=True)
         self.out = out
         self.records: list[dict] = []
+        self.dash = Dashboards.open(cfg, resumed_from=resumed_from) if cfg else Dashboards()
         path = os.path.join(out, "metrics.jsonl")
         if resume_at is None:
             self._metrics = open(path, "w", buffering=1)
@@ -1264,8 +1335,10 @@ class RunLog:
         return self._metrics.tell()
 
     def metric(self, record: dict) -> None:
+        """Append a record to metrics.jsonl (and the dashboards)."""
         self.records.append(record)
         self._metrics.write(json.dumps(record) + "\n")
+        self.dash.metric(record)
 
     def finish(self, summary: dict) -> None:
         from loco.plot import plot_losses
@@ -1275,6 +1348,7 @@ class RunLog:
         with open(tmp, "w") as f:
             json.dump(summary, f, indent=2)
         os.replace(tmp, os.path.join(self.out, "summary.json"))
+        self.dash.finish(summary)
         plot_losses(self.records, os.path.join(self.out, "loss.png"),
                     title=f"{summary['algorithm']}, {summary['workers']} workers",
                     reference=summary["unigram_entropy"])

@@ -95,7 +95,10 @@ def _by_blocks(model, count: int, pattern: str, named: dict, name_of: dict) -> l
         groups[p].update(name_of[id(t)] for t in block.parameters() if id(t) in name_of)
     sizes = [sum(named[n].numel() for n in g) for g in groups]
     placed = set().union(*groups)
-    for name in sorted(set(named) - placed, key=lambda n: -named[n].numel()):
+    # Ties in size go by the model's order: a set's order differs between processes, and
+    # every worker must build the same fragments (a Llama's input and output embeddings tie).
+    order = {n: i for i, n in enumerate(named)}
+    for name in sorted(set(named) - placed, key=lambda n: (-named[n].numel(), order[n])):
         smallest = sizes.index(min(sizes))
         groups[smallest].add(name)
         sizes[smallest] += named[name].numel()

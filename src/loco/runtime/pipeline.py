@@ -85,7 +85,44 @@ def stage_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
     return bounds
 
 
-class StageModule(nn.Module):
+class StagePart(nn.Module):
+    """What every stage's part of a model offers the pipeline: its place (``stage``,
+    ``stages``, ``block_range``, ``is_first``, ``is_last``), the width of the activations it
+    passes on (``width``), the parameter it shares with another stage (``tied``: the tied
+    embedding of a model whose head reuses it, on the first and last of several stages; else
+    None), ``forward`` and ``loss``.
+
+    Args:
+        stage: this part's stage, in [0, stages).
+        stages: S, in [1, the model's number of blocks].
+        n_blocks: the model's blocks.
+        width: the activations' last dimension (d_model).
+        z_loss: the model's z-loss coefficient.
+    """
+
+    def __init__(self, stage: int, stages: int, n_blocks: int, width: int, z_loss: float):
+        super().__init__()
+        self.stage, self.stages = stage, stages
+        self.block_range = stage_bounds(n_blocks, stages)[stage]
+        self.is_first, self.is_last = stage == 0, stage == stages - 1
+        self.width, self.z_loss = width, z_loss
+
+    @property
+    def tied(self) -> nn.Parameter | None:
+        """The parameter this part shares with another stage's part, or None."""
+        return None
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token loss, as the whole model computes it (with its z-loss).
+
+        Args:
+            logits: the last stage's output, ``(batch, seq, vocab)``.
+            targets: the next-token ids, ``(batch, seq)``.
+        """
+        return token_loss(logits, targets, self.z_loss)
+
+
+class StageModule(StagePart):
     """The part of a ``Transformer`` (``loco.model``) one pipeline stage owns.
 
     It shares the model's modules (no copies), and names its parameters as the model does
@@ -101,18 +138,21 @@ class StageModule(nn.Module):
     """
 
     def __init__(self, model: Transformer, stage: int, stages: int):
-        super().__init__()
-        self.stage, self.stages = stage, stages
+        super().__init__(stage, stages, len(model.blocks), model.cfg.d_model, model.cfg.z_loss)
         self.cfg = model.cfg
-        start, stop = stage_bounds(len(model.blocks), stages)[stage]
-        self.block_range = (start, stop)
-        self.is_first, self.is_last = stage == 0, stage == stages - 1
+        start, stop = self.block_range
         # The last stage keeps its own copy of the embedding as the tied output head.
         self.embed = model.embed if (self.is_first or self.is_last) else None
         self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(start, stop)})
         self.norm = model.norm if self.is_last else None
         self.register_buffer("rope_cos", model.rope_cos, persistent=False)
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    @property
+    def tied(self) -> nn.Parameter | None:
+        """The embedding matrix, on the first and the last of several stages (the head
+        reuses it); else None."""
+        return self.embed.weight if self.stages > 1 and self.embed is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This stage's part of the forward pass.
@@ -134,17 +174,31 @@ class StageModule(nn.Module):
             x = F.linear(self.norm(x), self.embed.weight)
         return x
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token loss, as ``Transformer.forward`` computes it (with its z-loss).
 
-        Args:
-            logits: the last stage's output, ``(batch, seq, vocab)``.
-            targets: the next-token ids, ``(batch, seq)``.
-        """
-        return token_loss(logits, targets, self.cfg.z_loss)
+def stage_part(model: nn.Module, stage: int, stages: int) -> StagePart:
+    """The part of ``model`` that pipeline stage ``stage`` of ``stages`` owns: a
+    [`StageModule`][loco.runtime.pipeline.StageModule] of loco's ``Transformer``, or a
+    Hugging Face model's part (``loco.hf.HFCausalLM``: Llama architectures).
+
+    Args:
+        model: the whole model.
+        stage: the stage, in [0, stages).
+        stages: S, in [1, the model's number of blocks].
+
+    Raises:
+        ValueError: a model that stages cannot split.
+    """
+    if isinstance(model, Transformer):
+        return StageModule(model, stage, stages)
+    from loco.hf import HFCausalLM, LlamaStage
+
+    if isinstance(model, HFCausalLM):
+        return LlamaStage(model, stage, stages)
+    raise ValueError(f"pipeline stages cannot split a {type(model).__name__}: loco's "
+                     "Transformer and Hugging Face Llama models only")
 
 
-def split_stages(model: Transformer, stages: int) -> list[StageModule]:
+def split_stages(model: nn.Module, stages: int) -> list[StagePart]:
     """The parts of ``model`` owned by each of ``stages`` pipeline stages.
 
     The blocks are cut into S contiguous runs, as equal as possible
@@ -160,7 +214,7 @@ def split_stages(model: Transformer, stages: int) -> list[StageModule]:
     Raises:
         ValueError: ``stages`` out of range.
     """
-    return [StageModule(model, k, stages) for k in range(stages)]
+    return [stage_part(model, k, stages) for k in range(stages)]
 
 
 def routing_permutation(seed: int, step: int, sample: int, boundary: int,
@@ -242,7 +296,7 @@ class PipelineStage:
         ValueError: an unknown ``routing``, or S > 1 without ``ctx.pipe``.
     """
 
-    def __init__(self, model: Transformer, ctx: WorkerContext, batch_size: int, seq_len: int,
+    def __init__(self, model: nn.Module, ctx: WorkerContext, batch_size: int, seq_len: int,
                  *, routing: str = "fixed", seed: int = 0,
                  autocast: contextlib.AbstractContextManager | None = None):
         if routing not in ROUTINGS:
@@ -257,7 +311,7 @@ class PipelineStage:
         self.pipe = ctx.pipe
         # Every tensor that travels between stages lives on the transport's device.
         self.device = ctx.pipe.device if ctx.pipe is not None else ctx.device
-        self.module = StageModule(model, self.stage, self.stages)
+        self.module = stage_part(model, self.stage, self.stages)
         self.batch_size, self.seq_len = batch_size, seq_len
         self.routing, self.seed = routing, seed
         # Mixed precision applies inside each stage; activations cross boundaries in the
@@ -291,7 +345,7 @@ class PipelineStage:
         """This stage's trainable parameters, without the last stage's copy of the tied
         embedding (stage 0 owns it): each of the model's parameters is owned by exactly one
         stage, so sums over the stages of a replica (norms, spreads) count it once."""
-        tied = self.module.embed.weight if (self.is_last and self.stages > 1) else None
+        tied = self.module.tied if self.is_last else None
         return [p for p in self.module.parameters() if p.requires_grad and p is not tied]
 
     def grad_norm(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
@@ -384,7 +438,7 @@ class PipelineStage:
         return outs
 
     def _act_shape(self) -> tuple:
-        return (self.seq_len, self.module.cfg.d_model)
+        return (self.seq_len, self.module.width)
 
     def _check_batch(self, batch):
         if batch is None:
@@ -464,7 +518,7 @@ class PipelineStage:
 
     def _tied_grad_sync(self):
         """Around a backward: afterwards add the other tied copy's gradient increment."""
-        if self.stages == 1 or not (self.is_first or self.is_last):
+        if self.module.tied is None:
             return contextlib.nullcontext()
         return _TiedGradSync(self)
 
@@ -509,7 +563,7 @@ class _TiedGradSync:
 
     def __init__(self, stage: PipelineStage):
         self.stage = stage
-        self.weight = stage.module.embed.weight
+        self.weight = stage.module.tied
 
     def __enter__(self):
         g = self.weight.grad
