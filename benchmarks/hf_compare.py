@@ -6,7 +6,7 @@ Runs ``loco compare --preset quick`` once per model (every method, same data, se
 budget) and prints, per method, the final eval loss and tokens/s of both, the tokens/s ratio
 (target: within 20%), and whether the methods rank the same by final eval loss.
 
-    python benchmarks/hf_compare.py                       # about 16 minutes on 2 CPU cores
+    python benchmarks/hf_compare.py                       # about 11 minutes on 2 CPU cores
     python benchmarks/hf_compare.py --steps 100 --out /tmp/hfc
 """
 

@@ -335,7 +335,9 @@ def test_heal_state_carries_the_global_model_exactly(algo_name, kw):
         assert (r["optimizer_state"] > 0) == (algo_name == "dp")
 
 
-@pytest.mark.parametrize("workers,ranks", [(3, 1), (2, 2)])
+# Workers of 2 ranks: the lead's checkpoint is a file per rank, each read by its own rank;
+# workers of one rank are the case R = 1 of the same code (the suite's time budget keeps one).
+@pytest.mark.parametrize("workers,ranks", [(2, 2)])
 def test_an_elastic_run_that_lost_every_worker_resumes_from_its_lead_checkpoint(
         corpus, tmp_path, workers, ranks):
     """The lead (worker 0) writes the checkpoint, one file per rank (its share); every

@@ -315,7 +315,8 @@ def test_launch_training_lays_out_workers_of_r_ranks(monkeypatch):
 # ---------------------------------------------------------------------- bad input
 def test_a_batch_must_fit_every_rank_of_every_worker():
     """Each of the M·R ranks reads its own share of the windows."""
-    corpus = SimpleNamespace(train=np.zeros(1 + 32 * 40), val=np.zeros(1000))  # 40 windows
+    corpus = SimpleNamespace(train=np.zeros(1 + 32 * 40), val=np.zeros(1000),
+                             eval_extra=None)  # 40 windows
     cfg = TrainConfig(workers=2, batch_size=16, seq_len=32)
     loco.train.check_fits(cfg, corpus)  # 20 windows per worker
     with pytest.raises(ConfigError, match=r"--batch-size: .*4 ranks \(2 workers x 2 ranks\) "

@@ -18,6 +18,8 @@ Examples:
   loco train --algorithm ddp --steps 200       # data-parallel baseline
   loco train --algorithm noloco --group-size 2 --gamma 0.7 --stages 2 --routing random
   loco train --model tiny --workers 2 --launcher processes
+  loco train --model hf:configs/llama-35m --corpus 'data/*.parquet' --tokenizer tok.json
+  loco train --tensorboard --wandb             # also log to TensorBoard and W&B (offline)
   loco train --workers 2 --worker-ranks 4      # 2 workers of 4 ranks: 8 ranks in all
   torchrun --nproc-per-node 8 -m loco train    # one rank per GPU, NCCL"""
 
