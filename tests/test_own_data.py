@@ -75,10 +75,17 @@ def test_eval_corpus_of_the_validation_documents_scores_as_the_validation_split(
 
 @pytest.mark.slow
 def test_a_datasets_directory_trains_and_resumes_exactly(data, tmp_path, monkeypatch, capsys):
+    """A Hugging Face Llama on a datasets directory: interrupted at step 11 and resumed from
+    the checkpoint of step 8, it logs exactly what the uninterrupted run logs."""
     datasets = pytest.importorskip("datasets")
+    transformers = pytest.importorskip("transformers")
     saved = tmp_path / "ds"
     datasets.Dataset.from_dict({"body": data["docs"]}).save_to_disk(str(saved))
-    argv = run(data, tmp_path / "full", "--algorithm", "diloco")
+    transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=2, num_key_value_heads=2,
+                             max_position_embeddings=64).save_pretrained(tmp_path / "llama")
+    argv = run(data, tmp_path / "full", "--algorithm", "streaming", "--model",
+               f"hf:{tmp_path / 'llama'}")
     argv[argv.index("--corpus") + 1] = str(saved)
     assert main(argv) == 0
     monkeypatch.setenv("LOCO_FAULT", "1:11")  # worker 1 fails at step 11, after checkpoint 8
