@@ -1,0 +1,119 @@
+"""What an algorithm's communication costs the training loop, against no communication at all.
+
+The job (issue 19's): M workers as threads of this process, each a stack of ``--blocks``
+blocks of Linear(256 -> 1024), GELU, Linear(1024 -> 256) (4 blocks: 2.1M parameters), AdamW,
+a batch of 64 random vectors per step, mean-squared error against a fixed random target.
+Every worker uses one intra-op thread. For each method and H the loop runs ``--steps`` steps
+and its steps/s is divided by that of the same loop with the plain optimizer and no algorithm
+(``none``), measured in the same repeat; the median over ``--repeats`` is printed.
+
+Methods: DiLoCo (fp32), Streaming DiLoCo (P = 2, tau = 1, alpha = 0.5) with fp32 and with FP4
+E3M0 pseudo-gradients, and NoLoCo (groups of 2). The issue's targets: at least 0.95 at
+H = 10 and 0.98 at H = 50, fp32 and FP4 alike.
+
+    python benchmarks/overhead.py                        # H = 10 and 50, 3 repeats
+    python benchmarks/overhead.py --steps 100 --repeats 1 --sync-every 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+import torch.nn as nn
+
+import loco
+
+METHODS = {
+    "diloco": lambda m, o, c, h: loco.DiLoCo(m, o, c, sync_every=h),
+    "streaming-fp32": lambda m, o, c, h: loco.StreamingDiLoCo(
+        m, o, c, sync_every=h, fragments=2, overlap=1, alpha=0.5, codec="fp32"),
+    "streaming-fp4": lambda m, o, c, h: loco.StreamingDiLoCo(
+        m, o, c, sync_every=h, fragments=2, overlap=1, alpha=0.5, codec="fp4_e3m0"),
+    "noloco": lambda m, o, c, h: loco.NoLoCo(m, o, c, sync_every=h, group_size=2),
+}
+TARGETS = {10: 0.95, 50: 0.98}
+
+
+class Net(nn.Module):
+    """``blocks`` MLP blocks of width 256 (hidden 1024) in an ``nn.ModuleList``."""
+
+    def __init__(self, blocks: int, generator: torch.Generator):
+        super().__init__()
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+            for _ in range(blocks))
+        with torch.no_grad():  # a generator of its own: threads must not share torch's
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=generator) * 0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + block(x)
+        return x
+
+
+def worker(ctx, method: str, sync_every: int, steps: int, blocks: int) -> float:
+    """Train ``steps`` steps; return steps/s of the timed part (after 5 warm-up steps)."""
+    torch.set_num_threads(1)
+    g = torch.Generator().manual_seed(ctx.rank)
+    model = Net(blocks, torch.Generator().manual_seed(0))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    algo = None if method == "none" else METHODS[method](model, opt, ctx.comm, sync_every)
+    step_fn = opt.step if algo is None else algo.step
+    zero_fn = opt.zero_grad if algo is None else algo.zero_grad
+    x, y = torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)
+    start = None
+    for i in range(steps + 5):
+        if i == 5:
+            start = time.perf_counter()
+        nn.functional.mse_loss(model(x), y).backward()
+        step_fn()
+        zero_fn()
+    if algo is not None:
+        algo.flush()
+    return steps / (time.perf_counter() - start)
+
+
+def steps_per_second(method: str, sync_every: int, args) -> float:
+    """The slowest worker's steps/s: the job is done when it is."""
+    rates = loco.launch(worker, workers=args.workers, launcher="threads",
+                        args=(method, sync_every, args.steps, args.blocks))
+    return min(rates)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", type=int, default=2, help="workers M (threads)")
+    ap.add_argument("--steps", type=int, default=200, help="timed steps per run")
+    ap.add_argument("--blocks", type=int, default=4, help="MLP blocks (4: 2.1M parameters)")
+    ap.add_argument("--repeats", type=int, default=3, help="repeats; the median is shown")
+    ap.add_argument("--sync-every", type=int, nargs="+", default=[10, 50], help="H values")
+    ap.add_argument("--only", default=",".join(METHODS), help="methods, comma-separated")
+    args = ap.parse_args()
+    methods = args.only.split(",")
+    ratios = {(m, h): [] for m in methods for h in args.sync_every}
+    for _ in range(args.repeats):
+        for h in args.sync_every:  # interleaved, so drift in the machine hits all alike
+            base = steps_per_second("none", h, args)
+            for m in methods:
+                ratios[m, h].append(steps_per_second(m, h, args) / base)
+    print(f"\nsteps/s over the loop without communication, median of {args.repeats}; "
+          f"{args.workers} workers as threads, {args.blocks} blocks, {args.steps} steps")
+    print("| method | " + " | ".join(f"H = {h}" for h in args.sync_every) + " |")
+    print("|---|" + "---|" * len(args.sync_every))
+    for m in methods:
+        cells = []
+        for h in args.sync_every:
+            r = statistics.median(ratios[m, h])
+            target = TARGETS.get(h)
+            cells.append(f"{r:.3f}" + ("" if target is None else
+                                       f" ({'met' if r >= target else 'below'} {target})"))
+        print(f"| {m} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
