@@ -94,6 +94,10 @@ BAD_INPUTS = [
      "[1, --workers 4]"),
     (["--elastic", "--launcher", "processes", "--eval-replicas"], "--eval-replicas",
      "leave it out with --elastic"),
+    (["--profile", "0-3"], "--profile", "A-B with 1 <= A <= B <= --steps (400)"),
+    (["--profile", "9-2"], "--profile", "e.g. 20-30, or one step N"),
+    (["--profile", "abc"], "--profile", "A-B"),
+    (["--steps", "10", "--profile", "5-11"], "--profile", "<= --steps (10)"),
 ]
 
 

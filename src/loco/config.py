@@ -45,7 +45,7 @@ LAYOUT = ("worker_ranks", "worker_parallel")
 #: Options a resumed run may change: how it runs, not what it computes.
 RESUMABLE = ("launcher", "progress", "comm_timeout", "checkpoint_every", "max_restarts",
              "on_nonfinite", "resume", "out", "tensorboard", "wandb", "wandb_project",
-             "wandb_run_name", "wandb_mode")
+             "wandb_run_name", "wandb_mode", "profile")
 DTYPES = ("fp32", "bf16")
 
 
@@ -238,6 +238,12 @@ class TrainConfig:
     log_every: int = opt(10, "write a metrics record every this many inner steps")
     out: str | None = opt(None, "run directory (default: runs/<algorithm>-<time>)")
     progress: bool = opt(True, "show a progress bar (--no-progress to hide it)")
+    profile: str | None = opt(None, "profile these inner steps with torch.profiler, A-B "
+                              "(inclusive, e.g. 20-30) or one step N, within [1, --steps], and "
+                              "write a Chrome/Perfetto trace of them to "
+                              "<out>/profile/trace-rank<r>.json, with a range for each phase of "
+                              "a sync (loco/encode, loco/all_to_all, loco/wait, ...); a few "
+                              "steps after warm-up are enough (default: no profiling)")
     tensorboard: bool = opt(False, "also log every metric, sync and the summary to TensorBoard "
                             "event files under <out>/tensorboard (needs the extra: pip install "
                             "'loco[tensorboard]')")
@@ -475,6 +481,34 @@ def overlaps(cfg: TrainConfig) -> list[int]:
     return values
 
 
+def profile_steps(cfg: TrainConfig) -> tuple[int, int] | None:
+    """The first and last inner step ``profile`` asks for, both included.
+
+    Args:
+        cfg: the configuration, its ``steps`` resolved (see
+            [`resolve`][loco.config.resolve]).
+
+    Returns:
+        ``(first, last)`` with 1 <= first <= last <= ``steps``; None without ``profile``.
+
+    Raises:
+        ConfigError: ``profile`` is not ``A-B`` or ``N``, or its steps are out of range.
+    """
+    if cfg.profile is None:
+        return None
+    text = str(cfg.profile).strip()
+    first, sep, last = text.partition("-")
+    try:
+        window = (int(first), int(last) if sep else int(first))
+    except ValueError:
+        window = None
+    steps = cfg.steps if cfg.steps is not None else DEFAULT_STEPS
+    if window is None or not 1 <= window[0] <= window[1] <= steps:
+        raise ConfigError("profile", f"must be a range of inner steps A-B with 1 <= A <= B <= "
+                          f"--steps ({steps}), e.g. 20-30, or one step N (got {cfg.profile!r})")
+    return window
+
+
 def betas(cfg: TrainConfig) -> tuple[float, float]:
     """The inner AdamW betas from ``adam_betas`` (``"0.9,0.95"``).
 
@@ -581,6 +615,7 @@ def validate(cfg: TrainConfig) -> None:
     - ``workers``, ``worker_ranks``, ``steps``, ``batch_size``, ``sync_every``,
       ``log_every``, ``eval_batches``, ``final_eval_batches`` >= 1; ``seq_len`` >= 2;
       ``eval_every``, ``warmup``, ``spread_every``, ``checkpoint_every`` >= 0;
+      ``profile`` a range of steps ``A-B`` (or one step ``N``) within [1, ``steps``];
     - ``worker_ranks`` > 1 not with ``stages`` > 1; ``worker_parallel`` fsdp needs
       ``worker_ranks`` > 1 and the processes launcher or torchrun
       (``validate_worker_ranks``);
@@ -646,6 +681,7 @@ def validate(cfg: TrainConfig) -> None:
     need(cfg.checkpoint_every >= 0, "checkpoint_every", "must be an integer >= 0 (0: only at "
          "the end)")
     need(0 <= cfg.max_restarts <= 100, "max_restarts", "must be in [0, 100]")
+    profile_steps(cfg)
     validate_elastic(cfg)
     if cfg.algorithm == "noloco":
         need(cfg.group_size >= 2 and cfg.workers % cfg.group_size == 0, "group_size",

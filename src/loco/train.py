@@ -22,6 +22,7 @@ from datetime import datetime
 from typing import Any
 
 import torch
+from torch.profiler import record_function
 from tqdm import tqdm
 
 from loco import checkpoint, hf
@@ -32,12 +33,13 @@ from loco.algorithms.sharding import Share, is_sharded, local
 from loco.comm.interface import Aborted, Comm
 from loco.comm.link import LinkSpec
 from loco.config import (ConfigError, TrainConfig, betas, check_layout, model_dims, overlaps,
-                         resolve, validate, warnings_for)
+                         profile_steps, resolve, validate, warnings_for)
 from loco.dashboard import Dashboards
 from loco.data import (Corpus, CorpusError, EvalCorpusError, TokenizerError, TokenLoader,
                        eval_batches, prepare_corpus, prepare_eval_tokens)
 from loco.hf import is_hf
 from loco.model import Transformer, model_config
+from loco.profiling import StepProfiler
 from loco.runtime import Elastic, WorkerContext, launch, under_torchrun
 from loco.runtime.elastic import recovery_report, restart_count
 from loco.runtime.faults import Fault, InjectedFault
@@ -677,23 +679,43 @@ def _reshard_loader(loader: dict, old_shard: int, ranks: int, ctx: WorkerContext
 def train_loop(w: Worker, loop: Loop) -> None:
     """Every step of the run; a failure becomes a TrainingError naming the rank and step."""
     step = w.first
+    profiler = step_profiler(w)
     loop.start()
     try:
         for step in range(w.first, w.cfg.steps + 1):
-            loss = train_step(w, step)
-            syncs = _drain(w.algo)
-            spread = spread_diagnostic(w, loop, step)
-            evals = periodic_eval(w, loop, step)
-            if w.main:
-                log_step(w, loop, step, loss, syncs, spread, evals)
-            checkpoint_if_due(w, loop, step)
+            with profiler.step(step):
+                loss = train_step(w, step)
+                syncs = _drain(w.algo)
+                spread = spread_diagnostic(w, loop, step)
+                evals = periodic_eval(w, loop, step)
+                if w.main:
+                    log_step(w, loop, step, loss, syncs, spread, evals)
+                checkpoint_if_due(w, loop, step)
     except (Aborted, KeyboardInterrupt):
         w.writer.close(abandon=True)
         raise
     except Exception as e:  # name the worker and the step; expected failures in one line
         w.writer.close(abandon=True)
         raise failure(e, w.ctx.rank, step, w.cfg.comm_timeout) from e
+    finally:
+        profiler.close()
     w.bar.close()
+
+
+def step_profiler(w: Worker) -> StepProfiler:
+    """This rank's profiler of the ``--profile`` steps: every rank's under the processes
+    launcher and torchrun, rank 0's alone under the threads launcher (one process: its
+    profiler sees every rank's threads)."""
+    window = profile_steps(w.cfg)
+    if window is not None and window[1] < w.first and w.main:
+        tqdm.write(f"loco: --profile {w.cfg.profile}: those steps were trained before the "
+                   f"step this run resumes from ({w.first - 1}); nothing is profiled",
+                   file=sys.stderr)
+    threads = w.ctx.launcher == "threads"
+    return StepProfiler(window, w.cfg.out, w.ctx.rank, w.ctx.device,
+                        enabled=not threads or w.ctx.rank == 0,
+                        announce=None if w.ctx.rank else "" if threads
+                        else " and every other rank's next to it")
 
 
 def failure(e: Exception, rank: int, step: int, comm_timeout: float) -> TrainingError:
@@ -715,12 +737,13 @@ def train_step(w: Worker, step: int) -> torch.Tensor | None:
             w.writer.wait_committed(w.ctx.comm.check_aborted)
         w.fault.before_step(step, w.ctx.comm)
     batch = w.loader.next_batch() if w.loader is not None else None
-    if w.pipeline is None:
-        with w.autocast:
-            loss = w.model(*batch)
-        loss.backward()
-    else:  # the loss arrives on the last stage only
-        loss = w.pipeline.forward_backward(batch, step)
+    with record_function("loco/forward_backward"):
+        if w.pipeline is None:
+            with w.autocast:
+                loss = w.model(*batch)
+            loss.backward()
+        else:  # the loss arrives on the last stage only
+            loss = w.pipeline.forward_backward(batch, step)
     if w.fault is not None:
         w.fault.after_backward(step, w.algo.params)
     w.algo.step()

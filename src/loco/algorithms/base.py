@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.profiler import record_function
 
 from loco.algorithms.sharding import Share, flatten_fp32, is_sharded, local, unflatten_views
 from loco.comm import Comm
@@ -248,10 +249,11 @@ class Algorithm:
         """
         if self.inner is not None and self.average_inner and not self.sharded:
             self.average_inside_worker()  # (FSDP2 has averaged them itself)
-        if not math.isfinite(self.clip_gradients()):
-            self.nonfinite("gradient", "inner_steps", self.inner_steps + 1)
-            return False
-        self.inner_optimizer.step()
+        with record_function("loco/inner_step"):
+            if not math.isfinite(self.clip_gradients()):
+                self.nonfinite("gradient", "inner_steps", self.inner_steps + 1)
+                return False
+            self.inner_optimizer.step()
         return True
 
     @torch.no_grad()

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm
 from loco.algorithms.sharding import flatten_fp32, local, unflatten_views
@@ -72,15 +73,21 @@ class DataParallel(Algorithm):
     def _average(self) -> None:
         grads = [local(p.grad) for p in self.params]
         flatten_fp32(grads, out=self._grads)
+        # The profiler's ranges (docs/profiling.md): encode, all_to_all, reduce, all_gather,
+        # decode on the communication thread, wait here, then inner_step.
         if self.inner is None or self.sharded:  # (FSDP2 has averaged inside the worker)
             handle = self.comm.all_reduce_mean(self._grads, tag="train", codec=self.codec)
-            if self.comm.settle(handle) is None:  # elastic: healed during a retry
+            with record_function("loco/wait"):
+                healed = self.comm.settle(handle) is None
+            if healed:  # elastic: healed during a retry
                 return self._resume()
         else:  # inside the worker (fast), then shard r across workers (slow), gathered
             self.inner.all_reduce_mean(self._grads, tag="train").wait()
             handle = self.comm.all_reduce_mean(self.own_shard(self._wire), tag="train",
                                                codec=self.codec)
-            if self.comm.settle(handle) is None:  # elastic: healed during a retry
+            with record_function("loco/wait"):
+                healed = self.comm.settle(handle) is None
+            if healed:  # elastic: healed during a retry
                 return self._resume()
             self.gather_shards(self._wire)
         torch._foreach_copy_(grads, unflatten_views(self._grads, grads))

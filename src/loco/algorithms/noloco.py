@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm
 from loco.algorithms.sharding import Share, unflatten_views
@@ -160,7 +161,10 @@ class NoLoCo(Algorithm):
 
     @torch.no_grad()
     def _exchange_and_step(self) -> None:
-        delta = self.share.read().sub_(self.slow)  # Δ_i = θ_i − φ_i (this rank's share)
+        # The profiler's ranges of an outer step (docs/profiling.md): pseudo_gradient,
+        # encode, exchange (a helper thread on gloo), wait, reduce, outer_step, merge.
+        with record_function("loco/pseudo_gradient"):
+            delta = self.share.read().sub_(self.slow)  # Δ_i = θ_i − φ_i (this rank's share)
         # Rank r of each member swaps its share with rank r of the others.
         means = self._group_means(delta, self.slow)
         if means is None:  # elastic: healed during a retry
@@ -168,11 +172,13 @@ class NoLoCo(Algorithm):
         mean_delta, mean_slow = means
         if (self.finite(mean_delta, "pseudo-gradient")
                 and self.finite(mean_slow, "slow weights")):
-            g = mean_delta.mul_(self.beta).sub_(self.slow.sub(mean_slow).mul_(self.gamma))
-            self.momentum.mul_(self.alpha).add_(g)  # δ ← α δ + β mean(Δ) − γ (φ − mean φ)
-            self.slow.add_(self.momentum.mul(self.alpha).add_(g) if self.nesterov
-                           else self.momentum)
-        self.restart_from_global()  # θ_i ← φ_i (skipped: back to the old φ_i)
+            with record_function("loco/outer_step"):
+                g = mean_delta.mul_(self.beta).sub_(self.slow.sub(mean_slow).mul_(self.gamma))
+                self.momentum.mul_(self.alpha).add_(g)  # δ ← α δ + β mean(Δ) − γ (φ − mean φ)
+                self.slow.add_(self.momentum.mul(self.alpha).add_(g) if self.nesterov
+                               else self.momentum)
+        with record_function("loco/merge"):
+            self.restart_from_global()  # θ_i ← φ_i (skipped: back to the old φ_i)
         self.outer_steps += 1
 
     def _group_means(self, delta: torch.Tensor, slow: torch.Tensor
@@ -182,18 +188,23 @@ class NoLoCo(Algorithm):
         when an elastic retry healed this worker. A retry forms the groups anew over the
         members then alive."""
         n = delta.numel()
-        payload = torch.cat([self.codec.encode(delta), self.slow_codec.encode(slow)])
+        with record_function("loco/encode"):
+            payload = torch.cat([self.codec.encode(delta), self.slow_codec.encode(slow)])
         split = self.codec.encoded_nbytes(n)
 
         def issue():
             group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
             return self.comm.exchange(payload, group, tag="train")
 
-        received = self.comm.settle(issue(), issue)
+        handle = issue()
+        with record_function("loco/wait"):
+            received = self.comm.settle(handle, issue)
         if received is None:
             return None
-        mean_delta = sum(self.codec.decode(b[:split], (n,)) for b in received) / len(received)
-        mean_slow = sum(self.slow_codec.decode(b[split:], (n,)) for b in received) / len(received)
+        with record_function("loco/reduce"):  # decoded and summed one member at a time
+            mean_delta = sum(self.codec.decode(b[:split], (n,)) for b in received) / len(received)
+            mean_slow = (sum(self.slow_codec.decode(b[split:], (n,)) for b in received)
+                         / len(received))
         return mean_delta, mean_slow
 
     def outer_tensors(self) -> list[torch.Tensor]:

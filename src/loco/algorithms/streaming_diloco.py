@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm
 from loco.algorithms.fragments import PATTERNS, split_fragments
@@ -233,9 +234,13 @@ class StreamingDiLoCo(Algorithm):
             self._issue(fragment, t)
 
     def _issue(self, fragment: Fragment, t: int) -> None:
-        fragment.share.read(out=fragment.delta)
-        global_flat = fragment.global_flat.to(fragment.delta.device, non_blocking=True)
-        torch.sub(global_flat, fragment.delta, out=fragment.delta)  # Δ = θ^g − θ_m
+        # The profiler's ranges of a sync (docs/profiling.md): pseudo_gradient here; encode,
+        # all_to_all, reduce, all_gather and decode on the communication thread; wait,
+        # outer_step and merge in _apply.
+        with record_function("loco/pseudo_gradient"):
+            fragment.share.read(out=fragment.delta)
+            global_flat = fragment.global_flat.to(fragment.delta.device, non_blocking=True)
+            torch.sub(global_flat, fragment.delta, out=fragment.delta)  # Δ = θ^g − θ_m
         handle = self.comm.all_reduce_mean(fragment.delta, tag="train", codec=self.codec)
         self._in_flight = _InFlight(fragment, handle, t)
 
@@ -243,7 +248,8 @@ class StreamingDiLoCo(Algorithm):
     def _wait(flight: _InFlight) -> None:
         """Wait for Δ̄_p (this rank's share of it, decoded, in fp32)."""
         if flight.handle is not None:
-            flight.handle.wait()
+            with record_function("loco/wait"):
+                flight.handle.wait()
 
     def _resume(self) -> None:
         """After taking a live worker's state (elastic): issue the sync it was at (this
@@ -269,18 +275,23 @@ class StreamingDiLoCo(Algorithm):
     def _apply(self) -> None:
         flight, self._in_flight = self._in_flight, None
         fragment = flight.fragment
-        if flight.handle is not None and self.comm.settle(flight.handle) is None:
-            return self._resume()  # elastic: healed during a retry, go on from that state
+        if flight.handle is not None:
+            with record_function("loco/wait"):
+                healed = self.comm.settle(flight.handle) is None
+            if healed:
+                return self._resume()  # elastic: healed during a retry, go on from that state
         if not self.finite(fragment.delta, f"pseudo-gradient (fragment {fragment.index})"):
             # Skipped: the global fragment stays; the replicas restart from it.
             self._restart(fragment)
             self.outer_steps += 1
             self._log(fragment, flight)
             return
-        if fragment.grad is not fragment.delta:  # offloaded: Δ̄ comes to the CPU
-            fragment.grad.copy_(fragment.delta)
-        fragment.outer_optimizer.step()
-        self._merge(fragment)
+        with record_function("loco/outer_step"):
+            if fragment.grad is not fragment.delta:  # offloaded: Δ̄ comes to the CPU
+                fragment.grad.copy_(fragment.delta)
+            fragment.outer_optimizer.step()
+        with record_function("loco/merge"):
+            self._merge(fragment)
         fragment.syncs += 1
         self.outer_steps += 1
         self._log(fragment, flight)

@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from loco.comm.streams import streams_for
 
@@ -432,8 +433,9 @@ class Comm:
 
     def _await_posted(self, posted: _Posted, rec: OpRecord, future: Future, phases: int):
         try:
-            for w in posted.works:
-                w.wait()
+            with record_function(f"loco/{rec.op}"):  # e.g. loco/exchange (NoLoCo's swap)
+                for w in posted.works:
+                    w.wait()
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits
             future.set_exception(e)
             return
@@ -544,17 +546,23 @@ class Comm:
             return flat
         encode = (lambda x: x) if codec is None else codec.encode_rows
         decode = (lambda x: x) if codec is None else (lambda x: codec.decode_rows(x, chunk))
+        # One profiler range per phase, on this (the communication) thread: docs/profiling.md.
         # Reduce-scatter: worker j receives chunk j of every worker ...
-        outgoing = encode(padded.view(m, chunk))
+        with record_function("loco/encode"):
+            outgoing = encode(padded.view(m, chunk))
         received = torch.empty_like(outgoing)
-        self.group.alltoall_base(received.view(-1), outgoing.view(-1), [], [],
-                                 dist.AllToAllOptions()).wait()
+        with record_function("loco/all_to_all"):
+            self.group.alltoall_base(received.view(-1), outgoing.view(-1), [], [],
+                                     dist.AllToAllOptions()).wait()
         # ... and averages it in fp32; summing in rank order gives the same bits everywhere.
-        mine = encode(decode(received).sum(dim=0, keepdim=True).div_(divisor))
+        with record_function("loco/reduce"):
+            mine = encode(decode(received).sum(dim=0, keepdim=True).div_(divisor))
         # All-gather the averaged chunks; everyone decodes the same bytes.
         gathered = torch.empty((m, mine.shape[1]), dtype=mine.dtype, device=mine.device)
-        self._gather(list(gathered.unbind(0)), mine[0])
-        flat.copy_(decode(gathered).view(-1)[:n])
+        with record_function("loco/all_gather"):
+            self._gather(list(gathered.unbind(0)), mine[0])
+        with record_function("loco/decode"):
+            flat.copy_(decode(gathered).view(-1)[:n])
         return flat
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "setup") -> Handle:
