@@ -1,7 +1,13 @@
 """Test-session settings."""
 
+import os
+
 import pytest
 import torch
+
+# The codecs' fused kernels compile for seconds per shape: the suite runs the eager reference
+# unless a test asks for "fused" (tests/test_codecs_fused.py checks that both give the same bits).
+os.environ.setdefault("LOCO_CODEC_KERNEL", "eager")
 
 # The test models are tiny: one intra-op thread is as fast as two for them, and it keeps the
 # single-process references from oversubscribing the cores when the machine is busy.

@@ -260,6 +260,10 @@ def _train(args: argparse.Namespace) -> int:
           f"{'worker' if summary.get('worker_ranks', 1) == 1 else 'rank'} "
           f"{human_bytes(summary['bytes_sent_per_worker'])}, peak sync "
           f"{human_bytes(summary['peak_sync_bytes_per_worker'])}")
+    if summary.get("codec_kernel"):
+        k = summary["codec_kernel"]
+        print(f"codec {k['codec']}: {k['kernel']} kernels"
+              + (f" ({k['reason']})" if k["kernel"] == "eager" and k.get("reason") else ""))
     print(f"compute utilization {summary['compute_utilization']:.1%} (the slowest worker "
           f"waited {summary['comm_wait_seconds']:.1f} s on communication)"
           + (f"; emulated link {summary['link']['bandwidth'] or 'unlimited'}, "

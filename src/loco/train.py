@@ -30,6 +30,7 @@ from loco.algorithms import ALGORITHMS, Algorithm
 from loco.algorithms.base import NonFiniteError, flatten_fp32, unflatten_views
 from loco.algorithms.fragments import split_fragments
 from loco.algorithms.sharding import Share, is_sharded, local
+from loco.comm.codecs import kernel_in_use
 from loco.comm.interface import Aborted, Comm
 from loco.comm.link import LinkSpec
 from loco.config import (ConfigError, TrainConfig, betas, check_layout, model_dims, overlaps,
@@ -1171,6 +1172,7 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
         "tokens_per_second": tokens / train_seconds,
         "per_worker": workers,
         "fragments": algo.fragment_stats() if hasattr(algo, "fragment_stats") else None,
+        "codec_kernel": codec_kernel(algo),
         "replicas": replicas,
         "corpus": {"name": w.corpus.name, "train_tokens": len(w.corpus.train),
                    "val_tokens": len(w.corpus.val), "vocab_size": w.corpus.vocab_size,
@@ -1180,6 +1182,16 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
     }
     w.log.finish(summary)
     return summary
+
+
+def codec_kernel(algo: Algorithm) -> dict | None:
+    """The wire codec and the kernel that ran it (``fused``: compiled by torch.compile;
+    ``eager``: the reference ops, and why), for the summary; None without a codec."""
+    codec = getattr(algo, "codec", None)
+    if codec is None:
+        return None
+    return {"codec": codec.name, "kernel": kernel_in_use(codec),
+            "reason": getattr(codec, "kernel_reason", None)}
 
 
 @torch.no_grad()

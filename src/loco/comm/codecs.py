@@ -16,10 +16,11 @@ overhead small: a 4-bit value costs 4 + 8/block bits, 4.25 bits at block 32, i.e
 rounding to the format's grid, and for E3M0 (the Streaming DiLoCo format, whose values are
 themselves powers of two) a finer scale would buy nothing. Unlike MX, which floors e and
 clips the largest values, we take the smallest e with ``absmax / 2^e <= fmt_max``
-(``e = ceil(log2(absmax / fmt_max))``, computed exactly from ``frexp``), so absmax / 2^e lies
-in (fmt_max / 2, fmt_max] and nothing ever clips. e is clamped to [-126, 127] so 2^e is
-always a normal float (denormals get flushed to zero in training); an all-zero block stores
-e = -126. Decoding q * 2^e may round past the fp32 maximum; such values become +-fp32 max.
+(``e = ceil(log2(absmax / fmt_max))``, computed exactly from absmax's bits), so
+absmax / 2^e lies in (fmt_max / 2, fmt_max] and nothing ever clips. e is clamped to
+[-126, 127] so 2^e is always a normal float (denormals get flushed to zero in training); an
+all-zero block stores e = -126. Decoding q * 2^e may round past the fp32 maximum; such
+values become +-fp32 max.
 
 Every scaled codec rounds to the nearest grid value, ties to the code whose last bit is 0:
 the IEEE round-half-to-even that torch already applies to fp8 and to int8 (torch.round).
@@ -49,12 +50,22 @@ same bytes for the same row on any worker, thread or call), and the decoder need
 the row's bytes. Non-finite values reach the result here too: ``topk`` ranks NaN and ±Inf
 above every finite value, so they are kept; the random codecs send a row that holds one
 with all k values NaN.
+
+Every codec but the dropping ones also runs as a fused kernel: ``torch.compile`` of the same
+code, compiled once per input shape, bit for bit the same as eager (``get_codec(kernel=...)``,
+``LOCO_CODEC_KERNEL``; ``codec.kernel`` says which runs; see "Fused kernels" in
+``docs/codecs.md``).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import os
+import sys
+import threading
+import types
+import warnings
 from collections.abc import Sequence
 from fractions import Fraction
 
@@ -75,17 +86,29 @@ payload as 4-bit values (32 / 4), so they send about FP4's bytes (see ``docs/cod
 F32_MAX = torch.finfo(torch.float32).max
 MAX_BLOCK = 65536
 """The largest ``block`` a scaled codec accepts."""
+_LITTLE_ENDIAN = sys.byteorder == "little"
 NONFINITE_SCALE = 255
 """The scale byte of a block that held a NaN or an infinity (E8M0's NaN); it decodes as NaN."""
+KERNELS = ("auto", "eager", "fused")
+"""The choices of ``get_codec(kernel=...)``: ``"fused"`` compiles each codec's encode and decode
+(``torch.compile`` of the eager code: C++ on CPU, Triton on GPU), ``"eager"`` runs the
+reference, ``"auto"`` is fused where ``torch.compile`` can run, else eager."""
+KERNEL_ENV = "LOCO_CODEC_KERNEL"
+"""The environment variable that gives the default of ``get_codec(kernel=...)``; unset: eager."""
+FUSED_CODEC_NAMES = ("fp32", "bf16", "fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1")
+"""The codecs that have a fused kernel; the dropping codecs always run eager."""
 
 
 class Codec:
     """Base class: flat-tensor encode/decode on top of the row-wise ``encode_rows``.
 
     Get one with [`get_codec`][loco.comm.codecs.get_codec]; a subclass implements
-    ``encode_rows`` and ``decode_rows``. A row of ``c`` values (a multiple of ``align``) is
-    encoded into exactly ``row_bytes(c)`` bytes, ``[value bytes][scale bytes]``, on its own,
-    so rows can be cut apart and sent to different workers.
+    ``_encode_rows`` and ``_decode_rows``, the one definition that ``encode_rows`` and
+    ``decode_rows`` run eager or compiled into a fused kernel (see ``kernel``), or overrides
+    ``encode_rows`` and ``decode_rows`` themselves (the dropping codecs: always eager). A row
+    of ``c`` values (a multiple of ``align``) is encoded into exactly ``row_bytes(c)`` bytes,
+    ``[value bytes][scale bytes]``, on its own, so rows can be cut apart and sent to
+    different workers.
 
     Args:
         name: the codec's name, one of [`CODEC_NAMES`][loco.comm.codecs.CODEC_NAMES].
@@ -95,6 +118,13 @@ class Codec:
 
     name: str
     bits: int  # bits per value on the wire, scales excluded
+    kernel: str = "eager"
+    """How ``encode_rows`` and ``decode_rows`` run: ``"fused"`` (``torch.compile`` of the
+    eager code, one kernel per shape) or ``"eager"`` (the reference). See ``docs/codecs.md``
+    and `kernel_in_use`."""
+    kernel_reason: str = ""
+    """Why ``kernel`` is what it is, e.g. ``"LOCO_CODEC_KERNEL=eager"`` or the compile
+    error that made a fused codec fall back to eager."""
 
     def __init__(self, name: str, block: int | None = None):
         self.name, self.block = name, block
@@ -147,6 +177,15 @@ class Codec:
         Raises:
             ValueError: a wrong dtype or shape.
         """
+        self._check_rows(x)
+        return _run(self, "encode", self._encode_rows, x.detach())
+
+    def _encode_rows(self, x: torch.Tensor) -> torch.Tensor:
+        # The one definition of encoding: run as it is (eager) or through torch.compile
+        # (fused). Code that must differ between the two asks torch.compiler.is_compiling().
+        raise NotImplementedError
+
+    def _decode_rows(self, buf: torch.Tensor, c: int) -> torch.Tensor:  # likewise
         raise NotImplementedError
 
     def decode_rows(self, buf: torch.Tensor, c: int) -> torch.Tensor:
@@ -162,7 +201,14 @@ class Codec:
                 a non-finite value (``dare``, ``random_drop``), the values themselves for the
                 casts and ``topk``.
         """
-        raise NotImplementedError
+        buf = self._check_buf(buf, c)
+        return _run(self, "decode", self._decode_rows, buf.detach(), c)
+
+    def _check_buf(self, buf: torch.Tensor, c: int) -> torch.Tensor:
+        if buf.dim() != 2 or buf.dtype != torch.uint8 or buf.shape[1] != self.row_bytes(c):
+            raise ValueError(f"{self}: rows of {c} values take {self.row_bytes(c)} bytes, "
+                             f"got {buf.dtype} {tuple(buf.shape)}")
+        return buf
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         """Encode a tensor of any shape and dtype as one row (zero-padded to whole blocks).
@@ -219,16 +265,18 @@ class CastCodec(Codec):
         super().__init__(name)
         self.dtype, self.bits = dtype, torch.finfo(dtype).bits
 
-    def encode_rows(self, x):
-        self._check_rows(x)
+    def _encode_rows(self, x):
         # copy=True: the wire buffer must never alias the caller's tensor
         return x.to(self.dtype, copy=True).contiguous().view(torch.uint8)
 
-    def decode_rows(self, buf, c):
-        flat = buf.contiguous().view(-1)  # 1-D view: also fine when empty
-        if flat.storage_offset() % (self.bits // 8):  # a slice of a bigger message
-            flat = flat.clone()
-        values = flat.view(self.dtype)
+    def _check_buf(self, buf, c):
+        buf = super()._check_buf(buf, c)
+        if not buf.is_contiguous() or buf.storage_offset() % (self.bits // 8):
+            buf = buf.clone(memory_format=torch.contiguous_format)  # a slice of a message
+        return buf
+
+    def _decode_rows(self, buf, c):
+        values = buf.view(-1).view(self.dtype)  # 1-D view: also fine when empty
         return values.to(torch.float32, copy=True).view(buf.shape[0], c)
 
 
@@ -246,39 +294,56 @@ class ScaledCodec(Codec):
     def __init__(self, name: str, block: int):
         super().__init__(name, block)
         self._f, self._F = math.frexp(self.fmt_max)  # fmt_max = f * 2^F, f in [0.5, 1)
+        self._M = int((2 * self._f - 1) * 2**23)  # f's mantissa field (exact: f has few bits)
 
-    def encode_rows(self, x):
-        self._check_rows(x)
+    def _encode_rows(self, x):
         rows, c = x.shape
         xb = x.reshape(rows, c // self.block, self.block)
         amax = xb.abs().amax(dim=-1)
         bad = ~torch.isfinite(amax)  # NaN propagates through amax: one check per block
-        nonfinite = bool(bad.any())
-        if nonfinite:  # rare: such blocks are sent as zeros under the NaN scale byte
+        # Eager skips the masking when no block is bad (rare: such blocks are sent as zeros
+        # under the NaN scale byte); a fused kernel always masks, which changes no bit when
+        # nothing is bad, and has no data-dependent branch.
+        nonfinite = torch.compiler.is_compiling() or bool(bad.any())
+        if nonfinite:
             xb = xb.masked_fill(bad.unsqueeze(-1), 0.0)
             amax = amax.masked_fill(bad, 0.0)
         # With amax = m * 2^E, amax <= fmt_max * 2^e  <=>  m * 2^(E - F - e) <= f. Because
         # 2m >= 1 > f, e = E - F - 1 never works: the smallest e is E - F, or E - F + 1 if m > f.
-        m, E = torch.frexp(amax)
-        e = E - self._F + (m > self._f).to(torch.int32)
-        e = torch.where(m == 0, -126, e).clamp_(-126, 127)
+        # m and E are read off amax's bits (it is >= 0 and finite here), as frexp would give
+        # them: a normal amax with exponent field Eb and mantissa field M is m * 2^E with
+        # E = Eb - 126 and m = (1 + M / 2^23) / 2, so m > f <=> M > (2f - 1) * 2^23. A zero
+        # or subnormal amax (Eb = 0) gives e <= -126 - F + 1 < -126: clamped to -126, as it
+        # should be. Integer ops only: no frexp call, which a fused CPU kernel runs scalar.
+        bits = amax.view(torch.int32)
+        e = (bits >> 23) - (126 + self._F) + ((bits & 0x7FFFFF) > self._M).to(torch.int32)
+        e = e.clamp_(-126, 127)
         scale_bytes = (e + 127).to(torch.uint8)
         y = (xb / _pow2(scale_bytes).unsqueeze(-1)).view(rows, c)  # exact; |y| <= fmt_max
         if nonfinite:
             scale_bytes.masked_fill_(bad, NONFINITE_SCALE)
         return torch.cat([self._quantize(y), scale_bytes], dim=1)
 
-    def decode_rows(self, buf, c):
-        if buf.shape[1] != self.row_bytes(c):
-            raise ValueError(f"{self}: rows of {c} values take {self.row_bytes(c)} bytes, "
-                             f"got {buf.shape[1]}")
+    def _decode_rows(self, buf, c):
         rows, nv = buf.shape[0], c * self.bits // 8
         y = self._dequantize(buf[:, :nv], c).view(rows, c // self.block, self.block)
-        out = (y * _pow2(buf[:, nv:]).unsqueeze(-1)).view(rows, c)
+        scales = buf[:, nv:]
+        out = (y * _pow2(scales).unsqueeze(-1)).clamp_(-F32_MAX, F32_MAX)
         # q * 2^e is exact, except that it can round up past fp32 max (to +-inf, clamped
         # here) and that results below 2^-126 become 0 under torch.set_flush_denormal(True).
-        # A NONFINITE_SCALE block is 0 * inf = NaN, and clamp keeps NaN.
-        return out.clamp_(-F32_MAX, F32_MAX)
+        # A NONFINITE_SCALE block is 0 * inf = NaN; it is then written as the one quiet NaN
+        # (0x7FC00000), since which NaN 0 * inf and clamp give depends on the hardware and the
+        # kernel. Eager does so only when such a block exists; fused always (no branch).
+        bad = (scales == NONFINITE_SCALE).unsqueeze(-1)
+        nan_codes = self._nan_codes(buf[:, :nv])  # fp8's NaN codes (never encoded) likewise
+        if nan_codes is not None:
+            bad = bad | nan_codes.view(rows, c // self.block, self.block)
+        if torch.compiler.is_compiling() or bool(bad.any()):
+            out = out.masked_fill_(bad, math.nan)
+        return out.view(rows, c)
+
+    def _nan_codes(self, q: torch.Tensor) -> torch.Tensor | None:  # value bytes -> NaN where
+        return None
 
     def _quantize(self, y: torch.Tensor) -> torch.Tensor:  # fp32 (rows, c) -> value bytes
         raise NotImplementedError
@@ -295,6 +360,9 @@ class Fp8Codec(ScaledCodec):
 
     def _dequantize(self, q, c):
         return q.view(torch.float8_e4m3fn).to(torch.float32)
+
+    def _nan_codes(self, q):  # E4M3FN's NaN is S.1111.111; the encoder never writes it
+        return (q & 0x7F) == 0x7F
 
 
 class Int8Codec(ScaledCodec):
@@ -315,6 +383,7 @@ class Fp4Codec(ScaledCodec):
     def __init__(self, name: str, block: int, grid: tuple[float, ...]):
         self.fmt_max = grid[-1]
         super().__init__(name, block)
+        self._grid = grid
         self._mid = [(lo + hi) / 2 for lo, hi in zip(grid, grid[1:])]  # exact in fp32
         g = torch.tensor(grid, dtype=torch.float32)
         self._values = torch.cat([g, -g])  # code -> value
@@ -325,18 +394,222 @@ class Fp4Codec(ScaledCodec):
         # |y| hits it exactly it counts only for odd i, so ties go to the even code. Seven
         # compares beat torch.bucketize plus a tie lookup by 2x on CPU.
         a = y.abs()
-        k = torch.zeros_like(a, dtype=torch.uint8)
-        for i, m in enumerate(self._mid):
-            k += (a >= m) if i % 2 else (a > m)
-        code = k | ((y < 0) & (k > 0)).to(torch.uint8) << 3  # sign bit, but never -0
-        return code[:, 0::2] | code[:, 1::2] << 4  # element 2i low nibble, 2i+1 high
+        # k <= 7 in any integer type: uint8 is fastest eager, int32 vectorizes when fused
+        dt = torch.int32 if torch.compiler.is_compiling() else torch.uint8
+        if torch.compiler.is_compiling() and self.name == "fp4_e3m0":
+            k = self._steps_from_bits(a)
+        else:
+            k = torch.zeros_like(a, dtype=dt)
+            for i, m in enumerate(self._mid):
+                k += (a >= m) if i % 2 else (a > m)
+        code = (k | ((y < 0) & (k > 0)).to(dt) << 3).to(torch.uint8)  # sign, but never -0
+        # element 2i goes to the low nibble of byte i, 2i + 1 to the high one
+        rows, c = code.shape
+        if not (torch.compiler.is_compiling() and c % 8 == 0 and c and _LITTLE_ENDIAN):
+            return code[:, 0::2] | code[:, 1::2] << 4
+        # Fused: the same bytes from contiguous loads (strided ones keep a fused CPU kernel
+        # scalar). As int64, a word holds codes b0..b7 in its bytes; t = v | v >> 4 holds
+        # b0 | b1 << 4 in byte 0, b2 | b3 << 4 in byte 2, and so on; bytes 0, 2, 4, 6 make
+        # an int32 (shifted into int32's range first, so the cast never overflows).
+        v = code.view(torch.int64)
+        t = v | (v >> 4)
+        w = ((t & 0xFF) | ((t >> 8) & 0xFF00) | ((t >> 16) & 0xFF0000)
+             | ((t >> 24) & 0xFF000000))
+        return (w - ((w >> 31) << 32)).to(torch.int32).view(torch.uint8)
+
+    def _steps_from_bits(self, a: torch.Tensor) -> torch.Tensor:
+        # E3M0's k for 0 <= a <= 16 from a's exponent field Eb and mantissa field M: a in
+        # [2^(Eb-127), 2^(Eb-126)) goes to code Eb - 124 or the next, past the midpoint
+        # 1.5 * 2^(Eb-127) (M = 2^22), ties to the even code; below 0.25, to 0 or (past 0.125)
+        # to 1. Equal to the seven compares for every such fp32 value, denormals included
+        # (checked exhaustively once; the fused tests compare the bytes). Fewer ops in a fused
+        # kernel: 10% faster. (The same for E2M1 was slower than its compares.)
+        bits = a.view(torch.int32)
+        eb, m = bits >> 23, bits & 0x7FFFFF
+        lo = eb - 124
+        up = (m > 0x400000) | ((m == 0x400000) & ((lo & 1) == 1))
+        small = (bits > 0x3E000000).to(torch.int32)  # 0x3E000000 is 0.125
+        return torch.where(eb >= 125, lo + up.to(torch.int32), small).clamp(max=7)
 
     def _dequantize(self, q, c):
+        rows = q.shape[0]
+        if torch.compiler.is_compiling() and _LITTLE_ENDIAN:
+            # Fused: nibbles spread into bytes through int16 and seven selects, which
+            # vectorize; the table lookup below gathers, which a fused CPU kernel runs scalar
+            # (and eager runs the selects 5x slower). Same values: the grid's, exactly.
+            w = q.to(torch.int16)
+            codes = ((w & 15) | ((w >> 4) << 8)).view(torch.uint8).view(rows, c).to(torch.int32)
+            k = codes & 7
+            y = torch.zeros(codes.shape, dtype=torch.float32, device=q.device)
+            for i in range(1, 8):
+                y = torch.where(k == i, self._grid[i], y)
+            return torch.where(codes >= 8, -y, y)
         if q.device not in self._tables:
             self._tables[q.device] = self._values.to(q.device)
         values = self._tables[q.device]
         codes = torch.stack([q & 15, q >> 4], dim=-1).view(-1).to(torch.int32)
-        return values.index_select(0, codes).view(q.shape[0], c)
+        return values.index_select(0, codes).view(rows, c)
+
+
+# --------------------------------------------------------------------------- fused kernels
+# Compiled kernels are shared by every codec of the same class, name and block (the threads
+# launcher makes one codec per worker: they compile once between them) and cached per input
+# key (shape, strides, dtype, device, grad mode, c). Each key gets a torch.compile of a fresh
+# copy of the method's code object, so Dynamo's per-code recompile limit never applies and no
+# new shape has to fail the guards of an older kernel first. TorchDynamo must not compile
+# from several threads at once: the first call of a key (the one that compiles) runs under
+# _COMPILE_LOCK; later calls of that key take no lock.
+_COMPILE_LOCK = threading.Lock()
+_KERNELS: dict = {}  # (class, name, block, op, input key) -> compiled callable
+_FAILED: dict = {}  # (class, name, block) -> why compiling failed (warned once)
+_COMPILES = [0]  # kernels compiled in this process
+
+
+def compile_count() -> int:
+    """How many fused kernels this process has compiled (one per codec, operation and input
+    shape): a second call with the same shape must not change it."""
+    return _COMPILES[0]
+
+
+def kernel_in_use(codec: Codec) -> str:
+    """``"fused"`` or ``"eager"``: how ``codec`` encodes and decodes now (it can turn from fused
+    to eager, once, when compiling fails; ``codec.kernel_reason`` says why), for the run to
+    print and record.
+
+    Args:
+        codec: a codec from [`get_codec`][loco.comm.codecs.get_codec].
+    """
+    return codec.kernel
+
+
+def fused_supported(device: torch.device | str | None = None) -> tuple[bool, str]:
+    """Whether ``torch.compile`` can be expected to build fused kernels for ``device``
+    (default: the CPU), and if not, why. It checks the prerequisites (Dynamo supports this
+    Python, a C++ compiler for the CPU, Triton for GPUs); a compile that still fails falls
+    back to eager with a warning.
+
+    Args:
+        device: the device the codec will run on; default None (the CPU).
+    """
+    dev = torch.device("cpu" if device is None else device)
+    if dev.type not in _SUPPORTED:  # once per device type: finding a compiler runs it
+        _SUPPORTED[dev.type] = _fused_supported(dev)
+    return _SUPPORTED[dev.type]
+
+
+_SUPPORTED: dict = {}  # device type -> fused_supported's answer
+
+
+def _fused_supported(dev: torch.device) -> tuple[bool, str]:
+    try:
+        from torch import _dynamo
+
+        if not _dynamo.is_dynamo_supported():
+            return False, "torch.compile does not support this Python"
+        if dev.type == "cpu":
+            from torch._inductor import cpp_builder
+
+            cxx = cpp_builder.get_cpp_compiler()
+            if not cxx:
+                return False, "no C++ compiler for the CPU"
+        elif dev.type in ("cuda", "xpu"):
+            from torch.utils._triton import has_triton
+
+            if not has_triton():
+                return False, f"no Triton for {dev.type}"
+        else:
+            return False, f"no fused kernels for device type {dev.type}"
+    except Exception as err:  # no compiler found, inductor import failed, ...
+        return False, f"{type(err).__name__}: {err}"
+    return True, ""
+
+
+def _set_kernel(codec: Codec, kernel: str | None, device) -> Codec:
+    if kernel is None and not os.environ.get(KERNEL_ENV, "").strip():
+        # Opt-in for now: a fused kernel compiles (seconds) at the first sync of each shape,
+        # inside the training loop, which a short run pays for and does not win back.
+        kernel, source = "eager", f"the default; {KERNEL_ENV}=fused or auto to compile"
+    elif kernel is None:
+        kernel = os.environ[KERNEL_ENV].strip().lower()
+        source = f"{KERNEL_ENV}={kernel}"
+    else:
+        source = f"kernel={kernel!r}"
+    if kernel not in KERNELS:
+        raise ValueError(f"codec {codec.name}: {source} is not one of {', '.join(KERNELS)}")
+    if codec.name not in FUSED_CODEC_NAMES:
+        codec.kernel, codec.kernel_reason = "eager", "the dropping codecs have no fused kernel"
+    elif kernel == "eager":
+        codec.kernel, codec.kernel_reason = "eager", source
+    elif (failed := _FAILED.get(_spec(codec))) is not None:
+        codec.kernel, codec.kernel_reason = "eager", failed
+    elif kernel == "fused":
+        codec.kernel, codec.kernel_reason = "fused", source
+    elif isinstance(codec, CastCodec):  # auto: a cast is one ATen kernel already
+        codec.kernel = "eager"
+        codec.kernel_reason = f"{source}: a cast is one kernel eager (fused is not faster)"
+    else:
+        ok, why = fused_supported(device)
+        codec.kernel = "fused" if ok else "eager"
+        codec.kernel_reason = f"{source}: " + ("torch.compile works here" if ok else why)
+    return codec
+
+
+def _spec(codec: Codec) -> tuple:
+    return type(codec), codec.name, codec.block
+
+
+def _key(a) -> tuple:
+    if isinstance(a, torch.Tensor):
+        return tuple(a.shape), a.stride(), a.dtype, a.device, a.storage_offset() % 16
+    return a
+
+
+def _compiled(method):
+    """torch.compile of a fresh copy of a bound method's code (its own Dynamo cache)."""
+    f = method.__func__
+    fresh = types.FunctionType(f.__code__.replace(), f.__globals__, f.__name__,
+                               f.__defaults__, f.__closure__)
+    return torch.compile(types.MethodType(fresh, method.__self__), fullgraph=True,
+                         dynamic=False)
+
+
+def _first_lines(err: Exception, limit: int = 240) -> str:
+    """The start of an error's message on one line (Dynamo's run to pages)."""
+    text = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _run(codec: Codec, op: str, fn, *args):
+    """Run ``fn(*args)`` (the codec's one definition of ``op``) eagerly or as its fused kernel,
+    compiling that once per input key, under the lock, and falling back to eager, with one
+    warning, when compiling fails."""
+    if codec.kernel != "fused":
+        return fn(*args)
+    spec = _spec(codec)
+    key = spec + (op, torch.is_grad_enabled()) + tuple(_key(a) for a in args)
+    kernel = _KERNELS.get(key)
+    if kernel is not None:  # the steady state: no lock
+        return kernel(*args)
+    with _COMPILE_LOCK:
+        kernel = _KERNELS.get(key)
+        if kernel is not None:  # another thread compiled it meanwhile
+            return kernel(*args)
+        if spec in _FAILED:  # another codec of this kind failed meanwhile
+            codec.kernel, codec.kernel_reason = "eager", _FAILED[spec]
+            return fn(*args)
+        try:
+            kernel = _compiled(fn)
+            out = kernel(*args)  # compiles now
+        except Exception as err:
+            why = f"compiling failed: {type(err).__name__}: {_first_lines(err)}"
+            _FAILED[spec] = why
+            codec.kernel, codec.kernel_reason = "eager", why
+            warnings.warn(f"codec {codec!r}: fused kernel unavailable, running eager ({why})",
+                          RuntimeWarning, stacklevel=3)
+            return fn(*args)
+        _KERNELS[key] = kernel
+        _COMPILES[0] += 1
+        return out
 
 
 E3M0_GRID = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)  # k >= 1 is 2^(k - 3)
@@ -428,6 +701,7 @@ class SparseCodec(Codec):
         if buf.dim() != 2 or buf.dtype != torch.uint8 or buf.shape[1] != self.row_bytes(c):
             raise ValueError(f"{self}: rows of {c} values take {self.row_bytes(c)} bytes, "
                              f"got {buf.dtype} {tuple(buf.shape)}")
+        return buf
 
     def __repr__(self) -> str:
         return f"Codec({self.name}, keep={self.keep})"
@@ -634,7 +908,7 @@ def _make(name: str, block: int, keep: float = DEFAULT_KEEP, seed: int = 0) -> C
 
 
 def get_codec(name: str, block: int = 32, device: torch.device | str | None = None, *,
-              keep: float | None = None, seed: int = 0) -> Codec:
+              keep: float | None = None, seed: int = 0, kernel: str | None = None) -> Codec:
     """The codec ``name`` (one of CODEC_NAMES).
 
     With ``device``, a round trip of exactly representable values runs there first, so a
@@ -655,13 +929,23 @@ def get_codec(name: str, block: int = 32, device: torch.device | str | None = No
             the other codecs.
         seed: keys the random draws of ``dare`` and ``random_drop``, an integer in
             [0, 2^64); default 0; ignored by the other codecs.
+        kernel: ``"fused"`` (``torch.compile`` of the codec's code, compiled once per input
+            shape), ``"eager"`` (the reference) or ``"auto"`` (fused where torch.compile can
+            run on ``device``, default the CPU, else eager; eager for the casts ``fp32`` and
+            ``bf16``, one kernel already); default None: the environment
+            variable ``LOCO_CODEC_KERNEL``, else ``"eager"`` (fused compiles inside the
+            first syncs, which short runs do not win back). The dropping codecs always run
+            eager. The codec's ``kernel`` attribute says which it got; a fused codec whose
+            compilation fails warns once and runs eager from then on (``kernel`` becomes
+            ``"eager"``, ``kernel_reason`` says why). Fused and eager give the same bits.
 
     Returns:
         The codec.
 
     Raises:
-        ValueError: an unknown ``name``, a ``block`` out of range, or (dropping codecs) a
-            ``keep`` or ``seed`` out of range.
+        ValueError: an unknown ``name``, a ``block`` out of range, a ``kernel`` not in
+            `KERNELS`, or (dropping codecs) a ``keep`` or
+            ``seed`` out of range.
         RuntimeError: the codec cannot run on ``device``.
     """
     if name not in CODEC_NAMES:
@@ -669,13 +953,15 @@ def get_codec(name: str, block: int = 32, device: torch.device | str | None = No
     keep = DEFAULT_KEEP if keep is None else keep
     sparse = name in SPARSE_CODEC_NAMES
     codec = _make(name, block, keep, seed) if sparse else _make(name, block)
+    _set_kernel(codec, kernel, device)
     if device is not None:
         try:
             x = torch.tensor([1.0, -2.0, 0.5, 0.0], device=device).repeat(codec.align)
-            exact = _make(name, block, 1.0, seed) if sparse else codec
+            # the probe runs the eager reference: compiling a shape no run uses costs seconds
+            exact = _make(name, block, 1.0, seed) if sparse else _make(name, block)
             if not torch.equal(exact.decode(exact.encode(x), x.shape), x):
                 raise ValueError("round trip of exactly representable values changed them")
-            if codec is not exact and codec.decode(codec.encode(x), x.shape).shape != x.shape:
+            if sparse and codec.decode(codec.encode(x), x.shape).shape != x.shape:
                 raise ValueError("decoding gave the wrong shape")
         except Exception as err:
             raise RuntimeError(f"codec {name} cannot run on {device}: {err}") from err
