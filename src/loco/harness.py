@@ -227,15 +227,12 @@ def _fragment_names(cfg, module, pipeline: bool) -> list[list[str]]:
     """The parameter names of each fragment, as ``loco.train.make_algorithm`` builds them
     (DiLoCo: one fragment; pipeline stages: the tied embedding in fragment 0)."""
     from loco.algorithms.fragments import split_fragments
+    from loco.train import fragment_spec
 
     if cfg.algorithm == "diloco":
         return split_fragments(module, 1)
-    fragments = cfg.fragments
-    if pipeline and getattr(module, "tied", None) is not None:
-        names = split_fragments(module, cfg.fragments, cfg.fragment_pattern)
-        fragments = [[n for n in group if n != "embed.weight"] for group in names]
-        fragments[0].append("embed.weight")
-    return split_fragments(module, fragments, cfg.fragment_pattern)
+    tied = pipeline and getattr(module, "tied", None) is not None
+    return split_fragments(module, fragment_spec(cfg, module, tied), cfg.fragment_pattern)
 
 
 @torch.no_grad()

@@ -187,14 +187,8 @@ def make_algorithm(cfg: TrainConfig, model, optimizer, comm,
                       outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, gamma=cfg.gamma,
                       nesterov=cfg.nesterov, seed=cfg.seed, warn=False)
     if cfg.algorithm == "streaming":
-        fragments = cfg.fragments
-        if pipeline is not None and pipeline.module.tied is not None:
-            # The tied embedding's two copies (first and last stage) must be synced at the
-            # same steps to stay identical: both go into fragment 0.
-            names = split_fragments(model, cfg.fragments, cfg.fragment_pattern)
-            fragments = [[n for n in group if n != "embed.weight"] for group in names]
-            fragments[0].append("embed.weight")
-        kwargs.update(fragments=fragments, pattern=cfg.fragment_pattern,
+        tied = pipeline is not None and pipeline.module.tied is not None
+        kwargs.update(fragments=fragment_spec(cfg, model, tied), pattern=cfg.fragment_pattern,
                       overlap=overlaps(cfg)[comm.rank],  # the outer Comm's rank: the replica
                       alpha=cfg.mixing, codec=cfg.codec, codec_block=cfg.codec_block,
                       codec_keep=cfg.codec_keep)
@@ -204,6 +198,25 @@ def make_algorithm(cfg: TrainConfig, model, optimizer, comm,
     if pipeline is not None and pipeline.stages > 1:
         algo.grad_norm_fn = pipeline.grad_norm  # clip by the whole model's gradient norm
     return algo
+
+
+def fragment_spec(cfg: TrainConfig, model: torch.nn.Module, tied: bool) -> int | list:
+    """Streaming DiLoCo's fragments as ``make_algorithm`` gives them: P (``--fragments``), or
+    for a pipeline stage that holds a copy of the tied embedding, name lists with it in
+    fragment 0: its two copies (first and last stage) must be synced at the same steps to
+    stay identical.
+
+    Args:
+        cfg: the run's configuration.
+        model: the module the algorithm syncs (the stage's part with pipeline stages).
+        tied: whether ``model`` holds a copy of the tied embedding.
+    """
+    if not tied:
+        return cfg.fragments
+    names = split_fragments(model, cfg.fragments, cfg.fragment_pattern)
+    fragments = [[n for n in group if n != "embed.weight"] for group in names]
+    fragments[0].append("embed.weight")
+    return fragments
 
 
 def lr_lambda(cfg: TrainConfig):
