@@ -266,7 +266,8 @@ def test_offload_keeps_outer_state_on_cpu_and_changes_nothing():
     for algo in algos.values():
         model = {p.untyped_storage().data_ptr() for p in algo.model.parameters()}
         tensors = outer_tensors(algo)
-        assert len(tensors) == 2 * len(algo.params) + 2  # a momentum per parameter: synced
+        # per fragment: the flat copy, its views (one per parameter) and one flat momentum
+        assert len(tensors) == len(algo.params) + 2 * len(algo.fragment_list)
         for t in tensors:
             assert t.device.type == "cpu" and t.untyped_storage().data_ptr() not in model
         for f in algo.fragment_list:
@@ -326,6 +327,7 @@ def test_offload_moves_the_outer_state_off_the_gpu():
         assert t.device.type == "cuda"
     for f in off.fragment_list:
         assert f.global_flat.is_pinned() and f.delta.device.type == "cuda"
+        assert f.grad.is_pinned()  # where the averaged pseudo-gradient lands, one copy
     assert all(g.device.type == "cuda" for g in off.global_parameters().values())
     assert max_diff(params_of(off.global_parameters()), params_of(plain.global_parameters())) == 0
 

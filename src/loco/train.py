@@ -17,7 +17,7 @@ import os
 import sys
 import time
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -417,11 +417,28 @@ class Loop:
 
     loss_sum: float = 0.0
     loss_count: int = 0
+    losses: list = field(default_factory=list)
+    """The losses of the steps since the last ``settle_losses``, still on the device."""
+    shown_loss: float | None = None
+    """The latest logged training loss (the progress bar's)."""
     eval_seconds: float = 0.0
     diagnostic_seconds: float = 0.0
     train_seconds: float = 0.0
     metrics_bytes: int = 0
     origin: float = 0.0
+
+    def add_loss(self, loss: torch.Tensor) -> None:
+        """Keep a step's loss without reading it from the device (no synchronisation)."""
+        self.losses.append(loss.detach())
+        self.loss_count += 1
+
+    def settle_losses(self) -> None:
+        """Add the kept losses to ``loss_sum`` (one read from the device for all of them),
+        in step order and in fp64, as a Python sum of each step's value would."""
+        if self.losses:
+            for value in torch.stack(self.losses).double().tolist():
+                self.loss_sum += value
+            self.losses.clear()
 
     def start(self) -> None:
         """Start the clock, counting the time of the run resumed from."""
@@ -763,6 +780,8 @@ def train_step(w: Worker, step: int) -> torch.Tensor | None:
     w.algo.step()
     w.schedule.step()
     w.algo.zero_grad()
+    if step % w.cfg.log_every == 0:  # inner steps skipped on the device, if any, read now
+        w.algo.settle_nonfinite()
     if w.ctx.comm.elastic:  # the workers in the quorum of the latest sync trained this step
         w.elastic_tokens += (len(w.ctx.comm.members) * w.ctx.mesh.shards * w.cfg.batch_size
                              * w.cfg.seq_len)
@@ -821,14 +840,13 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
         w.log.metric({"event": "sync", **sync})
     if w.ctx.comm.elastic:
         log_membership(w, step)
-    loss_value = loss.item()
-    loop.loss_sum += loss_value
-    loop.loss_count += 1
+    loop.add_loss(loss)  # read every --log-every steps: no device synchronisation per step
     record = None if spread is None else {"step": step, "tokens": tokens, "spread": spread}
     if step % cfg.log_every == 0 or step == cfg.steps:
+        loop.settle_losses()
+        loop.shown_loss = loop.loss_sum / loop.loss_count
         record = {**(record or {}), "step": step, "tokens": tokens,
-                  "train_loss": loop.loss_sum / loop.loss_count,
-                  "lr": w.schedule.get_last_lr()[0]}
+                  "train_loss": loop.shown_loss, "lr": w.schedule.get_last_lr()[0]}
         loop.loss_sum, loop.loss_count = 0.0, 0
     if evals:
         record = {**(record or {"step": step, "tokens": tokens}), **evals}
@@ -839,7 +857,7 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
         w.log.metric(record)
     train_seconds = loop.elapsed()
     this_run = max(train_seconds - loop.train_seconds, 1e-9)  # since (re)start
-    w.bar.set_postfix(loss=f"{loss_value:.3f}",
+    w.bar.set_postfix(loss="-" if loop.shown_loss is None else f"{loop.shown_loss:.3f}",
                       tok_s=f"{(step - w.first + 1) * w.tokens_per_step / this_run:,.0f}",
                       sent=human_bytes(sent),
                       cu=f"{1 - blocked_seconds(w.ctx) / train_seconds:.0%}", refresh=False)
@@ -929,6 +947,7 @@ def checkpoint_state(w: Worker, loop: Loop, step: int, tensors: bool = True) -> 
 def loop_state(w: Worker, loop: Loop, step: int) -> dict:
     """The loop's running values after ``step``, for a checkpoint (``metrics_bytes``: the
     length of metrics.jsonl; None on a rank that does not write it in an elastic run)."""
+    loop.settle_losses()
     return {"loss_sum": loop.loss_sum, "loss_count": loop.loss_count,
             "eval_seconds": loop.eval_seconds, "diagnostic_seconds": loop.diagnostic_seconds,
             "train_seconds": loop.elapsed(),

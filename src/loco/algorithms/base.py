@@ -13,7 +13,6 @@ data-parallel training clips the averaged gradient, as DDP does.
 
 from __future__ import annotations
 
-import math
 import time
 
 import torch
@@ -121,6 +120,14 @@ class Algorithm:
         worker's parameters; a pipeline stage sets it to the norm over all its stages
         ([`PipelineStage.grad_norm`][loco.runtime.pipeline.PipelineStage.grad_norm])."""
         self.on_nonfinite = on_nonfinite
+        self.skip_on_device = (self.params[0].device.type == "cuda" and
+                               getattr(inner_optimizer, "_step_supports_amp_scaling", False))
+        """Whether a non-finite gradient's inner step is skipped on the device rather than
+        decided on the host, so that no step waits for the device: on CUDA with an
+        optimizer that takes ``found_inf`` (``fused=True`` Adam, AdamW, SGD). The skips
+        are then read at the next sync (``settle_nonfinite``)."""
+        self._pending_skips: torch.Tensor | None = None
+        self._pending_since = 0
         self.skipped = {"inner_steps": 0, "syncs": 0}
         """Inner steps and syncs skipped because of non-finite values
         (``on_nonfinite="skip"``)."""
@@ -214,35 +221,42 @@ class Algorithm:
         """Go on with the sync of ``_syncing`` after ``load_heal_state`` (subclasses)."""
 
     # ----------------------------------------------------------------------------- the loop
-    def clip_gradients(self) -> float:
+    def clip_gradients(self) -> torch.Tensor:
         """Clip the gradient to ``max_grad_norm`` (if set); return its norm before clipping.
 
         The norm is that of this worker's trainable parameters, or ``grad_norm_fn``'s (the
         whole model's, for a pipeline stage). Parameters without a gradient are left out.
+        Nothing is read back to the host: the norm stays a tensor on the device.
 
         Returns:
-            The total gradient norm before clipping (inf or nan if the gradient is not
-                finite).
+            The total gradient norm before clipping, a 0-d tensor (inf or nan if the
+                gradient is not finite).
         """
         grads = [p.grad for p in self.params if p.grad is not None]
         if self.grad_norm_fn is not None:  # the norm over all pipeline stages
             norm = self.grad_norm_fn(self.params)
         elif self.max_grad_norm is not None:
-            return _number(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+            return _full(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
         else:
             norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
         if self.max_grad_norm is not None and grads:  # as clip_grad_norm_ does
             coef = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
             torch._foreach_mul_(grads, coef.to(grads[0].device))
-        return _number(norm)
+        return _full(norm)
 
     def inner_update(self) -> bool:
         """Clip and apply the inner optimizer, unless the gradient is non-finite (then raise
         or, with ``on_nonfinite="skip"``, leave the parameters as they are). Every worker
         that sees the same gradient (data-parallel, pipeline stages) decides the same.
 
+        On a CPU the norm is read at once (no device to wait for). Where reading it would
+        stall the device (CUDA) and the optimizer can skip a step itself (``fused=True``
+        Adam, AdamW, SGD: ``found_inf``), the step is skipped on the device and the skips
+        are read at the next sync or ``settle_nonfinite()`` (see ``skip_on_device``).
+
         Returns:
-            True if the optimizer stepped, False if the step was skipped.
+            True if the optimizer stepped (or the decision was left to the device), False
+                if the step was skipped.
 
         Raises:
             NonFiniteError: the gradient is not finite and ``on_nonfinite`` is ``"stop"``.
@@ -250,11 +264,46 @@ class Algorithm:
         if self.inner is not None and self.average_inner and not self.sharded:
             self.average_inside_worker()  # (FSDP2 has averaged them itself)
         with record_function("loco/inner_step"):
-            if not math.isfinite(self.clip_gradients()):
+            norm = self.clip_gradients()
+            if self.skip_on_device:
+                self._step_unless_nonfinite(norm)
+                return True
+            if not bool(torch.isfinite(norm)):  # a host read: free on a CPU
                 self.nonfinite("gradient", "inner_steps", self.inner_steps + 1)
                 return False
             self.inner_optimizer.step()
         return True
+
+    def _step_unless_nonfinite(self, norm: torch.Tensor) -> None:
+        """The optimizer's step, skipped on the device when ``norm`` is not finite; the
+        skip is counted on the device, read by ``settle_nonfinite``."""
+        found = (~torch.isfinite(norm)).to(torch.float32)
+        self.inner_optimizer.found_inf = found
+        try:
+            self.inner_optimizer.step()
+        finally:
+            del self.inner_optimizer.found_inf
+        self._pending_skips = found if self._pending_skips is None else self._pending_skips + found
+        self._pending_since = self._pending_since or self.inner_steps + 1
+
+    def settle_nonfinite(self) -> None:
+        """Read the inner steps skipped on the device since the last call
+        (``skip_on_device``): count them in ``skipped``, or raise. Called at every sync and
+        checkpoint; nothing to do when the steps were checked on the host.
+
+        Raises:
+            NonFiniteError: a step was skipped and ``on_nonfinite`` is ``"stop"`` (the
+                parameters hold the state without the non-finite steps).
+        """
+        if self._pending_skips is None:
+            return
+        skips, since = int(self._pending_skips.item()), self._pending_since
+        self._pending_skips, self._pending_since = None, 0
+        if skips and self.on_nonfinite == "stop":
+            raise NonFiniteError(f"non-finite gradient in {skips} inner step(s) between steps "
+                                 f"{since} and {self.inner_steps}, skipped on the device "
+                                 "(--on-nonfinite stop)")
+        self.skipped["inner_steps"] += skips
 
     @torch.no_grad()
     def average_inside_worker(self) -> None:
@@ -319,7 +368,8 @@ class Algorithm:
         Raises:
             NonFiniteError: an element is not finite and ``on_nonfinite`` is ``"stop"``.
         """
-        if self.agree(bool(torch.isfinite(tensor).all())):
+        self.settle_nonfinite()
+        if self.agree(all_finite(tensor)):
             return True
         self.nonfinite(what, "syncs", self.inner_steps)
         return False
@@ -411,6 +461,7 @@ class Algorithm:
             A dict of tensors and numbers for ``torch.save``; each rank saves its own (under
             FSDP2 its local shards, with R ranks per worker its share of the outer state).
         """
+        self.settle_nonfinite()
         state = {"inner_steps": self.inner_steps, "skipped": dict(self.skipped)}
         if tensors:
             state.update(model=_local_tree(self.model.state_dict()),
@@ -506,9 +557,21 @@ def _join(name: str, key: str) -> str:
     return f"{name}.{key}" if key else name
 
 
-def _number(norm: torch.Tensor) -> float:
-    """A norm as a float (a DTensor's over all its shards)."""
-    return float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+def _full(norm: torch.Tensor) -> torch.Tensor:
+    """A norm as a plain tensor (a DTensor's over all its shards)."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+def all_finite(tensor: torch.Tensor) -> bool:
+    """Whether every element of ``tensor`` is finite, in one pass in the common case: a sum
+    with a NaN or an infinity is not finite, so a finite sum proves it; only a non-finite
+    sum (a non-finite element, or finite ones whose sum overflows) looks element by
+    element.
+
+    Args:
+        tensor: a floating-point tensor.
+    """
+    return bool(torch.isfinite(tensor.sum())) or bool(torch.isfinite(tensor).all())
 
 
 def _local_tree(state):

@@ -172,11 +172,12 @@ class NoLoCo(Algorithm):
         mean_delta, mean_slow = means
         if (self.finite(mean_delta, "pseudo-gradient")
                 and self.finite(mean_slow, "slow weights")):
-            with record_function("loco/outer_step"):
-                g = mean_delta.mul_(self.beta).sub_(self.slow.sub(mean_slow).mul_(self.gamma))
+            with record_function("loco/outer_step"):  # in place, in the means' buffers
+                pull = mean_slow.sub_(self.slow).mul_(self.gamma)  # −γ (φ − mean φ)
+                g = mean_delta.mul_(self.beta).add_(pull)
                 self.momentum.mul_(self.alpha).add_(g)  # δ ← α δ + β mean(Δ) − γ (φ − mean φ)
-                self.slow.add_(self.momentum.mul(self.alpha).add_(g) if self.nesterov
-                               else self.momentum)
+                self.slow.add_(torch.mul(self.momentum, self.alpha, out=pull).add_(g)
+                               if self.nesterov else self.momentum)
         with record_function("loco/merge"):
             self.restart_from_global()  # θ_i ← φ_i (skipped: back to the old φ_i)
         self.outer_steps += 1
@@ -202,10 +203,8 @@ class NoLoCo(Algorithm):
         if received is None:
             return None
         with record_function("loco/reduce"):  # decoded and summed one member at a time
-            mean_delta = sum(self.codec.decode(b[:split], (n,)) for b in received) / len(received)
-            mean_slow = (sum(self.slow_codec.decode(b[split:], (n,)) for b in received)
-                         / len(received))
-        return mean_delta, mean_slow
+            return (_mean([self.codec.decode(b[:split], (n,)) for b in received]),
+                    _mean([self.slow_codec.decode(b[split:], (n,)) for b in received]))
 
     def outer_tensors(self) -> list[torch.Tensor]:
         """This rank's share of the slow weights φ and the momentum δ."""
@@ -242,6 +241,14 @@ class NoLoCo(Algorithm):
         """φ and δ: this rank's share of them (see
         [`Algorithm.outer_state`][loco.algorithms.base.Algorithm.outer_state])."""
         return {"slow": (self.share, self.slow), "momentum": (self.share, self.momentum)}
+
+
+def _mean(values: list[torch.Tensor]) -> torch.Tensor:
+    """The members' values summed in order and divided by their number, in a new tensor."""
+    total = values[0].clone()
+    for v in values[1:]:
+        total.add_(v)
+    return total.div_(len(values))
 
 
 def gossip_groups(seed: int, outer_step: int, workers: int, size: int) -> list[list[int]]:

@@ -184,16 +184,18 @@ class StreamingDiLoCo(Algorithm):
             # With R ranks per worker each holds and syncs 1/R: no worker sends R copies.
             share = Share(params, self.inner)
             global_flat = share.read().to(outer_device)
-            if offload and global_flat.device.type == "cpu" and torch.cuda.is_available():
-                global_flat = global_flat.pin_memory()
+            if offload:
+                global_flat = _pinned(global_flat)
             global_params = unflatten_views(global_flat, share.views)
             delta = torch.zeros(share.numel, dtype=torch.float32, device=comm.device)
             # The outer optimizer reads Δ̄ as the gradient of the global copy.
-            grad = delta if delta.device == outer_device else torch.zeros_like(global_flat)
-            for g, d in zip(global_params, unflatten_views(grad, share.views)):
-                g.grad = d
-            optimizer = torch.optim.SGD(global_params, lr=outer_lr, momentum=outer_momentum,
-                                        nesterov=nesterov and outer_momentum > 0)
+            grad = delta if delta.device == outer_device else _pinned(torch.zeros_like(
+                global_flat))  # offloaded: Δ̄ lands here, one copy per fragment
+            global_flat.grad = grad
+            # One flat tensor: one fused kernel per outer step, no loop over parameters.
+            optimizer = torch.optim.SGD([global_flat], lr=outer_lr, momentum=outer_momentum,
+                                        nesterov=nesterov and outer_momentum > 0,
+                                        fused=outer_device.type in ("cpu", "cuda"))
             self.fragment_list.append(Fragment(p, frag_names, params, share, global_flat,
                                                global_params, delta, grad, optimizer))
         # Every worker derives the schedule from the same step counter, so the same fragment
@@ -300,8 +302,14 @@ class StreamingDiLoCo(Algorithm):
         """θ_{m,p} ← α · θ_{m,p} + (1 − α) · θ^g_p (α = 0 copies the global value), on this
         rank's share; then the worker's ranks gather the whole fragment."""
         views = fragment.share.views
+        source = fragment.global_params
+        if views and fragment.global_flat.device != views[0].device == fragment.delta.device:
+            # Offloaded: one copy of the fragment to the device, into Δ̄'s buffer (spent).
+            staged = fragment.delta[:fragment.global_flat.numel()]
+            staged.copy_(fragment.global_flat, non_blocking=True)
+            source = unflatten_views(staged, views)
         global_params = [g.to(v.device, v.dtype, non_blocking=True)
-                         for g, v in zip(fragment.global_params, views)]
+                         for g, v in zip(source, views)]
         if self.alpha == 0:
             torch._foreach_copy_(views, global_params)
         else:
@@ -404,10 +412,10 @@ class StreamingDiLoCo(Algorithm):
         for f, s in zip(self.fragment_list, state["fragments"]):
             if "global_params" in s:
                 f.global_flat.copy_(s["global_params"])
-                f.outer_optimizer.load_state_dict(s["outer_optimizer"])
+                f.outer_optimizer.load_state_dict(_flat_outer_state(s["outer_optimizer"]))
             elif s.get("momentum"):  # its values come with load_outer_state
-                for g in f.global_params:
-                    f.outer_optimizer.state[g]["momentum_buffer"] = torch.zeros_like(g)
+                f.outer_optimizer.state[f.global_flat]["momentum_buffer"] = torch.zeros_like(
+                    f.global_flat)
             f.syncs = int(s["syncs"])
             f.stats.update({k: int(v) for k, v in s.get("stats", {}).items()})
         self._in_flight = None
@@ -419,8 +427,8 @@ class StreamingDiLoCo(Algorithm):
                                         state["in_flight"].get("record"))
 
     def outer_state(self) -> dict:
-        """Every fragment's global copy and outer momentum (a copy: the optimizer keeps one
-        buffer per parameter) and the pseudo-gradient in flight, this rank's share of each
+        """Every fragment's global copy and outer momentum and the pseudo-gradient in
+        flight, this rank's share of each
         (see [`Algorithm.outer_state`][loco.algorithms.base.Algorithm.outer_state])."""
         state = {}
         for f in self.fragment_list:
@@ -440,24 +448,36 @@ class StreamingDiLoCo(Algorithm):
         Args:
             values: a vector for every name of ``outer_state()``.
         """
-        for f in self.fragment_list:
-            momentum = values.get(f"fragment{f.index}.momentum")
-            if momentum is not None:
-                buffers = [f.outer_optimizer.state[g]["momentum_buffer"]
-                           for g in f.global_params]
-                torch._foreach_copy_(buffers, unflatten_views(momentum.to(f.global_flat.device),
-                                                              buffers))
-        super().load_outer_state(values)  # the rest (a momentum's copy is thrown away)
+        for f in self.fragment_list:  # a momentum is created by the first outer step
+            if f"fragment{f.index}.momentum" in values and _momentum(f) is None:
+                f.outer_optimizer.state[f.global_flat]["momentum_buffer"] = torch.zeros_like(
+                    f.global_flat)
+        super().load_outer_state(values)
+
+
+def _pinned(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in page-locked memory where a GPU is there to copy from it asynchronously
+    (a CPU tensor), else ``t``."""
+    return t.pin_memory() if t.device.type == "cpu" and torch.cuda.is_available() else t
 
 
 def _momentum(f: Fragment) -> torch.Tensor | None:
-    """Fragment ``f``'s outer momentum as one fp32 vector (a copy), None before its first
-    outer step or without momentum."""
-    buffers = [f.outer_optimizer.state.get(g, {}).get("momentum_buffer")
-               for g in f.global_params]
-    if not buffers or any(b is None for b in buffers):
-        return None
-    return flatten_fp32(buffers)
+    """Fragment ``f``'s outer momentum, one fp32 vector (the optimizer's own), None before
+    its first outer step or without momentum."""
+    return f.outer_optimizer.state.get(f.global_flat, {}).get("momentum_buffer")
+
+
+def _flat_outer_state(state: dict) -> dict:
+    """An outer optimizer's ``state_dict`` for the one flat tensor it steps. Checkpoints
+    written before the outer step was flat hold one entry per parameter: their momenta are
+    concatenated in order (the flat tensor's layout)."""
+    params = state["param_groups"][0]["params"]
+    if len(params) == 1:
+        return state
+    buffers = [state["state"].get(i, {}).get("momentum_buffer") for i in params]
+    merged = ({} if any(b is None for b in buffers)
+              else {0: {"momentum_buffer": flatten_fp32(buffers)}})
+    return {"state": merged, "param_groups": [{**state["param_groups"][0], "params": [0]}]}
 
 
 __all__ = ["PATTERNS", "StreamingDiLoCo"]

@@ -349,6 +349,7 @@ class Comm:
         # grow without end; the counters above hold the totals).
         self.records: deque[OpRecord] = deque(maxlen=RECORDS_KEPT)
         self._issued: dict[str, int] = defaultdict(int)  # bytes handed over, by tag
+        self._buffers: dict[tuple, torch.Tensor] = {}  # see _scratch
         self.keep_records = keep_records
         self._lock = threading.Lock()
         self._closed = False
@@ -539,31 +540,55 @@ class Comm:
         n = flat.numel()
         if n == 0 or (m == 1 and codec is None):
             return flat
-        padded = torch.zeros(m * chunk, dtype=flat.dtype, device=flat.device)
-        padded[:n] = flat
+        rows = self._rows(flat, m * chunk).view(m, chunk)
         if m == 1:  # nothing to send, but the value is what the wire format can carry
-            flat.copy_(codec.decode_rows(codec.encode_rows(padded.view(1, -1)), chunk)[0, :n])
+            flat.copy_(codec.decode_rows(codec.encode_rows(rows), chunk)[0, :n])
             return flat
         encode = (lambda x: x) if codec is None else codec.encode_rows
         decode = (lambda x: x) if codec is None else (lambda x: codec.decode_rows(x, chunk))
         # One profiler range per phase, on this (the communication) thread: docs/profiling.md.
         # Reduce-scatter: worker j receives chunk j of every worker ...
         with record_function("loco/encode"):
-            outgoing = encode(padded.view(m, chunk))
-        received = torch.empty_like(outgoing)
+            outgoing = encode(rows)
+        received = self._scratch("received", outgoing.shape, outgoing.dtype)
         with record_function("loco/all_to_all"):
             self.group.alltoall_base(received.view(-1), outgoing.view(-1), [], [],
                                      dist.AllToAllOptions()).wait()
         # ... and averages it in fp32; summing in rank order gives the same bits everywhere.
         with record_function("loco/reduce"):
             mine = encode(decode(received).sum(dim=0, keepdim=True).div_(divisor))
-        # All-gather the averaged chunks; everyone decodes the same bytes.
-        gathered = torch.empty((m, mine.shape[1]), dtype=mine.dtype, device=mine.device)
+        # All-gather the averaged chunks; everyone decodes the same bytes. Unencoded, they
+        # land in ``rows`` (sent already): in ``flat`` itself when it needed no padding.
+        gathered = (rows if codec is None
+                    else self._scratch("gathered", (m, mine.shape[1]), mine.dtype))
         with record_function("loco/all_gather"):
             self._gather(list(gathered.unbind(0)), mine[0])
         with record_function("loco/decode"):
-            flat.copy_(decode(gathered).view(-1)[:n])
+            if gathered.data_ptr() != flat.data_ptr():
+                flat.copy_(decode(gathered).view(-1)[:n])
         return flat
+
+    def _rows(self, flat: torch.Tensor, size: int) -> torch.Tensor:
+        """``flat`` padded with zeros to ``size`` values: ``flat`` itself when it has them
+        all, else a copy in a buffer kept for the next operation."""
+        if flat.numel() == size:
+            return flat
+        padded = self._scratch("padded", (size,), flat.dtype)
+        padded[:flat.numel()].copy_(flat)
+        padded[flat.numel():].zero_()
+        return padded
+
+    def _scratch(self, role: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``shape`` for one phase (``role``) of an operation, reused by the
+        next operation of this Comm (they run one at a time, on its thread): a sync does not
+        allocate, and page in, fragment-sized memory every time. One buffer per role and
+        dtype is kept, the largest asked for so far; smaller requests use its beginning."""
+        numel = math.prod(shape)
+        buf = self._buffers.get((role, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            self._buffers[role, dtype] = buf
+        return buf[:numel].view(shape)
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "setup") -> Handle:
         """Copy ``tensor`` from worker ``src`` to every worker, in place.

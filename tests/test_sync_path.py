@@ -1,0 +1,123 @@
+"""The sync path without waste (issue 19): the one-pass finiteness check, the Comm's reused
+buffers, the flat outer step (and old checkpoints of the per-parameter one), the training
+loss read every --log-every steps, and a non-finite inner step skipped on the device."""
+
+import pytest
+import torch
+
+import loco
+from loco.algorithms.base import NonFiniteError, all_finite
+from loco.algorithms.streaming_diloco import _flat_outer_state
+from loco.comm.codecs import get_codec
+from loco.train import Loop
+from workers import batch, make_model
+
+pytestmark = pytest.mark.numerics
+
+
+@pytest.mark.parametrize("values, finite", [
+    ([1.0, -2.0, 3.5], True),
+    ([1.0, float("nan"), 3.0], False),
+    ([1.0, float("inf"), -float("inf")], False),  # their sum is NaN: still caught
+    ([-float("inf"), 0.0], False),
+    ([3e38, 3e38, -1.0], True),  # the sum overflows; every element is finite
+    ([], True),
+])
+def test_all_finite_is_exact(values, finite):
+    assert all_finite(torch.tensor(values, dtype=torch.float32)) is finite
+
+
+def scratch_worker(ctx, sizes, codec_name):
+    """Mean-all-reduces of the sizes in turn; the buffers the Comm used after each."""
+    codec = None if codec_name is None else get_codec(codec_name)
+    out = []
+    for i, n in enumerate(sizes):
+        x = torch.randn(n, generator=torch.Generator().manual_seed(100 * ctx.rank + i))
+        want = x.clone()
+        got = ctx.comm.all_reduce_mean(x, codec=codec).wait().clone()
+        out.append((want, got, {k: v.data_ptr() for k, v in ctx.comm._buffers.items()}))
+    return out
+
+
+@pytest.mark.parametrize("codec", [None, "fp4_e3m0"])
+def test_reduce_reuses_its_buffers_and_pads_with_zeros(codec):
+    """A large reduction, then smaller ones that need padding: every result is the mean
+    of the workers' values (exact for two fp32 workers; as the codec's round trip of the
+    mean of round trips otherwise), and the smaller ones allocate nothing new (the same
+    buffers, whose stale tails are zeroed before use)."""
+    sizes = [1000, 333, 333, 1000]  # 333 = 2 chunks of 167 minus 1: padded
+    out = loco.launch(scratch_worker, 2, args=(sizes, codec))
+    for i, n in enumerate(sizes):
+        mean = (out[0][i][0] + out[1][i][0]) / 2
+        for r in range(2):
+            got = out[r][i][1]
+            if codec is None:
+                assert torch.equal(got, mean)
+            else:  # each 4-bit value is within one step of its block's grid
+                assert (got - mean).abs().max() <= mean.abs().max()
+        assert torch.equal(out[0][i][1], out[1][i][1])
+    for r in range(2):
+        assert out[r][1][2] == out[r][2][2] == out[r][3][2]  # no new buffer after the first
+
+
+def test_old_per_parameter_outer_state_loads_flat():
+    """A checkpoint of the per-parameter outer optimizer becomes the flat one's: the momenta
+    concatenated in order; without momenta, none."""
+    a, b = torch.randn(2, 3), torch.randn(4)
+    old = {"state": {0: {"momentum_buffer": a}, 1: {"momentum_buffer": b}},
+           "param_groups": [{"lr": 0.7, "momentum": 0.9, "params": [0, 1]}]}
+    new = _flat_outer_state(old)
+    assert new["param_groups"][0]["params"] == [0] and new["param_groups"][0]["lr"] == 0.7
+    assert torch.equal(new["state"][0]["momentum_buffer"], torch.cat([a.view(-1), b]))
+    fresh = {"state": {}, "param_groups": [{"lr": 0.7, "params": [0, 1]}]}
+    assert _flat_outer_state(fresh)["state"] == {}
+
+
+def test_losses_read_every_log_are_the_python_sum():
+    """The losses kept on the device and read at a log give the same float as adding each
+    step's ``loss.item()`` to a Python float (the logged train_loss did not change)."""
+    values = torch.rand(37, dtype=torch.float32) * 10
+    loop, reference = Loop(loss_sum=1.25), 1.25
+    for v in values:
+        loop.add_loss(v.clone())
+        reference += v.item()
+    loop.settle_losses()
+    assert loop.loss_sum == reference and loop.loss_count == 37 and not loop.losses
+
+
+def device_skip_worker(ctx, on_device, policy, poison_at, steps):
+    """Local training with fused AdamW; the gradient is poisoned at one step."""
+    model = make_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
+    algo = loco.Local(model, opt, ctx.comm, on_nonfinite=policy)
+    algo.skip_on_device = on_device
+    for t in range(1, steps + 1):
+        x, y = batch(ctx.rank, t)
+        model(x, y).backward()
+        if t == poison_at:
+            next(iter(model.parameters())).grad[0, 0] = float("nan")
+        try:
+            algo.step()
+        except NonFiniteError as err:
+            return {"stopped": str(err), "at": t}
+        algo.zero_grad()
+    try:
+        algo.settle_nonfinite()
+    except NonFiniteError as err:
+        return {"stopped": str(err), "at": "settle",
+                "params": [p.detach().clone() for p in model.parameters()]}
+    return {"skipped": dict(algo.skipped), "params": [p.detach().clone() for p in model.parameters()]}
+
+
+def test_nonfinite_step_skipped_on_the_device_is_the_host_skip():
+    """With ``skip_on_device`` (what CUDA with a fused optimizer uses; forced here on the
+    CPU's fused AdamW) the poisoned step is skipped by the optimizer itself: the parameters
+    are bit for bit those of the host's decision, and the skip is counted once read."""
+    host = loco.launch(device_skip_worker, 1, args=(False, "skip", 3, 5))[0]
+    device = loco.launch(device_skip_worker, 1, args=(True, "skip", 3, 5))[0]
+    assert host["skipped"] == device["skipped"] == {"inner_steps": 1, "syncs": 0}
+    assert all(torch.equal(a, b) for a, b in zip(host["params"], device["params"]))
+    stopped = loco.launch(device_skip_worker, 1, args=(True, "stop", 3, 5))[0]
+    assert stopped["at"] == "settle"  # raised when read, with the step left out
+    assert "1 inner step(s) between steps 1 and 5" in stopped["stopped"]
+    assert all(torch.equal(a, b) for a, b in zip(host["params"], stopped["params"]))
