@@ -9,7 +9,7 @@ values (``encode_rows`` of shape (1, n), ``decode_rows`` of the result):
   so from 16M values on clone (and every codec) measures page faults as much as bandwidth,
   and copy shows the bandwidth alone;
 * encode and decode with the eager reference and with the fused kernel (``torch.compile`` of
-  the same code; compiled before timing, once per shape).
+  the same code; compiled before timing by ``codec.prepare(n)``, once per shape).
 
 Every GB/s counts the fp32 values' bytes, 4n (in for encode, out for decode), whatever the
 codec writes or reads on the wire, and each is also given divided by clone's GB/s on the same
@@ -17,14 +17,25 @@ tensor and thread count. A time is the best of ``--repeat`` runs (the least dist
 other jobs on a shared machine), after one warm-up call. The dropping codecs
 (topk, dare, random_drop) have no fused kernel and are left out unless named.
 
+With ``--compile-times N``, it instead times ``codec.prepare(N, parts)`` (compiling every
+fused kernel an all-reduce of N values over ``--parts`` workers runs) per codec, in fresh
+processes: "cold" with an empty Inductor cache (a new ``TORCHINDUCTOR_CACHE_DIR``) and "warm",
+a second process on the same cache. The first codec of a process also pays the one-time cost
+of loading Inductor and its C++ toolchain, reported on its own row.
+
     python benchmarks/codec_speed.py                                  # 1M..64M, 1 and all threads
     python benchmarks/codec_speed.py --sizes 1M,4M,16M --threads 1,2 --codecs fp4_e3m0,int8
+    python benchmarks/codec_speed.py --compile-times 4M --parts 2     # prepare's compile time
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import subprocess
+import sys
+import tempfile
 import time
 
 import torch
@@ -48,6 +59,45 @@ def best_seconds(fn, repeat: int) -> float:
     return min(times)
 
 
+_CHILD = """
+import json, sys, time
+t = time.perf_counter()
+import torch._inductor.compile_fx  # the one-time cost: loading Inductor
+from loco.comm.codecs import compile_count, get_codec
+out = {"import": time.perf_counter() - t}
+numel, parts, block = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+for name in sys.argv[4].split(","):
+    codec, before, t = get_codec(name, block, kernel="fused"), compile_count(), time.perf_counter()
+    codec.prepare(numel, parts)
+    out[name] = (time.perf_counter() - t, compile_count() - before)
+t = time.perf_counter()
+for name in sys.argv[4].split(","):  # a second call: nothing to compile
+    get_codec(name, block, kernel="fused").prepare(numel, parts)
+out["again"] = time.perf_counter() - t
+print(json.dumps(out))
+"""
+
+
+def compile_times(numel: int, parts: int, block: int, names: list[str]) -> None:
+    """Print prepare()'s seconds per codec, cold and warm (see the module's docstring)."""
+    with tempfile.TemporaryDirectory() as cache:
+        env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+        runs = {}
+        for run in ("cold", "warm"):
+            proc = subprocess.run([sys.executable, "-c", _CHILD, str(numel), str(parts),
+                                   str(block), ",".join(names)], env=env, check=True,
+                                  capture_output=True, text=True)
+            runs[run] = json.loads(proc.stdout.strip().splitlines()[-1])
+    print(f"prepare({numel}, {parts}): seconds (kernels compiled), in this order in one "
+          f"process; load average {os.getloadavg()[0]:.2f}\n")
+    print("| codec | cold | warm |\n|---|---|---|")
+    print(f"| (loading Inductor) | {runs['cold']['import']:.2f} | {runs['warm']['import']:.2f} |")
+    for name in names:
+        cells = [f"{runs[r][name][0]:.2f} ({runs[r][name][1]})" for r in ("cold", "warm")]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print(f"| all again (cached) | {runs['cold']['again']:.4f} | {runs['warm']['again']:.4f} |")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -57,7 +107,14 @@ def main() -> None:
     ap.add_argument("--kernels", default="eager,fused")
     ap.add_argument("--block", type=int, default=32)
     ap.add_argument("--repeat", type=int, default=7)
+    ap.add_argument("--compile-times", metavar="N", default=None,
+                    help="time prepare(N, --parts) per codec, cold and warm, instead")
+    ap.add_argument("--parts", type=int, default=2, help="workers, for --compile-times")
     args = ap.parse_args()
+    if args.compile_times:
+        compile_times(parse_size(args.compile_times), args.parts, args.block,
+                      args.codecs.split(","))
+        return
 
     cores = os.cpu_count() or 1
     threads = [cores if t.strip() == "all" else int(t) for t in args.threads.split(",")]
@@ -83,6 +140,7 @@ def main() -> None:
                 cells = {}
                 for k in kernels:
                     codec = codecs[name, k]
+                    codec.prepare(n)  # fused: compile (1, n) now, not while timing
                     buf = codec.encode_rows(x)
                     enc = 4 * n / best_seconds(lambda: codec.encode_rows(x), args.repeat) / 1e9
                     dec = 4 * n / best_seconds(lambda: codec.decode_rows(buf, n),

@@ -189,7 +189,7 @@ def test_threads_compile_once_and_agree(pair):
     shapes = [(ROWS, C), (1, 3 * C), (3, C), (1, 3 * C), (3, C), (ROWS, C)]
     inputs = [normal(r * c, i).view(r, c) for i, (r, c) in enumerate(shapes)]
     new = {s for s in set(shapes)
-           if not any(k[3] == "encode" and k[5][0] == s for k in codecs._KERNELS
+           if not any(k[3] == "encode" and k[4][0] == s for k in codecs._KERNELS
                       if k[1] == "fp4_e3m0" and k[2] == B)}
     before = compile_count()
     start, results, errors = threading.Barrier(len(shapes)), [None] * len(shapes), []
@@ -282,22 +282,27 @@ def test_failure_inside_the_compiled_call_falls_back(monkeypatch):
 def test_kernel_choice(monkeypatch):
     monkeypatch.delenv(KERNEL_ENV, raising=False)
     monkeypatch.setattr(codecs, "fused_supported", lambda device=None: (True, ""))
-    codec = get_codec("fp4_e3m0")  # unset: eager (fused is opt-in), and it says how to opt in
-    assert codec.kernel == "eager" and f"{KERNEL_ENV}=fused" in codec.kernel_reason
-    assert get_codec("fp4_e3m0", kernel="auto").kernel == "fused"  # where compile works
+    codec = get_codec("fp4_e3m0")  # unset: auto, eager until prepare() compiles
+    assert codec.kernel == "eager" and f"{KERNEL_ENV} unset: auto" in codec.kernel_reason
+    assert "prepare()" in codec.kernel_reason
+    assert get_codec("fp4_e3m0", kernel="auto").kernel == "eager"
     for name in ("fp32", "bf16"):  # auto: a cast is one kernel eager already
         codec = get_codec(name, kernel="auto")
         assert codec.kernel == "eager" and "cast" in codec.kernel_reason
+        assert codec.prepare(codecs.FUSED_MIN_NUMEL, 2) == "eager" and codec.kernel == "eager"
         assert get_codec(name, kernel="fused").kernel == "fused"
     monkeypatch.setattr(codecs, "fused_supported", lambda device=None: (False, "no compiler"))
     codec = get_codec("fp4_e3m0", kernel="auto")
     assert codec.kernel == "eager" and "no compiler" in codec.kernel_reason
+    assert codec.prepare(codecs.FUSED_MIN_NUMEL, 2) == "eager" and codec.kernel == "eager"
     monkeypatch.setenv(KERNEL_ENV, "fused")
     assert get_codec("int8").kernel == "fused"
     assert get_codec("int8", kernel="eager").kernel == "eager"  # the argument wins
     monkeypatch.setenv(KERNEL_ENV, "eager")
     assert get_codec("int8").kernel_reason == f"{KERNEL_ENV}=eager"
     assert get_codec("int8", kernel="fused").kernel == "fused"
+    monkeypatch.setenv(KERNEL_ENV, "auto")
+    assert get_codec("int8").kernel == "eager"
     for name in SPARSE_CODEC_NAMES:  # no fused kernel: always eager, and says so
         codec = get_codec(name, kernel="fused")
         assert kernel_in_use(codec) == "eager" and "no fused kernel" in codec.kernel_reason
@@ -332,3 +337,125 @@ def test_the_run_says_which_kernel_ran(corpus, tmp_path, capsys):
     assert kernel == {"codec": "fp4_e3m0", "kernel": "eager",
                       "reason": f"{KERNEL_ENV}=eager"}
     assert "codec fp4_e3m0: eager kernels (LOCO_CODEC_KERNEL=eager)" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------------- prepare
+# Shapes shared with the tests above (chunk C; the bit-identity tests compile (ROWS, C), the
+# recompile test (2, C)), so that these compile at most a few new kernels.
+PARTS = 2
+NUMEL = PARTS * C - 5  # chunk = padded(ceil(NUMEL / PARTS)) = C
+
+
+def reduce_worker(ctx, name, kernel, numel, prepare):
+    codec = get_codec(name, B, kernel=kernel)
+    if prepare:
+        with torch.no_grad():  # another grad mode than the communication thread's
+            codec.prepare(numel, ctx.comm.size)
+    x = normal(numel, ctx.rank)
+    return ctx.comm.all_reduce_mean(x, codec=codec).wait().clone(), codec.kernel
+
+
+def needed(name, numel, parts):
+    """The kernel keys an all-reduce of numel values over parts workers runs."""
+    codec = get_codec(name, B, kernel="fused")
+    return {codecs._spec(codec) + (op,) + tuple(codecs._key(a) for a in args)
+            for op, args in codec._reduce_calls(numel, parts, torch.device("cpu"))}
+
+
+def test_prepare_compiles_each_needed_kernel_once_and_training_none():
+    """prepare compiles exactly the all-reduce's missing kernels, once; a second prepare
+    (another worker's codec) compiles nothing; the all-reduce itself then compiles nothing,
+    not even a Dynamo recompile, and gives eager's bits."""
+    import loco
+    from torch._dynamo.utils import counters
+
+    keys = needed("fp4_e3m0", NUMEL, PARTS)
+    assert len(keys) == 3  # encode (2, C) and (1, C), decode (2, row_bytes(C))
+    missing = keys - set(codecs._KERNELS)
+    before = compile_count()
+    codec = get_codec("fp4_e3m0", B, kernel="fused")
+    assert codec.prepare(NUMEL, PARTS) == "fused"
+    assert compile_count() == before + len(missing) and keys <= set(codecs._KERNELS)
+    assert get_codec("fp4_e3m0", B, kernel="fused").prepare(NUMEL, PARTS) == "fused"
+    assert compile_count() == before + len(missing)
+    compiled, graphs = compile_count(), counters["stats"]["unique_graphs"]
+    fused = loco.launch(reduce_worker, PARTS, args=("fp4_e3m0", "fused", NUMEL, True))
+    assert compile_count() == compiled and counters["stats"]["unique_graphs"] == graphs
+    eager = loco.launch(reduce_worker, PARTS, args=("fp4_e3m0", "eager", NUMEL, False))
+    for (got, kernel), (want, _) in zip(fused, eager):
+        assert kernel == "fused" and torch.equal(ints(got), ints(want))
+
+
+def test_prepare_one_part_covers_encode_and_decode():
+    """parts=1: the one-worker all-reduce and whole-tensor encode/decode (NoLoCo), also of a
+    buffer sliced at an odd offset out of a bigger message."""
+    codec, eager = get_codec("int8", B, kernel="fused"), get_codec("int8", B, kernel="eager")
+    n = ROWS * C - 7  # encode (1, ROWS * C), decode (1, row_bytes(ROWS * C))
+    codec.prepare(n)
+    before = compile_count()
+    x = adversarial("int8").view(-1)[:n]
+    buf = codec.encode(x)
+    assert torch.equal(buf, eager.encode(x))
+    message = torch.cat([torch.zeros(3, dtype=torch.uint8), buf])
+    got = codec.decode(message[3:], x.shape)
+    assert torch.equal(ints(got), ints(eager.decode(buf, x.shape)))
+    assert compile_count() == before
+
+
+def test_auto_is_fused_from_the_threshold_and_never_compiles_in_training(monkeypatch):
+    """The default: eager until prepare sees an all-reduce of FUSED_MIN_NUMEL values or
+    more; fused for those; eager (and no compile) for smaller or unprepared ones."""
+    assert codecs.FUSED_MIN_NUMEL == 1 << 22  # docs/codecs.md gives the reasoning
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    monkeypatch.setattr(codecs, "FUSED_MIN_NUMEL", NUMEL)  # reuse the compiled shapes
+    codec, eager = get_codec("fp4_e3m0", B), get_codec("fp4_e3m0", B, kernel="eager")
+    assert codec.kernel == "eager"
+    before = compile_count()
+    assert codec.prepare(NUMEL - 1, PARTS) == "eager"  # below: nothing compiled
+    assert codec.kernel == "eager" and f"({NUMEL - 1} over {PARTS})" in codec.kernel_reason
+    assert compile_count() == before
+    codec.prepare(NUMEL, PARTS)  # compiles what the test above did not (run alone)
+    assert codec.kernel == "fused" and kernel_in_use(codec) == "fused"
+    assert "eager for the smaller ones" in codec.kernel_reason
+    compiled = compile_count()
+    x = normal(5 * C).view(1, 5 * C)  # a shape never prepared: eager, no compile
+    assert torch.equal(codec.encode_rows(x), eager.encode_rows(x))
+    x = normal(PARTS * C).view(PARTS, C)  # a prepared one
+    assert torch.equal(codec.encode_rows(x), eager.encode_rows(x))
+    assert compile_count() == compiled
+    assert get_codec("fp4_e3m0", B).prepare(NUMEL, PARTS) == "fused"  # cheap, shared
+    assert compile_count() == compiled
+
+
+def test_prepare_is_a_no_op_where_nothing_is_fused():
+    before = compile_count()
+    for codec in (get_codec("fp4_e3m0", B, kernel="eager"), get_codec("topk", kernel="fused"),
+                  get_codec("dare", kernel="auto")):
+        assert codec.prepare(1 << 24, 4) == "eager" and codec.kernel == "eager"
+    assert get_codec("int8", B, kernel="fused").prepare(0, 3) == "eager"
+    assert compile_count() == before
+
+
+def test_prepare_failure_falls_back_with_one_warning(monkeypatch):
+    monkeypatch.setattr(codecs, "_FAILED", {})
+    monkeypatch.setattr(codecs, "_KERNELS", {})
+    monkeypatch.setattr(codecs, "FUSED_MIN_NUMEL", 8)
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+
+    def broken(method):
+        raise RuntimeError("no C++ compiler found")
+
+    monkeypatch.setattr(codecs, "_compiled", broken)
+    codec = get_codec("int8", block=4)
+    with pytest.warns(RuntimeWarning, match=r"no C\+\+ compiler found") as caught:
+        assert codec.prepare(64, 2) == "eager"
+        assert get_codec("int8", block=4).prepare(64, 2) == "eager"
+    assert len(caught) == 1
+    assert codec.kernel == "eager" and "no C++ compiler found" in codec.kernel_reason
+
+
+@pytest.mark.parametrize("args,match", [((-1,), "numel"), ((1.5,), "numel"), ((True,), "numel"),
+                                        ((10, 0), "parts"), ((10, 2.0), "parts")])
+def test_prepare_refuses_bad_arguments(args, match):
+    with pytest.raises(ValueError, match=match):
+        get_codec("int8", B, kernel="fused").prepare(*args)

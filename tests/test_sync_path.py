@@ -121,3 +121,32 @@ def test_nonfinite_step_skipped_on_the_device_is_the_host_skip():
     assert stopped["at"] == "settle"  # raised when read, with the step left out
     assert "1 inner step(s) between steps 1 and 5" in stopped["stopped"]
     assert all(torch.equal(a, b) for a, b in zip(host["params"], stopped["params"]))
+
+
+def test_algorithms_prepare_their_codecs_before_the_first_step(monkeypatch):
+    """Streaming DiLoCo prepares (compiles, where fused) the kernels of every fragment's
+    all-reduce and NoLoCo those of its exchange, in the constructor: nothing is compiled
+    inside the first syncs."""
+    from loco.comm.codecs import Codec
+
+    calls = []
+    monkeypatch.setattr(Codec, "prepare", lambda self, numel, parts=1, device=None:
+                        calls.append((self.name, numel, parts)) or "eager")
+    model = make_model(layers=4)
+    comm = loco.Comm(None, 0, 1)
+    try:
+        algo = loco.StreamingDiLoCo(model, torch.optim.AdamW(model.parameters()), comm,
+                                    sync_every=4, fragments=2, codec="fp4_e3m0")
+        assert calls == [("fp4_e3m0", f.delta.numel(), 1) for f in algo.fragment_list]
+    finally:
+        comm.close()
+    calls.clear()
+    sizes = loco.launch(noloco_worker, 2)
+    assert sorted(calls) == sorted((name, n, 1) for n in sizes for name in ("int8", "fp32"))
+
+
+def noloco_worker(ctx):
+    model = make_model(layers=4)
+    algo = loco.NoLoCo(model, torch.optim.AdamW(model.parameters()), ctx.comm, sync_every=4,
+                       group_size=2, codec="int8", warn=False)
+    return algo.slow.numel()

@@ -119,6 +119,8 @@ class NoLoCo(Algorithm):
         self.slow = self.share.read()  # φ_i, private to this worker
         self.slow_params = unflatten_views(self.slow, self.share.views)
         self.momentum = torch.zeros_like(self.slow)  # δ_i
+        for codec in (self.codec, self.slow_codec):  # compiled now, not in the first syncs
+            codec.prepare(self.slow.numel(), 1, comm.device)
 
     def groups(self, outer_step: int) -> list[list[int]]:
         """The groups of outer step ``outer_step``: the same on every worker, no message.

@@ -198,6 +198,8 @@ class StreamingDiLoCo(Algorithm):
                                         fused=outer_device.type in ("cpu", "cuda"))
             self.fragment_list.append(Fragment(p, frag_names, params, share, global_flat,
                                                global_params, delta, grad, optimizer))
+        for fragment in self.fragment_list:  # compiled now, not inside the first syncs
+            self.codec.prepare(fragment.delta.numel(), comm.size, comm.device)
         # Every worker derives the schedule from the same step counter, so the same fragment
         # is reduced everywhere without a word.
         self._due = dict(zip(send_offsets(sync_every, count), self.fragment_list))

@@ -52,9 +52,10 @@ above every finite value, so they are kept; the random codecs send a row that ho
 with all k values NaN.
 
 Every codec but the dropping ones also runs as a fused kernel: ``torch.compile`` of the same
-code, compiled once per input shape, bit for bit the same as eager (``get_codec(kernel=...)``,
-``LOCO_CODEC_KERNEL``; ``codec.kernel`` says which runs; see "Fused kernels" in
-``docs/codecs.md``).
+code, compiled once per input shape, before training by ``codec.prepare(numel, parts)``, bit
+for bit the same as eager (``get_codec(kernel=...)``, ``LOCO_CODEC_KERNEL``; by default fused
+for all-reduces of at least ``FUSED_MIN_NUMEL`` values; ``codec.kernel`` says which runs; see
+"Fused kernels" in ``docs/codecs.md``).
 """
 
 from __future__ import annotations
@@ -91,12 +92,24 @@ NONFINITE_SCALE = 255
 """The scale byte of a block that held a NaN or an infinity (E8M0's NaN); it decodes as NaN."""
 KERNELS = ("auto", "eager", "fused")
 """The choices of ``get_codec(kernel=...)``: ``"fused"`` compiles each codec's encode and decode
-(``torch.compile`` of the eager code: C++ on CPU, Triton on GPU), ``"eager"`` runs the
-reference, ``"auto"`` is fused where ``torch.compile`` can run, else eager."""
+(``torch.compile`` of the eager code: C++ on CPU, Triton on GPU) for every input shape, at
+[`prepare`][loco.comm.codecs.Codec.prepare] or else at its first call; ``"eager"`` runs the
+reference; ``"auto"`` (the default) is fused for the all-reduces that ``prepare`` is told of
+with at least ``FUSED_MIN_NUMEL`` values, where ``torch.compile`` can run, and eager for all
+else (the casts, smaller all-reduces, a codec never prepared): it never compiles during
+training."""
 KERNEL_ENV = "LOCO_CODEC_KERNEL"
-"""The environment variable that gives the default of ``get_codec(kernel=...)``; unset: eager."""
+"""The environment variable that gives the default of ``get_codec(kernel=...)``; unset: auto."""
 FUSED_CODEC_NAMES = ("fp32", "bf16", "fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1")
 """The codecs that have a fused kernel; the dropping codecs always run eager."""
+FUSED_MIN_NUMEL = 1 << 22
+"""``"auto"``: the fewest values (4,194,304) of an all-reduce that
+[`prepare`][loco.comm.codecs.Codec.prepare] compiles fused kernels for. A run's first fused
+size costs about 5 s of compiling with Inductor's disk cache warm (25 s cold, once per
+machine), each further size about 0.5 s; at this size fused FP4 saves about 0.12 s per worker
+and sync (two workers), paying that back in about 45 syncs warm, and more the bigger the
+tensor. Smaller all-reduces (``make demo``'s fragments hold a few hundred thousand values)
+stay eager and start at once. See "Fused kernels" in ``docs/codecs.md``."""
 
 
 class Codec:
@@ -120,11 +133,17 @@ class Codec:
     bits: int  # bits per value on the wire, scales excluded
     kernel: str = "eager"
     """How ``encode_rows`` and ``decode_rows`` run: ``"fused"`` (``torch.compile`` of the
-    eager code, one kernel per shape) or ``"eager"`` (the reference). See ``docs/codecs.md``
-    and `kernel_in_use`."""
+    eager code, one kernel per shape) or ``"eager"`` (the reference). With the default
+    ``"auto"`` it is ``"eager"`` until [`prepare`][loco.comm.codecs.Codec.prepare] compiles
+    kernels for an all-reduce big enough, then ``"fused"`` (all-reduces prepared below the
+    threshold still run eager: ``kernel_reason`` lists them). See ``docs/codecs.md`` and
+    `kernel_in_use`."""
     kernel_reason: str = ""
     """Why ``kernel`` is what it is, e.g. ``"LOCO_CODEC_KERNEL=eager"`` or the compile
     error that made a fused codec fall back to eager."""
+    _mode: str = "eager"  # the kernel asked for: "eager", "fused", or "auto" (see prepare)
+    _source: str = ""  # where that came from, for kernel_reason
+    _small: Sequence = ()  # auto: (numel, parts) of the all-reduces prepare left eager
 
     def __init__(self, name: str, block: int | None = None):
         self.name, self.block = name, block
@@ -137,6 +156,109 @@ class Codec:
             numel: a number of values, >= 0.
         """
         return -(-numel // self.align) * self.align
+
+    def prepare(self, numel: int, parts: int = 1,
+                device: torch.device | str | None = None) -> str:
+        """Compile, now, every fused kernel that an all-reduce of ``numel`` values over
+        ``parts`` workers will run, so that training compiles nothing.
+
+        Call it once per distinct tensor size before the first step, with what
+        [`all_reduce_mean`][loco.comm.interface.Comm.all_reduce_mean] will be given:
+        ``numel`` the flat tensor's values, ``parts`` the workers of the Comm (its
+        ``size``), ``device`` the Comm's device. It compiles exactly the kernels (op, shape,
+        dtype, stride) that all-reduce will call: with ``parts`` M > 1 and chunk =
+        ``padded(ceil(numel / M))``, encoding (M, chunk) and (1, chunk), and decoding
+        (M, ``row_bytes(chunk)``); with M = 1, encoding (1, chunk) and decoding (1,
+        ``row_bytes(chunk)``), which is also what [`encode`][loco.comm.codecs.Codec.encode]
+        and [`decode`][loco.comm.codecs.Codec.decode] of a tensor of ``numel`` values run
+        (NoLoCo's exchange: pass ``parts=1``). Kernels are shared by every codec of the same
+        name and block in the process, so a second call, by this codec or another worker's,
+        compiles nothing and costs microseconds.
+
+        What it does depends on the kernel asked for (``get_codec(kernel=...)``):
+        ``"eager"``, the dropping codecs, and a codec whose compilation failed: nothing.
+        ``"fused"``: compiles the kernels (a shape never prepared still compiles at its
+        first call). ``"auto"`` (the default): compiles them when ``numel >=
+        FUSED_MIN_NUMEL`` and ``torch.compile`` can run on ``device``, and turns ``kernel``
+        to ``"fused"``; an all-reduce below that runs eager (``kernel_reason`` says so);
+        the casts ``fp32`` and ``bf16`` stay eager. A compile that fails warns once and
+        leaves the codec eager, as at a first call.
+
+        Args:
+            numel: values of the tensor to be all-reduced, an int >= 0 (0: nothing to do).
+            parts: workers the all-reduce splits it over (the Comm's ``size``), an int >= 1;
+                default 1 (also: whole-tensor ``encode``/``decode``).
+            device: where the all-reduce runs (the Comm's device); default None: the CPU.
+
+        Returns:
+            ``"fused"`` if that all-reduce will run fused kernels, else ``"eager"`` (also
+                for ``numel`` 0, which encodes nothing).
+
+        Raises:
+            ValueError: ``numel`` or ``parts`` is not an int in range.
+        """
+        if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+            raise ValueError(f"{self}: prepare: numel must be an int >= 0, got {numel!r}")
+        if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
+            raise ValueError(f"{self}: prepare: parts must be an int >= 1, got {parts!r}")
+        dev = torch.device("cpu" if device is None else device)
+        if self._mode == "eager" or numel == 0:
+            return "eager"
+        if self._mode == "auto":
+            ok, why = fused_supported(dev)
+            if not ok:
+                self._mode, self.kernel = "eager", "eager"
+                self.kernel_reason = f"{self._source}: {why}"
+                return "eager"
+            if numel < FUSED_MIN_NUMEL:
+                if (numel, parts) not in self._small:
+                    self._small = [*self._small, (numel, parts)]
+                    self._say_auto()
+                return "eager"
+        for op, args in self._reduce_calls(numel, parts, dev):
+            key = _spec(self) + (op,) + tuple(_key(a) for a in args)
+            if key in _KERNELS:
+                continue
+            args = tuple(a.zero_() if isinstance(a, torch.Tensor) else a for a in args)
+            fn = self._encode_rows if op == "encode" else self._decode_rows
+            self.kernel = "fused"  # what _compile_and_run turns back on failure
+            _compile_and_run(self, key, fn, args)
+            if self._mode == "eager":  # compiling failed (warned)
+                return "eager"
+        if self._mode == "auto":
+            self.kernel = "fused"
+            self._say_auto()
+        return "fused"
+
+    def _say_auto(self) -> None:
+        small = ", ".join(f"{n} over {p}" for n, p in self._small)
+        if self.kernel == "fused":
+            self.kernel_reason = (f"{self._source}: fused kernels compiled by prepare() for "
+                                  f"all-reduces of at least {FUSED_MIN_NUMEL} values"
+                                  + (f"; eager for the smaller ones ({small})" if small
+                                     else ""))
+        else:
+            self.kernel_reason = (f"{self._source}: eager, all-reduces below "
+                                  f"{FUSED_MIN_NUMEL} values ({small}) do not pay back "
+                                  f"compiling")
+
+    def _reduce_calls(self, numel: int, parts: int, device: torch.device) -> list:
+        """The (op, args) of every encode_rows/decode_rows call that all_reduce_mean of
+        ``numel`` values over ``parts`` workers makes, as Comm._reduce_mean makes them
+        (contiguous, fresh tensors; the contents are left unset)."""
+        chunk = self.padded(-(-numel // parts))
+        rb = self.row_bytes(chunk)
+
+        def f32(rows):
+            return torch.empty((rows, chunk), dtype=torch.float32, device=device)
+
+        def u8(rows):
+            return torch.empty((rows, rb), dtype=torch.uint8, device=device)
+
+        if parts == 1:
+            return [("encode", (f32(1),)), ("decode", (u8(1), chunk))]
+        return [("encode", (f32(parts),)), ("decode", (u8(parts), chunk)),
+                ("encode", (f32(1),))]
 
     def row_bytes(self, c: int) -> int:
         """Bytes of one encoded row of ``c`` values, a fixed function of ``c``: ``c · bits /
@@ -511,9 +633,7 @@ def _fused_supported(dev: torch.device) -> tuple[bool, str]:
 
 def _set_kernel(codec: Codec, kernel: str | None, device) -> Codec:
     if kernel is None and not os.environ.get(KERNEL_ENV, "").strip():
-        # Opt-in for now: a fused kernel compiles (seconds) at the first sync of each shape,
-        # inside the training loop, which a short run pays for and does not win back.
-        kernel, source = "eager", f"the default; {KERNEL_ENV}=fused or auto to compile"
+        kernel, source = "auto", f"{KERNEL_ENV} unset: auto"
     elif kernel is None:
         kernel = os.environ[KERNEL_ENV].strip().lower()
         source = f"{KERNEL_ENV}={kernel}"
@@ -521,21 +641,29 @@ def _set_kernel(codec: Codec, kernel: str | None, device) -> Codec:
         source = f"kernel={kernel!r}"
     if kernel not in KERNELS:
         raise ValueError(f"codec {codec.name}: {source} is not one of {', '.join(KERNELS)}")
+    codec._mode, codec._source, codec._small = kernel, source, []
     if codec.name not in FUSED_CODEC_NAMES:
+        codec._mode = "eager"
         codec.kernel, codec.kernel_reason = "eager", "the dropping codecs have no fused kernel"
     elif kernel == "eager":
         codec.kernel, codec.kernel_reason = "eager", source
     elif (failed := _FAILED.get(_spec(codec))) is not None:
+        codec._mode = "eager"
         codec.kernel, codec.kernel_reason = "eager", failed
     elif kernel == "fused":
         codec.kernel, codec.kernel_reason = "fused", source
     elif isinstance(codec, CastCodec):  # auto: a cast is one ATen kernel already
+        codec._mode = "eager"
         codec.kernel = "eager"
         codec.kernel_reason = f"{source}: a cast is one kernel eager (fused is not faster)"
     else:
         ok, why = fused_supported(device)
-        codec.kernel = "fused" if ok else "eager"
-        codec.kernel_reason = f"{source}: " + ("torch.compile works here" if ok else why)
+        if not ok:
+            codec._mode = "eager"
+        codec.kernel = "eager"
+        codec.kernel_reason = f"{source}: " + (
+            f"eager until prepare() compiles fused kernels (all-reduces of at least "
+            f"{FUSED_MIN_NUMEL} values)" if ok else why)
     return codec
 
 
@@ -545,7 +673,18 @@ def _spec(codec: Codec) -> tuple:
 
 def _key(a) -> tuple:
     if isinstance(a, torch.Tensor):
-        return tuple(a.shape), a.stride(), a.dtype, a.device, a.storage_offset() % 16
+        return tuple(a.shape), a.stride(), a.dtype, a.device
+    return a
+
+
+def _canonical(a):
+    # What a fused kernel is compiled for and called with: contiguous tensors whose data
+    # start 16-byte aligned (a slice of a bigger message, e.g. NoLoCo's payloads, is copied
+    # first), so that a kernel's key is its shapes, dtypes and device alone and no alignment
+    # or stride variant ever needs a compile of its own inside training.
+    if isinstance(a, torch.Tensor) and (not a.is_contiguous()
+                                        or a.storage_offset() * a.element_size() % 16):
+        return a.clone(memory_format=torch.contiguous_format)
     return a
 
 
@@ -565,22 +704,33 @@ def _first_lines(err: Exception, limit: int = 240) -> str:
 
 
 def _run(codec: Codec, op: str, fn, *args):
-    """Run ``fn(*args)`` (the codec's one definition of ``op``) eagerly or as its fused kernel,
-    compiling that once per input key, under the lock, and falling back to eager, with one
-    warning, when compiling fails."""
+    """Run ``fn(*args)`` (the codec's one definition of ``op``) eagerly or as its fused kernel.
+    A forced fused codec compiles a new input key once, under the lock; an ``auto`` one never
+    compiles here (only [`prepare`][loco.comm.codecs.Codec.prepare] does) and runs eager for
+    a key it did not prepare. A failed compile falls back to eager, with one warning."""
     if codec.kernel != "fused":
         return fn(*args)
-    spec = _spec(codec)
-    key = spec + (op, torch.is_grad_enabled()) + tuple(_key(a) for a in args)
+    args = tuple(_canonical(a) for a in args)
+    key = _spec(codec) + (op,) + tuple(_key(a) for a in args)
     kernel = _KERNELS.get(key)
     if kernel is not None:  # the steady state: no lock
-        return kernel(*args)
-    with _COMPILE_LOCK:
+        with torch.no_grad():  # grad mode is thread-local, and a compiled kernel guards on it
+            return kernel(*args)
+    if codec._mode == "auto":  # not prepared (an all-reduce below FUSED_MIN_NUMEL): eager
+        return fn(*args)
+    return _compile_and_run(codec, key, fn, args, stacklevel=4)
+
+
+def _compile_and_run(codec: Codec, key: tuple, fn, args: tuple, stacklevel: int = 3):
+    """Compile ``fn`` for ``key`` (unless a kernel or a failure is there already), under the
+    lock, and run it on ``args``; on failure warn once, turn ``codec`` eager and run eager."""
+    spec = key[:3]
+    with _COMPILE_LOCK, torch.no_grad():
         kernel = _KERNELS.get(key)
         if kernel is not None:  # another thread compiled it meanwhile
             return kernel(*args)
         if spec in _FAILED:  # another codec of this kind failed meanwhile
-            codec.kernel, codec.kernel_reason = "eager", _FAILED[spec]
+            codec.kernel, codec.kernel_reason, codec._mode = "eager", _FAILED[spec], "eager"
             return fn(*args)
         try:
             kernel = _compiled(fn)
@@ -588,9 +738,9 @@ def _run(codec: Codec, op: str, fn, *args):
         except Exception as err:
             why = f"compiling failed: {type(err).__name__}: {_first_lines(err)}"
             _FAILED[spec] = why
-            codec.kernel, codec.kernel_reason = "eager", why
+            codec.kernel, codec.kernel_reason, codec._mode = "eager", why, "eager"
             warnings.warn(f"codec {codec!r}: fused kernel unavailable, running eager ({why})",
-                          RuntimeWarning, stacklevel=3)
+                          RuntimeWarning, stacklevel=stacklevel)
             return fn(*args)
         _KERNELS[key] = kernel
         _COMPILES[0] += 1
@@ -915,12 +1065,15 @@ def get_codec(name: str, block: int = 32, device: torch.device | str | None = No
         seed: keys the random draws of ``dare`` and ``random_drop``, an integer in
             [0, 2^64); default 0; ignored by the other codecs.
         kernel: ``"fused"`` (``torch.compile`` of the codec's code, compiled once per input
-            shape), ``"eager"`` (the reference) or ``"auto"`` (fused where torch.compile can
-            run on ``device``, default the CPU, else eager; eager for the casts ``fp32`` and
-            ``bf16``, one kernel already); default None: the environment
-            variable ``LOCO_CODEC_KERNEL``, else ``"eager"`` (fused compiles inside the
-            first syncs, which short runs do not win back). The dropping codecs always run
-            eager. The codec's ``kernel`` attribute says which it got; a fused codec whose
+            shape, by [`prepare`][loco.comm.codecs.Codec.prepare] or else at the shape's
+            first call), ``"eager"`` (the reference) or ``"auto"`` (eager until ``prepare``
+            is told of an all-reduce of at least ``FUSED_MIN_NUMEL`` values on a device
+            where torch.compile can run, whose kernels it then compiles and runs fused;
+            never compiles during training; eager for the casts ``fp32`` and ``bf16``, one
+            kernel already); default None: the environment variable
+            ``LOCO_CODEC_KERNEL``, else ``"auto"``. The dropping codecs always run
+            eager. The codec's ``kernel`` attribute says which runs (``"fused"``: for
+            every prepared all-reduce); a fused codec whose
             compilation fails warns once and runs eager from then on (``kernel`` becomes
             ``"eager"``, ``kernel_reason`` says why). Fused and eager give the same bits.
 
