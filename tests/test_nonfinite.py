@@ -207,9 +207,13 @@ def ddp_poisoned_worker(ctx, policy, steps, poison_at):
     moved = []
     for t in range(1, steps + 1):
         x, y = batch(ctx.rank, t)
+        poison = None
+        if ctx.rank == POISONED and t == poison_at:  # in the backward pass, as an overflow
+            poison = next(iter(model.parameters())).register_hook(
+                lambda g: g.index_fill(0, torch.tensor([0]), float("inf")))
         model(x, y).backward()
-        if ctx.rank == POISONED and t == poison_at:
-            next(iter(model.parameters())).grad[0] = float("inf")
+        if poison is not None:
+            poison.remove()
         before = [p.detach().clone() for p in model.parameters()]
         try:
             algo.step()

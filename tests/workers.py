@@ -77,10 +77,12 @@ def ddp_worker(ctx, steps, clip=None, optimizer=make_optimizer, codec="fp32"):
     model = make_model()
     opt = optimizer(model)
     algo = loco.DataParallel(model, opt, ctx.comm, max_grad_norm=clip, codec=codec)
-    grads, raw = [], []
+    grads, raw, own = [], [], {}
+    for n, p in model.named_parameters():  # in the backward pass, before any averaging
+        p.register_hook(lambda g, n=n: own.__setitem__(n, g.clone()))
 
     def step():
-        raw.append({n: p.grad.clone() for n, p in model.named_parameters()})
+        raw.append(dict(own))
         algo.step()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
         algo.zero_grad()

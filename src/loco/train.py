@@ -766,7 +766,7 @@ def train_step(w: Worker, step: int) -> torch.Tensor | None:
     if w.fault is not None:
         if step == w.fault.step:  # a drill strikes once the last checkpoint is committed
             w.writer.wait_committed(w.ctx.comm.check_aborted)
-        w.fault.before_step(step, w.ctx.comm)
+        w.fault.before_step(step, w.ctx.comm, w.algo.params)
     batch = w.loader.next_batch() if w.loader is not None else None
     with record_function("loco/forward_backward"):
         if w.pipeline is None:

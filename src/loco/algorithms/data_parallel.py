@@ -1,16 +1,35 @@
 """Data-parallel training: the reference for quality and for bytes on the wire.
 
-Every inner step the workers' gradients are averaged (one mean-all-reduce of all gradients,
-in fp32 or with bf16 on the wire) before the inner optimizer steps, so M workers with batch b
-train exactly like one worker with batch M·b (exactly so in fp32).
+Every inner step the workers' gradients are averaged (mean-all-reduces in fp32, or with bf16
+on the wire) before the inner optimizer steps, so M workers with batch b train exactly like
+one worker with batch M·b (exactly so in fp32).
+
+Two paths, one class:
+
+* **DDP** (the common case: a fixed Comm, a worker of one rank, a model neither sharded by
+  FSDP2 nor a pipeline stage, fp32 parameters): ``torch.nn.parallel.DistributedDataParallel``
+  buckets the gradients and reduces each bucket while the backward pass still runs, through a
+  communication hook that sends it with ``comm.all_reduce_mean`` (so every byte is counted by
+  the Comm, and an emulated link applies). The model's forward drives DDP through forward
+  hooks on the model itself, as ``torch.distributed._composable.replicate`` does, so the loop
+  keeps calling ``model(x, y)``.
+* **Explicit** (workers of several ranks, FSDP2, pipeline stages, elastic membership, or a
+  backward pass that did not run through DDP): ``step()`` flattens every gradient into one
+  buffer and averages it in one mean-all-reduce after the backward pass.
 """
 
 from __future__ import annotations
 
+import sys
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm
@@ -22,9 +41,25 @@ from loco.comm.codecs import get_codec
 class DataParallel(Algorithm):
     """Data-parallel training: the gradients are averaged over the M workers every step.
 
-    One mean-all-reduce of all gradients per inner step (a parameter without a gradient
-    contributes zeros), then clipping and the inner optimizer on the averaged gradient, the
-    same on every worker. The reference for quality and for bytes on the wire.
+    The averaged gradient is then clipped and the inner optimizer steps, the same on every
+    worker. The reference for quality and for bytes on the wire.
+
+    **Which path runs.** On a fixed Comm, with a worker of one rank, a model that is neither
+    FSDP2-sharded nor a pipeline stage and fp32 parameters, the model is wrapped in
+    ``torch.nn.parallel.DistributedDataParallel`` (``self.ddp``): its gradients are bucketed
+    (``bucket_cap_mb``) and each bucket is averaged by ``comm.all_reduce_mean`` as soon as the
+    backward pass has produced it, while the rest of the backward pass runs; the backward
+    pass ends once every bucket is averaged, and ``step()`` only clips and steps. DDP's own
+    bookkeeping runs in forward hooks on ``model``, so the loop calls ``model`` as before
+    (never ``self.ddp``). As with DDP, the gradient is averaged *during* ``backward()``: a
+    change the loop makes to ``p.grad`` between ``backward()`` and ``step()`` stays on its
+    worker, several backward passes before one ``step()`` are each averaged (put all but the
+    last inside ``with algo.no_sync():`` to accumulate locally), and every trainable
+    parameter must get a gradient in every backward pass (DDP raises otherwise). Otherwise
+    (workers of several ranks, FSDP2, pipeline stages, elastic membership, or a backward pass
+    that did not go through the model's forward hooks, e.g. ``model.forward(x)``), ``step()``
+    averages all gradients in one mean-all-reduce after the backward pass (a parameter
+    without a gradient contributes zeros).
 
     With ``codec="bf16"`` the gradients travel as bf16 (half the bytes, as the Streaming
     DiLoCo paper's data-parallel baseline); the mean is still summed in fp32 by the chunk's
@@ -37,6 +72,9 @@ class DataParallel(Algorithm):
             gradient.
         comm: the communication among the M workers (``ctx.comm``).
         codec: the gradients' wire format, ``"fp32"`` (default) or ``"bf16"``.
+        bucket_cap_mb: the DDP path's bucket size in MiB; default None: DDP's (25 MiB, and
+            1 MiB for the first bucket). The first backward pass reduces one bucket of all
+            gradients; DDP then rebuilds the buckets in the order the gradients came.
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
             ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
             several ranks, ``ctx.inner``: its gradients are averaged inside it first, then
@@ -47,21 +85,117 @@ class DataParallel(Algorithm):
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
-                 codec: str = "fp32", **kwargs: Any):
+                 codec: str = "fp32", bucket_cap_mb: float | None = None, **kwargs: Any):
         if codec not in ("fp32", "bf16"):
             raise ValueError(f"codec must be fp32 or bf16 for DataParallel (got {codec!r})")
         self.codec = None if codec == "fp32" else get_codec(codec)
         super().__init__(model, inner_optimizer, comm, **kwargs)
         self.average_inner = False  # step() averages inside the worker itself, first
-        n = sum(local(p).numel() for p in self.params)
-        # One shard per rank of the worker; under FSDP2 each rank's gradients are its shards.
-        self._wire = (self.shard_buffer(n, self.params[0].device) if not self.sharded
-                      else torch.zeros(n, device=local(self.params[0]).device))
-        self._grads = self._wire[:n]
+        self._wire: torch.Tensor | None = None  # the explicit path's buffer, made on first use
+        self._pending: list = []  # the DDP path's buckets in flight: (handle, future, bucket)
+        self._averaged: list = []  # their handles once the backward pass is over
+        self._reduced = False  # whether DDP averaged the gradients of the last backward pass
+        self.ddp: DistributedDataParallel | None = None
+        """The DDP path's ``DistributedDataParallel`` around ``model`` (None on the explicit
+        path). Its forward is not to be called: ``model``'s forward hooks drive it."""
+        if self._uses_ddp():
+            self._wrap(bucket_cap_mb)
 
+    # ------------------------------------------------------------------------ the DDP path
+    def _uses_ddp(self) -> bool:
+        pipeline = sys.modules.get("loco.runtime.pipeline")  # loaded if a stage can exist
+        stage = pipeline is not None and isinstance(self.model, pipeline.StagePart)
+        return (not self.comm.elastic and self.inner is None and not self.sharded
+                and not stage and all(p.dtype == torch.float32 for p in self.params))
+
+    def _wrap(self, bucket_cap_mb: float | None) -> None:
+        # The initial state is already broadcast and verified (Algorithm); DDP's own
+        # collectives (the one re-bucketing after the first step) go through the Comm too.
+        self.ddp = DistributedDataParallel(
+            self.model, process_group=_CommGroup(self.comm), init_sync=False,
+            forward_sync_buffers=False, gradient_as_bucket_view=True,
+            bucket_cap_mb=bucket_cap_mb)
+        algo = weakref.ref(self)  # the hooks must not keep the algorithm alive
+
+        def hook(_, bucket):  # (DDP checks the annotations: none under __future__'s)
+            return algo()._reduce_bucket(bucket)
+
+        def pre_forward(module, args, kwargs):
+            a = algo()
+            if a is None or module is not a.model:  # (a deep copy of the model: not DDP's)
+                return None
+            DistributedDataParallel._active_ddp_module = a.ddp  # as replicate() does
+            return a.ddp._pre_forward(*args, **kwargs)
+
+        def post_forward(module, args, output):
+            a = algo()
+            if a is None or module is not a.model:
+                return None
+            DistributedDataParallel._active_ddp_module = None
+            return a.ddp._post_forward(output)
+
+        self.ddp.register_comm_hook(None, hook)
+        self._hooks = [self.model.register_forward_pre_hook(pre_forward, with_kwargs=True),
+                       self.model.register_forward_hook(post_forward)]
+
+    def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
+        """DDP's communication hook, on the backward pass's thread: issue the bucket's
+        mean-all-reduce and return at once; the backward pass goes on."""
+        if not self._pending:  # the first bucket of this backward pass
+            self._reduced = False
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+        buffer = bucket.buffer()
+        handle = self.comm.all_reduce_mean(buffer, tag="train", codec=self.codec)
+        # (CUDA: the future orders DDP's stream after the stream that completes it)
+        future = torch.futures.Future(devices=[buffer.device] if buffer.is_cuda else None)
+        self._pending.append((handle, future, buffer))
+        return future
+
+    def _end_of_backward(self) -> None:
+        """At the end of the backward pass (before DDP's own callback, which waits for the
+        futures): wait for every bucket, counted as blocked time, and complete the futures."""
+        pending, self._pending = self._pending, []
+        error = None
+        with record_function("loco/wait"):
+            for handle, future, buffer in pending:
+                if error is None:
+                    try:
+                        handle.wait()
+                    except BaseException as e:  # noqa: BLE001 - raised below, after the rest
+                        error = e
+                if error is None:
+                    future.set_result(buffer)
+                else:
+                    future.set_exception(error)
+        if error is not None:
+            raise error
+        self._averaged = [handle for handle, _, _ in pending]
+        self._reduced = True
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside do not average (DDP's ``no_sync``): the gradients
+        accumulate on the worker, and the next backward pass outside averages the sum. Does
+        nothing on the explicit path, which averages once per ``step()`` anyway."""
+        if self.ddp is None:
+            yield
+            return
+        with self.ddp.no_sync():
+            yield
+
+    # ------------------------------------------------------------------------------ step
     @torch.no_grad()
     def step(self) -> None:
-        """Average the gradients over the workers (blocking), then take the inner step."""
+        """Take the inner step on the averaged gradient: averaged during the backward pass
+        (DDP path), or now, blocking (explicit path)."""
+        if self._reduced:
+            self._reduced = False
+            for handle in self._averaged:  # done: on CUDA, order this stream after them
+                handle.wait()
+            self._averaged = []
+            self.inner_update()  # the averaged gradient: every worker decides the same
+            self.inner_steps += 1
+            return
         for p in self.params:  # a parameter that got no gradient contributes zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -71,26 +205,32 @@ class DataParallel(Algorithm):
         self._average()
 
     def _average(self) -> None:
+        if self._wire is None:  # one shard per rank of the worker; under FSDP2 its shards
+            n = sum(local(p).numel() for p in self.params)
+            self._wire = (self.shard_buffer(n, self.params[0].device) if not self.sharded
+                          else torch.zeros(n, device=local(self.params[0]).device))
+        wire = self._wire
+        buffer = wire[:sum(local(p).numel() for p in self.params)]
         grads = [local(p.grad) for p in self.params]
-        flatten_fp32(grads, out=self._grads)
+        flatten_fp32(grads, out=buffer)
         # The profiler's ranges (docs/profiling.md): encode, all_to_all, reduce, all_gather,
         # decode on the communication thread, wait here, then inner_step.
         if self.inner is None or self.sharded:  # (FSDP2 has averaged inside the worker)
-            handle = self.comm.all_reduce_mean(self._grads, tag="train", codec=self.codec)
+            handle = self.comm.all_reduce_mean(buffer, tag="train", codec=self.codec)
             with record_function("loco/wait"):
                 healed = self.comm.settle(handle) is None
             if healed:  # elastic: healed during a retry
                 return self._resume()
         else:  # inside the worker (fast), then shard r across workers (slow), gathered
-            self.inner.all_reduce_mean(self._grads, tag="train").wait()
-            handle = self.comm.all_reduce_mean(self.own_shard(self._wire), tag="train",
+            self.inner.all_reduce_mean(buffer, tag="train").wait()
+            handle = self.comm.all_reduce_mean(self.own_shard(wire), tag="train",
                                                codec=self.codec)
             with record_function("loco/wait"):
                 healed = self.comm.settle(handle) is None
             if healed:  # elastic: healed during a retry
                 return self._resume()
-            self.gather_shards(self._wire)
-        torch._foreach_copy_(grads, unflatten_views(self._grads, grads))
+            self.gather_shards(wire)
+        torch._foreach_copy_(grads, unflatten_views(buffer, grads))
         self.inner_update()  # the averaged gradient: every worker decides the same
         self.inner_steps += 1
 
@@ -116,3 +256,37 @@ class DataParallel(Algorithm):
         for p in self.params:
             p.grad = torch.zeros_like(p)
         self._average()
+
+
+class _Done(dist._Work):
+    """A finished operation, for DDP."""
+
+    def __init__(self, result: Any):
+        super().__init__()
+        self._result = torch.futures.Future()
+        self._result.set_result(result)
+
+    def wait(self, timeout: Any = None) -> bool:
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._result
+
+
+class _CommGroup(dist.ProcessGroup):
+    """The ``ProcessGroup`` DDP is built on: its collectives go through the Comm (counted,
+    in order with the Comm's other operations, on either launcher's transport). DDP issues
+    only one kind here: the broadcast of the rebuilt buckets' layout after the first step
+    (tag ``"setup"``); the gradients go through the communication hook instead."""
+
+    def __init__(self, comm: Comm):
+        super().__init__(comm.rank, comm.size)
+        self._comm = comm
+
+    def getBackendName(self) -> str:  # noqa: N802 - torch's name
+        return "loco"
+
+    def broadcast(self, tensors: list[torch.Tensor], opts: Any) -> dist._Work:
+        for t in tensors:
+            self._comm.broadcast(t, src=opts.rootRank, tag="setup").wait()
+        return _Done(tensors)

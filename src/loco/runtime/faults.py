@@ -18,7 +18,10 @@ from __future__ import annotations
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
 
 KINDS = ("raise", "exit", "kill", "hang", "nan")
 ENV = "LOCO_FAULT"
@@ -33,6 +36,7 @@ class Fault:
     rank: int
     step: int
     kind: str = "raise"
+    _poison: Any = field(default=None, repr=False, compare=False)
 
     @classmethod
     def parse(cls, text: str) -> "Fault":
@@ -55,8 +59,13 @@ class Fault:
         fault = cls.parse(text)
         return fault if fault.rank == rank else None
 
-    def before_step(self, step: int, comm) -> None:
-        """Called by the worker before inner step ``step``."""
+    def before_step(self, step: int, comm, params=()) -> None:
+        """Called by the worker before inner step ``step`` (``params``: the trained ones)."""
+        if step == self.step and self.kind == "nan":
+            # The NaN arises in the backward pass, as an overflow would: data-parallel
+            # training averages each gradient while the backward pass runs (DDP).
+            first = next(p for p in params if p.requires_grad)
+            self._poison = first.register_hook(lambda g: torch.full_like(g, float("nan")))
         if step != self.step or self.kind == "nan":
             return
         if self.kind == "exit":
@@ -71,8 +80,6 @@ class Fault:
 
     def after_backward(self, step: int, params) -> None:
         """Called after the backward pass of inner step ``step``."""
-        if step == self.step and self.kind == "nan":
-            for p in params:
-                if p.grad is not None:
-                    p.grad.fill_(float("nan"))
-                    return
+        if self._poison is not None:
+            self._poison.remove()
+            self._poison = None
