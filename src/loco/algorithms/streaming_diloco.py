@@ -242,9 +242,7 @@ class StreamingDiLoCo(Algorithm):
         # all_to_all, reduce, all_gather and decode on the communication thread; wait,
         # outer_step and merge in _apply.
         with record_function("loco/pseudo_gradient"):
-            fragment.share.read(out=fragment.delta)
-            global_flat = fragment.global_flat.to(fragment.delta.device, non_blocking=True)
-            torch.sub(global_flat, fragment.delta, out=fragment.delta)  # Δ = θ^g − θ_m
+            _pseudo_gradient(fragment)
         handle = self.comm.all_reduce_mean(fragment.delta, tag="train", codec=self.codec)
         self._in_flight = _InFlight(fragment, handle, t)
 
@@ -455,6 +453,19 @@ class StreamingDiLoCo(Algorithm):
                 f.outer_optimizer.state[f.global_flat]["momentum_buffer"] = torch.zeros_like(
                     f.global_flat)
         super().load_outer_state(values)
+
+
+def _pseudo_gradient(f: Fragment) -> None:
+    """Δ = θ^g − θ_m into ``f.delta``: one pass per tensor where all three are on one device;
+    offloaded, θ^g comes over in one copy."""
+    views = f.share.views
+    if f.global_flat.device == f.delta.device and all(v.device == f.delta.device
+                                                      for v in views):
+        for g, v, d in zip(f.global_params, views, unflatten_views(f.delta, views)):
+            torch.sub(g, v, out=d)
+        return
+    f.share.read(out=f.delta)
+    torch.sub(f.global_flat.to(f.delta.device, non_blocking=True), f.delta, out=f.delta)
 
 
 def _pinned(t: torch.Tensor) -> torch.Tensor:
