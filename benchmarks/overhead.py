@@ -4,8 +4,13 @@ The job (issue 19's): M workers as threads of this process, each a stack of ``--
 blocks of Linear(256 -> 1024), GELU, Linear(1024 -> 256) (4 blocks: 2.1M parameters), AdamW,
 a batch of 64 random vectors per step, mean-squared error against a fixed random target.
 Every worker uses one intra-op thread. For each method and H the loop runs ``--steps`` steps
+after H + 5 untimed ones (so one-time costs of the first sync are not counted)
 and its steps/s is divided by that of the same loop with the plain optimizer and no algorithm
-(``none``), measured in the same repeat; the median over ``--repeats`` is printed.
+(``none``) run just before and just after it (their mean: the machine's speed drifts between
+runs); the median over ``--repeats`` is printed. A second table measures inside each run
+(``within_run``): the slowest worker's step count times its median step over its actual time,
+over the same for the plain runs, which is free of that drift but misses a cost spread
+evenly over all steps (the per-step gradient check, for one: measure such costs alone).
 
 Methods: DiLoCo (fp32), Streaming DiLoCo (P = 2, tau = 1, alpha = 0.5) with fp32 and with FP4
 E3M0 pseudo-gradients (eager, the default at this size, and ``streaming-fp4-fused`` with the fused
@@ -14,7 +19,7 @@ kernels forced), and NoLoCo (groups of 2); on request (``--only``) DataParallel,
 reduction after the backward pass). The issue's targets: at least 0.95 at
 H = 10 and 0.98 at H = 50, fp32 and FP4 alike.
 
-    python benchmarks/overhead.py                        # H = 10 and 50, 3 repeats
+    python benchmarks/overhead.py                        # H = 10 and 50, 7 repeats
     python benchmarks/overhead.py --steps 100 --repeats 1 --sync-every 10
 """
 
@@ -70,8 +75,10 @@ class Net(nn.Module):
         return x
 
 
-def worker(ctx, method: str, sync_every: int, steps: int, blocks: int) -> float:
-    """Train ``steps`` steps; return steps/s of the timed part (after 5 warm-up steps)."""
+def worker(ctx, method: str, sync_every: int, steps: int, blocks: int) -> list[float]:
+    """Train ``steps`` steps after H + 5 warm-up steps (one sync and its one-time costs:
+    buffers, the outer momentum, the first large transfer); return each timed step's
+    seconds."""
     torch.set_num_threads(1)
     g = torch.Generator().manual_seed(ctx.rank)
     model = Net(blocks, torch.Generator().manual_seed(0))
@@ -82,62 +89,84 @@ def worker(ctx, method: str, sync_every: int, steps: int, blocks: int) -> float:
     step_fn = opt.step if algo is None else algo.step
     zero_fn = opt.zero_grad if algo is None else algo.zero_grad
     x, y = torch.randn(64, 256, generator=g), torch.randn(64, 256, generator=g)
-    start = None
-    for i in range(steps + 5):
-        if i == 5:
-            start = time.perf_counter()
+    marks, warmup = [], sync_every + 5
+    for i in range(steps + warmup):
+        if i >= warmup - 1:
+            marks.append(time.perf_counter())
         nn.functional.mse_loss(forward(x), y).backward()
         step_fn()
         zero_fn()
     if algo is not None:
         algo.flush()
-    return steps / (time.perf_counter() - start)
+    marks.append(time.perf_counter())
+    return [b - a for a, b in zip(marks[1:], marks[2:])] if len(marks) > 2 else []
 
 
-def steps_per_second(method: str, sync_every: int, args) -> float:
-    """The slowest worker's steps/s: the job is done when it is."""
+def steps_per_second(method: str, sync_every: int, args) -> tuple[float, list[list[float]]]:
+    """The slowest worker's steps/s (the job is done when it is), and every worker's step
+    times."""
     previous = os.environ.get(KERNEL_ENV)
     os.environ[KERNEL_ENV] = KERNELS.get(method, previous or "auto")
     try:
-        rates = loco.launch(worker, workers=args.workers, launcher="threads",
+        times = loco.launch(worker, workers=args.workers, launcher="threads",
                             args=(method, sync_every, args.steps, args.blocks))
     finally:
         if previous is None:
             del os.environ[KERNEL_ENV]
         else:
             os.environ[KERNEL_ENV] = previous
-    return min(rates)
+    return args.steps / max(sum(t) for t in times), times
+
+
+def within_run(times: list[list[float]]) -> float:
+    """The slowest worker's steps at its own typical speed over its actual time: its
+    step count times its median step, divided by its total. Measured inside one run, so
+    free of the drift between runs; it leaves out a cost spread evenly over every step."""
+    slowest = max(times, key=sum)
+    return len(slowest) * statistics.median(slowest) / sum(slowest)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", type=int, default=2, help="workers M (threads)")
-    ap.add_argument("--steps", type=int, default=200, help="timed steps per run")
+    ap.add_argument("--steps", type=int, default=100, help="timed steps per run")
     ap.add_argument("--blocks", type=int, default=4, help="MLP blocks (4: 2.1M parameters)")
-    ap.add_argument("--repeats", type=int, default=3, help="repeats; the median is shown")
+    ap.add_argument("--repeats", type=int, default=7, help="repeats; the median is shown")
     ap.add_argument("--sync-every", type=int, nargs="+", default=[10, 50], help="H values")
     ap.add_argument("--only", default=",".join(METHODS), help="methods, comma-separated")
     args = ap.parse_args()
     methods = args.only.split(",")
     ratios = {(m, h): [] for m in methods for h in args.sync_every}
+    within = {(m, h): [] for m in methods for h in args.sync_every}
     for _ in range(args.repeats):
-        for h in args.sync_every:  # interleaved, so drift in the machine hits all alike
-            base = steps_per_second("none", h, args)
+        for h in args.sync_every:
+            # Each method between two runs without communication, its ratio to their mean:
+            # this machine's speed drifts by up to 20% between runs seconds apart.
+            before, plain = steps_per_second("none", h, args)
             for m in methods:
-                ratios[m, h].append(steps_per_second(m, h, args) / base)
+                rate, times = steps_per_second(m, h, args)
+                after, plain_after = steps_per_second("none", h, args)
+                ratios[m, h].append(rate / ((before + after) / 2))
+                within[m, h].append(within_run(times) / statistics.mean(
+                    [within_run(plain), within_run(plain_after)]))
+                before, plain = after, plain_after
     print(f"\nsteps/s over the loop without communication, median of {args.repeats}; "
           f"{args.workers} workers as threads, {args.blocks} blocks, {args.steps} steps")
-    print("| method | " + " | ".join(f"H = {h}" for h in args.sync_every) + " |")
-    print("|---|" + "---|" * len(args.sync_every))
-    for m in methods:
-        cells = []
-        for h in args.sync_every:
-            r = statistics.median(ratios[m, h])
-            target = TARGETS.get(h) if m in METHODS else None
-            cells.append(f"{r:.3f}" + ("" if target is None else
-                                       f" ({'met' if r >= target else 'below'} {target})"))
-        print(f"| {m} | " + " | ".join(cells) + " |")
+    for title, table in (("between runs (steps/s over the runs without communication "
+                          "just before and after)", ratios),
+                         ("within a run (typical step over actual time, over the same "
+                          "for the runs without communication)", within)):
+        print(f"\n{title}\n| method | " + " | ".join(f"H = {h}" for h in args.sync_every)
+              + " |\n|---|" + "---|" * len(args.sync_every))
+        for m in methods:
+            cells = []
+            for h in args.sync_every:
+                r = statistics.median(table[m, h])
+                target = TARGETS.get(h) if m in METHODS else None
+                cells.append(f"{r:.3f}" + ("" if target is None else
+                                           f" ({'met' if r >= target else 'below'} {target})"))
+            print(f"| {m} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -24,7 +24,9 @@ from torch.profiler import ProfilerActivity, _ExperimentalConfig, profile
 import loco
 
 sys.path.insert(0, os.path.dirname(__file__))
-from overhead import METHODS, Net  # noqa: E402  (the same job)
+from overhead import KERNELS, METHODS, Net  # noqa: E402  (the same job)
+
+from loco.comm.codecs import KERNEL_ENV  # noqa: E402
 
 SYNC_RANGES = ("loco/pseudo_gradient", "loco/encode", "loco/all_to_all", "loco/reduce",
                "loco/all_gather", "loco/decode", "loco/exchange", "loco/wait",
@@ -79,7 +81,9 @@ def main() -> None:
     ap.add_argument("--sync-every", type=int, default=10, help="H")
     ap.add_argument("--only", default=",".join(METHODS), help="methods, comma-separated")
     args = ap.parse_args()
+    default = os.environ.get(KERNEL_ENV) or "auto"
     for method in args.only.split(","):
+        os.environ[KERNEL_ENV] = KERNELS.get(method, default)  # as overhead.py runs it
         out = loco.launch(worker, workers=2, launcher="threads",
                           args=(method, args.sync_every, args.steps, 20))
         table(method, out[0], args.steps, args.sync_every, 2)
