@@ -147,6 +147,34 @@ def test_fused_is_bit_identical_to_eager(name, pair, flush):
 
 
 @pytest.mark.numerics
+@pytest.mark.parametrize("name", [*FUSED_CODEC_NAMES, *SPARSE_CODEC_NAMES])
+def test_into_a_kept_buffer_gives_the_same_bits(name, pair):
+    """encode_rows/decode_rows with ``out`` (what the all-reduce does, into buffers it keeps):
+    the bytes and fp32 bits of the plain calls, written into ``out`` itself, fused and eager;
+    an ``out`` a kernel cannot take as it is (a strided view) still gets them; a wrong
+    ``out`` is refused. Tolerance: exact."""
+    codecs_ = pair[name] if name in pair else (get_codec(name, B, kernel="eager"),) * 2
+    x = adversarial("int8" if name in SPARSE_CODEC_NAMES else name, 0)
+    for codec in codecs_:  # straight into out: fused kernels and the casts (one copy)
+        assert codec.writes_into == (codec.kernel == "fused" or name in ("fp32", "bf16"))
+        buf = codec.encode_rows(x)
+        want = ints(codec.decode_rows(buf, C))
+        out = torch.empty_like(buf)
+        got = codec.encode_rows(x, out=out)
+        assert got.data_ptr() == out.data_ptr() and torch.equal(out, buf)
+        values = torch.full(x.shape, 7.0)
+        got = codec.decode_rows(buf, C, out=values)
+        assert got.data_ptr() == values.data_ptr() and torch.equal(ints(values), want)
+        wide_ = torch.full((x.shape[0], 2 * C), 7.0)
+        codec.decode_rows(buf, C, out=wide_[:, :C])
+        assert torch.equal(ints(wide_[:, :C]), want) and (wide_[:, C:] == 7).all()
+        with pytest.raises(ValueError, match="out must be torch.float32"):
+            codec.decode_rows(buf, C, out=torch.empty(x.shape[0], C + 1))
+        with pytest.raises(ValueError, match="out must be torch.uint8"):
+            codec.encode_rows(x, out=torch.empty(buf.shape))
+
+
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", ["int8", "fp4_e3m0"])
 def test_fused_flat_api_and_round_trip(name, pair):
     """encode/decode (one row, padded) go through the same kernels; values keep the
@@ -370,7 +398,7 @@ def test_prepare_compiles_each_needed_kernel_once_and_training_none():
     from torch._dynamo.utils import counters
 
     keys = needed("fp4_e3m0", NUMEL, PARTS)
-    assert len(keys) == 3  # encode (2, C) and (1, C), decode (2, row_bytes(C))
+    assert len(keys) == 3  # encode (2, C) and (1, C), decode (2, row_bytes(C)), into buffers
     missing = keys - set(codecs._KERNELS)
     before = compile_count()
     codec = get_codec("fp4_e3m0", B, kernel="fused")

@@ -168,7 +168,7 @@ class Codec:
         ``size``), ``device`` the Comm's device. It compiles exactly the kernels (op, shape,
         dtype, stride) that all-reduce will call: with ``parts`` M > 1 and chunk =
         ``padded(ceil(numel / M))``, encoding (M, chunk) and (1, chunk), and decoding
-        (M, ``row_bytes(chunk)``); with M = 1, encoding (1, chunk) and decoding (1,
+        (M, ``row_bytes(chunk)``), each into a kept buffer (``out``); with M = 1, encoding (1, chunk) and decoding (1,
         ``row_bytes(chunk)``), which is also what [`encode`][loco.comm.codecs.Codec.encode]
         and [`decode`][loco.comm.codecs.Codec.decode] of a tensor of ``numel`` values run
         (NoLoCo's exchange: pass ``parts=1``). Kernels are shared by every codec of the same
@@ -220,7 +220,9 @@ class Codec:
             if key in _KERNELS:
                 continue
             args = tuple(a.zero_() if isinstance(a, torch.Tensor) else a for a in args)
-            fn = self._encode_rows if op == "encode" else self._decode_rows
+            fn = {"encode": self._encode_rows, "decode": self._decode_rows,
+                  "encode_into": self._encode_rows_into,
+                  "decode_into": self._decode_rows_into}[op]
             self.kernel = "fused"  # what _compile_and_run turns back on failure
             _compile_and_run(self, key, fn, args)
             if self._mode == "eager":  # compiling failed (warned)
@@ -257,8 +259,10 @@ class Codec:
 
         if parts == 1:
             return [("encode", (f32(1),)), ("decode", (u8(1), chunk))]
-        return [("encode", (f32(parts),)), ("decode", (u8(parts), chunk)),
-                ("encode", (f32(1),))]
+        # Over M > 1 workers every result lands in a buffer the Comm keeps (``out``).
+        return [("encode_into", (f32(parts), u8(parts))),
+                ("decode_into", (u8(parts), chunk, f32(parts))),
+                ("encode_into", (f32(1), u8(1)))]
 
     def row_bytes(self, c: int) -> int:
         """Bytes of one encoded row of ``c`` values, a fixed function of ``c``: ``c · bits /
@@ -287,20 +291,30 @@ class Codec:
         """
         return self.row_bytes(self.padded(numel))
 
-    def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
+    def encode_rows(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Encode every row on its own.
 
         Args:
             x: an fp32 tensor of shape ``(rows, c)``, ``c`` a multiple of ``align``.
+            out: where to write the bytes, a uint8 tensor of shape ``(rows,
+                row_bytes(c))`` not overlapping ``x``; default None: a new tensor. A fused
+                kernel writes straight into a contiguous, 16-byte aligned ``out`` (no
+                temporary of that size); otherwise the result is copied into it.
 
         Returns:
-            A uint8 tensor of shape ``(rows, row_bytes(c))``, never aliasing ``x``.
+            A uint8 tensor of shape ``(rows, row_bytes(c))`` (``out`` when given), never
+                aliasing ``x``.
 
         Raises:
-            ValueError: a wrong dtype or shape.
+            ValueError: a wrong dtype or shape (of ``x`` or ``out``).
         """
         self._check_rows(x)
-        return _run(self, "encode", self._encode_rows, x.detach())
+        if out is None:
+            return _run(self, "encode", self._encode_rows, x.detach())
+        _check_out(self, out, (x.shape[0], self.row_bytes(x.shape[1])), torch.uint8)
+        if not _is_canonical(out):
+            return out.copy_(self.encode_rows(x))
+        return _run(self, "encode_into", self._encode_rows_into, x.detach(), out)
 
     def _encode_rows(self, x: torch.Tensor) -> torch.Tensor:
         # The one definition of encoding: run as it is (eager) or through torch.compile
@@ -310,21 +324,49 @@ class Codec:
     def _decode_rows(self, buf: torch.Tensor, c: int) -> torch.Tensor:  # likewise
         raise NotImplementedError
 
-    def decode_rows(self, buf: torch.Tensor, c: int) -> torch.Tensor:
+    def _encode_rows_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        # Compiled, the copy is the last kernel's store into ``out``: no temporary.
+        return out.copy_(self._encode_rows(x))
+
+    @property
+    def writes_into(self) -> bool:
+        """Whether ``encode_rows``/``decode_rows`` with ``out`` write straight into it (a
+        fused kernel, or a cast, which is one copy either way) rather than compute a new
+        tensor and copy it in (eager scaled codecs: an extra pass, which a caller that
+        keeps buffers only to save allocations should not pay)."""
+        return self.kernel == "fused" or (type(self)._encode_rows_into
+                                           is not Codec._encode_rows_into)
+
+    def _decode_rows_into(self, buf: torch.Tensor, c: int, out: torch.Tensor) -> torch.Tensor:
+        return out.copy_(self._decode_rows(buf, c))
+
+    def decode_rows(self, buf: torch.Tensor, c: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode rows that [`encode_rows`][loco.comm.codecs.Codec.encode_rows] made.
 
         Args:
             buf: a uint8 tensor of shape ``(rows, row_bytes(c))``.
             c: values per row.
+            out: where to write the values, an fp32 tensor of shape ``(rows, c)`` not
+                overlapping ``buf``; default None: a new tensor. As for ``encode_rows``, a
+                fused kernel writes straight into a contiguous, aligned ``out``.
 
         Returns:
-            An fp32 tensor of shape ``(rows, c)``: NaN throughout a block whose values were
-                not all finite (scaled codecs), NaN at the k kept positions of a row that held
-                a non-finite value (``dare``, ``random_drop``), the values themselves for the
-                casts and ``topk``.
+            An fp32 tensor of shape ``(rows, c)`` (``out`` when given): NaN throughout a
+                block whose values were not all finite (scaled codecs), NaN at the k kept
+                positions of a row that held a non-finite value (``dare``, ``random_drop``),
+                the values themselves for the casts and ``topk``.
+
+        Raises:
+            ValueError: a wrong dtype or shape (of ``buf`` or ``out``).
         """
         buf = self._check_buf(buf, c)
-        return _run(self, "decode", self._decode_rows, buf.detach(), c)
+        if out is None:
+            return _run(self, "decode", self._decode_rows, buf.detach(), c)
+        _check_out(self, out, (buf.shape[0], c), torch.float32)
+        if not _is_canonical(out):
+            return out.copy_(self.decode_rows(buf, c))
+        return _run(self, "decode_into", self._decode_rows_into, buf.detach(), c, out)
 
     def _check_buf(self, buf: torch.Tensor, c: int) -> torch.Tensor:
         if buf.dim() != 2 or buf.dtype != torch.uint8 or buf.shape[1] != self.row_bytes(c):
@@ -400,6 +442,13 @@ class CastCodec(Codec):
     def _decode_rows(self, buf, c):
         values = buf.view(-1).view(self.dtype)  # 1-D view: also fine when empty
         return values.to(torch.float32, copy=True).view(buf.shape[0], c)
+
+    def _encode_rows_into(self, x, out):  # one pass, eager too: the cast is the copy
+        out.view(-1).view(self.dtype).view(x.shape).copy_(x)
+        return out
+
+    def _decode_rows_into(self, buf, c, out):
+        return out.copy_(buf.view(-1).view(self.dtype).view(buf.shape[0], c))
 
 
 def _pow2(byte: torch.Tensor) -> torch.Tensor:
@@ -688,6 +737,17 @@ def _canonical(a):
     return a
 
 
+def _is_canonical(t: torch.Tensor) -> bool:
+    """Whether a fused kernel can take ``t`` as it is (see ``_canonical``)."""
+    return t.is_contiguous() and t.storage_offset() * t.element_size() % 16 == 0
+
+
+def _check_out(codec: Codec, out: torch.Tensor, shape: tuple, dtype: torch.dtype) -> None:
+    if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
+        raise ValueError(f"{codec}: out must be {dtype} {tuple(shape)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+
+
 def _compiled(method):
     """torch.compile of a fresh copy of a bound method's code (its own Dynamo cache)."""
     f = method.__func__
@@ -797,35 +857,47 @@ class SparseCodec(Codec):
     def _where_bytes(self, c: int) -> int:
         raise NotImplementedError
 
-    def encode_rows(self, x: torch.Tensor) -> torch.Tensor:
+    def encode_rows(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Encode every row on its own: the kept values and where they were.
 
         Args:
             x: an fp32 tensor of shape ``(rows, c)``.
+            out: where to copy the bytes, uint8 ``(rows, row_bytes(c))``; default None.
 
         Returns:
-            A uint8 tensor of shape ``(rows, row_bytes(c))``.
+            A uint8 tensor of shape ``(rows, row_bytes(c))`` (``out`` when given).
         """
         self._check_rows(x)
         rows, c = x.shape
+        if out is not None:
+            _check_out(self, out, (rows, self.row_bytes(c)), torch.uint8)
+            return out.copy_(self.encode_rows(x))
         if c == 0:
             return torch.empty((rows, 0), dtype=torch.uint8, device=x.device)
         k = self.kept(c)
         return self._encode(x, k)
 
-    def decode_rows(self, buf: torch.Tensor, c: int) -> torch.Tensor:
+    def decode_rows(self, buf: torch.Tensor, c: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode rows that ``encode_rows`` made: dense fp32 rows, zero where dropped.
 
         Args:
             buf: a uint8 tensor of shape ``(rows, row_bytes(c))``.
             c: values per row.
+            out: where to write them, fp32 ``(rows, c)``, contiguous; default None.
 
         Returns:
-            An fp32 tensor of shape ``(rows, c)``.
+            An fp32 tensor of shape ``(rows, c)`` (``out`` when given).
         """
         self._check_buf(buf, c)
         rows = buf.shape[0]
-        out = torch.zeros((rows, c), dtype=torch.float32, device=buf.device)
+        if out is None:
+            out = torch.zeros((rows, c), dtype=torch.float32, device=buf.device)
+        else:
+            _check_out(self, out, (rows, c), torch.float32)
+            if not out.is_contiguous():
+                return out.copy_(self.decode_rows(buf, c))
+            out.zero_()
         if c == 0:
             return out
         k = self.kept(c)

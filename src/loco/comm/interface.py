@@ -186,10 +186,15 @@ class Handle:
         return (self._future.exception() is not None
                 or self._comm._streams.finished(self._future.result()[1]))
 
-    def wait(self) -> torch.Tensor | list[torch.Tensor]:
+    def wait(self, count: bool = True) -> torch.Tensor | list[torch.Tensor]:
         """Block until the operation is done and return its result; the time spent waiting
         is added to the record and to the tag's ``waited`` total. On CUDA the caller's
         stream is ordered after the transfer (an event; the CPU does not wait for the GPU).
+
+        Args:
+            count: count the time spent waiting (default True); False for a helper thread
+                that waits on the training thread's behalf, which counts its own wait
+                with [`count_wait`][loco.comm.interface.Handle.count_wait].
 
         Returns:
             What the operation returns: the reduced tensor (``all_reduce_mean``,
@@ -208,11 +213,20 @@ class Handle:
             except FutureTimeout:
                 self._comm.check_aborted()
         self._comm._streams.hand_over(done, result)
-        waited = time.perf_counter() - t0
-        self.record.waited += waited
-        with self._comm._lock:
-            self._comm.stats[self.record.tag].waited += waited
+        if count:
+            self.count_wait(time.perf_counter() - t0)
         return result
+
+    def count_wait(self, seconds: float) -> None:
+        """Add ``seconds`` of waiting for this operation to its record and to its tag's
+        ``waited`` total.
+
+        Args:
+            seconds: the time the training thread spent waiting.
+        """
+        self.record.waited += seconds
+        with self._comm._lock:
+            self._comm.stats[self.record.tag].waited += seconds
 
 
 class CommThread:
@@ -544,29 +558,56 @@ class Comm:
         if m == 1:  # nothing to send, but the value is what the wire format can carry
             flat.copy_(codec.decode_rows(codec.encode_rows(rows), chunk)[0, :n])
             return flat
-        encode = (lambda x: x) if codec is None else codec.encode_rows
-        decode = (lambda x: x) if codec is None else (lambda x: codec.decode_rows(x, chunk))
+        encode, decode = self._coders(codec, chunk)
         # One profiler range per phase, on this (the communication) thread: docs/profiling.md.
         # Reduce-scatter: worker j receives chunk j of every worker ...
         with record_function("loco/encode"):
-            outgoing = encode(rows)
+            outgoing = encode(rows, "outgoing")
         received = self._scratch("received", outgoing.shape, outgoing.dtype)
         with record_function("loco/all_to_all"):
             self.group.alltoall_base(received.view(-1), outgoing.view(-1), [], [],
                                      dist.AllToAllOptions()).wait()
         # ... and averages it in fp32; summing in rank order gives the same bits everywhere.
         with record_function("loco/reduce"):
-            mine = encode(self._sum_rows(decode(received)).div_(divisor))
-        # All-gather the averaged chunks; everyone decodes the same bytes. Unencoded, they
-        # land in ``rows`` (sent already): in ``flat`` itself when it needed no padding.
+            decoded = decode(received, "decoded")
+            mine = encode(self._sum_rows(decoded).div_(divisor), "mine")
+        # All-gather the averaged chunks; everyone decodes the same bytes into ``rows`` (sent
+        # already): into ``flat`` itself when it needed no padding. Unencoded, they land there.
         gathered = (rows if codec is None
                     else self._scratch("gathered", (m, mine.shape[1]), mine.dtype))
         with record_function("loco/all_gather"):
             self._gather(list(gathered.unbind(0)), mine[0])
         with record_function("loco/decode"):
-            if gathered.data_ptr() != flat.data_ptr():
-                flat.copy_(decode(gathered).view(-1)[:n])
+            if gathered.data_ptr() != rows.data_ptr():
+                rows = decode(gathered, rows)
+            if rows.data_ptr() != flat.data_ptr():
+                flat.copy_(rows.view(-1)[:n])
         return flat
+
+    def _coders(self, codec, chunk: int) -> tuple:
+        """``encode(rows, into)`` and ``decode(buf, into)`` for one all-reduce. With a codec
+        that writes straight into a buffer, the result goes into ``into``: a tensor, or the
+        buffer this Comm keeps between operations for that role (a str); with another
+        codec, into new tensors; without one, the values are the result."""
+        if codec is None:
+            return (lambda x, into: x), (lambda x, into: x)
+        if not codec.writes_into:  # eager scaled codecs: new tensors, copied where needed
+            return ((lambda x, into: codec.encode_rows(x)),
+                    (lambda buf, into: codec.decode_rows(buf, chunk)))
+
+        def buffer(into, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+            return into if isinstance(into, torch.Tensor) else self._scratch(
+                into, (rows, width), dtype)
+
+        def encode(x: torch.Tensor, into) -> torch.Tensor:
+            out = buffer(into, x.shape[0], codec.row_bytes(chunk), torch.uint8)
+            return codec.encode_rows(x, out=out)
+
+        def decode(buf: torch.Tensor, into) -> torch.Tensor:
+            out = buffer(into, buf.shape[0], chunk, torch.float32)
+            return codec.decode_rows(buf, chunk, out=out)
+
+        return encode, decode
 
     def _sum_rows(self, rows: torch.Tensor) -> torch.Tensor:
         """The (1, c) sum of the rows of ``rows``, added one after another in rank order
