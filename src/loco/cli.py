@@ -51,6 +51,7 @@ COMPARE_EPILOG = """Examples:
   loco compare --preset quick                      # all five methods, about 8 min on 2 CPU cores
   loco compare --algorithms diloco,streaming,s8=streaming --set s8.codec=int8 --steps 200
   loco compare --link-bandwidth 100Mbit --link-latency 50ms --preset quick
+  loco compare --preset quick --algorithms ddp,streaming --seeds 0,1,2   # mean ± seeds' spread
   loco report runs/compare-20261122-101500         # re-render from the saved runs"""
 
 
@@ -113,6 +114,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "by ';' when a value holds a comma, as a per-worker overlap list); "
                          "repeat for a grid (the cartesian product); the report adds a table "
                          "and a plot of final eval loss and bytes against the first option")
+    compare.add_argument("--seeds", metavar="LIST", default=None,
+                         help="run every method (every point of a sweep) once per seed, e.g. "
+                         "0,1,2 (1 to 16 distinct integers >= 0; not with --seed); the report "
+                         "gives each method's mean eval loss with the seeds' spread and checks "
+                         "each claim seed by seed (yes, no or mixed)")
     compare.add_argument("--preset", choices=list(PRESETS), default=None,
                          help="quick: every method in <= 10 min on a 2-core CPU; paper: "
                          "settings close to the papers' for a GPU machine (see docs/compare.md); "
@@ -303,7 +309,7 @@ def _compare(args: argparse.Namespace) -> int:
     def run():
         nonlocal plan
         plan = compare.plan(shared, getattr(args, "algorithms", None), args.set, args.preset,
-                            args.config, sweeps=args.sweep)
+                            args.config, sweeps=args.sweep, seeds=args.seeds)
         return compare.run(plan, progress=progress)
 
     code, numbers = _guarded("compare", run)

@@ -14,6 +14,11 @@ A sweep (``--sweep OPTION=VALUES``, repeatable) runs every method that a swept o
 to once per point of the grid (the cartesian product of the options' values), under labels
 such as ``streaming[overlap=1,mixing=0.5]``; the report then adds the papers' ablation view:
 final eval loss (and bytes) against the swept value, one line per value of the other options.
+
+Several seeds (``--seeds 0,1,2``) run every method (every grid point) once per seed, under
+labels such as ``diloco[seed=1]`` or ``streaming[mixing=0.5,seed=2]``: the seed is one more
+swept option, the last, that applies to every method. The report then gives each method's
+mean over its seeds with their spread, and checks the papers' claims seed by seed.
 """
 
 from __future__ import annotations
@@ -124,7 +129,7 @@ class Method:
         algorithm: one of ``ALGORITHM_NAMES``.
         options: its own options by field name, on top of the shared ones.
         point: for a sweep's run, the swept options' values at its grid point (by field
-            name, in ``--sweep`` order); empty otherwise.
+            name, in ``--sweep`` order, ``seed`` last with ``--seeds``); empty otherwise.
     """
 
     label: str
@@ -369,9 +374,11 @@ def _sweep(name: str, texts: list[str], algorithms: list[str], methods: list[Met
     if name not in by_name or name in NOT_SWEPT:
         raise ConfigError("sweep", f"unknown option {name!r} (see loco train --help)")
     if name in SHARED:
+        instead = ("give --seeds" if name == "seed" else
+                   "run one loco compare per value")
         raise ConfigError("sweep", f"{flag} must be the same for every method (same model, "
                           "data, seed and token budget); a sweep varies the methods' own "
-                          "options: run one loco compare per value instead")
+                          f"options: {instead} instead")
     sweep = Sweep(name, [], [])
     if not any(sweep.applies_to(a) for a in algorithms):
         raise ConfigError("sweep", f"{flag} applies to none of the methods "
@@ -440,6 +447,53 @@ def expand(methods: list[Method], sweeps: list[Sweep]) -> list[Method]:
     return runs
 
 
+#: At most this many seeds: each one runs every method once more.
+MAX_SEEDS = 16
+
+
+def parse_seeds(text: str | int | list) -> list[int]:
+    """The seeds of ``--seeds`` (or a YAML file's ``seeds:``).
+
+    Args:
+        text: ``0,1,2`` (or a list of its items, or one integer).
+
+    Returns:
+        The seeds, in the order given.
+
+    Raises:
+        ConfigError: naming ``--seeds``: no seed, more than ``MAX_SEEDS``, a value that is
+            not an integer >= 0, or a seed listed twice.
+    """
+    items = text if isinstance(text, list) else str(text).split(",")
+    allowed = f"give 1 to {MAX_SEEDS} distinct integers >= 0 separated by ',', e.g. 0,1,2"
+    seeds: list[int] = []
+    if not items:
+        raise ConfigError("seeds", f"no seed; {allowed}")
+    for item in (str(i).strip() for i in items):
+        if not re.fullmatch(r"[0-9]+", item):
+            raise ConfigError("seeds", f"{item!r} is not a seed; {allowed}")
+        if int(item) in seeds:
+            raise ConfigError("seeds", f"the seed {int(item)} is listed twice; {allowed}")
+        seeds.append(int(item))
+    if len(seeds) > MAX_SEEDS:
+        raise ConfigError("seeds", f"{len(seeds)} seeds are too many; {allowed}")
+    return seeds
+
+
+def seed_sweep(seeds: list[int]) -> Sweep:
+    """``--seeds`` as one more swept option, ``seed``, that applies to every method: given
+    last to [`expand`][loco.compare.expand], it runs every run once per seed, labelled
+    ``BASE[...,seed=S]``.
+
+    Args:
+        seeds: the seeds ([`parse_seeds`][loco.compare.parse_seeds]).
+
+    Returns:
+        The sweep of ``seed`` over them.
+    """
+    return Sweep("seed", list(seeds), [str(s) for s in seeds])
+
+
 @dataclass
 class Plan:
     """What ``loco compare`` will run, every configuration checked.
@@ -451,6 +505,7 @@ class Plan:
         preset: the preset's name, or None.
         warnings: legal settings that are probably not what was meant, by run.
         sweeps: the swept options, empty without ``--sweep``.
+        seeds: the seeds of ``--seeds``, empty without it.
     """
 
     out: str
@@ -459,11 +514,13 @@ class Plan:
     preset: str | None
     warnings: list[str]
     sweeps: list[Sweep] = field(default_factory=list)
+    seeds: list[int] = field(default_factory=list)
 
 
 def plan(shared: dict[str, Any], algorithms: str | list | None = None,
          sets: list[str] | None = None, preset: str | None = None,
-         config_file: str | None = None, sweeps: list[str] | None = None) -> Plan:
+         config_file: str | None = None, sweeps: list[str] | None = None,
+         seeds: str | list | None = None) -> Plan:
     """Every run's configuration, checked before anything trains.
 
     Args:
@@ -473,16 +530,18 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
         sets: ``--set LABEL.OPTION=VALUE`` items.
         preset: a name of ``PRESETS``, or None.
         config_file: a YAML file of shared options, plus optional ``algorithms``,
-            ``methods`` and ``sweep``.
+            ``methods``, ``sweep`` and ``seeds``.
         sweeps: ``--sweep OPTION=VALUES`` items (see
             [`parse_sweeps`][loco.compare.parse_sweeps]).
+        seeds: ``--seeds`` (see [`parse_seeds`][loco.compare.parse_seeds]): every run once
+            per seed; default: the YAML file's, else one run with ``seed``.
 
     Returns:
         The plan; nothing is written.
 
     Raises:
-        ConfigError: the first bad option, naming the method (or ``--sweep``) and what is
-            allowed.
+        ConfigError: the first bad option, naming the method (or ``--sweep``, ``--seeds``)
+            and what is allowed; ``--seeds`` with a ``seed`` (flag, file or preset).
     """
     values: dict[str, Any] = {}
     per_method: list[tuple[str, dict, str]] = []  # (algorithm or label, options, source)
@@ -493,9 +552,11 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
         per_method += [(k, v, f"preset {preset}:") for k, v in PRESETS[preset]["methods"].items()]
     swept = None
     if config_file:
-        data = load_yaml(config_file, extra=("algorithms", "methods", "sweep"))
-        algorithms = data.pop("algorithms", None) if algorithms is None else algorithms
-        swept = data.pop("sweep", None)
+        data = load_yaml(config_file, extra=("algorithms", "methods", "sweep", "seeds"))
+        own = {key: data.pop(key, None) for key in ("algorithms", "sweep", "seeds")}
+        algorithms = own["algorithms"] if algorithms is None else algorithms
+        seeds = own["seeds"] if seeds is None else seeds
+        swept = own["sweep"]
         extra = data.pop("methods", None) or {}
         if not isinstance(extra, dict) or not all(isinstance(v, dict) for v in extra.values()):
             raise ConfigError("config", f"{config_file}: 'methods' must map a method label to "
@@ -520,7 +581,8 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
                 method_option(m, option, value, source)
     parse_sets(sets or [], methods)
     grid = parse_sweeps(sweeps, methods, swept)
-    methods = expand(methods, grid)
+    seed_list = _seeds(seeds, values, "the flag" if "seed" in shared else str(config_file))
+    methods = expand(methods, grid + ([seed_sweep(seed_list)] if seed_list else []))
 
     by_name = {f.name: f for f in TrainConfig.fields()}
     values = {k: coerce(by_name[k], v) for k, v in values.items()}
@@ -542,7 +604,18 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
         if not torch.cuda.is_available():
             warnings.append("--preset paper is sized for a GPU machine; on this CPU it "
                             "would take days")
-    return Plan(out, methods, configs, preset, warnings, grid)
+    return Plan(out, methods, configs, preset, warnings, grid, seed_list)
+
+
+def _seeds(seeds: str | list | None, values: dict[str, Any], source: str) -> list[int]:
+    """The seeds of ``--seeds`` (none without it), refused next to a ``seed`` (given by
+    ``source``)."""
+    if seeds is None:
+        return []
+    if "seed" in values:
+        raise ConfigError("seeds", "runs every method once per seed; give --seeds or --seed, "
+                          f"not both (seed {values['seed']} is given by {source})")
+    return parse_seeds(seeds)
 
 
 def _method_configs(methods: list[Method], values: dict[str, Any], out: str

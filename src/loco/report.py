@@ -3,6 +3,10 @@
 Everything here is a function of the run directories on disk (each with ``summary.json`` and
 ``metrics.jsonl``), so ``loco report DIR...`` re-renders exactly what ``loco compare`` wrote,
 without training. No torch import: reports render anywhere matplotlib does.
+
+Runs of several seeds (``loco compare --seeds``, labels ending in ``seed=S]``) are reported
+per method (per grid point) over their seeds: mean final eval loss ± half the seeds' range,
+and the papers' claims checked seed by seed, each run against the run of the same seed.
 """
 
 from __future__ import annotations
@@ -90,6 +94,30 @@ def sweep_point(label: str, config: dict) -> tuple[str, dict[str, Any]] | None:
     return match["base"], {k: config[k] for k in keys}
 
 
+#: A seeded run's label, as ``loco compare --seeds`` names it: the seed is the last entry of
+#: the grid point, ``diloco[seed=1]``, ``streaming[mixing=0.5,seed=2]``.
+SEED_ENTRY = re.compile(r"(?P<sep>[\[,])seed=(?P<seed>[0-9]+)\]$")
+
+
+def seed_point(label: str, config: dict) -> tuple[str, int] | None:
+    """A seeded run's label without its seed, and the seed.
+
+    Args:
+        label: the run's label; a seeded run's ends in ``seed=S]`` (``SEED_ENTRY``).
+        config: the run's configuration, whose ``seed`` must be ``S``.
+
+    Returns:
+        ``(label without the seed entry, S)``: ``diloco[seed=1]`` gives ``("diloco", 1)``,
+        ``streaming[mixing=0.5,seed=2]`` gives ``("streaming[mixing=0.5]", 2)``; None for a
+        run that is not one of several seeds'.
+    """
+    match = SEED_ENTRY.search(label)
+    if not match or not SWEEP_LABEL.match(label) or config.get("seed") != int(match["seed"]):
+        return None
+    rest = label[:match.start()] + ("]" if match["sep"] == "," else "")
+    return rest, int(match["seed"])
+
+
 #: Downstream task metrics (``loco eval``) a report shows, by preference: both papers quote
 #: accuracy, HellaSwag, PIQA and ARC-Easy usually length-normalized.
 MAIN_METRICS = ("acc_norm", "acc", "exact_match", "f1", "mcc", "word_perplexity",
@@ -132,16 +160,30 @@ class Run:
         return self.summary["algorithm"]
 
     @property
+    def seed(self) -> int | None:
+        """The seed of a run of ``loco compare --seeds``, else None (see
+        [`seed_point`][loco.report.seed_point])."""
+        seeded = seed_point(self.label, self.summary.get("config", {}))
+        return seeded[1] if seeded else None
+
+    @property
+    def group(self) -> str:
+        """The label without a seed entry: the method (or grid point) the run is a seed of;
+        the label itself for a run that is not one of several seeds'."""
+        seeded = seed_point(self.label, self.summary.get("config", {}))
+        return seeded[0] if seeded else self.label
+
+    @property
     def sweep(self) -> tuple[str, dict[str, Any]] | None:
         """``(base label, grid point)`` for a sweep's run, else None (see
-        [`sweep_point`][loco.report.sweep_point])."""
-        return sweep_point(self.label, self.summary.get("config", {}))
+        [`sweep_point`][loco.report.sweep_point]); a seed is not part of the point."""
+        return sweep_point(self.group, self.summary.get("config", {}))
 
     @property
     def base(self) -> str:
-        """The method's label without a sweep's grid point."""
+        """The method's label without a sweep's grid point (or a seed)."""
         sweep = self.sweep
-        return sweep[0] if sweep else self.label
+        return sweep[0] if sweep else self.group
 
     @property
     def method_name(self) -> str:
@@ -152,10 +194,18 @@ class Run:
 
     @property
     def name(self) -> str:
-        """The run's display name: the method's, then a sweep's grid point as in its label
-        (``Streaming DiLoCo [overlap=1,mixing=0.5]``)."""
-        if self.sweep:
+        """The run's display name: the method's, then a sweep's grid point (and a seed) as
+        in its label (``Streaming DiLoCo [overlap=1,mixing=0.5]``, ``DiLoCo [seed=1]``)."""
+        if self.sweep or self.seed is not None:
             return f"{self.method_name} [{SWEEP_LABEL.match(self.label)['point']}]"
+        return self.method_name
+
+    @property
+    def group_name(self) -> str:
+        """The display name without a seed: the method's (or grid point's) over its seeds;
+        the same as ``name`` for a run that is not one of several seeds'."""
+        if self.sweep:
+            return f"{self.method_name} [{SWEEP_LABEL.match(self.group)['point']}]"
         return self.method_name
 
 
@@ -220,7 +270,7 @@ def find_runs(dirs: list[str]) -> list[Run]:
 def order_key(run: Run) -> tuple:
     """The report's order: the papers' methods first (``METHODS``), each algorithm's own
     label before others, then labels; a sweep's runs by their grid point (numbers in
-    numeric order, before other values).
+    numeric order, before other values); the seeds of one method (or point) by seed.
 
     Args:
         run: a run.
@@ -229,7 +279,8 @@ def order_key(run: Run) -> tuple:
     sweep = run.sweep
     return (known.index(run.algorithm) if run.algorithm in known else len(known),
             run.base != run.algorithm, run.base, sweep is not None,
-            tuple(_sortable(v) for v in sweep[1].values()) if sweep else ())
+            tuple(_sortable(v) for v in sweep[1].values()) if sweep else (),
+            -1 if run.seed is None else run.seed)
 
 
 def _sortable(value: Any) -> tuple:
@@ -291,12 +342,15 @@ def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
             baseline), ``grad_codec`` (DataParallel's runs; None for others) and ``sweep`` (a
             sweep run's grid point; None for others) and ``downstream`` (``loco eval``'s
             headline metric of each task, ``{task: {"metric", "value"}}``; None for a run
-            not evaluated).
+            not evaluated). With several seeds, the baselines are the runs of the same seed,
+            and ``compare`` adds ``seed`` and ``over_seeds``: its method's (grid point's)
+            numbers over the seeds (see [`over_seeds`][loco.report.over_seeds]).
     """
-    ddp = baseline(runs, "ddp")
-    diloco = baseline(runs, "diloco")
+    groups = dict(seed_groups(runs))
     numbers = {}
     for r in runs:
+        peers = [p for p in runs if p.seed == r.seed]
+        ddp, diloco = baseline(peers, "ddp"), baseline(peers, "diloco")
         s = r.summary
         sweep = r.sweep
         rel = {"label": r.label, "method": r.name, "setting": method_setting(r),
@@ -307,6 +361,8 @@ def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
                "downstream": {task: dict(zip(("metric", "value"), main_metric(entry)))
                               for task, entry in (s.get("downstream") or {}).items()
                               if main_metric(entry)} or None}
+        if groups:
+            rel.update(seed=r.seed, over_seeds=over_seeds(groups[r.group]))
         if ddp is not None:
             base = ddp.summary["final_eval_loss"]
             rel["eval_loss_vs_ddp_pct"] = 100 * (s["final_eval_loss"] - base) / base
@@ -322,7 +378,7 @@ def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
 
 def baseline(runs: list[Run], algorithm: str) -> Run | None:
     """The run that stands for ``algorithm`` in the comparisons: the one labelled with the
-    algorithm's own name, else the first not part of a sweep, else the first.
+    algorithm's own name (a seed aside), else the first not part of a sweep, else the first.
 
     Args:
         runs: the runs, in report order.
@@ -332,22 +388,185 @@ def baseline(runs: list[Run], algorithm: str) -> Run | None:
         The run, or None when no run is of that algorithm.
     """
     mine = [r for r in runs if r.algorithm == algorithm]
-    return next((r for r in mine if r.label == algorithm),
+    return next((r for r in mine if r.group == algorithm),
                 next((r for r in mine if not r.sweep), mine[0] if mine else None))
 
 
-def targets(runs: list[Run]) -> list[tuple[str, str, bool]]:
-    """The papers' claims checked on these runs.
+# ------------------------------------------------------------------------------ seeds
+def seeds_of(runs: list[Run]) -> list[int]:
+    """The seeds of runs of ``loco compare --seeds``, in order; empty for other runs.
+
+    Args:
+        runs: the runs.
+    """
+    return sorted({r.seed for r in runs if r.seed is not None})
+
+
+def seed_groups(runs: list[Run]) -> list[tuple[str, list[Run]]]:
+    """The runs by method (or grid point), each with its seeds, when there are several seeds.
+
+    Args:
+        runs: the runs, in report order.
+
+    Returns:
+        (label without the seed, its runs in report order) per method, in the order of
+            their first run; empty unless the runs hold at least two seeds.
+    """
+    if len(seeds_of(runs)) < 2:
+        return []
+    groups: dict[str, list[Run]] = {}
+    for r in runs:
+        groups.setdefault(r.group, []).append(r)
+    return list(groups.items())
+
+
+def over_seeds(members: list[Run]) -> dict[str, Any]:
+    """A method's (grid point's) final eval loss over its seeds, for ``compare.json``.
+
+    Args:
+        members: its runs, one per seed.
+
+    Returns:
+        ``label`` (without the seed), ``seeds``, ``labels`` and ``final_eval_loss_per_seed``
+            (in the order of ``seeds``), ``final_eval_loss_mean``, ``final_eval_loss_min``,
+            ``final_eval_loss_max``.
+    """
+    losses = [m.summary["final_eval_loss"] for m in members]
+    return {"label": members[0].group, "seeds": [m.seed for m in members],
+            "labels": [m.label for m in members], "final_eval_loss_per_seed": losses,
+            "final_eval_loss_mean": sum(losses) / len(losses),
+            "final_eval_loss_min": min(losses), "final_eval_loss_max": max(losses)}
+
+
+#: Summary numbers a method's row over its seeds averages (bytes rounded to whole bytes).
+MEAN_FIELDS = ("final_eval_loss", "bytes_sent_per_worker", "peak_sync_bytes_per_worker",
+               "slow_link_bytes_sent_per_worker", "fast_link_bytes_sent_per_worker",
+               "wall_seconds", "tokens_per_second", "compute_utilization")
+
+
+def mean_run(label: str, members: list[Run]) -> Run:
+    """A run that stands for a method (grid point) over its seeds: the first seed's summary
+    with the mean of each of ``MEAN_FIELDS`` the runs all have; no metrics records.
+
+    Args:
+        label: the label without the seed (``Run.group``).
+        members: its runs, one per seed.
+
+    Returns:
+        The run, labelled ``label``, in the first seed's directory.
+    """
+    summary = dict(members[0].summary)
+    for key in MEAN_FIELDS:
+        values = [m.summary.get(key) for m in members]
+        if all(isinstance(v, (int, float)) for v in values):
+            mean = sum(values) / len(values)
+            summary[key] = round(mean) if all(isinstance(v, int) for v in values) else mean
+    return Run(label, members[0].path, summary, [])
+
+
+def seed_means(runs: list[Run]) -> list[Run]:
+    """The runs a report's tables and sweep plots show: with several seeds, one
+    [`mean_run`][loco.report.mean_run] per method (grid point); else the runs themselves.
+
+    Args:
+        runs: the runs, in report order.
+    """
+    groups = seed_groups(runs)
+    return [mean_run(label, members) for label, members in groups] if groups else runs
+
+
+def half_range_pct(values: list[float]) -> float:
+    """Half the range of ``values`` in % of their mean: the seeds' spread of a loss.
+
+    Args:
+        values: one loss per seed, positive.
+    """
+    return 50 * (max(values) - min(values)) / (sum(values) / len(values))
+
+
+def verdict(met: list[bool]) -> bool | None:
+    """A claim's verdict over seeds: True if it holds on every seed, False if on none, None
+    (mixed) otherwise.
+
+    Args:
+        met: whether it holds, per seed.
+    """
+    return True if all(met) else False if not any(met) else None
+
+
+@dataclass
+class Claim:
+    """One of the papers' claims, checked on the runs of one seed.
+
+    Args:
+        text: the claim, naming the methods without a seed.
+        measured: what was measured, as the report shows it.
+        met: whether it holds.
+        losses: a loss claim's two final eval losses, the method's and its reference's;
+            None for other claims.
+    """
+
+    text: str
+    measured: str
+    met: bool
+    losses: tuple[float, float] | None = None
+
+
+def targets(runs: list[Run]) -> list[tuple[str, str, bool | None]]:
+    """The papers' claims checked on these runs, seed by seed where there are several.
+
+    Each seed's claims are checked on its own runs ([`claims`][loco.report.claims]), so a
+    method is held against the run of the same seed. A loss claim over several seeds reads
+    ``+1.20% (seeds: +0.8% to +1.6%; seed spread ±0.9% / ±1.1%)``: the margin's mean over
+    the seeds, its range, and the half-range of each method's loss over the seeds in % of
+    its mean; another claim gives its measure once where the seeds agree, else per seed.
+
+    Args:
+        runs: the runs, in report order.
+
+    Returns:
+        (claim, measured, met) per claim that these runs can check; with several seeds, met
+            is a [`verdict`][loco.report.verdict]: None where the claim holds on some seeds
+            only (mixed).
+    """
+    by_seed: dict[int | None, list[Run]] = {}
+    for r in runs:
+        by_seed.setdefault(r.seed, []).append(r)
+    if len(by_seed) == 1:
+        return [(c.text, c.measured, c.met) for c in claims(runs)]
+    merged: dict[str, dict[int | None, Claim]] = {}
+    for seed, mine in by_seed.items():
+        for c in claims(mine):
+            merged.setdefault(c.text, {})[seed] = c
+    return [(text, _measured_over_seeds(per_seed), verdict([c.met for c in per_seed.values()]))
+            for text, per_seed in merged.items()]
+
+
+def _measured_over_seeds(per_seed: dict[int | None, Claim]) -> str:
+    """A claim's measured cell over seeds (see [`targets`][loco.report.targets])."""
+    found = list(per_seed.values())
+    if found[0].losses is None:
+        texts = {c.measured for c in found}
+        return (found[0].measured if len(texts) == 1 else
+                "; ".join(f"seed {seed}: {c.measured}" for seed, c in per_seed.items()))
+    gaps = [100 * (a - b) / b for a, b in (c.losses for c in found)]
+    spreads = [half_range_pct([c.losses[i] for c in found]) for i in (0, 1)]
+    return (f"{sum(gaps) / len(gaps):+.2f}% (seeds: {min(gaps):+.1f}% to {max(gaps):+.1f}%; "
+            f"seed spread ±{spreads[0]:.1f}% / ±{spreads[1]:.1f}%)")
+
+
+def claims(runs: list[Run]) -> list[Claim]:
+    """The papers' claims checked on the runs of one seed (or of no seed).
 
     Each algorithm is represented by its [`baseline`][loco.report.baseline] run; NoLoCo is
     held against a DiLoCo run with heavy-ball outer momentum where there is one (the NoLoCo
     paper's baseline, ``diloco-hb`` in ``--preset paper``).
 
     Args:
-        runs: the runs, in report order.
+        runs: the runs, in report order, of one seed.
 
     Returns:
-        (claim, measured, met) per claim that these runs can check.
+        One Claim per claim that these runs can check.
     """
     by = {a: r for a in METHODS if (r := baseline(runs, a)) is not None}
     heavy_ball = next((r for r in runs if r.algorithm == "diloco" and not r.sweep
@@ -358,8 +577,8 @@ def targets(runs: list[Run]) -> list[tuple[str, str, bool]]:
         if a is not None and b is not None:
             la, lb = a.summary["final_eval_loss"], b.summary["final_eval_loss"]
             gap = 100 * (la - lb) / lb
-            rows.append((f"{a.name} eval loss within {limit:g}% of {b.name}'s",
-                         f"{gap:+.2f}%", gap <= limit))
+            rows.append(Claim(f"{a.group_name} eval loss within {limit:g}% of "
+                              f"{b.group_name}'s", f"{gap:+.2f}%", gap <= limit, (la, lb)))
 
     loss_gap(by.get("streaming"), by.get("diloco"), 2)
     loss_gap(by.get("diloco"), by.get("ddp"), 5)
@@ -367,9 +586,10 @@ def targets(runs: list[Run]) -> list[tuple[str, str, bool]]:
     if "ddp" in by and "streaming" in by:
         sent = by["streaming"].summary["bytes_sent_per_worker"]
         ratio = by["ddp"].summary["bytes_sent_per_worker"] / sent if sent else float("inf")
-        rows.append((f"{by['ddp'].name} sends at least 100× the bytes of "
-                     f"{by['streaming'].name}", f"{_ratio(ratio)} ({by['ddp'].name}'s "
-                     f"gradients in {grad_codec(by['ddp'])})", ratio >= 100))
+        ddp = by["ddp"].group_name
+        rows.append(Claim(f"{ddp} sends at least 100× the bytes of "
+                          f"{by['streaming'].group_name}", f"{_ratio(ratio)} ({ddp}'s "
+                          f"gradients in {grad_codec(by['ddp'])})", ratio >= 100))
     if "diloco" in by and "streaming" in by:
         s = by["streaming"]
         config = s.summary["config"]
@@ -386,9 +606,10 @@ def targets(runs: list[Run]) -> list[tuple[str, str, bool]]:
         largest = max((f["elements"] for f in s.summary.get("fragments") or []), default=0)
         cap = (f"; the largest fragment allows {_ratio(s.summary['model_parameters'] / largest)}"
                if largest else "")
-        rows.append((f"{s.name}'s peak sync about P={p}× below {by['diloco'].name}'s, from "
-                     f"the fragments alone", f"{_ratio(frag)} ({_ratio(ratio)} in all, "
-                     f"{_ratio(squeeze)} of it from {codec}{cap})", frag >= 0.9 * p))
+        rows.append(Claim(f"{s.group_name}'s peak sync about P={p}× below "
+                          f"{by['diloco'].group_name}'s, from the fragments alone",
+                          f"{_ratio(frag)} ({_ratio(ratio)} in all, {_ratio(squeeze)} of it "
+                          f"from {codec}{cap})", frag >= 0.9 * p))
     return rows
 
 
@@ -427,14 +648,19 @@ def _link_bytes(run: Run, link: str) -> str:
     return "–" if value is None else f"{value:,}"
 
 
-def table(runs: list[Run], numbers: dict[str, dict]) -> list[str]:
+def table(runs: list[Run], numbers: dict[str, dict],
+          seeds: dict[str, list[Run]] | None = None) -> list[str]:
     """The report's main table, one row per run, as markdown lines. Where a run has workers
     of several ranks, two columns add the bytes a worker sent over the slow link and over
     the fast link inside it, its ranks together.
 
     Args:
-        runs: the runs, in report order.
-        numbers: ``compare.json``'s contents (see [`comparison`][loco.report.comparison]).
+        runs: the runs, in report order; with ``seeds``, one
+            [`mean_run`][loco.report.mean_run] per method.
+        numbers: ``compare.json``'s contents (see [`comparison`][loco.report.comparison]),
+            of ``runs``.
+        seeds: each mean run's runs by its label (``seed_groups``): a column lists their
+            seeds and the loss reads ``mean ± half-range (min–max)``; default: none.
     """
     link = any(r.summary.get("link") for r in runs)
     ranks = any(worker_ranks(r) > 1 for r in runs)
@@ -444,6 +670,8 @@ def table(runs: list[Run], numbers: dict[str, dict]) -> list[str]:
         head[6:6] = ["slow link / worker (B)", "fast link / worker (B)"]
     if link:
         head.append("compute utilization")
+    if seeds:
+        head[2:3] = ["seeds", "final eval loss, mean ± half-range (min–max)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         s, rel = r.summary, numbers[r.label]["compare"]
@@ -457,8 +685,23 @@ def table(runs: list[Run], numbers: dict[str, dict]) -> list[str]:
             row[6:6] = [_link_bytes(r, "slow"), _link_bytes(r, "fast")]
         if link:
             row.append(f"{s['compute_utilization']:.1%}")
+        if seeds:
+            row[2:3] = [", ".join(str(m.seed) for m in seeds[r.label]),
+                        loss_spread(seeds[r.label])]
         lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def loss_spread(members: list[Run]) -> str:
+    """A method's final eval loss over its seeds: ``mean ± half-range (min–max)``.
+
+    Args:
+        members: its runs, one per seed.
+    """
+    numbers = over_seeds(members)
+    low, high = numbers["final_eval_loss_min"], numbers["final_eval_loss_max"]
+    return (f"{numbers['final_eval_loss_mean']:.4f} ± {(high - low) / 2:.4f} "
+            f"({low:.4f}–{high:.4f})")
 
 
 def downstream_table(runs: list[Run]) -> list[str]:
@@ -647,24 +890,58 @@ def machine(runs: list[Run]) -> list[str]:
 
 
 def render_markdown(runs: list[Run], numbers: dict[str, dict], plots: list[str]) -> str:
-    """``report.md``.
+    """``report.md``. With several seeds, the main table and the sweep's give each method
+    (grid point) over its seeds, and an **Every run** table lists the runs themselves.
 
     Args:
         runs: the runs, in report order.
         numbers: ``compare.json``'s contents (see [`comparison`][loco.report.comparison]).
         plots: the plots' file names, relative to the report.
     """
+    groups = seed_groups(runs)
+    shown = seed_means(runs)
+    shown_numbers = comparison(shown) if groups else numbers
+    lines = ["# loco compare", ""] + intro(runs)
+    lines += table(shown, shown_numbers, dict(groups) or None)
+    lines += claims_table(runs)
+    if groups:
+        lines += ["", "## Every run", "", "Each seed's run; the other tables and the sweep "
+                  "plots give their means. A gap to DataParallel is to its run of the same "
+                  "seed.", ""] + table(runs, numbers)
+    lines += sweep_tables(shown, shown_numbers)
+    lines += downstream_table(runs)
+    if plots:
+        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    lines += ["", "## Settings", ""] + settings(runs)
+    lines += ["", "## Machine", ""] + machine(runs)
+    lines += ["", "Run directories (metrics.jsonl, summary.json, loss.png): "
+              + ", ".join(f"`{numbers[r.label]['compare']['run_dir']}/`" for r in runs) + "."]
+    return "\n".join(lines) + "\n"
+
+
+def intro(runs: list[Run]) -> list[str]:
+    """The report's opening paragraphs, as markdown lines: the job, then how to read the
+    numbers (and, with several seeds, the table's means).
+
+    Args:
+        runs: the runs, in report order.
+    """
     first = runs[0].summary
     link = next((r.summary["link"] for r in runs if r.summary.get("link")), None)
     kind = "runs" if any(r.sweep for r in runs) else "methods"
     ranks = worker_ranks(runs[0])
-    lines = ["# loco compare", "",
-             f"{len(runs)} {kind} on the same job: {first['config']['model']} model "
+    groups = seed_groups(runs)
+    seeds = seeds_of(runs) if groups else []
+    count = (f"{len(groups)} {kind}, each with {len(seeds)} seeds," if groups
+             else f"{len(runs)} {kind}")
+    seed = (f"seeds {', '.join(map(str, seeds))}" if seeds
+            else f"seed {first['config']['seed']}")
+    lines = [f"{count} on the same job: {first['config']['model']} model "
              f"({first['model_parameters']:,} parameters), {first['workers']} workers"
              + (f" of {ranks} ranks ({first.get('worker_parallel', 'ddp')})" if ranks > 1
                 else "") + ", "
              f"{first['inner_steps']} inner steps, {first['tokens']:,} training tokens each, "
-             f"seed {first['config']['seed']}"
+             f"{seed}"
              + (f"; emulated link {link['bandwidth'] or 'unlimited'}, "
                 f"{link['latency'] or '0 ms'} per worker" if link else "") + ".", "",
              "Eval loss: nats/token on held-out text (the global model; for NoLoCo and Local, "
@@ -675,22 +952,36 @@ def render_markdown(runs: list[Run], numbers: dict[str, dict], plots: list[str])
              + (" With workers of several ranks, sent and peak are the busiest rank's; the "
                 "slow-link and fast-link columns are the busiest worker's, its ranks "
                 "together." if any(worker_ranks(r) > 1 for r in runs) else ""), ""]
-    lines += table(runs, numbers)
+    if seeds:
+        lines[-1:-1] = ["", "Each method ran once per seed. Its row gives the mean final eval "
+                        "loss over the seeds ± half their range, and the range (min–max); "
+                        "its gap to DataParallel, bytes, wall time and tokens/s are means "
+                        "over the seeds too. Every run, below, lists the runs one by one."]
+    return lines
+
+
+def claims_table(runs: list[Run]) -> list[str]:
+    """The section of the papers' claims ([`targets`][loco.report.targets]), as markdown
+    lines; empty when these runs can check none. A claim met on some seeds only reads
+    ``mixed``, and a sentence under the table warns that a margin smaller than the seeds'
+    spread is not a result.
+
+    Args:
+        runs: the runs, in report order.
+    """
     rows = targets(runs)
-    if rows:
-        lines += ["", "## The papers' claims on this run", "", "| claim | measured | met |",
-                  "|---|---|---|"]
-        lines += [f"| {claim} | {value} | {'yes' if ok else '**no**'} |"
-                  for claim, value, ok in rows]
-    lines += sweep_tables(runs, numbers)
-    lines += downstream_table(runs)
-    if plots:
-        lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
-    lines += ["", "## Settings", ""] + settings(runs)
-    lines += ["", "## Machine", ""] + machine(runs)
-    lines += ["", "Run directories (metrics.jsonl, summary.json, loss.png): "
-              + ", ".join(f"`{numbers[r.label]['compare']['run_dir']}/`" for r in runs) + "."]
-    return "\n".join(lines) + "\n"
+    if not rows:
+        return []
+    met = {True: "yes", False: "**no**", None: "mixed"}
+    lines = ["", "## The papers' claims on this run", "", "| claim | measured | met |",
+             "|---|---|---|"]
+    lines += [f"| {claim} | {value} | {met[ok]} |" for claim, value, ok in rows]
+    if seed_groups(runs):
+        lines += ["", f"Each claim is checked on each of the {len(seeds_of(runs))} seeds, a "
+                  "method against the run of the same seed: yes if it holds on every seed, "
+                  "no if on none, mixed otherwise. A margin smaller than the seeds' spread "
+                  "is not a result."]
+    return lines
 
 
 def write_report(runs: list[Run], out: str) -> dict[str, dict]:
@@ -708,7 +999,7 @@ def write_report(runs: list[Run], out: str) -> dict[str, dict]:
 
     os.makedirs(out, exist_ok=True)
     numbers = comparison(runs, out)
-    plots = plot_comparison(runs, out) + sweep_plots(runs, out)
+    plots = plot_comparison(runs, out) + sweep_plots(seed_means(runs), out)
     _write(os.path.join(out, "compare.json"), json.dumps(numbers, indent=2) + "\n")
     _write(os.path.join(out, "report.md"), render_markdown(runs, numbers, plots))
     return numbers
