@@ -67,17 +67,17 @@ def test_reduction_carries_nonfinite_to_every_worker(codec, bad):
         assert sent[0] == sent[1]  # the marker costs no byte
 
 
-def build(ctx, model, method: str, codec: str, policy: str):
+def build(ctx, model, method: str, codec: str, policy: str, **extra):
     opt = make_optimizer(model)
     if method == "noloco":
         return loco.NoLoCo(model, opt, ctx.comm, sync_every=H, codec=codec, warn=False,
                            on_nonfinite=policy)
     if method == "diloco" and codec == "fp32":
-        return loco.DiLoCo(model, opt, ctx.comm, sync_every=H, on_nonfinite=policy)
+        return loco.DiLoCo(model, opt, ctx.comm, sync_every=H, on_nonfinite=policy, **extra)
     fragments, overlap, alpha = METHODS[method]
     return loco.StreamingDiLoCo(model, opt, ctx.comm, sync_every=H, fragments=fragments,
                                 overlap=overlap, alpha=alpha, codec=codec,
-                                on_nonfinite=policy)
+                                on_nonfinite=policy, **extra)
 
 
 def outer_state(algo) -> list[torch.Tensor]:
@@ -102,12 +102,12 @@ def skipped_sync(algo) -> tuple[int | None, bool]:
     return f.index, all(torch.equal(p, g) for p, g in zip(f.params, f.global_params))
 
 
-def poisoned_worker(ctx, method, codec, policy, steps, poison_at):
+def poisoned_worker(ctx, method, codec, policy, steps, poison_at, **extra):
     """Train; worker POISONED sets a weight (of fragment 0) to +inf before inner step
     ``poison_at``, whose sync then carries it. Returns what every step did to the outer state,
     or where NonFiniteError stopped the worker."""
     model = make_model()
-    algo = build(ctx, model, method, codec, policy)
+    algo = build(ctx, model, method, codec, policy, **extra)
     param = algo.params[0] if method == "noloco" else algo.fragment_list[0].params[0]
     synced, skips = [], []
     for t in range(1, steps + 1):
@@ -143,12 +143,15 @@ def schedule(method: str):
     return 3 * H, H + H // fragments, applied, overlap  # fragment 0's second sync
 
 
-@pytest.mark.parametrize("codec", CODEC_NAMES)
-@pytest.mark.parametrize("method", ["diloco", "streaming"])
-def test_skip_agrees_on_every_worker(method, codec):
+@pytest.mark.parametrize("codec,method,extra", [
+    *((c, m, {}) for m in ("diloco", "streaming") for c in CODEC_NAMES),
+    # the outer step on a helper thread (loco.algorithms.outer_thread): its verdict
+    *(("fp32", m, {"outer_thread": True}) for m in ("diloco", "streaming")),
+    ("fp4_e3m0", "streaming", {"outer_thread": True})])
+def test_skip_agrees_on_every_worker(method, codec, extra):
     steps, poison_at, applied, overlap = schedule(method)
     out = loco.launch(poisoned_worker, 2, args=(method, codec, "skip", steps, poison_at),
-                      timeout=TIMEOUT)
+                      kwargs=extra, timeout=TIMEOUT)
     skip_at = poison_at + overlap
     for rank, r in enumerate(out):
         # the same sync skipped everywhere, nothing of the outer state touched by it
@@ -162,12 +165,13 @@ def test_skip_agrees_on_every_worker(method, codec):
     assert same(out[0]["outer"], out[1]["outer"])  # the replicas still agree bit for bit
 
 
-@pytest.mark.parametrize("codec", CODEC_NAMES)
-@pytest.mark.parametrize("method", ["diloco", "streaming"])
-def test_stop_raises_on_every_worker(method, codec):
+@pytest.mark.parametrize("codec,method,extra", [
+    *((c, m, {}) for m in ("diloco", "streaming") for c in CODEC_NAMES),
+    ("fp4_e3m0", "streaming", {"outer_thread": True})])
+def test_stop_raises_on_every_worker(method, codec, extra):
     _, poison_at, _, overlap = schedule(method)
     out = loco.launch(poisoned_worker, 2, args=(method, codec, "stop", poison_at + overlap,
-                                                poison_at), timeout=TIMEOUT)
+                                                poison_at), kwargs=extra, timeout=TIMEOUT)
     for rank, r in enumerate(out):
         assert r["unchanged"]  # stopped before the outer state moved
         assert f"at step {poison_at + overlap}," in r["stopped"]

@@ -17,7 +17,7 @@ import torch
 import loco
 from loco.algorithms.fragments import split_fragments
 from workers import (batch, diloco_worker, make_model, make_optimizer, max_diff, params_of,
-                     reference_streaming, resume_worker, streaming_worker)
+                     reference_streaming, resume_worker, slow_reduce, streaming_worker)
 
 pytestmark = pytest.mark.numerics
 
@@ -144,12 +144,7 @@ def test_overlap_is_real():
     delay, tau = 0.4, 2
 
     def worker(ctx):
-        reduce = ctx.comm._reduce_mean
-
-        def slow(*a):
-            time.sleep(delay)
-            return reduce(*a)
-        ctx.comm._reduce_mean = slow
+        slow_reduce(ctx.comm, delay)
         model = make_model(layers=4)
         algo = loco.StreamingDiLoCo(model, make_optimizer(model), ctx.comm, sync_every=H,
                                     fragments=4, overlap=tau, codec="fp32")
@@ -325,6 +320,7 @@ def test_offload_moves_the_outer_state_off_the_gpu():
         assert t.device.type == "cpu"
     for t in outer_tensors(plain):
         assert t.device.type == "cuda"
+    assert off._outer is not None and plain._outer is None  # the helper thread: offload only
     for f in off.fragment_list:
         assert f.global_flat.is_pinned() and f.delta.device.type == "cuda"
         assert f.grad.is_pinned()  # where the averaged pseudo-gradient lands, one copy

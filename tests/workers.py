@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import os
+import time
 
 import torch
 
@@ -52,6 +53,17 @@ def train_steps(model, opt, worker: int, steps, step_fn=None, clip: float | None
                 torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
             opt.step()
             opt.zero_grad()
+
+
+def slow_reduce(comm, delay: float) -> None:
+    """Make every mean-all-reduce of ``comm`` sleep ``delay`` seconds on its communication
+    thread before it runs: a slow link, to see what overlaps it."""
+    reduce = comm._reduce_mean
+
+    def slow(*args):
+        time.sleep(delay)
+        return reduce(*args)
+    comm._reduce_mean = slow
 
 
 def params_of(named) -> dict[str, torch.Tensor]:

@@ -350,7 +350,7 @@ class Algorithm:
             torch.cat(self.inner.all_gather(self.own_shard(buffer), tag="train").wait(),
                       out=buffer)
 
-    def finite(self, tensor: torch.Tensor, what: str) -> bool:
+    def finite(self, tensor: torch.Tensor, what: str, verdict: bool | None = None) -> bool:
         """Whether a reduced pseudo-gradient is finite; if not, raise or count a skipped
         sync. The reduced value is the same on every worker of the sync, and so is the
         decision. A non-finite value on any one worker makes it non-finite on all of them,
@@ -361,6 +361,8 @@ class Algorithm:
         Args:
             tensor: the reduced value to check (every element).
             what: what it is, for the error message (e.g. ``"pseudo-gradient"``).
+            verdict: whether this rank's ``tensor`` is finite, when it was checked already
+                (on a helper thread); default None: check it now.
 
         Returns:
             True if every element is finite; False if not and the sync is skipped.
@@ -369,7 +371,7 @@ class Algorithm:
             NonFiniteError: an element is not finite and ``on_nonfinite`` is ``"stop"``.
         """
         self.settle_nonfinite()
-        if self.agree(all_finite(tensor)):
+        if self.agree(all_finite(tensor) if verdict is None else verdict):
             return True
         self.nonfinite(what, "syncs", self.inner_steps)
         return False

@@ -21,6 +21,7 @@ the blocks hold most of the parameters (a large tied embedding must travel whole
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -31,6 +32,7 @@ from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm
 from loco.algorithms.fragments import PATTERNS, split_fragments
+from loco.algorithms.outer_thread import OuterThread, momentum_of
 from loco.algorithms.sharding import Share, flatten_fp32, unflatten_views
 from loco.comm import Comm, Handle
 from loco.comm.codecs import get_codec
@@ -60,6 +62,7 @@ class _InFlight:
     handle: Handle | None  # None once the result is known (restored from a checkpoint)
     sent_at: int
     record: dict | None = None  # the operation's counters, when restored from a checkpoint
+    stepped: Future | None = None  # the outer step computed on the OuterThread, if used
 
 
 def send_offsets(sync_every: int, fragments: int) -> list[int]:
@@ -126,6 +129,12 @@ class StreamingDiLoCo(Algorithm):
             without effect when ``outer_momentum`` is 0.
         offload: keep the global copy θ^g and the outer optimizer state in CPU memory
             instead of on the parameters' device (default False).
+        outer_thread: compute each outer step on a helper thread as soon as Δ̄_p arrives,
+            during the τ overlapped steps (see
+            [`OuterThread`][loco.algorithms.outer_thread.OuterThread]); bit for bit the
+            same results. Default None: when it pays, i.e. with ``offload`` from an
+            accelerator and τ >= 1. Not with an elastic ``comm`` (its syncs may be retried
+            on the training thread).
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
             ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
             several ranks: ``ctx.inner``).
@@ -146,7 +155,7 @@ class StreamingDiLoCo(Algorithm):
                  alpha: float = 0.5, codec: str = "fp4_e3m0", codec_block: int = 32,
                  codec_keep: float | None = None,
                  outer_lr: float = 0.4, outer_momentum: float = 0.9, nesterov: bool = True,
-                 offload: bool = False, **kwargs: Any):
+                 offload: bool = False, outer_thread: bool | None = None, **kwargs: Any):
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1 (got {sync_every!r})")
         names = split_fragments(model, fragments, pattern)
@@ -164,6 +173,11 @@ class StreamingDiLoCo(Algorithm):
             raise ValueError(f"outer_lr must be > 0 (got {outer_lr!r})")
         if not 0 <= outer_momentum < 1:
             raise ValueError(f"outer_momentum must be in [0, 1) (got {outer_momentum!r})")
+        if outer_thread not in (None, True, False):
+            raise ValueError(f"outer_thread must be None, True or False (got {outer_thread!r})")
+        if outer_thread and comm.elastic:
+            raise ValueError("outer_thread=True needs a fixed group: an elastic comm retries "
+                             "a sync on the training thread")
         self.codec = get_codec(codec, codec_block, device=comm.device, keep=codec_keep)
         super().__init__(model, inner_optimizer, comm, **kwargs)
         self.sync_every, self.overlap, self.alpha = sync_every, overlap, alpha
@@ -200,6 +214,10 @@ class StreamingDiLoCo(Algorithm):
                                                global_params, delta, grad, optimizer))
         for fragment in self.fragment_list:  # compiled now, not inside the first syncs
             self.codec.prepare(fragment.delta.numel(), comm.size, comm.device)
+        if outer_thread is None:  # it pays where the CPU is idle while the device computes
+            outer_thread = (offload and self.params[0].device.type != "cpu" and overlap > 0
+                            and not comm.elastic)
+        self._outer = OuterThread(outer_device) if outer_thread else None
         # Every worker derives the schedule from the same step counter, so the same fragment
         # is reduced everywhere without a word.
         self._due = dict(zip(send_offsets(sync_every, count), self.fragment_list))
@@ -245,10 +263,15 @@ class StreamingDiLoCo(Algorithm):
             _pseudo_gradient(fragment)
         handle = self.comm.all_reduce_mean(fragment.delta, tag="train", codec=self.codec)
         self._in_flight = _InFlight(fragment, handle, t)
+        if self._outer is not None:
+            self._in_flight.stepped = self._outer.start(fragment, handle)
 
     @staticmethod
     def _wait(flight: _InFlight) -> None:
-        """Wait for Δ̄_p (this rank's share of it, decoded, in fp32)."""
+        """Wait for Δ̄_p (this rank's share of it, decoded, in fp32), and for its outer step
+        on the helper thread, if any (which writes only its shadows)."""
+        if flight.stepped is not None:
+            flight.stepped.result()
         if flight.handle is not None:
             with record_function("loco/wait"):
                 flight.handle.wait()
@@ -277,21 +300,34 @@ class StreamingDiLoCo(Algorithm):
     def _apply(self) -> None:
         flight, self._in_flight = self._in_flight, None
         fragment = flight.fragment
+        what = f"pseudo-gradient (fragment {fragment.index})"
+        if flight.stepped is not None:  # stepped on the OuterThread: swap the result in
+            stepped = self._outer.wait(flight.stepped, flight.handle)
+            if not self.finite(fragment.grad, what, verdict=stepped.finite):
+                return self._skip(fragment, flight)
+            self._outer.commit(fragment, stepped)
+            return self._merged(fragment, flight)
         if flight.handle is not None:
             with record_function("loco/wait"):
                 healed = self.comm.settle(flight.handle) is None
             if healed:
                 return self._resume()  # elastic: healed during a retry, go on from that state
-        if not self.finite(fragment.delta, f"pseudo-gradient (fragment {fragment.index})"):
-            # Skipped: the global fragment stays; the replicas restart from it.
-            self._restart(fragment)
-            self.outer_steps += 1
-            self._log(fragment, flight)
-            return
+        if not self.finite(fragment.delta, what):
+            return self._skip(fragment, flight)
         with record_function("loco/outer_step"):
             if fragment.grad is not fragment.delta:  # offloaded: Δ̄ comes to the CPU
                 fragment.grad.copy_(fragment.delta)
             fragment.outer_optimizer.step()
+        self._merged(fragment, flight)
+
+    def _skip(self, fragment: Fragment, flight: _InFlight) -> None:
+        """A non-finite Δ̄_p: the global fragment stays; the replicas restart from it."""
+        self._restart(fragment)
+        self.outer_steps += 1
+        self._log(fragment, flight)
+
+    def _merged(self, fragment: Fragment, flight: _InFlight) -> None:
+        """After the outer step: merge, and count the sync."""
         with record_function("loco/merge"):
             self._merge(fragment)
         fragment.syncs += 1
@@ -389,7 +425,7 @@ class StreamingDiLoCo(Algorithm):
                 s.update(global_params=f.global_flat.clone(),
                          outer_optimizer=f.outer_optimizer.state_dict())
             else:
-                s["momentum"] = _momentum(f) is not None
+                s["momentum"] = momentum_of(f) is not None
         return {**super().state_dict(tensors), "outer_steps": self.outer_steps,
                 "fragments": fragments, "in_flight": in_flight}
 
@@ -433,7 +469,7 @@ class StreamingDiLoCo(Algorithm):
         state = {}
         for f in self.fragment_list:
             state[f"fragment{f.index}.global"] = (f.share, f.global_flat)
-            momentum = _momentum(f)
+            momentum = momentum_of(f)
             if momentum is not None:
                 state[f"fragment{f.index}.momentum"] = (f.share, momentum)
         if self._in_flight is not None:
@@ -449,7 +485,7 @@ class StreamingDiLoCo(Algorithm):
             values: a vector for every name of ``outer_state()``.
         """
         for f in self.fragment_list:  # a momentum is created by the first outer step
-            if f"fragment{f.index}.momentum" in values and _momentum(f) is None:
+            if f"fragment{f.index}.momentum" in values and momentum_of(f) is None:
                 f.outer_optimizer.state[f.global_flat]["momentum_buffer"] = torch.zeros_like(
                     f.global_flat)
         super().load_outer_state(values)
@@ -472,12 +508,6 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
     """``t`` in page-locked memory where a GPU is there to copy from it asynchronously
     (a CPU tensor), else ``t``."""
     return t.pin_memory() if t.device.type == "cpu" and torch.cuda.is_available() else t
-
-
-def _momentum(f: Fragment) -> torch.Tensor | None:
-    """Fragment ``f``'s outer momentum, one fp32 vector (the optimizer's own), None before
-    its first outer step or without momentum."""
-    return f.outer_optimizer.state.get(f.global_flat, {}).get("momentum_buffer")
 
 
 def _flat_outer_state(state: dict) -> dict:
