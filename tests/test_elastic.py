@@ -283,10 +283,12 @@ def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_
     prepare_corpus(text, 300, 0.05, cache)
     lighthouse = start_lighthouse(min_workers=2)
     out = tmp_path / "run"
-    # --comm-timeout is also gloo's: 8 s was seen to expire in the first broadcast on a
-    # 2-core machine loaded with other jobs; 15 s costs 7 s more of the initial wait.
+    # --comm-timeout is also gloo's and the quorum's: 8 s was seen to expire in the first
+    # broadcast on a 2-core machine loaded with other jobs, and 15 s in the first quorum or
+    # broadcast when the whole file ran (workers 0 and 1 reach them seconds apart); 30 s
+    # costs 15 s more of the initial wait.
     args = small_run(corpus, out, "--workers", "3", "--steps", "300", "--elastic",
-                     "--min-workers", "2", "--comm-timeout", "15", "--link-latency", "20ms",
+                     "--min-workers", "2", "--comm-timeout", "30", "--link-latency", "20ms",
                      "--log-every", "10", "--eval-every", "0", "--checkpoint-every", "0",
                      "--lighthouse", lighthouse.address(), "--final-eval-batches", "2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
