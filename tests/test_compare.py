@@ -128,8 +128,11 @@ def test_report_claims_check_the_papers_targets(compared):
                   "DiLoCo eval loss within 5% of DataParallel's",
                   "NoLoCo eval loss within 3% of DiLoCo's",
                   "DataParallel sends at least 100× the bytes of Streaming DiLoCo",
-                  "Streaming DiLoCo's peak sync about P=2× below DiLoCo's"):
+                  "Streaming DiLoCo's peak sync about P=2× below DiLoCo's",
+                  "Streaming DiLoCo eval loss within 1% of wide (Streaming DiLoCo)'s",
+                  "DiLoCo eval loss below Local's (no communication)"):
         assert claim in claims
+    assert "\nRegime: " in report.split("## The papers' claims", 1)[0]
     numbers = json.loads((compared / "compare.json").read_text())
     peak = (numbers["diloco"]["peak_sync_bytes_per_worker"]
             / numbers["streaming"]["peak_sync_bytes_per_worker"])
@@ -265,14 +268,16 @@ def test_presets_give_every_method_the_same_job(preset, monkeypatch):
     algorithms = [m.algorithm for m in plan.methods]
     assert sorted(set(algorithms)) == sorted(compare.DEFAULT_ALGORITHMS)
     for option in compare.SHARED:
-        if option not in ("out",):
+        if option not in ("out",) and not (option == "seed" and plan.seeds):
             assert len({getattr(c, option) for c in plan.configs}) == 1, option
     streaming = plan.configs[algorithms.index("streaming")]
     assert streaming.codec == "fp4_e3m0" and streaming.overlap == "1"
-    # Flags override the preset; an --algorithms list replaces the preset's.
+    # Flags override the preset; an --algorithms list replaces the preset's; a --seed its
+    # seeds.
     assert compare.plan({"steps": 60}, preset=preset).configs[0].steps == 60
-    assert [m.label for m in compare.plan({}, "ddp,noloco", preset=preset).methods] == [
-        "ddp", "noloco"]
+    two = compare.plan({"seed": 4}, "ddp,noloco", preset=preset)
+    assert [m.label for m in two.methods] == ["ddp", "noloco"]
+    assert [c.seed for c in two.configs] == [4, 4]
 
 
 def test_quick_preset_runs_the_five_methods(monkeypatch):

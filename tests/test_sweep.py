@@ -253,7 +253,7 @@ def test_sweep_plot_has_one_line_per_method_and_value_of_the_other_options(tmp_p
 
     drawn = []
     monkeypatch.setattr("loco.plot.plot_sweep", lambda *a, **k: drawn.append((a, k)))
-    runs = [fake_run("ddp", "ddp", 3.0, 1000)]
+    runs = [fake_run("ddp", "ddp", 3.0, 1000), fake_run("local", "local", 3.5, 0)]
     for h in (100, 30):
         runs.append(fake_run(f"diloco[sync_every={h}]", "diloco", 3.0 + 1 / h, 100 // h,
                              sync_every=h))
@@ -265,11 +265,12 @@ def test_sweep_plot_has_one_line_per_method_and_value_of_the_other_options(tmp_p
     runs.sort(key=order_key)
     assert report.sweep_plots(runs, str(tmp_path)) == [
         "sweep_sync_every.png", "sweep_sync_every_codec.png", "sweep_overlap.png"]
-    (path, option, ticks, lines, reference), kw = drawn[0]
+    (path, option, ticks, lines, references), kw = drawn[0]
     assert path.endswith("sweep_sync_every.png") and option == "sync_every"
     assert ticks == [(30.0, "30"), (100.0, "100")]
     assert lines == [("DiLoCo", [(30.0, 3.0 + 1 / 30, 3), (100.0, 3.01, 1)])]
-    assert reference == ("DataParallel", 3.0, 1000) and kw == {"show_bytes": True}
+    assert references == [("DataParallel", 3.0, 1000), ("Local", 3.5, 0)]
+    assert kw == {"show_bytes": True}
     (_, option, ticks, lines, _), _ = drawn[1]
     assert [name for name, _ in lines] == ["Streaming DiLoCo, codec=fp32",
                                            "Streaming DiLoCo, codec=fp4_e3m0"]
@@ -285,5 +286,6 @@ def test_sweep_plot_draws_both_panels(tmp_path):
 
     path = tmp_path / "sweep.png"
     plot_sweep(str(path), "sync_every", [(10.0, "10"), (100.0, "100")],
-               [("DiLoCo", [(10.0, 3.2, 500), (100.0, 3.4, 50)])], ("DataParallel", 3.0, 5000))
+               [("DiLoCo", [(10.0, 3.2, 500), (100.0, 3.4, 50)])],
+               [("DataParallel", 3.0, 5000), ("Local", 3.6, 0)])
     assert path.read_bytes()[:4] == b"\x89PNG"

@@ -52,6 +52,7 @@ COMPARE_EPILOG = """Examples:
   loco compare --algorithms diloco,streaming,s8=streaming --set s8.codec=int8 --steps 200
   loco compare --link-bandwidth 100Mbit --link-latency 50ms --preset quick
   loco compare --preset quick --algorithms ddp,streaming --seeds 0,1,2   # mean ± seeds' spread
+  loco compare --preset evidence                   # the papers' claims over 3 seeds, ~30 min
   loco report runs/compare-20261122-101500         # re-render from the saved runs"""
 
 
@@ -120,9 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
                          "gives each method's mean eval loss with the seeds' spread and checks "
                          "each claim seed by seed (yes, no or mixed)")
     compare.add_argument("--preset", choices=list(PRESETS), default=None,
-                         help="quick: every method in <= 10 min on a 2-core CPU; paper: "
-                         "settings close to the papers' for a GPU machine (see docs/compare.md); "
-                         "options given here override the preset's")
+                         help="quick: every method in <= 10 min on a 2-core CPU; evidence: "
+                         "the papers' claims tested over 3 seeds in about 30 min on a 2-core "
+                         "CPU (see docs/claims.md); paper: settings close to the papers' for a "
+                         "GPU machine (see docs/compare.md); options given here override the "
+                         "preset's")
     compare.add_argument("--config", metavar="FILE", help="YAML file of options for every "
                          "method, plus optional 'algorithms: [...]' and 'methods: {LABEL: "
                          "{option: value}}'; flags override it")

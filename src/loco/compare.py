@@ -42,8 +42,9 @@ from loco.config import ALGORITHM_NAMES, RENAMED, ConfigError, TrainConfig, coer
 DEFAULT_ALGORITHMS = ("ddp", "diloco", "streaming", "noloco", "local")
 
 #: Options every method must share: the same model, data, seed and token budget (and the
-#: same machine and network), so that only the methods differ.
-SHARED = ("model", "layers", "dim", "heads", "steps", "tokens", "workers", "stages",
+#: same machine and network), so that only the methods differ. ``stages`` and ``routing`` (a
+#: replica's pipeline layout: the same model and tokens) may differ, to compare routings.
+SHARED = ("model", "layers", "dim", "heads", "steps", "tokens", "workers",
           "worker_ranks", "worker_parallel", "batch_size", "seq_len", "seed", "corpus",
           "text_field", "vocab_size", "val_fraction", "cache_dir", "dtype", "eval_every",
           "eval_batches", "final_eval_batches", "log_every", "launcher", "link_bandwidth",
@@ -69,22 +70,54 @@ ONLY_FOR = {
     "final_average": ("noloco", "local"),
 }
 
+#: The outer optimizer for tens of outer steps, chosen by the sweeps of docs/claims.md: for
+#: DiLoCo (outer lr 0.3-3 x momentum 0 / Nesterov 0.9 x H 10 / 30, tiny and small models, 300
+#: and 900 steps) the papers' Nesterov 0.9 overshoots there, and no momentum at lr 1 (the
+#: workers' average) was best or within 1.5% of best at every H, model and budget; for
+#: NoLoCo (beta 0.7 / 1 x alpha 0 / 0.5, tiny model) beta 1 without momentum was best too.
+FEW_OUTER_STEPS = {"outer_lr": 1.0, "outer_momentum": 0.0}
+
 #: Named settings. ``shared`` options apply to every method; ``methods`` maps an algorithm
 #: or a label to its own options (an algorithm's entry applies to every method of that
 #: algorithm, a label's to that method only, in the order listed, so a label's entry after its
-#: algorithm's wins); ``algorithms``, where given, is the preset's own ``--algorithms``.
+#: algorithm's wins); ``algorithms``, where given, is the preset's own ``--algorithms``;
+#: ``seeds``, where given, its ``--seeds`` (a ``--seed`` replaces them with one run).
 PRESETS: dict[str, dict[str, Any]] = {
     "quick": {
         "about": "the small model (1.3M parameters) on Shakespeare, 4 workers of 4 x 128 "
-                 "tokens, 300 steps, H = 30: all five methods in about 8 minutes on a 2-core "
-                 "CPU",
+                 "tokens, 300 steps, H = 30 (10 outer steps), the outer optimizer the "
+                 "sweeps chose for so few outer steps (lr 1, no momentum: docs/claims.md): "
+                 "all five methods in about 8 minutes on a 2-core CPU",
         "shared": {"model": "small", "workers": 4, "steps": 300, "batch_size": 4,
                    "seq_len": 128, "warmup": 30, "eval_every": 50, "eval_batches": 8,
                    "final_eval_batches": 50, "log_every": 10},
-        "methods": {"diloco": {"sync_every": 30}, "noloco": {"sync_every": 30,
-                                                             "spread_every": 10},
+        "methods": {"diloco": {"sync_every": 30, **FEW_OUTER_STEPS},
+                    "noloco": {"sync_every": 30, "spread_every": 10, **FEW_OUTER_STEPS},
                     "streaming": {"sync_every": 30, "fragments": 2, "overlap": "1",
-                                  "codec": "fp4_e3m0"},
+                                  "codec": "fp4_e3m0", **FEW_OUTER_STEPS},
+                    "local": {"spread_every": 10}},
+    },
+    "evidence": {
+        "about": "the papers' headline claims tested over 3 seeds in about 30 minutes on a "
+                 "2-core CPU: the tiny model (0.16M parameters) on Shakespeare, 4 workers of "
+                 "4 x 128 tokens, 900 steps (12 tokens per parameter), H = 30 (30 outer "
+                 "steps) with the outer optimizer the sweeps chose (lr 1, no momentum) for "
+                 "DiLoCo, Streaming DiLoCo (FP4, and its fp32 twin) and NoLoCo (also in 2 "
+                 "pipeline stages with fixed and with random routing), Local and "
+                 "DataParallel",
+        "algorithms": "ddp,diloco,streaming,streaming-fp32=streaming,noloco,noloco-pp=noloco,"
+                      "noloco-routed=noloco,local",
+        "seeds": [0, 1, 2],
+        "shared": {"model": "tiny", "workers": 4, "steps": 900, "batch_size": 4,
+                   "seq_len": 128, "warmup": 30, "eval_every": 100, "eval_batches": 8,
+                   "final_eval_batches": 50, "log_every": 20},
+        "methods": {"diloco": {"sync_every": 30, **FEW_OUTER_STEPS},
+                    "streaming": {"sync_every": 30, "fragments": 2, "overlap": "1",
+                                  "mixing": 0.5, "codec": "fp4_e3m0", **FEW_OUTER_STEPS},
+                    "streaming-fp32": {"codec": "fp32"},
+                    "noloco": {"sync_every": 30, "spread_every": 10, **FEW_OUTER_STEPS},
+                    "noloco-pp": {"stages": 2},
+                    "noloco-routed": {"stages": 2, "routing": "random"},
                     "local": {"spread_every": 10}},
     },
     "paper": {
@@ -581,6 +614,8 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
                 method_option(m, option, value, source)
     parse_sets(sets or [], methods)
     grid = parse_sweeps(sweeps, methods, swept)
+    if seeds is None and preset is not None and "seed" not in values:
+        seeds = PRESETS[preset].get("seeds")  # a --seed (flag or file) replaces the preset's
     seed_list = _seeds(seeds, values, "the flag" if "seed" in shared else str(config_file))
     methods = expand(methods, grid + ([seed_sweep(seed_list)] if seed_list else []))
 

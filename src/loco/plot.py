@@ -39,7 +39,8 @@ def plot_losses(records: list[dict], path: str, title: str = "", reference: floa
 def plot_comparison(runs, out: str) -> list[str]:
     """The side-by-side plots of :mod:`loco.report`, as PNG files in ``out``. A run with
     nothing to show on a plot (no bytes on a log axis, no spread) is left off it and named in
-    its legend's title.
+    its legend's title. The runs of one method over several seeds share its colour and its
+    one legend entry.
 
     Args:
         runs: the report's Run objects, in report order.
@@ -60,8 +61,12 @@ def plot_comparison(runs, out: str) -> list[str]:
         if not drawn:
             return
         fig, ax = plt.subplots(figsize=(7, 4.2))
+        colors: dict[str, str] = {}
         for run, pts in drawn:
-            ax.plot(*zip(*pts), marker=marker, ms=3, lw=1.4, label=run.name,
+            first = run.group_name not in colors  # a method's seeds share its colour
+            color = colors.setdefault(run.group_name, f"C{len(colors) % 10}")
+            ax.plot(*zip(*pts), marker=marker, ms=3, lw=1.4, color=color,
+                    label=run.group_name if first else "_nolegend_",
                     drawstyle="steps-post" if steps else "default")
         missing = [run.name for run, pts in curves if not pts]
         ax.set_xscale("log" if xlog else "linear")
@@ -103,7 +108,7 @@ def plot_comparison(runs, out: str) -> list[str]:
 
 def plot_sweep(path: str, option: str, ticks: list[tuple[float, str]],
                lines: list[tuple[str, list[tuple[float, float, int]]]],
-               reference: tuple[str, float, int] | None = None,
+               references: list[tuple[str, float, int]] | None = None,
                show_bytes: bool = True) -> None:
     """A sweep as the papers' ablation figures draw it: final eval loss against the swept
     value, one line per method and value of the other swept options; with ``show_bytes``, a
@@ -115,8 +120,9 @@ def plot_sweep(path: str, option: str, ticks: list[tuple[float, str]],
         ticks: (x position, label) of every value of ``option``: the values themselves when
             they are numbers, else 0, 1, ... in order.
         lines: (legend label, [(x position, final eval loss, bytes sent per worker), ...]).
-        reference: (name, final eval loss, bytes) of a baseline drawn dashed across both
-            panels (DataParallel), or None.
+        references: (name, final eval loss, bytes) of baselines drawn across both panels,
+            the first dashed (DataParallel), the next dotted (Local, which sends nothing and
+            so appears on the loss panel only); default: none.
         show_bytes: draw the bytes panel; a line that sends nothing is left off it (log
             axis).
     """
@@ -135,11 +141,10 @@ def plot_sweep(path: str, option: str, ticks: list[tuple[float, str]],
             sent = [(p, b) for p, _, b in points if b > 0]
             if sent:
                 axes[0][1].plot(*zip(*sent), "o-", ms=4, lw=1.4, label=label)
-    if reference is not None:
-        name, loss, sent = reference
-        loss_ax.axhline(loss, ls="--", c="grey", lw=1, label=name)
+    for (name, loss, sent), style in zip(references or [], ("--", ":", "-.")):
+        loss_ax.axhline(loss, ls=style, c="grey", lw=1.2, label=name)
         if show_bytes and sent > 0:
-            axes[0][1].axhline(sent, ls="--", c="grey", lw=1, label=name)
+            axes[0][1].axhline(sent, ls=style, c="grey", lw=1.2, label=name)
     for ax in axes[0]:
         if log_x:
             ax.set_xscale("log")

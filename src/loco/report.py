@@ -34,6 +34,11 @@ CODEC_BITS = {"fp32": 32, "bf16": 16, "fp8_e4m3": 8, "int8": 8, "fp4_e3m0": 4, "
 #: The codecs that drop values: they send a share ``codec_keep`` (default 1/8) of them.
 SPARSE_CODECS = ("topk", "dare", "random_drop")
 DEFAULT_KEEP = 0.125
+#: Options an FP4 Streaming run and its fp32 twin may differ in (see
+#: [`twin`][loco.report.twin]): the wire format and where the run is written.
+TWIN_FREE = {"codec", "codec_block", "codec_keep", "out", "wandb_run_name"}
+#: The same for a run with random routing and its twin with fixed routing.
+ROUTING_FREE = {"routing", "out", "wandb_run_name"}
 
 
 def codec_compression(codec: str, block: int = 32, keep: float | None = None) -> float:
@@ -314,9 +319,7 @@ def method_setting(run: Run) -> str:
         return f"gradients averaged every step, sent in {grad_codec(run)}"
     if algo == "local":
         return "no communication"
-    text = f"H={c['sync_every']}"
-    if algo in ("diloco", "streaming") and c.get("nesterov") is False:
-        text += f", heavy-ball μ={c.get('outer_momentum')}"
+    text = f"H={c['sync_every']}" + outer_setting(c, algo)
     if algo == "streaming":
         mixing = c.get("mixing", c.get("alpha"))  # runs saved before the rename say alpha
         text += f", P={c['fragments']}, τ={c['overlap']}, α={mixing}, {c['codec']}"
@@ -325,6 +328,24 @@ def method_setting(run: Run) -> str:
     if run.summary.get("stages", 1) > 1:
         text += f", {run.summary['stages']} stages ({run.summary['routing']} routing)"
     return text
+
+
+def outer_setting(config: dict, algorithm: str) -> str:
+    """The outer optimizer's settings, as the setting column shows them after H:
+    ``, outer lr 0.7, Nesterov μ=0.9`` (``heavy-ball``, ``no momentum``); NoLoCo's as the
+    paper names them, ``, β=0.7, α=0.5``; empty for runs saved before these were recorded.
+
+    Args:
+        config: the run's ``summary.json`` config.
+        algorithm: the run's algorithm.
+    """
+    lr, mu = config.get("outer_lr"), config.get("outer_momentum")
+    if lr is None or mu is None:
+        return ""
+    if algorithm == "noloco":
+        return f", β={lr:g}, α={mu:g}"
+    kind = "heavy-ball" if config.get("nesterov") is False else "Nesterov"
+    return f", outer lr {lr:g}, " + (f"{kind} μ={mu:g}" if mu else "no momentum")
 
 
 def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
@@ -502,14 +523,15 @@ class Claim:
         text: the claim, naming the methods without a seed.
         measured: what was measured, as the report shows it.
         met: whether it holds.
-        losses: a loss claim's two final eval losses, the method's and its reference's;
+        pair: a comparison's two values, the method's and its reference's (final eval
+            losses, or replicas' spreads), whose gap in % of the reference's is the margin;
             None for other claims.
     """
 
     text: str
     measured: str
     met: bool
-    losses: tuple[float, float] | None = None
+    pair: tuple[float, float] | None = None
 
 
 def targets(runs: list[Run]) -> list[tuple[str, str, bool | None]]:
@@ -545,14 +567,86 @@ def targets(runs: list[Run]) -> list[tuple[str, str, bool | None]]:
 def _measured_over_seeds(per_seed: dict[int | None, Claim]) -> str:
     """A claim's measured cell over seeds (see [`targets`][loco.report.targets])."""
     found = list(per_seed.values())
-    if found[0].losses is None:
+    if found[0].pair is None:
         texts = {c.measured for c in found}
         return (found[0].measured if len(texts) == 1 else
                 "; ".join(f"seed {seed}: {c.measured}" for seed, c in per_seed.items()))
-    gaps = [100 * (a - b) / b for a, b in (c.losses for c in found)]
-    spreads = [half_range_pct([c.losses[i] for c in found]) for i in (0, 1)]
+    gaps = [100 * (a - b) / b for a, b in (c.pair for c in found)]
+    spreads = [half_range_pct([c.pair[i] for c in found]) for i in (0, 1)]
     return (f"{sum(gaps) / len(gaps):+.2f}% (seeds: {min(gaps):+.1f}% to {max(gaps):+.1f}%; "
             f"seed spread ±{spreads[0]:.1f}% / ±{spreads[1]:.1f}%)")
+
+
+def twin(runs: list[Run], run: Run, free: set[str], **want: Any) -> Run | None:
+    """Another run of ``run``'s algorithm whose configuration is ``run``'s but for the options
+    in ``free`` and holds ``want``: the reference a claim holds ``run`` against.
+
+    Args:
+        runs: the runs of one seed.
+        run: the run.
+        free: the options the two may differ in.
+        **want: option values the twin must have.
+    """
+    def rest(r: Run) -> dict:
+        return {k: v for k, v in r.summary["config"].items() if k not in free}
+
+    return next((r for r in runs if r is not run and r.algorithm == run.algorithm
+                 and all(r.summary["config"].get(k) == v for k, v in want.items())
+                 and rest(r) == rest(run)), None)
+
+
+def fp32_twin(runs: list[Run], streaming: Run | None) -> Run | None:
+    """A Streaming run that sends fp32 where ``streaming`` sends a narrower codec, its other
+    settings the same ([`twin`][loco.report.twin]): the reference of the FP4 ≈ fp32 claim;
+    None without one.
+
+    Args:
+        runs: the runs of one seed.
+        streaming: the Streaming baseline run, or None.
+    """
+    if streaming is None or streaming.summary["config"].get("codec", "fp32") == "fp32":
+        return None
+    return twin(runs, streaming, TWIN_FREE, codec="fp32")
+
+
+def mean_spread(run: Run) -> float | None:
+    """The mean of the replicas' RMS spread over a run's logged measures (``--spread-every``);
+    None where none was logged.
+
+    Args:
+        run: a run.
+    """
+    spreads = [rec["spread"] for rec in run.records if rec.get("spread") is not None]
+    return sum(spreads) / len(spreads) if spreads else None
+
+
+def routing_claim(runs: list[Run]) -> list[Claim]:
+    """NoLoCo's claim that random pipeline routing lowers the replicas' spread (the paper:
+    by 10-15%): each run with random routing against its [`twin`][loco.report.twin] with
+    fixed routing (labelled runs, or a ``--sweep routing=fixed,random``), by their mean spread
+    over the run ([`mean_spread`][loco.report.mean_spread]).
+
+    Args:
+        runs: the runs of one seed.
+
+    Returns:
+        One Claim per such pair (none without one).
+    """
+    rows = []
+    for routed in runs:
+        config = routed.summary["config"]
+        if config.get("routing") != "random" or config.get("stages", 1) < 2:
+            continue
+        fixed = twin(runs, routed, ROUTING_FREE, routing="fixed")
+        if fixed is None:
+            continue
+        a, b = mean_spread(routed), mean_spread(fixed)
+        if a is None or b is None or not b:
+            continue
+        change = 100 * (a - b) / b
+        rows.append(Claim(f"random routing lowers the replicas' spread: {routed.group_name} "
+                          f"below {fixed.group_name}", f"{change:+.2f}%", change < 0, (a, b)))
+    return rows
 
 
 def claims(runs: list[Run]) -> list[Claim]:
@@ -560,7 +654,10 @@ def claims(runs: list[Run]) -> list[Claim]:
 
     Each algorithm is represented by its [`baseline`][loco.report.baseline] run; NoLoCo is
     held against a DiLoCo run with heavy-ball outer momentum where there is one (the NoLoCo
-    paper's baseline, ``diloco-hb`` in ``--preset paper``).
+    paper's baseline, ``diloco-hb`` in ``--preset paper``). FP4 is held against a second
+    Streaming run that sends fp32 ([`fp32_twin`][loco.report.fp32_twin]); random routing
+    against a run of the same algorithm and stages with fixed routing
+    ([`routing_claim`][loco.report.routing_claim]).
 
     Args:
         runs: the runs, in report order, of one seed.
@@ -573,16 +670,23 @@ def claims(runs: list[Run]) -> list[Claim]:
                        and r.summary["config"].get("nesterov") is False), by.get("diloco"))
     rows = []
 
-    def loss_gap(a: Run | None, b: Run | None, limit: float):
+    def loss_gap(a: Run | None, b: Run | None, limit: float, text: str = ""):
         if a is not None and b is not None:
             la, lb = a.summary["final_eval_loss"], b.summary["final_eval_loss"]
             gap = 100 * (la - lb) / lb
-            rows.append(Claim(f"{a.group_name} eval loss within {limit:g}% of "
-                              f"{b.group_name}'s", f"{gap:+.2f}%", gap <= limit, (la, lb)))
+            text = text or f"within {limit:g}% of {b.group_name}'s"
+            rows.append(Claim(f"{a.group_name} eval loss {text}", f"{gap:+.2f}%", gap <= limit,
+                              (la, lb)))
 
-    loss_gap(by.get("streaming"), by.get("diloco"), 2)
+    streaming = by.get("streaming")
+    loss_gap(streaming, fp32_twin(runs, streaming), 1)
+    loss_gap(streaming, by.get("diloco"), 2)
+    if "local" in by:
+        loss_gap(by.get("diloco"), by["local"], 0,
+                 f"below {by['local'].group_name}'s (no communication)")
     loss_gap(by.get("diloco"), by.get("ddp"), 5)
     loss_gap(by.get("noloco"), heavy_ball, 3)
+    rows += routing_claim(runs)
     if "ddp" in by and "streaming" in by:
         sent = by["streaming"].summary["bytes_sent_per_worker"]
         ratio = by["ddp"].summary["bytes_sent_per_worker"] / sent if sent else float("inf")
@@ -806,7 +910,7 @@ def sweep_tables(runs: list[Run], numbers: dict[str, dict]) -> list[str]:
 def sweep_plots(runs: list[Run], out: str) -> list[str]:
     """One plot per group of swept options: final eval loss (and, where the swept options
     change them, bytes sent per worker) against the first swept option, one line per method
-    and value of the other options, DataParallel dashed for reference.
+    and value of the other options, DataParallel dashed and Local dotted for reference.
 
     Args:
         runs: the runs, in report order.
@@ -818,7 +922,7 @@ def sweep_plots(runs: list[Run], out: str) -> list[str]:
     from loco.plot import plot_sweep
 
     written = []
-    ddp = baseline(runs, "ddp")
+    bases = [r for a in ("ddp", "local") if (r := baseline(runs, a)) is not None]
     for keys, members in sweep_groups(runs):
         x, others = keys[0], keys[1:]
         xs = sorted({_value(r.sweep[1][x]) for r in members}, key=_sortable)
@@ -831,11 +935,11 @@ def sweep_plots(runs: list[Run], out: str) -> list[str]:
             lines.setdefault(name, []).append(
                 (pos, r.summary["final_eval_loss"], r.summary["bytes_sent_per_worker"]))
         ticks = [(float(v) if numeric else i, v) for i, v in enumerate(xs)]
-        reference = None if ddp is None else (ddp.name, ddp.summary["final_eval_loss"],
-                                              ddp.summary["bytes_sent_per_worker"])
+        references = [(r.name, r.summary["final_eval_loss"], r.summary["bytes_sent_per_worker"])
+                      for r in bases if r not in members]
         name = "sweep_" + "_".join(keys) + ".png"
         sent = {r.summary["bytes_sent_per_worker"] for r in members}
-        plot_sweep(os.path.join(out, name), x, ticks, list(lines.items()), reference,
+        plot_sweep(os.path.join(out, name), x, ticks, list(lines.items()), references,
                    show_bytes=len(sent) > 1 and max(sent) > 0)
         written.append(name)
     return written
@@ -919,9 +1023,35 @@ def render_markdown(runs: list[Run], numbers: dict[str, dict], plots: list[str])
     return "\n".join(lines) + "\n"
 
 
+#: The smallest tokens per parameter of the papers' runs (Streaming DiLoCo's 1B model on 25B
+#: tokens); the regime sentence holds a comparison's against it.
+PAPER_TOKENS_PER_PARAMETER = 25
+
+
+def regime(runs: list[Run]) -> str:
+    """One sentence saying what regime the runs are in against the papers': training tokens
+    per model parameter and outer steps (per H the runs use).
+
+    Args:
+        runs: the runs, in report order.
+    """
+    first = runs[0].summary
+    ratio = first["tokens"] / first["model_parameters"]
+    hs = sorted({r.summary["config"]["sync_every"] for r in runs
+                 if r.algorithm in ("diloco", "streaming", "noloco")})
+    outer = " and".join(f" {first['inner_steps'] // h} outer steps at H = {h}" for h in hs)
+    early = ratio < PAPER_TOKENS_PER_PARAMETER
+    return (f"Regime: {ratio:.2g} training tokens per model parameter"
+            + (f",{outer}" if hs else "") + "; the papers train on "
+            f"{PAPER_TOKENS_PER_PARAMETER} or more tokens per parameter (Streaming DiLoCo's "
+            "1B model: 25B and 250B tokens) with H = 30 to 500"
+            + (", so these runs compare the methods early in training, while the loss still "
+               "falls fast." if early else "."))
+
+
 def intro(runs: list[Run]) -> list[str]:
-    """The report's opening paragraphs, as markdown lines: the job, then how to read the
-    numbers (and, with several seeds, the table's means).
+    """The report's opening paragraphs, as markdown lines: the job, its regime (see
+    [`regime`][loco.report.regime]), then how to read the numbers (and, with several seeds, the table's means).
 
     Args:
         runs: the runs, in report order.
@@ -944,6 +1074,7 @@ def intro(runs: list[Run]) -> list[str]:
              f"{seed}"
              + (f"; emulated link {link['bandwidth'] or 'unlimited'}, "
                 f"{link['latency'] or '0 ms'} per worker" if link else "") + ".", "",
+             regime(runs), "",
              "Eval loss: nats/token on held-out text (the global model; for NoLoCo and Local, "
              "replica 0 unless the run ends with the replicas' average). Bytes: sent by the "
              "busiest worker over the run, training traffic only (DataParallel's with its "

@@ -1,0 +1,190 @@
+"""The claims a comparison checks beyond the loss gaps of tests/test_compare.py and
+tests/test_seeds.py: FP4 against a Streaming run in fp32, DiLoCo against no communication,
+random routing's replica spread, seed by seed; the report's regime sentence; and the
+``evidence`` preset, which must plan every claim it is there to test (no training)."""
+
+import pytest
+
+from loco import compare
+from loco.report import (Run, claims, fp32_twin, mean_spread, order_key, regime,
+                         routing_claim, targets)
+
+
+def run(label, algorithm, loss=5.0, seed=None, spreads=(), summary=None, **config):
+    """A finished run as summary.json and metrics.jsonl read, with a spread logged per value
+    of ``spreads``."""
+    config = {"seed": seed if seed is not None else 0, "sync_every": 10, "fragments": 2,
+              "overlap": "1", "mixing": 0.5, "codec": "fp32", "group_size": 2, "gamma": 0.7,
+              **config}
+    records = [{"step": 10 * (i + 1), "spread": s} for i, s in enumerate(spreads)]
+    records.insert(1, {"step": 5, "loss": 6.0})  # a record without a spread is skipped
+    return Run(label, label, {"algorithm": algorithm, "final_eval_loss": loss,
+                              "bytes_sent_per_worker": 10, "peak_sync_bytes_per_worker": 5,
+                              "model_parameters": 1000, "tokens": 2000, "inner_steps": 300,
+                              "config": config, **(summary or {})}, records)
+
+
+def by_text(rows):
+    return {c.text: c for c in rows}
+
+
+# ------------------------------------------------------------------------------ FP4 vs fp32
+def test_fp4_is_held_against_the_streaming_run_in_fp32():
+    fp4 = run("streaming", "streaming", 5.04, codec="fp4_e3m0")
+    fp32 = run("streaming-fp32", "streaming", 5.0)
+    assert fp32_twin([fp4, fp32], fp4) is fp32
+    row = by_text(claims([fp4, fp32]))[
+        "Streaming DiLoCo eval loss within 1% of streaming-fp32 (Streaming DiLoCo)'s"]
+    assert (row.measured, row.met, row.pair) == ("+0.80%", True, (5.04, 5.0))
+    worse = run("streaming", "streaming", 5.06, codec="fp4_e3m0")
+    assert not by_text(claims([worse, fp32]))[row.text].met  # +1.2%
+
+
+def test_no_fp4_claim_without_a_true_twin():
+    fp4 = run("streaming", "streaming", codec="fp4_e3m0")
+    # other fragments: not the same Streaming, so no reference
+    assert fp32_twin([fp4, run("wide", "streaming", fragments=4)], fp4) is None
+    # the baseline itself in fp32: nothing to hold against
+    plain = run("streaming", "streaming")
+    assert fp32_twin([plain, run("wide", "streaming")], plain) is None
+    # a DiLoCo run is no twin, and the other claims go on without one
+    texts = [c.text for c in claims([fp4, run("diloco", "diloco")])]
+    assert not any("streaming-fp32" in t or "1% of" in t for t in texts)
+    assert "Streaming DiLoCo eval loss within 2% of DiLoCo's" in texts
+
+
+# ------------------------------------------------------------------------------ vs Local
+@pytest.mark.parametrize("diloco,met", [(5.2, True), (5.4, False)])
+def test_diloco_must_end_below_no_communication(diloco, met):
+    rows = by_text(claims([run("diloco", "diloco", diloco), run("local", "local", 5.3)]))
+    row = rows["DiLoCo eval loss below Local's (no communication)"]
+    assert row.met is met and row.pair == (diloco, 5.3)
+    assert row.measured == f"{100 * (diloco - 5.3) / 5.3:+.2f}%"
+
+
+# ------------------------------------------------------------------------------ routing
+def pipeline(label, routing, spreads, algorithm="noloco", stages=2, seed=None, loss=5.0):
+    return run(label, algorithm, loss, seed, spreads, {"stages": stages, "routing": routing},
+               stages=stages, routing=routing)
+
+
+def test_random_routing_is_held_against_fixed_by_mean_spread():
+    fixed = pipeline("noloco", "fixed", [0.10, 0.20, 0.30])
+    routed = pipeline("routed", "random", [0.09, 0.18, 0.24])
+    assert mean_spread(fixed) == pytest.approx(0.2) and mean_spread(routed) == pytest.approx(0.17)
+    (row,) = routing_claim([fixed, routed])
+    assert row.text == ("random routing lowers the replicas' spread: routed (NoLoCo) below "
+                        "NoLoCo")
+    assert row.measured == "-15.00%" and row.met
+    (row,) = routing_claim([fixed, pipeline("routed", "random", [0.2, 0.2, 0.3])])
+    assert row.measured == "+16.67%" and not row.met
+
+
+def test_a_sweep_over_routing_is_held_the_same_way():
+    fixed = pipeline("noloco[routing=fixed]", "fixed", [0.2])
+    routed = pipeline("noloco[routing=random]", "random", [0.18])
+    (row,) = routing_claim(sorted([routed, fixed], key=order_key))
+    assert row.text == ("random routing lowers the replicas' spread: NoLoCo [routing=random] "
+                        "below NoLoCo [routing=fixed]")
+    assert row.measured == "-10.00%" and row.met
+
+
+def test_routing_needs_a_fixed_run_of_the_same_algorithm_and_stages():
+    routed = pipeline("routed", "random", [0.1])
+    assert routing_claim([routed, pipeline("noloco", "fixed", [0.2], stages=4)]) == []
+    assert routing_claim([routed, pipeline("local", "fixed", [0.2], algorithm="local")]) == []
+    assert routing_claim([routed, pipeline("noloco", "fixed", [])]) == []  # no spread logged
+    assert mean_spread(run("ddp", "ddp")) is None
+
+
+def test_routing_over_seeds_gives_margin_range_and_spread():
+    fixed = [0.20, 0.30]
+    routed = [0.17, 0.27]
+    runs = sorted([pipeline(f"noloco[seed={s}]", "fixed", [fixed[s]], seed=s) for s in (0, 1)]
+                  + [pipeline(f"routed[seed={s}]", "random", [routed[s]], seed=s)
+                     for s in (0, 1)], key=order_key)
+    rows = {text: (measured, met) for text, measured, met in targets(runs)}
+    measured, met = rows["random routing lowers the replicas' spread: routed (NoLoCo) below "
+                         "NoLoCo"]
+    gaps = [100 * (r - f) / f for r, f in zip(routed, fixed)]  # -15%, -10%
+    spread = [50 * (max(v) - min(v)) / (sum(v) / 2) for v in (routed, fixed)]
+    assert measured == (f"{sum(gaps) / 2:+.2f}% (seeds: {min(gaps):+.1f}% to "
+                        f"{max(gaps):+.1f}%; seed spread ±{spread[0]:.1f}% / "
+                        f"±{spread[1]:.1f}%)")
+    assert met is True
+
+
+# ------------------------------------------------------------------------------ regime
+def test_the_regime_sentence_states_tokens_per_parameter_and_outer_steps():
+    runs = [run("ddp", "ddp"), run("diloco", "diloco", sync_every=30),
+            run("noloco", "noloco", sync_every=10)]
+    text = regime(runs)
+    assert text.startswith("Regime: 2 training tokens per model parameter, 30 outer steps at "
+                           "H = 10 and 10 outer steps at H = 30; the papers train on 25 or "
+                           "more tokens per parameter")
+    assert text.endswith("early in training, while the loss still falls fast.")
+    long = [run("ddp", "ddp", summary={"tokens": 50_000})]
+    assert regime(long) == ("Regime: 50 training tokens per model parameter; the papers train "
+                            "on 25 or more tokens per parameter (Streaming DiLoCo's 1B model: "
+                            "25B and 250B tokens) with H = 30 to 500.")
+
+
+# ------------------------------------------------------------------------------ the preset
+def test_the_evidence_preset_plans_a_run_for_every_claim():
+    p = compare.plan({}, preset="evidence")
+    assert p.seeds == compare.PRESETS["evidence"]["seeds"] and len(p.seeds) >= 3
+    by_label = {}
+    for m, cfg in zip(p.methods, p.configs):
+        by_label.setdefault(m.label.split("[")[0], []).append(cfg)
+    assert set(by_label) >= {"ddp", "diloco", "streaming", "streaming-fp32", "noloco", "local",
+                             "noloco-pp", "noloco-routed"}
+    one = {label: cfgs[0] for label, cfgs in by_label.items()}
+    assert one["streaming"].codec == "fp4_e3m0" and one["streaming-fp32"].codec == "fp32"
+    assert one["noloco-pp"].stages == one["noloco-routed"].stages == 2
+    assert (one["noloco-pp"].routing, one["noloco-routed"].routing) == ("fixed", "random")
+    assert one["noloco-pp"].spread_every == one["noloco-routed"].spread_every > 0
+    # the same job for every method: model, tokens, workers, seeds
+    assert len({(c.model, c.steps, c.workers, c.batch_size, c.seq_len) for c in p.configs}) == 1
+    assert all(sorted(c.seed for c in cfgs) == sorted(p.seeds) for cfgs in by_label.values())
+
+
+# ------------------------------------------------------------------------------ for real
+def test_a_comparison_holds_random_routing_against_fixed(corpus, tmp_path):
+    """Stages and routing may differ per method: two NoLoCo runs of 2 stages, fixed and
+    random routing, train and the report checks the routing claim on their logged spread."""
+    from loco.cli import main
+    from loco.report import find_runs
+
+    from test_compare import job
+
+    out = tmp_path / "cmp"
+    argv = job(corpus, out, "--algorithms", "noloco,routed=noloco", "--workers", "4",
+               "--set", "noloco.stages=2", "--set", "routed.stages=2",
+               "--set", "routed.routing=random", "--set", "noloco.spread-every=4",
+               "--set", "routed.spread-every=4")
+    assert main(argv) == 0
+    fixed, routed = find_runs([str(out)])
+    assert (fixed.summary["config"]["routing"], routed.summary["config"]["routing"]) == (
+        "fixed", "random")
+    (row,) = routing_claim([fixed, routed])
+    a, b = mean_spread(routed), mean_spread(fixed)
+    assert row.pair == (a, b) and a != b
+    assert row.measured == f"{100 * (a - b) / b:+.2f}%"
+    report = (out / "report.md").read_text()
+    assert f"| {row.text} | {row.measured} | {'yes' if row.met else '**no**'} |" in report
+    assert "2 stages (random routing)" in report
+
+
+@pytest.mark.parametrize("preset", ["quick", "evidence"])
+def test_the_small_presets_give_diloco_and_streaming_the_swept_outer_optimizer(preset):
+    """Chosen by the sweeps of docs/claims.md for tens of outer steps; the papers' preset
+    keeps the papers' outer optimizers."""
+    p = compare.plan({"seed": 0}, preset=preset)
+    for cfg in p.configs:
+        if cfg.algorithm in ("diloco", "streaming", "noloco"):
+            assert (cfg.outer_lr, cfg.outer_momentum) == (1.0, 0.0), cfg.out
+    paper = compare.plan({}, preset="paper")
+    assert {(c.outer_lr, c.outer_momentum) for c in paper.configs
+            if c.algorithm == "diloco" and c.nesterov} == {(0.7, 0.9)}
+    assert {(c.outer_lr, c.outer_momentum) for c in paper.configs
+            if c.algorithm == "noloco"} == {(0.7, 0.5)}
