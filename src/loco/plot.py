@@ -68,7 +68,7 @@ def plot_comparison(runs, out: str) -> list[str]:
             ax.plot(*zip(*pts), marker=marker, ms=3, lw=1.4, color=color,
                     label=run.group_name if first else "_nolegend_",
                     drawstyle="steps-post" if steps else "default")
-        missing = [run.name for run, pts in curves if not pts]
+        missing = list(dict.fromkeys(run.group_name for run, pts in curves if not pts))
         ax.set_xscale("log" if xlog else "linear")
         ax.set_yscale("log" if ylog else "linear")
         ax.set_xlabel(xlabel)
