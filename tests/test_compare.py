@@ -217,6 +217,9 @@ BAD_PLANS = [
     (["--steps", "0"], "method 'ddp': --steps", ">= 1"),
     (["--link-bandwidth", "10MB"], "--link-bandwidth", "100Mbit"),
     (["--preset", "huge"], "--preset", "invalid choice"),
+    # stages and routing may differ per method, and are checked per method
+    (["--set", "noloco.routing=random"], "method 'noloco': --routing", "--stages 2 or more"),
+    (["--set", "local.stages=5"], "method 'local': --stages", "must be in [1, 2]"),
 ]
 
 

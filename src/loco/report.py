@@ -34,11 +34,9 @@ CODEC_BITS = {"fp32": 32, "bf16": 16, "fp8_e4m3": 8, "int8": 8, "fp4_e3m0": 4, "
 #: The codecs that drop values: they send a share ``codec_keep`` (default 1/8) of them.
 SPARSE_CODECS = ("topk", "dare", "random_drop")
 DEFAULT_KEEP = 0.125
-#: Options an FP4 Streaming run and its fp32 twin may differ in (see
-#: [`twin`][loco.report.twin]): the wire format and where the run is written.
-TWIN_FREE = {"codec", "codec_block", "codec_keep", "out", "wandb_run_name"}
-#: The same for a run with random routing and its twin with fixed routing.
-ROUTING_FREE = {"routing", "out", "wandb_run_name"}
+#: Options that say where a run is written, not what it does: [`twin`][loco.report.twin]
+#: runs may differ in them.
+PLACE = frozenset({"out", "wandb_run_name"})
 
 
 def codec_compression(codec: str, block: int = 32, keep: float | None = None) -> float:
@@ -577,16 +575,20 @@ def _measured_over_seeds(per_seed: dict[int | None, Claim]) -> str:
             f"seed spread ±{spreads[0]:.1f}% / ±{spreads[1]:.1f}%)")
 
 
-def twin(runs: list[Run], run: Run, free: set[str], **want: Any) -> Run | None:
-    """Another run of ``run``'s algorithm whose configuration is ``run``'s but for the options
-    in ``free`` and holds ``want``: the reference a claim holds ``run`` against.
+def twin(runs: list[Run], run: Run, also_free: tuple[str, ...] = (), **want: Any
+         ) -> Run | None:
+    """Another run of ``run``'s algorithm that holds ``want`` and is otherwise configured as
+    ``run`` is, but for where it is written (``PLACE``) and the options ``also_free``: the
+    reference a claim holds ``run`` against.
 
     Args:
         runs: the runs of one seed.
         run: the run.
-        free: the options the two may differ in.
-        **want: option values the twin must have.
+        also_free: more options the two may differ in.
+        **want: option values the twin must have (and ``run`` may not).
     """
+    free = PLACE | set(want) | set(also_free)
+
     def rest(r: Run) -> dict:
         return {k: v for k, v in r.summary["config"].items() if k not in free}
 
@@ -606,7 +608,7 @@ def fp32_twin(runs: list[Run], streaming: Run | None) -> Run | None:
     """
     if streaming is None or streaming.summary["config"].get("codec", "fp32") == "fp32":
         return None
-    return twin(runs, streaming, TWIN_FREE, codec="fp32")
+    return twin(runs, streaming, ("codec_block", "codec_keep"), codec="fp32")
 
 
 def mean_spread(run: Run) -> float | None:
@@ -634,10 +636,8 @@ def routing_claim(runs: list[Run]) -> list[Claim]:
     """
     rows = []
     for routed in runs:
-        config = routed.summary["config"]
-        if config.get("routing") != "random" or config.get("stages", 1) < 2:
-            continue
-        fixed = twin(runs, routed, ROUTING_FREE, routing="fixed")
+        fixed = (twin(runs, routed, routing="fixed")
+                 if routed.summary["config"].get("routing") == "random" else None)
         if fixed is None:
             continue
         a, b = mean_spread(routed), mean_spread(fixed)
@@ -1051,7 +1051,8 @@ def regime(runs: list[Run]) -> str:
 
 def intro(runs: list[Run]) -> list[str]:
     """The report's opening paragraphs, as markdown lines: the job, its regime (see
-    [`regime`][loco.report.regime]), then how to read the numbers (and, with several seeds, the table's means).
+    [`regime`][loco.report.regime]), then how to read the numbers (and, with several seeds,
+    the table's means).
 
     Args:
         runs: the runs, in report order.
