@@ -11,7 +11,6 @@ import pytest
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from loco import data
 from loco.data import (
     ENDOFTEXT,
     CorpusError,
@@ -24,6 +23,9 @@ from loco.data import (
     split_documents,
     unigram_entropy,
 )
+from loco.data import corpus as data_corpus
+from loco.data import prepare as data_prepare
+from loco.data import tokenizer as data_tokenizer
 
 pa = pytest.importorskip("pyarrow")  # the 'hf' extra
 pq = pytest.importorskip("pyarrow.parquet")
@@ -131,9 +133,9 @@ def test_streamed_corpus_never_loads_all_documents(parquet_corpus, tmp_path, mon
     def in_memory(*args):
         raise AssertionError("a Parquet corpus was read into memory")
 
-    monkeypatch.setattr(data, "_read_documents", in_memory)
-    monkeypatch.setattr(data, "BATCH_CHARS", 200)  # many tokenizer batches
-    monkeypatch.setattr(data, "BATCH_ROWS", 3)
+    monkeypatch.setattr(data_prepare, "_read_documents", in_memory)
+    monkeypatch.setattr(data_tokenizer, "BATCH_CHARS", 200)  # many tokenizer batches
+    monkeypatch.setattr(data_corpus, "BATCH_ROWS", 3)
     corpus = prepare_corpus(str(parquet_corpus), VOCAB, VAL, tmp_path)
     assert split_decoded(corpus, corpus.val) == VAL_DOCS
 
@@ -145,7 +147,7 @@ def test_cache_reused_and_keyed_by_content(bpe_corpus, parquet_corpus, tmp_path,
     def no_build(*args, **kwargs):
         raise AssertionError("rebuilt although cached")
 
-    monkeypatch.setattr(data, "_build_entry", no_build)
+    monkeypatch.setattr(data_prepare, "_build_entry", no_build)
     again = prepare_corpus(str(parquet_corpus), VOCAB, VAL, os.path.dirname(entry))
     assert again.cache_dir == entry
     assert os.stat(os.path.join(entry, "train.npy")).st_mtime_ns == mtime

