@@ -286,6 +286,9 @@ def load_documents(corpus: str, text_field: str = "text") -> list[str]:
         corpus: ``"shakespeare"``, a text, JSONL, Parquet or Arrow file, a directory, a
             ``datasets`` save_to_disk directory, or a glob of them.
         text_field: the field or column holding the text in JSONL, Parquet and Arrow files.
+
+    Raises:
+        CorpusError: an unusable corpus (missing, empty, unreadable, without the text field).
     """
     files = _source_files(corpus)
     _check_columns(files, text_field)

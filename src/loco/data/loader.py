@@ -31,7 +31,22 @@ def _gather(tokens, windows: np.ndarray, seq_len: int, device) -> tuple[torch.Te
 
 
 class TokenLoader:
-    """Random batches of this worker's shard of the token windows, resumable from state_dict."""
+    """Random batches of this worker's shard of the token windows, resumable from state_dict.
+
+    Args:
+        tokens: the token ids, a 1-D array (memory-mapped is fine).
+        batch_size: windows per batch, >= 1.
+        seq_len: tokens per input row, >= 1; a window holds seq_len + 1 tokens.
+        rank: this reader's index in [0, world_size); it reads the windows with index
+            ≡ rank (mod world_size).
+        world_size: the number of readers sharing ``tokens``; default 1.
+        seed: seeds each epoch's order together with (rank, epoch); default 0.
+        device: where the batches are put; default ``"cpu"``.
+
+    Raises:
+        ValueError: a non-positive ``batch_size`` or ``seq_len``, ``rank`` outside
+            [0, world_size), or a shard with fewer windows than one batch.
+    """
 
     def __init__(
         self,
@@ -71,6 +86,7 @@ class TokenLoader:
 
     @property
     def tokens_per_batch(self) -> int:
+        """Input tokens in one batch: batch_size × seq_len."""
         return self.batch_size * self.seq_len
 
     def next_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,9 +99,18 @@ class TokenLoader:
         return _gather(self.tokens, windows, self.seq_len, self.device)
 
     def state_dict(self) -> dict:
+        """The position to resume from: ``{"epoch": e, "position": p}`` (batches read in e)."""
         return {"epoch": int(self.epoch), "position": int(self.position)}
 
     def load_state_dict(self, state: dict) -> None:
+        """Continue from a :meth:`state_dict`: the next batch is the one it would have read.
+
+        Args:
+            state: ``{"epoch": e, "position": p}`` with e >= 0 and 0 <= p <= batches_per_epoch.
+
+        Raises:
+            ValueError: a state that does not fit this loader.
+        """
         epoch, position = int(state["epoch"]), int(state["position"])
         if epoch < 0 or not 0 <= position <= self.batches_per_epoch:
             raise ValueError(
@@ -97,7 +122,19 @@ class TokenLoader:
 def eval_batches(
     tokens, batch_size: int, seq_len: int, max_batches: int | None = None, device="cpu"
 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Fixed (x, y) batches spread evenly over ``tokens``: the same on every call."""
+    """Fixed (x, y) batches spread evenly over ``tokens``: the same on every call.
+
+    Args:
+        tokens: the held-out token ids, a 1-D array.
+        batch_size: windows per batch, >= 1 (one smaller batch when there are fewer windows).
+        seq_len: tokens per input row, >= 1.
+        max_batches: at most this many batches, >= 0; default None (every whole batch).
+        device: where the batches are put; default ``"cpu"``.
+
+    Raises:
+        ValueError: ``tokens`` shorter than one window, or a bad ``batch_size``,
+            ``seq_len`` or ``max_batches`` (raised by the call, not the first ``next``).
+    """
     n = _num_windows(tokens, seq_len)
     if n < 1:
         raise ValueError(

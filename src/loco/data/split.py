@@ -42,7 +42,17 @@ def _tail_split(text: str, val_fraction: float) -> tuple[str, str]:
 
 
 def split_documents(docs: list[str], val_fraction: float) -> tuple[str, str]:
-    """Deterministically split documents into (train_text, val_text); see module docs."""
+    """Deterministically split documents into (train_text, val_text), as the module describes.
+
+    Args:
+        docs: the documents, in corpus order; they are joined with blank lines.
+        val_fraction: the share held out for validation, in (0, 1); every
+            k-th block is held out, k = max(2, round(1/val_fraction)).
+
+    Raises:
+        ValueError: ``val_fraction`` outside (0, 1).
+        CorpusError: too little text to give both parts some.
+    """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be between 0 and 1, got {val_fraction}")
     text = "\n\n".join(docs)

@@ -20,7 +20,15 @@ def _entropy(counts: np.ndarray) -> float:
 
 
 def unigram_entropy(tokens, vocab_size: int) -> float:
-    """Entropy in nats of the token frequencies: the loss of the best context-free model."""
+    """Entropy in nats of the token frequencies: the loss of the best context-free model.
+
+    Args:
+        tokens: token ids, an array or tensor of any shape.
+        vocab_size: the number of ids the tokenizer can produce; every id is below it.
+
+    Raises:
+        ValueError: ``tokens`` is empty.
+    """
     return _entropy(np.bincount(np.asarray(tokens).reshape(-1), minlength=vocab_size))
 
 
