@@ -4,7 +4,8 @@ wrong, generate the options table.
 * ``on_pre_build`` runs :func:`docstring_problems` on ``docs/reference`` and logs a warning for
   each problem, so ``mkdocs build --strict`` fails on a missing or incomplete docstring.
 * ``on_page_markdown`` replaces ``<!-- loco-train-options -->`` with a table of every
-  ``loco train`` option, generated from :class:`loco.config.TrainConfig`.
+  ``loco train`` option, generated from :class:`loco.config.TrainConfig`, and opens every
+  API reference page with a table of what it documents (:func:`summary_table`).
 * ``on_page_content`` runs :func:`rendering_problems` on every page's HTML and logs a warning
   for each problem, so ``--strict`` fails on a list that merged into a paragraph or on maths
   that ``attr_list`` read as attributes.
@@ -251,6 +252,40 @@ def rendering_problems(page_html: str) -> list[str]:
     return problems
 
 
+# ----------------------------------------------------------------------- reference summary
+def _first_sentence(doc: str, limit: int = 160) -> str:
+    paragraph = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+    paragraph = re.sub(r":\w+:`", "`", paragraph)  # Sphinx roles such as :func:`name`
+    match = re.match(r"(.{20,}?)[.:;](\s|$)", paragraph)
+    text = match.group(1) + "." if match else paragraph
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " …"
+
+
+def summary_table(markdown: str) -> str:
+    """A Markdown table of the objects a reference page documents, in page order: each
+    ``::: dotted.path`` as a link to its entry and the first sentence of its docstring
+    (constants: their type).
+
+    Args:
+        markdown: the page's Markdown, with its ``::: dotted.path`` directives.
+
+    Returns:
+        The table, or ``""`` when the page has no directive.
+    """
+    paths = DIRECTIVE.findall(markdown)
+    if not paths:
+        return ""
+    rows = ["| name | what it is |", "|---|---|"]
+    for path in paths:
+        obj = resolve(path)
+        if inspect.isclass(obj) or inspect.isroutine(obj) or inspect.ismodule(obj):
+            what = _cell(_first_sentence(obj.__doc__ or "")) or "—"
+        else:
+            what = f"constant ({type(obj).__name__})"
+        rows.append(f"| [`{path.rsplit('.', 1)[-1]}`][{path}] | {what} |")
+    return "\n".join(rows)
+
+
 # ---------------------------------------------------------------------------------- hooks
 def on_pre_build(config) -> None:
     for problem in docstring_problems(Path(config["docs_dir"]) / "reference"):
@@ -258,7 +293,13 @@ def on_pre_build(config) -> None:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    return markdown.replace(MARKER, options_table()) if MARKER in markdown else markdown
+    if MARKER in markdown:
+        markdown = markdown.replace(MARKER, options_table())
+    source = getattr(getattr(page, "file", None), "src_uri", "")
+    if source.startswith("reference/") and "\n## " in markdown:
+        head, rest = markdown.split("\n## ", 1)  # the table goes before the first section
+        markdown = f"{head}\n{summary_table(markdown)}\n\n## {rest}"
+    return markdown
 
 
 def on_page_content(html_text: str, page, config, files) -> str:

@@ -187,3 +187,17 @@ def test_readme_loop_is_the_example_file():
     end = readme.index("\n", readme.index("return algo.global_parameters()", start))
     assert readme[start:end] in example
     assert '--8<-- "docs/examples/own_loop.py"' in (DOCS / "own-loop.md").read_text()
+
+
+def test_reference_pages_open_with_a_summary_table(hooks):
+    page = (REFERENCE / "runtime.md").read_text(encoding="utf-8")
+    table = hooks.summary_table(page).splitlines()
+    assert len(table) - 2 == len(hooks.DIRECTIVE.findall(page))
+    assert all(row.startswith("| [`") and "][loco." in row for row in table[2:])
+
+    class Page:
+        class file:
+            src_uri = "reference/runtime.md"
+    out = hooks.on_page_markdown(page, Page, None, None)
+    assert out.index(table[0]) < out.index("\n## ")
+    assert hooks.summary_table("# no directives\n") == ""
