@@ -1,9 +1,14 @@
-"""MkDocs hooks: fail the build on an incomplete API reference, generate the options table.
+"""MkDocs hooks: fail the build on an incomplete API reference or on Markdown that rendered
+wrong, generate the options table.
 
 * ``on_pre_build`` runs :func:`docstring_problems` on ``docs/reference`` and logs a warning for
   each problem, so ``mkdocs build --strict`` fails on a missing or incomplete docstring.
 * ``on_page_markdown`` replaces ``<!-- loco-train-options -->`` with a table of every
-  ``loco train`` option, generated from :class:`loco.config.TrainConfig`.
+  ``loco train`` option, generated from :class:`loco.config.TrainConfig`, and opens every
+  API reference page with a table of what it documents (:func:`summary_table`).
+* ``on_page_content`` runs :func:`rendering_problems` on every page's HTML and logs a warning
+  for each problem, so ``--strict`` fails on a list that merged into a paragraph or on maths
+  that ``attr_list`` read as attributes.
 
 Only the standard library is imported here (loco on use), so the tests can load this file
 without mkdocs installed.
@@ -17,6 +22,7 @@ import importlib
 import inspect
 import logging
 import re
+from html.parser import HTMLParser
 from pathlib import Path
 
 log = logging.getLogger("mkdocs.plugins.loco")
@@ -181,6 +187,105 @@ def options_table() -> str:
     return "\n".join(rows)
 
 
+# ------------------------------------------------------------------------ rendering checker
+LIST_MARKER = re.compile(r"^\s*(?:[-*+]|\d+\.)\s")
+
+
+class _RenderingChecker(HTMLParser):
+    """Collects the text of every ``<p>`` outside ``<code>`` and every ``<em>`` that has
+    attributes."""
+
+    def __init__(self):
+        super().__init__(convert_charrefs=True)
+        self.paragraphs: list[str] = []
+        self.attributed: list[str] = []
+        self._text: list[str] | None = None  # the open paragraph's text
+        self._code = 0
+
+    def handle_starttag(self, tag, attrs):
+        if tag == "p":
+            self._text = []
+        elif tag == "code":
+            self._code += 1
+        elif tag == "em" and attrs:
+            self.attributed.append(" ".join(f'{k}="{v}"' for k, v in attrs))
+
+    def handle_endtag(self, tag):
+        if tag == "p" and self._text is not None:
+            self.paragraphs.append("".join(self._text))
+            self._text = None
+        elif tag == "code":
+            self._code = max(0, self._code - 1)
+
+    def handle_data(self, data):
+        if self._text is not None:
+            self._text.append("\u2026" if self._code else data)
+
+
+def rendering_problems(page_html: str) -> list[str]:
+    """What Python-Markdown got wrong in a rendered page, one string each.
+
+    * A paragraph with a line that starts with a list marker (``- ``, ``* ``, ``+ ``,
+      ``1. ``): a list that merged into the paragraph before it, because no blank line
+      separates them (or a nested block lacks its 4-space indentation).
+    * An ``<em>`` with attributes: ``attr_list`` read text such as ``_{m,p}`` as
+      ``{attributes}`` (write maths as ``$...$``).
+
+    Args:
+        page_html: the HTML of one page's content, as ``on_page_content`` receives it.
+
+    Returns:
+        The problems, in page order; empty when the page rendered as written.
+    """
+    checker = _RenderingChecker()
+    checker.feed(page_html)
+    checker.close()
+    problems = []
+    for text in checker.paragraphs:
+        lines = text.splitlines()
+        for line in lines[1:]:  # the first line cannot have merged into anything
+            if LIST_MARKER.match(line):
+                problems.append(f"a list merged into a paragraph (add a blank line before "
+                                f"it): {line.strip()[:70]!r}")
+    problems += [f"<em {attrs}>: text read as attributes (write maths as $...$)"
+                 for attrs in checker.attributed]
+    return problems
+
+
+# ----------------------------------------------------------------------- reference summary
+def _first_sentence(doc: str, limit: int = 160) -> str:
+    paragraph = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+    paragraph = re.sub(r":\w+:`", "`", paragraph)  # Sphinx roles such as :func:`name`
+    match = re.match(r"(.{20,}?)[.:;](\s|$)", paragraph)
+    text = match.group(1) + "." if match else paragraph
+    return text if len(text) <= limit else text[:limit].rsplit(" ", 1)[0] + " …"
+
+
+def summary_table(markdown: str) -> str:
+    """A Markdown table of the objects a reference page documents, in page order: each
+    ``::: dotted.path`` as a link to its entry and the first sentence of its docstring
+    (constants: their type).
+
+    Args:
+        markdown: the page's Markdown, with its ``::: dotted.path`` directives.
+
+    Returns:
+        The table, or ``""`` when the page has no directive.
+    """
+    paths = DIRECTIVE.findall(markdown)
+    if not paths:
+        return ""
+    rows = ["| name | what it is |", "|---|---|"]
+    for path in paths:
+        obj = resolve(path)
+        if inspect.isclass(obj) or inspect.isroutine(obj) or inspect.ismodule(obj):
+            what = _cell(_first_sentence(obj.__doc__ or "")) or "—"
+        else:
+            what = f"constant ({type(obj).__name__})"
+        rows.append(f"| [`{path.rsplit('.', 1)[-1]}`][{path}] | {what} |")
+    return "\n".join(rows)
+
+
 # ---------------------------------------------------------------------------------- hooks
 def on_pre_build(config) -> None:
     for problem in docstring_problems(Path(config["docs_dir"]) / "reference"):
@@ -188,4 +293,16 @@ def on_pre_build(config) -> None:
 
 
 def on_page_markdown(markdown: str, page, config, files) -> str:
-    return markdown.replace(MARKER, options_table()) if MARKER in markdown else markdown
+    if MARKER in markdown:
+        markdown = markdown.replace(MARKER, options_table())
+    source = getattr(getattr(page, "file", None), "src_uri", "")
+    if source.startswith("reference/") and "\n## " in markdown:
+        head, rest = markdown.split("\n## ", 1)  # the table goes before the first section
+        markdown = f"{head}\n{summary_table(markdown)}\n\n## {rest}"
+    return markdown
+
+
+def on_page_content(html_text: str, page, config, files) -> str:
+    for problem in rendering_problems(html_text):
+        log.warning("%s: %s", page.file.src_uri, problem)
+    return html_text

@@ -133,3 +133,71 @@ def test_readme_is_short_and_its_links_resolve():
     assert local and all((ROOT / t).exists() for t in local), \
         [t for t in local if not (ROOT / t).exists()]
     assert "make demo" in text and "make test" in text
+
+
+def test_rendering_check_catches_merged_lists_and_attribute_maths(hooks):
+    """The build fails on a list that Python-Markdown merged into the paragraph before it (no
+    blank line) and on maths that attr_list read as attributes; a well-formed page passes."""
+    bad = ("<p>The causes:\n- <strong>one</strong> cause\n* another\n12. a third</p>\n"
+           "<p>merged as <em m_p=\"None\">θ</em> and more</p>")
+    problems = hooks.rendering_problems(bad)
+    assert len(problems) == 4, problems
+    assert sum("list merged into a paragraph" in p for p in problems) == 3
+    assert any(p.startswith('<em m_p="None">') for p in problems)
+    good = ("<p>A paragraph - with a dash,\nthen 3 - 1 and 1.5 lines</p>\n<ul>\n<li>an item</li>\n"
+            "</ul>\n<p>code: <code>x\n- y</code> and <em>emphasis</em></p>\n"
+            "<pre><code>- not a paragraph\n</code></pre>")
+    assert hooks.rendering_problems(good) == []
+
+
+def test_rendering_check_runs_in_the_build(hooks, caplog):
+    class Page:  # what on_page_content reads of mkdocs' page
+        class file:
+            src_uri = "bad.md"
+    with caplog.at_level("WARNING", logger="mkdocs.plugins.loco"):
+        assert hooks.on_page_content("<p>a\n- b</p>", Page, None, None) == "<p>a\n- b</p>"
+    assert "bad.md: a list merged into a paragraph" in caplog.text
+
+
+def _own_loop_example():
+    spec = importlib.util.spec_from_file_location("own_loop_example",
+                                                  DOCS / "examples" / "own_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_own_loop_example_runs_and_learns(capsys):
+    """docs/examples/own_loop.py, which the own-loop page includes, runs as written: four
+    thread workers of Streaming DiLoCo (FP4) learn the counting sequences."""
+    import math
+
+    example = _own_loop_example()
+    loss = example.main(steps=40)
+    assert loss < math.log(example.VOCAB) / 4
+    assert "eval loss of the global model" in capsys.readouterr().out
+
+
+def test_readme_loop_is_the_example_file():
+    """The README's loop is the example's worker, line for line, and the own-loop page
+    includes the file itself."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    example = (DOCS / "examples" / "own_loop.py").read_text(encoding="utf-8")
+    start = readme.index("def worker(ctx")
+    end = readme.index("\n", readme.index("return algo.global_parameters()", start))
+    assert readme[start:end] in example
+    assert '--8<-- "docs/examples/own_loop.py"' in (DOCS / "own-loop.md").read_text()
+
+
+def test_reference_pages_open_with_a_summary_table(hooks):
+    page = (REFERENCE / "runtime.md").read_text(encoding="utf-8")
+    table = hooks.summary_table(page).splitlines()
+    assert len(table) - 2 == len(hooks.DIRECTIVE.findall(page))
+    assert all(row.startswith("| [`") and "][loco." in row for row in table[2:])
+
+    class Page:
+        class file:
+            src_uri = "reference/runtime.md"
+    out = hooks.on_page_markdown(page, Page, None, None)
+    assert out.index(table[0]) < out.index("\n## ")
+    assert hooks.summary_table("# no directives\n") == ""
