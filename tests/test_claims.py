@@ -6,8 +6,16 @@ random routing's replica spread, seed by seed; the report's regime sentence; and
 import pytest
 
 from loco import compare
-from loco.report import (Run, claims, fp32_twin, mean_spread, order_key, regime,
+from loco.algorithms import StreamingDiLoCo
+from loco.report import (Run, claims, mean_spread, order_key, reference, regime,
                          routing_claim, targets)
+
+FP4_CLAIM = StreamingDiLoCo.claims[0]  # FP4 ≈ fp32: against a twin in fp32
+
+
+def fp32_twin(runs, streaming):
+    """The reference of Streaming DiLoCo's FP4 claim."""
+    return reference(runs, streaming, FP4_CLAIM, {})
 
 
 def run(label, algorithm, loss=5.0, seed=None, spreads=(), summary=None, **config):

@@ -483,10 +483,3 @@ def test_parameter_count_matches_the_built_model():
         mcfg = model_config(name, 300, 16, **dims)
         model = Transformer(mcfg, torch.Generator().manual_seed(0))
         assert parameter_count(mcfg) == model.num_parameters()
-
-
-def test_the_command_line_knows_every_codec():
-    from loco.comm.codecs import CODEC_NAMES
-    from loco.config import CODEC_NAMES as FLAG_CHOICES
-
-    assert FLAG_CHOICES == CODEC_NAMES

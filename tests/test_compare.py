@@ -11,7 +11,10 @@ from loco import compare
 from loco.cli import main
 from loco.config import ConfigError
 from loco.comm.codecs import CODEC_NAMES, get_codec
-from loco.report import CODEC_BITS, METHODS, Run, codec_compression, targets
+from loco.algorithms import methods
+from loco.report import CODEC_BITS, Run, codec_compression, targets
+
+METHODS = {name: cls.title for name, cls in methods().items()}
 
 PLOTS = ("loss_vs_tokens.png", "loss_vs_bytes.png", "bytes_vs_time.png", "spread.png")
 
@@ -269,7 +272,7 @@ def test_presets_give_every_method_the_same_job(preset, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     plan = compare.plan({}, preset=preset)
     algorithms = [m.algorithm for m in plan.methods]
-    assert sorted(set(algorithms)) == sorted(compare.DEFAULT_ALGORITHMS)
+    assert sorted(set(algorithms)) == sorted(compare.algorithm_names())
     for option in compare.SHARED:
         if option not in ("out",) and not (option == "seed" and plan.seeds):
             assert len({getattr(c, option) for c in plan.configs}) == 1, option
@@ -285,7 +288,7 @@ def test_presets_give_every_method_the_same_job(preset, monkeypatch):
 
 def test_quick_preset_runs_the_five_methods(monkeypatch):
     plan = compare.plan({}, preset="quick")
-    assert [m.label for m in plan.methods] == list(compare.DEFAULT_ALGORITHMS)
+    assert [m.label for m in plan.methods] == list(compare.algorithm_names())
     assert {c.sync_every for c in plan.configs if c.algorithm != "ddp"
             and c.algorithm != "local"} == {30}
 

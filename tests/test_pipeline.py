@@ -309,14 +309,14 @@ def test_diloco_over_stages_keeps_tied_copies_and_stage_replicas_in_step():
 
 
 def train_pipe_worker(ctx, cfg_kwargs, layers, steps):
-    """``loco train``'s own algorithm set-up (make_algorithm) on a pipeline stage."""
+    """``loco train``'s own algorithm set-up (``Method.from_config``) on a pipeline stage."""
     from loco.config import TrainConfig, resolve
-    from loco.train import adamw, make_algorithm
+    from loco.train import adamw
 
     cfg = resolve(TrainConfig(**cfg_kwargs))
     model = make_model(layers=layers)
     stage = PipelineStage(model, ctx, BATCH, SEQ, routing=cfg.routing, seed=3)
-    algo = make_algorithm(cfg, stage.module, adamw(stage.module, cfg), ctx.comm, stage)
+    algo = cfg.method.from_config(cfg, stage.module, adamw(stage.module, cfg), ctx.comm, stage)
     for t in range(steps):
         stage.forward_backward(batch(ctx.replica, t) if stage.is_first else None, t)
         algo.step()

@@ -133,7 +133,7 @@ def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, parallel="
     import tempfile
 
     from loco import checkpoint
-    from loco.algorithms import ALGORITHMS
+    from loco.algorithms import method
     from loco.runtime.fsdp import shard_worker
     from loco.train import shard_mesh
 
@@ -144,7 +144,7 @@ def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, parallel="
         opt = make_optimizer(model)
         kw = ({"sync_every": sync_every, **extra}
               if algo_name in ("diloco", "streaming", "noloco") else {})
-        return model, opt, ALGORITHMS[algo_name](model, opt, ctx.comm, inner=ctx.inner, **kw)
+        return model, opt, method(algo_name)(model, opt, ctx.comm, inner=ctx.inner, **kw)
 
     dcp, mesh = ctx.checkpoint_group is not None, shard_mesh(ctx)
     data_id = ctx.replica * ctx.mesh.shards + ctx.shard

@@ -1,4 +1,8 @@
-"""The ``loco`` command line. Flags are generated from :class:`loco.config.TrainConfig`."""
+"""The ``loco`` command line. Flags are generated from :class:`loco.config.TrainConfig`.
+
+Only the subcommand being run gets its options built, so ``loco --help`` and
+``loco simulate`` start without importing torch (the configuration imports the methods).
+"""
 
 from __future__ import annotations
 
@@ -7,8 +11,7 @@ import dataclasses
 import os
 import sys
 
-from loco.compare import PRESETS
-from loco.config import RENAMED, ConfigError, TrainConfig, build_config
+from loco.options import ConfigError
 
 EPILOG = """Options may also come from a YAML file (--config); flags override it.
 Examples:
@@ -65,6 +68,8 @@ EVAL_EPILOG = """Examples:
 
 def add_train_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """One flag per TrainConfig field (the YAML keys are the same names)."""
+    from loco.config import RENAMED, TrainConfig, choices
+
     for f in TrainConfig.fields():
         if f.name in skip:
             continue
@@ -77,23 +82,41 @@ def add_train_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
         else:
             parser.add_argument(*flags, dest=f.name, type=_flag_type(f),
                                 default=argparse.SUPPRESS,
-                                choices=f.metadata.get("choices"),
-                                metavar=None if f.metadata.get("choices") else _metavar(f),
+                                choices=choices(f),
+                                metavar=None if choices(f) else _metavar(f),
                                 help=help_text)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``loco`` parser; only ``command``'s options are built (every subcommand's with
+    None; none but the subcommands' names with ``""``).
+
+    Args:
+        command: the subcommand being run, None for all, ``""`` for none.
+    """
     parser = Parser(prog="loco", description="Train language models across workers that "
                     "talk rarely and little (Streaming DiLoCo, DiLoCo, NoLoCo, data-parallel, "
                     "local), and simulate what each needs at scale.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    for name, build in SUBCOMMANDS.items():
+        build(sub, command in (None, name))
+    return parser
+
+
+def _train_parser(sub, full: bool) -> None:
+    """``loco train``: one flag per option (with ``full``)."""
     train = sub.add_parser("train", help="train a model (default: Streaming DiLoCo on Shakespeare)",
                            description="Train a language model with one of the methods and "
                            "write metrics.jsonl, summary.json and loss.png into --out.",
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     train.add_argument("--config", metavar="FILE", help="YAML file of options (its keys are "
                        "the flag names); flags given here override it")
-    add_train_options(train)
+    if full:
+        add_train_options(train)
+
+
+def _compare_parser(sub, full: bool) -> None:
+    """``loco compare``: its own flags and every train option (with ``full``)."""
     compare = sub.add_parser(
         "compare", help="run several methods on the same job and write a side-by-side report",
         description="Train each method (default: ddp, diloco, streaming with FP4 and overlap, "
@@ -120,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
                          "0,1,2 (1 to 16 distinct integers >= 0; not with --seed); the report "
                          "gives each method's mean eval loss with the seeds' spread and checks "
                          "each claim seed by seed (yes, no or mixed)")
+    if not full:
+        return
+    from loco.compare import PRESETS
+
     compare.add_argument("--preset", choices=list(PRESETS), default=None,
                          help="quick: every method in <= 10 min on a 2-core CPU; evidence: "
                          "the papers' claims tested over 3 seeds in about 30 min on a 2-core "
@@ -133,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
                          help="directory for the report and one run directory per method "
                          "(default: runs/compare-<time>); finished runs are never overwritten")
     add_train_options(compare, skip=("algorithm", "out", "resume"))
+
+
+def _report_parser(sub, full: bool) -> None:
+    """``loco report``."""
     report = sub.add_parser(
         "report", help="re-render a comparison's report and plots from saved runs",
         description="Write report.md, compare.json and the plots from finished run "
@@ -142,6 +173,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "directories holding run directories")
     report.add_argument("--out", metavar="DIR", default=None,
                         help="where to write (default: DIR when a single directory is given)")
+
+
+def _eval_parser(sub, full: bool) -> None:
+    """``loco eval``."""
     evaluate = sub.add_parser(
         "eval", help="score a finished run's final model on downstream tasks "
         "(lm-evaluation-harness: HellaSwag, PIQA, ARC-Easy, ...)",
@@ -173,16 +208,23 @@ def build_parser() -> argparse.ArgumentParser:
                           "cpu)")
     evaluate.add_argument("--verbose", action="store_true",
                           help="show lm-eval's own log messages")
+
+
+def _simulate_parser(sub, full: bool) -> None:
+    """``loco simulate``: one subcommand per simulator (with ``full``)."""
     simulate = sub.add_parser("simulate", help="what each method needs at scale, without "
                               "training: compute utilization against bandwidth, and latency",
                               description="Simulators of the papers' scaling arguments.")
     kinds = simulate.add_subparsers(dest="simulation", required=True, parser_class=Parser)
-    for name, text in SIMULATIONS.items():
+    for name, text in SIMULATIONS.items() if full else ():
         module = _simulation(name)
         p = kinds.add_parser(name, help=text, description=(module.__doc__ or text).split(
             "\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
         module.add_arguments(p)
-    return parser
+
+
+SUBCOMMANDS = {"train": _train_parser, "compare": _compare_parser, "report": _report_parser,
+               "eval": _eval_parser, "simulate": _simulate_parser}
 
 
 SIMULATIONS = {
@@ -200,7 +242,9 @@ def _simulation(name: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    given = sys.argv[1:] if argv is None else argv
+    command = given[0] if given and given[0] in SUBCOMMANDS else ""
+    args = build_parser(command).parse_args(argv)
     if args.command == "train":
         return _train(args)
     if args.command == "compare":
@@ -241,6 +285,7 @@ def _guarded(command: str, fn):
 
 
 def _train(args: argparse.Namespace) -> int:
+    from loco.config import TrainConfig, build_config
     from loco.train import human_bytes, run_training
 
     names = {f.name for f in TrainConfig.fields()}
@@ -301,6 +346,7 @@ if __name__ == "__main__":
 
 def _compare(args: argparse.Namespace) -> int:
     from loco import compare
+    from loco.config import TrainConfig
 
     names = {f.name for f in TrainConfig.fields()} - {"algorithm", "out", "resume"}
     shared = {k: v for k, v in vars(args).items() if k in names}

@@ -37,9 +37,8 @@ from typing import Any
 
 import yaml
 
-from loco.config import ALGORITHM_NAMES, RENAMED, ConfigError, TrainConfig, coerce, load_yaml
-
-DEFAULT_ALGORITHMS = ("ddp", "diloco", "streaming", "noloco", "local")
+from loco.algorithms import methods as registered
+from loco.config import RENAMED, ConfigError, TrainConfig, algorithm_names, coerce, load_yaml
 
 #: Options every method must share: the same model, data, seed and token budget (and the
 #: same machine and network), so that only the methods differ. ``stages`` and ``routing`` (a
@@ -51,24 +50,20 @@ SHARED = ("model", "layers", "dim", "heads", "steps", "tokens", "workers",
           "link_latency", "fast_link_bandwidth", "fast_link_latency", "out", "progress",
           "resume", "tokenizer", "eval_corpus", "tensorboard", "wandb", "wandb_project",
           "wandb_mode")
-#: Options that mean something to some methods only; --set (or a preset's, a YAML file's
-#: per-method entry, a --sweep) elsewhere is an error. Options not listed (the inner optimizer's
-#: lr, adam_betas, weight_decay, z_loss, ...) apply to every method.
-ONLY_FOR = {
-    "grad_codec": ("ddp",),
-    "eval_replicas": ("diloco", "streaming"),
-    "sync_every": ("diloco", "streaming", "noloco"),
-    "outer_lr": ("diloco", "streaming", "noloco"),
-    "outer_momentum": ("diloco", "streaming", "noloco"),
-    "nesterov": ("diloco", "streaming", "noloco"),
-    "offload": ("diloco", "streaming"),
-    **{k: ("streaming",) for k in ("fragments", "fragment_pattern", "overlap", "mixing", "codec",
-                                   "codec_block", "codec_keep")},
-    "group_size": ("noloco",),
-    "gamma": ("noloco",),
-    "spread_every": ("noloco", "local"),
-    "final_average": ("noloco", "local"),
-}
+
+
+def only_for(option: str) -> tuple[str, ...]:
+    """The methods an option means something to, where it is some methods' only (their
+    ``Method.uses``); every method's name otherwise (the inner optimizer's lr, adam_betas,
+    weight_decay, z_loss, ...). --set (or a preset's, a YAML file's per-method entry, a
+    --sweep) of an option elsewhere is an error.
+
+    Args:
+        option: an option's field name.
+    """
+    users = tuple(name for name, cls in registered().items() if option in cls.uses())
+    return users or algorithm_names()
+
 
 #: The outer optimizer for tens of outer steps, chosen by the sweeps of docs/claims.md: for
 #: DiLoCo (outer lr 0.3-3 x momentum 0 / Nesterov 0.9 x H 10 / 30, tiny and small models, 300
@@ -159,7 +154,7 @@ class Method:
     Args:
         label: its run directory and its key in ``compare.json``; a sweep's runs are
             ``BASE[OPTION=VALUE,...]``.
-        algorithm: one of ``ALGORITHM_NAMES``.
+        algorithm: a registered method's name.
         options: its own options by field name, on top of the shared ones.
         point: for a sweep's run, the swept options' values at its grid point (by field
             name, in ``--sweep`` order, ``seed`` last with ``--seeds``); empty otherwise.
@@ -191,9 +186,9 @@ def parse_methods(text: str | list) -> list[Method]:
             continue
         label, _, algorithm = item.partition("=") if "=" in item else (item, "", item)
         label, algorithm = label.strip(), algorithm.strip()
-        if algorithm not in ALGORITHM_NAMES:
+        if algorithm not in algorithm_names():
             raise ConfigError("algorithms", f"unknown method {algorithm!r}; choose from "
-                              f"{', '.join(ALGORITHM_NAMES)} (or LABEL=METHOD)")
+                              f"{', '.join(algorithm_names())} (or LABEL=METHOD)")
         if not LABEL.match(label):
             raise ConfigError("algorithms", f"label {label!r} must be lower-case letters, "
                               "digits, '-' or '_', starting with a letter")
@@ -218,7 +213,7 @@ def method_option(method: Method, option: str, value: Any, source: str) -> None:
 
     Raises:
         ConfigError: an unknown option, one that must be shared (``SHARED``), one that does
-            not apply to the method's algorithm (``ONLY_FOR``), or a value of the wrong type.
+            not apply to the method's algorithm (``only_for``), or a value of the wrong type.
     """
     by_name = {f.name: f for f in TrainConfig.fields()}
     name = option.replace("-", "_")
@@ -229,8 +224,8 @@ def method_option(method: Method, option: str, value: Any, source: str) -> None:
         raise ConfigError("set", f"{where}: --{option.replace('_', '-')} must be the same for "
                           "every method (same model, data, seed and token budget); give it "
                           "once, without a method")
-    allowed = ONLY_FOR.get(name)
-    if allowed and method.algorithm not in allowed:
+    allowed = only_for(name)
+    if method.algorithm not in allowed:
         raise ConfigError("set", f"{where}: --{name.replace('_', '-')} does not apply to "
                           f"{method.algorithm} (only to {', '.join(allowed)})")
     try:
@@ -293,12 +288,12 @@ class Sweep:
     texts: list[str]
 
     def applies_to(self, algorithm: str) -> bool:
-        """Whether this option means something to ``algorithm`` (``ONLY_FOR``).
+        """Whether this option means something to ``algorithm`` (``only_for``).
 
         Args:
             algorithm: an algorithm name.
         """
-        return algorithm in ONLY_FOR.get(self.option, ALGORITHM_NAMES)
+        return algorithm in only_for(self.option)
 
 
 def split_sweep_values(option: str, text: str) -> list[str]:
@@ -361,7 +356,7 @@ def parse_sweeps(items: list[str] | None, methods: list[Method],
             directory name should not hold.
     """
     raw = _sweep_texts(items, given)
-    algorithms = sorted({m.algorithm for m in methods}, key=ALGORITHM_NAMES.index)
+    algorithms = sorted({m.algorithm for m in methods}, key=algorithm_names().index)
     return [_sweep(name, texts, algorithms, methods) for name, texts in raw.items()]
 
 
@@ -416,7 +411,7 @@ def _sweep(name: str, texts: list[str], algorithms: list[str], methods: list[Met
     if not any(sweep.applies_to(a) for a in algorithms):
         raise ConfigError("sweep", f"{flag} applies to none of the methods "
                           f"({', '.join(m.label for m in methods)}); only to "
-                          f"{', '.join(ONLY_FOR[name])}")
+                          f"{', '.join(only_for(name))}")
     for text in texts:
         if not SWEEP_VALUE.match(text):
             raise ConfigError("sweep", f"{name}={text!r}: a value may hold only letters, "
@@ -559,7 +554,7 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
     Args:
         shared: options given as flags, for every method, by field name.
         algorithms: ``--algorithms`` (see [`parse_methods`][loco.compare.parse_methods]);
-            default: the YAML file's, else the preset's, else ``DEFAULT_ALGORITHMS``.
+            default: the YAML file's, else the preset's, else every registered method.
         sets: ``--set LABEL.OPTION=VALUE`` items.
         preset: a name of ``PRESETS``, or None.
         config_file: a YAML file of shared options, plus optional ``algorithms``,
@@ -602,10 +597,11 @@ def plan(shared: dict[str, Any], algorithms: str | list | None = None,
     if algorithms is None and preset is not None:
         algorithms = PRESETS[preset].get("algorithms")
     methods = parse_methods(algorithms if algorithms is not None
-                            else ",".join(DEFAULT_ALGORITHMS))
+                            else ",".join(algorithm_names()))
     for key, options, source in per_method:
-        targets = [m for m in methods if m.label == key or (m.algorithm == key and
-                                                           source.startswith("preset"))]
+        # a preset's entries are by method: they apply to every run of it
+        targets = [m for m in methods if key in ((m.label, m.algorithm)
+                                                 if source.startswith("preset") else (m.label,))]
         if not targets and not source.startswith("preset"):
             raise ConfigError("config", f"{source} 'methods' names {key!r}, which is not in "
                               f"--algorithms ({', '.join(m.label for m in methods)})")

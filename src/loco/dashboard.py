@@ -52,21 +52,31 @@ class DashboardError(RuntimeError):
     """A dashboard could not start (W&B online without a login or a network, say)."""
 
 
-def missing_extra(cfg: TrainConfig) -> str | None:
-    """A one-line message naming the extra to install when ``--tensorboard`` or ``--wandb``
-    asks for a package that is not importable; None when all is there (or neither is asked
-    for).
+def missing_extras(cfg: TrainConfig) -> list[tuple[str, str]]:
+    """The extras that ``--tensorboard`` or ``--wandb`` ask for and that are not importable,
+    as data: ``(option, message)`` pairs, the message naming what to install; empty when all
+    is there (or neither is asked for).
 
     Args:
         cfg: the configuration.
     """
     missing = []
     if getattr(cfg, "tensorboard", False) and not _tensorboard_importable():
-        missing.append("--tensorboard needs the tensorboard extra: "
-                       "pip install 'loco[tensorboard]'")
+        missing.append(("tensorboard", "needs the tensorboard extra: "
+                        "pip install 'loco[tensorboard]'"))
     if getattr(cfg, "wandb", False) and not _spec("wandb"):
-        missing.append("--wandb needs the wandb extra: pip install 'loco[wandb]'")
-    return "; ".join(missing) or None
+        missing.append(("wandb", "needs the wandb extra: pip install 'loco[wandb]'"))
+    return missing
+
+
+def missing_extra(cfg: TrainConfig) -> str | None:
+    """The [`missing_extras`][loco.dashboard.missing_extras] in one line
+    (``--wandb needs the wandb extra: ...``), or None when all is there.
+
+    Args:
+        cfg: the configuration.
+    """
+    return "; ".join(f"--{option} {message}" for option, message in missing_extras(cfg)) or None
 
 
 def _spec(name: str) -> bool:
@@ -386,5 +396,5 @@ def _teardown_if_idle() -> None:
     wandb.teardown()
 
 
-__all__ = ["Dashboards", "DashboardError", "GROUP_ENV", "missing_extra", "flatten",
+__all__ = ["Dashboards", "DashboardError", "GROUP_ENV", "missing_extra", "missing_extras", "flatten",
            "record_scalars", "summary_leaves"]

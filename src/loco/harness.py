@@ -78,7 +78,7 @@ class RunCheckpoint:
     @property
     def replicas_differ(self) -> bool:
         """Whether the workers end with models of their own (NoLoCo, Local)."""
-        return self.cfg.algorithm in ("noloco", "local")
+        return not self.cfg.method.replicas_identical
 
 
 def open_run(run_dir: str) -> RunCheckpoint:
@@ -224,15 +224,10 @@ def stage_tensors(run: RunCheckpoint, replica: int) -> list[tuple[dict, dict]]:
 
 
 def _fragment_names(cfg, module, pipeline: bool) -> list[list[str]]:
-    """The parameter names of each fragment, as ``loco.train.make_algorithm`` builds them
-    (DiLoCo: one fragment; pipeline stages: the tied embedding in fragment 0)."""
-    from loco.algorithms.fragments import split_fragments
-    from loco.train import fragment_spec
-
-    if cfg.algorithm == "diloco":
-        return split_fragments(module, 1)
+    """The parameter names of each fragment, as the method builds them
+    (``Method.fragment_names``)."""
     tied = pipeline and getattr(module, "tied", None) is not None
-    return split_fragments(module, fragment_spec(cfg, module, tied), cfg.fragment_pattern)
+    return cfg.method.fragment_names(cfg, module, tied)
 
 
 @torch.no_grad()
@@ -308,7 +303,7 @@ def run_models(run: RunCheckpoint, vocab_size: int, replicas: bool = False):
         replicas: also every replica (and their average); default False.
     """
     workers = _layout(run)[0]
-    if run.cfg.algorithm in ("diloco", "streaming"):
+    if run.cfg.method.global_copy:
         yield ("final",), "the global model", replica_model(run, 0, vocab_size, True)
     elif not run.replicas_differ:  # DataParallel: every worker holds the final model
         yield ("final",), "worker 0's model", replica_model(run, 0, vocab_size)
@@ -666,10 +661,11 @@ def evaluate_run(run_dir: str, tasks: list[str], include_path: str | None = None
     if num_fewshot is not None and num_fewshot < 0:
         raise EvalError(f"--num-fewshot: must be >= 0 (got {num_fewshot})")
     run = open_run(run_dir)
+    method = run.cfg.method
     if replicas is None:
-        replicas = run.cfg.algorithm == "noloco"
-    if replicas and run.cfg.algorithm == "ddp":
-        log("DataParallel's workers hold the same model: --replicas adds nothing")
+        replicas = method.replicas_by_default
+    if replicas and method.replicas_identical and not method.global_copy:
+        log(f"{method.title}'s workers hold the same model: --replicas adds nothing")
         replicas = False
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -718,7 +714,7 @@ def evaluate_run(run_dir: str, tasks: list[str], include_path: str | None = None
 
 
 def _final_description(run: RunCheckpoint) -> str:
-    if run.cfg.algorithm in ("diloco", "streaming"):
+    if run.cfg.method.global_copy:
         return "global"
     if run.replicas_differ and run.cfg.final_average:
         return "average"

@@ -17,11 +17,9 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from loco.config import ConfigError
+from loco.algorithms import Method, PaperClaim, methods
+from loco.options import ConfigError
 
-#: Report order, and the methods' names as the papers write them.
-METHODS = {"ddp": "DataParallel", "diloco": "DiLoCo", "streaming": "Streaming DiLoCo",
-           "noloco": "NoLoCo", "local": "Local"}
 #: Options that are the same for every method of a comparison and not worth repeating per
 #: method in the settings; ``out`` and ``progress`` say nothing about the run.
 NOT_SETTINGS = {"out", "progress", "algorithm"}
@@ -163,6 +161,11 @@ class Run:
         return self.summary["algorithm"]
 
     @property
+    def method(self) -> type[Method]:
+        """The run's method class (``Method`` itself for a method not registered here)."""
+        return methods().get(self.algorithm, Method)
+
+    @property
     def seed(self) -> int | None:
         """The seed of a run of ``loco compare --seeds``, else None (see
         [`seed_point`][loco.report.seed_point])."""
@@ -192,7 +195,7 @@ class Run:
     def method_name(self) -> str:
         """The method's display name without a sweep's grid point: the paper's name when
         the label is the algorithm's own."""
-        algorithm = METHODS.get(self.algorithm, self.algorithm)
+        algorithm = self.method.title or self.algorithm
         return algorithm if self.base == self.algorithm else f"{self.base} ({algorithm})"
 
     @property
@@ -271,16 +274,16 @@ def find_runs(dirs: list[str]) -> list[Run]:
 
 
 def order_key(run: Run) -> tuple:
-    """The report's order: the papers' methods first (``METHODS``), each algorithm's own
+    """The report's order: the registered methods first, in their order, each one's own
     label before others, then labels; a sweep's runs by their grid point (numbers in
     numeric order, before other values); the seeds of one method (or point) by seed.
 
     Args:
         run: a run.
     """
-    known = list(METHODS)
+    rank = {name: i for i, name in enumerate(methods())}
     sweep = run.sweep
-    return (known.index(run.algorithm) if run.algorithm in known else len(known),
+    return (rank.get(run.algorithm, len(rank)),
             run.base != run.algorithm, run.base, sweep is not None,
             tuple(_sortable(v) for v in sweep[1].values()) if sweep else (),
             -1 if run.seed is None else run.seed)
@@ -295,55 +298,17 @@ def _sortable(value: Any) -> tuple:
 
 
 # ------------------------------------------------------------------------------ numbers
-def grad_codec(run: Run) -> str:
-    """DataParallel's gradient wire format (``fp32`` for runs saved before
-    ``--grad-codec``).
-
-    Args:
-        run: a run (of any algorithm).
-    """
-    return run.summary["config"].get("grad_codec") or "fp32"
-
-
 def method_setting(run: Run) -> str:
-    """The method's own knobs in one short phrase.
+    """The method's own knobs in one short phrase (``Method.setting``), and its pipeline
+    stages.
 
     Args:
         run: a run.
     """
-    c = run.summary["config"]
-    algo = run.algorithm
-    if algo == "ddp":
-        return f"gradients averaged every step, sent in {grad_codec(run)}"
-    if algo == "local":
-        return "no communication"
-    text = f"H={c['sync_every']}" + outer_setting(c, algo)
-    if algo == "streaming":
-        mixing = c.get("mixing", c.get("alpha"))  # runs saved before the rename say alpha
-        text += f", P={c['fragments']}, τ={c['overlap']}, α={mixing}, {c['codec']}"
-    if algo == "noloco":
-        text += f", n={c['group_size']}, γ={c['gamma']}"
+    text = run.method.setting(run.summary["config"])
     if run.summary.get("stages", 1) > 1:
         text += f", {run.summary['stages']} stages ({run.summary['routing']} routing)"
     return text
-
-
-def outer_setting(config: dict, algorithm: str) -> str:
-    """The outer optimizer's settings, as the setting column shows them after H:
-    ``, outer lr 0.7, Nesterov μ=0.9`` (``heavy-ball``, ``no momentum``); NoLoCo's as the
-    paper names them, ``, β=0.7, α=0.5``; empty for runs saved before these were recorded.
-
-    Args:
-        config: the run's ``summary.json`` config.
-        algorithm: the run's algorithm.
-    """
-    lr, mu = config.get("outer_lr"), config.get("outer_momentum")
-    if lr is None or mu is None:
-        return ""
-    if algorithm == "noloco":
-        return f", β={lr:g}, α={mu:g}"
-    kind = "heavy-ball" if config.get("nesterov") is False else "Nesterov"
-    return f", outer lr {lr:g}, " + (f"{kind} μ={mu:g}" if mu else "no momentum")
 
 
 def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
@@ -375,7 +340,7 @@ def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
         rel = {"label": r.label, "method": r.name, "setting": method_setting(r),
                "run_dir": os.path.relpath(r.path, out), "eval_loss_vs_ddp_pct": None,
                "ddp_bytes_over_bytes": None, "diloco_peak_over_peak": None,
-               "grad_codec": grad_codec(r) if r.algorithm == "ddp" else None,
+               "grad_codec": r.method.wire(s["config"]),
                "sweep": sweep[1] if sweep else None,
                "downstream": {task: dict(zip(("metric", "value"), main_metric(entry)))
                               for task, entry in (s.get("downstream") or {}).items()
@@ -406,7 +371,8 @@ def baseline(runs: list[Run], algorithm: str) -> Run | None:
     Returns:
         The run, or None when no run is of that algorithm.
     """
-    mine = [r for r in runs if r.algorithm == algorithm]
+    cls = methods().get(algorithm)
+    mine = [r for r in runs if r.method is cls]
     return next((r for r in mine if r.group == algorithm),
                 next((r for r in mine if not r.sweep), mine[0] if mine else None))
 
@@ -592,23 +558,36 @@ def twin(runs: list[Run], run: Run, also_free: tuple[str, ...] = (), **want: Any
     def rest(r: Run) -> dict:
         return {k: v for k, v in r.summary["config"].items() if k not in free}
 
-    return next((r for r in runs if r is not run and r.algorithm == run.algorithm
+    return next((r for r in runs if r is not run and r.method is run.method
                  and all(r.summary["config"].get(k) == v for k, v in want.items())
                  and rest(r) == rest(run)), None)
 
 
-def fp32_twin(runs: list[Run], streaming: Run | None) -> Run | None:
-    """A Streaming run that sends fp32 where ``streaming`` sends a narrower codec, its other
-    settings the same ([`twin`][loco.report.twin]): the reference of the FP4 ≈ fp32 claim;
-    None without one.
+def reference(runs: list[Run], run: Run, claim: PaperClaim, by: dict[str, Run]
+              ) -> Run | None:
+    """The run a claim about ``run`` holds it against; None without one.
+
+    A twin ([`twin`][loco.report.twin]) holding the claim's ``want`` where ``run`` holds
+    none of it (``FP4 ≈ fp32``: a Streaming run in fp32); or the named method's run holding
+    ``want`` (NoLoCo against a DiLoCo run with heavy-ball momentum, the NoLoCo paper's),
+    else that method's baseline run.
 
     Args:
         runs: the runs of one seed.
-        streaming: the Streaming baseline run, or None.
+        run: the run the claim is about.
+        claim: the claim.
+        by: each method's [`baseline`][loco.report.baseline] run, by name.
     """
-    if streaming is None or streaming.summary["config"].get("codec", "fp32") == "fp32":
-        return None
-    return twin(runs, streaming, ("codec_block", "codec_keep"), codec="fp32")
+    config = run.summary["config"]
+    if claim.against == "twin":
+        if any(config.get(k) == v for k, v in claim.want.items()):
+            return None
+        return twin(runs, run, claim.free, **claim.want)
+    cls = methods().get(claim.against)
+    preferred = (next((r for r in runs if r.method is cls and not r.sweep and all(
+        r.summary["config"].get(k) == v for k, v in claim.want.items())), None)
+        if claim.want else None)
+    return preferred or by.get(claim.against)
 
 
 def mean_spread(run: Run) -> float | None:
@@ -650,13 +629,9 @@ def routing_claim(runs: list[Run]) -> list[Claim]:
 
 
 def claims(runs: list[Run]) -> list[Claim]:
-    """The papers' claims checked on the runs of one seed (or of no seed).
-
-    Each algorithm is represented by its [`baseline`][loco.report.baseline] run; NoLoCo is
-    held against a DiLoCo run with heavy-ball outer momentum where there is one (the NoLoCo
-    paper's baseline, ``diloco-hb`` in ``--preset paper``). FP4 is held against a second
-    Streaming run that sends fp32 ([`fp32_twin`][loco.report.fp32_twin]); random routing
-    against a run of the same algorithm and stages with fixed routing
+    """The papers' claims checked on the runs of one seed (or of no seed): every method's
+    declared claims (``Method.claims``) on its [`baseline`][loco.report.baseline] run, each
+    against its [`reference`][loco.report.reference], then random routing against fixed
     ([`routing_claim`][loco.report.routing_claim]).
 
     Args:
@@ -665,56 +640,58 @@ def claims(runs: list[Run]) -> list[Claim]:
     Returns:
         One Claim per claim that these runs can check.
     """
-    by = {a: r for a in METHODS if (r := baseline(runs, a)) is not None}
-    heavy_ball = next((r for r in runs if r.algorithm == "diloco" and not r.sweep
-                       and r.summary["config"].get("nesterov") is False), by.get("diloco"))
+    by = {a: r for a in methods() if (r := baseline(runs, a)) is not None}
     rows = []
+    for run in by.values():
+        for claim in run.method.claims:
+            ref = reference(runs, run, claim, by)
+            if ref is not None:
+                rows.append(CHECKS[claim.kind](run, ref, claim))
+    return rows + routing_claim(runs)
 
-    def loss_gap(a: Run | None, b: Run | None, limit: float, text: str = ""):
-        if a is not None and b is not None:
-            la, lb = a.summary["final_eval_loss"], b.summary["final_eval_loss"]
-            gap = 100 * (la - lb) / lb
-            text = text or f"within {limit:g}% of {b.group_name}'s"
-            rows.append(Claim(f"{a.group_name} eval loss {text}", f"{gap:+.2f}%", gap <= limit,
-                              (la, lb)))
 
-    streaming = by.get("streaming")
-    loss_gap(streaming, fp32_twin(runs, streaming), 1)
-    loss_gap(streaming, by.get("diloco"), 2)
-    if "local" in by:
-        loss_gap(by.get("diloco"), by["local"], 0,
-                 f"below {by['local'].group_name}'s (no communication)")
-    loss_gap(by.get("diloco"), by.get("ddp"), 5)
-    loss_gap(by.get("noloco"), heavy_ball, 3)
-    rows += routing_claim(runs)
-    if "ddp" in by and "streaming" in by:
-        sent = by["streaming"].summary["bytes_sent_per_worker"]
-        ratio = by["ddp"].summary["bytes_sent_per_worker"] / sent if sent else float("inf")
-        ddp = by["ddp"].group_name
-        rows.append(Claim(f"{ddp} sends at least 100× the bytes of "
-                          f"{by['streaming'].group_name}", f"{_ratio(ratio)} ({ddp}'s "
-                          f"gradients in {grad_codec(by['ddp'])})", ratio >= 100))
-    if "diloco" in by and "streaming" in by:
-        s = by["streaming"]
-        config = s.summary["config"]
-        p = config["fragments"]
-        peak = s.summary["peak_sync_bytes_per_worker"]
-        ratio = by["diloco"].summary["peak_sync_bytes_per_worker"] / peak if peak else float("inf")
-        # The claim is about fragments: a 4-bit codec alone makes the peak 7.5x smaller, so
-        # its share (DiLoCo sends fp32) is factored out, and what is left must be about P.
-        codec = config.get("codec", "fp32")
-        squeeze = codec_compression(codec, config.get("codec_block", 32),
-                                    config.get("codec_keep"))
-        frag = ratio / squeeze
-        # What the split allows at best: the whole model against the largest fragment.
-        largest = max((f["elements"] for f in s.summary.get("fragments") or []), default=0)
-        cap = (f"; the largest fragment allows {_ratio(s.summary['model_parameters'] / largest)}"
-               if largest else "")
-        rows.append(Claim(f"{s.group_name}'s peak sync about P={p}× below "
-                          f"{by['diloco'].group_name}'s, from the fragments alone",
-                          f"{_ratio(frag)} ({_ratio(ratio)} in all, {_ratio(squeeze)} of it "
-                          f"from {codec}{cap})", frag >= 0.9 * p))
-    return rows
+def loss_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
+    """``run``'s final eval loss at most ``claim.limit`` % above ``ref``'s."""
+    la, lb = run.summary["final_eval_loss"], ref.summary["final_eval_loss"]
+    gap = 100 * (la - lb) / lb
+    text = (claim.text or "within {limit:g}% of {ref}'s").format(limit=claim.limit,
+                                                                   ref=ref.group_name)
+    return Claim(f"{run.group_name} eval loss {text}", f"{gap:+.2f}%", gap <= claim.limit,
+                 (la, lb))
+
+
+def bytes_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
+    """``ref`` sends at least ``claim.limit`` times ``run``'s bytes per worker."""
+    sent = run.summary["bytes_sent_per_worker"]
+    ratio = ref.summary["bytes_sent_per_worker"] / sent if sent else float("inf")
+    wire = ref.method.wire(ref.summary["config"])
+    note = f" ({ref.group_name}'s gradients in {wire})" if wire else ""
+    return Claim(f"{ref.group_name} sends at least {claim.limit:g}× the bytes of "
+                 f"{run.group_name}", f"{_ratio(ratio)}{note}", ratio >= claim.limit)
+
+
+def peak_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
+    """``run``'s peak sync about P times below ``ref``'s from the fragments alone: a
+    narrower codec alone makes the peak smaller (``ref`` sends fp32), so its share is
+    factored out, and what is left must be at least 0.9 P."""
+    config = run.summary["config"]
+    p = config["fragments"]
+    peak = run.summary["peak_sync_bytes_per_worker"]
+    ratio = ref.summary["peak_sync_bytes_per_worker"] / peak if peak else float("inf")
+    codec = config.get("codec", "fp32")
+    squeeze = codec_compression(codec, config.get("codec_block", 32), config.get("codec_keep"))
+    frag = ratio / squeeze
+    # What the split allows at best: the whole model against the largest fragment.
+    largest = max((f["elements"] for f in run.summary.get("fragments") or []), default=0)
+    cap = (f"; the largest fragment allows {_ratio(run.summary['model_parameters'] / largest)}"
+           if largest else "")
+    return Claim(f"{run.group_name}'s peak sync about P={p}× below {ref.group_name}'s, from "
+                 f"the fragments alone", f"{_ratio(frag)} ({_ratio(ratio)} in all, "
+                 f"{_ratio(squeeze)} of it from {codec}{cap})", frag >= 0.9 * p)
+
+
+#: How each kind of declared claim (``loco.algorithms.PaperClaim.kind``) is checked.
+CHECKS = {"loss": loss_claim, "bytes": bytes_claim, "peak": peak_claim}
 
 
 # ------------------------------------------------------------------------------ markdown
@@ -733,7 +710,8 @@ def _pct(x: float | None) -> str:
 def _sent(run: Run) -> str:
     """Bytes sent per worker; DataParallel's with its gradients' wire format."""
     sent = f"{run.summary['bytes_sent_per_worker']:,}"
-    return f"{sent} ({grad_codec(run)})" if run.algorithm == "ddp" else sent
+    wire = run.method.wire(run.summary["config"])
+    return f"{sent} ({wire})" if wire else sent
 
 
 def worker_ranks(run: Run) -> int:
@@ -1038,7 +1016,7 @@ def regime(runs: list[Run]) -> str:
     first = runs[0].summary
     ratio = first["tokens"] / first["model_parameters"]
     hs = sorted({r.summary["config"]["sync_every"] for r in runs
-                 if r.algorithm in ("diloco", "streaming", "noloco")})
+                 if "sync_every" in r.method.uses()})
     outer = " and".join(f" {first['inner_steps'] // h} outer steps at H = {h}" for h in hs)
     early = ratio < PAPER_TOKENS_PER_PARAMETER
     return (f"Regime: {ratio:.2g} training tokens per model parameter"

@@ -26,15 +26,15 @@ from torch.profiler import record_function
 from tqdm import tqdm
 
 from loco import checkpoint, hf
-from loco.algorithms import ALGORITHMS, Algorithm
+from loco.algorithms import Algorithm
 from loco.algorithms.base import NonFiniteError, flatten_fp32, unflatten_views
 from loco.algorithms.fragments import split_fragments
 from loco.algorithms.sharding import Share, is_sharded, local
 from loco.comm.codecs import kernel_in_use
 from loco.comm.interface import Aborted, Comm
 from loco.comm.link import LinkSpec
-from loco.config import (ConfigError, TrainConfig, betas, check_layout, model_dims, overlaps,
-                         profile_steps, resolve, validate, warnings_for)
+from loco.config import (ConfigError, TrainConfig, betas, model_dims, profile_steps, resolve,
+                         validate, warnings_for)
 from loco.dashboard import Dashboards
 from loco.data import (Corpus, CorpusError, EvalCorpusError, TokenizerError, TokenLoader,
                        eval_batches, prepare_corpus, prepare_eval_tokens)
@@ -45,6 +45,7 @@ from loco.runtime import Elastic, WorkerContext, launch, under_torchrun
 from loco.runtime.elastic import recovery_report, restart_count
 from loco.runtime.faults import Fault, InjectedFault
 from loco.runtime.pipeline import PipelineStage
+from loco.training.preflight import preflight
 
 
 def run_training(cfg: TrainConfig) -> dict:
@@ -75,21 +76,7 @@ def prepare_config(cfg: TrainConfig) -> TrainConfig:
     if cfg.out is None:
         cfg = dataclasses.replace(cfg, out=os.path.join(
             "runs", f"{cfg.algorithm}-{datetime.now():%Y%m%d-%H%M%S}"))
-    if cfg.resume is not None:  # rank files do not reshard; DCP does
-        meta = checkpoint.latest(cfg.resume)
-        if meta is not None:
-            check_layout(meta, cfg.worker_ranks, cfg.worker_parallel,
-                         "torchrun" if under_torchrun() else cfg.launcher)
-    # (a worker of an external Lighthouse's job may start after the lead checkpointed)
-    if cfg.resume is None and restart_count() == 0 and cfg.lighthouse is None:
-        try:
-            held = checkpoint.latest(cfg.out)
-        except checkpoint.CheckpointError:
-            held = True
-        if held:
-            raise ConfigError("out", f"{cfg.out} holds a checkpointed run; continue it with "
-                              f"--resume {cfg.out}, or choose another --out (nothing is "
-                              "overwritten)")
+    preflight(cfg)
     return cfg
 
 
@@ -161,62 +148,6 @@ def check_fits(cfg: TrainConfig, corpus: Corpus) -> None:
         raise ConfigError("batch_size", f"the validation split has {val_windows} windows of "
                           f"{cfg.seq_len} tokens but a pipeline evaluates whole batches of "
                           f"{cfg.batch_size}; lower --batch-size or raise --val-fraction")
-
-
-def make_algorithm(cfg: TrainConfig, model, optimizer, comm,
-                   pipeline: PipelineStage | None = None, inner: Comm | None = None) -> Algorithm:
-    """The algorithm of ``cfg`` on ``model`` (with pipeline stages: this stage's part).
-
-    Args:
-        cfg: the run's configuration.
-        model: the module this rank trains.
-        optimizer: the inner optimizer over its parameters.
-        comm: the slow link between workers (``ctx.comm``).
-        pipeline: this rank's pipeline stage; default None (no stages).
-        inner: the fast link between the ranks of this worker (``ctx.inner``); default
-            None (a worker of one rank).
-    """
-    kwargs = {"max_grad_norm": cfg.grad_clip or None, "on_nonfinite": cfg.on_nonfinite,
-              "inner": inner}
-    if cfg.algorithm in ("diloco", "streaming"):
-        kwargs.update(sync_every=cfg.sync_every, outer_lr=cfg.outer_lr,
-                      outer_momentum=cfg.outer_momentum, nesterov=cfg.nesterov,
-                      offload=cfg.offload)
-    if cfg.algorithm == "noloco":
-        kwargs.update(sync_every=cfg.sync_every, group_size=cfg.group_size,
-                      outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum, gamma=cfg.gamma,
-                      nesterov=cfg.nesterov, seed=cfg.seed, warn=False)
-    if cfg.algorithm == "streaming":
-        tied = pipeline is not None and pipeline.module.tied is not None
-        kwargs.update(fragments=fragment_spec(cfg, model, tied), pattern=cfg.fragment_pattern,
-                      overlap=overlaps(cfg)[comm.rank],  # the outer Comm's rank: the replica
-                      alpha=cfg.mixing, codec=cfg.codec, codec_block=cfg.codec_block,
-                      codec_keep=cfg.codec_keep)
-    if cfg.algorithm == "ddp":
-        kwargs.update(codec=cfg.grad_codec)
-    algo = ALGORITHMS[cfg.algorithm](model, optimizer, comm, **kwargs)
-    if pipeline is not None and pipeline.stages > 1:
-        algo.grad_norm_fn = pipeline.grad_norm  # clip by the whole model's gradient norm
-    return algo
-
-
-def fragment_spec(cfg: TrainConfig, model: torch.nn.Module, tied: bool) -> int | list:
-    """Streaming DiLoCo's fragments as ``make_algorithm`` gives them: P (``--fragments``), or
-    for a pipeline stage that holds a copy of the tied embedding, name lists with it in
-    fragment 0: its two copies (first and last stage) must be synced at the same steps to
-    stay identical.
-
-    Args:
-        cfg: the run's configuration.
-        model: the module the algorithm syncs (the stage's part with pipeline stages).
-        tied: whether ``model`` holds a copy of the tied embedding.
-    """
-    if not tied:
-        return cfg.fragments
-    names = split_fragments(model, cfg.fragments, cfg.fragment_pattern)
-    fragments = [[n for n in group if n != "embed.weight"] for group in names]
-    fragments[0].append("embed.weight")
-    return fragments
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -480,7 +411,7 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     trained = model if pipeline is None else pipeline.module
     optimizer = adamw(trained, cfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    algo = make_algorithm(cfg, trained, optimizer, ctx.comm, pipeline, ctx.inner)
+    algo = cfg.method.from_config(cfg, trained, optimizer, ctx.comm, pipeline, ctx.inner)
     # Every rank of every worker reads its own batches: M x R readers.
     loader = (TokenLoader(corpus.train, cfg.batch_size, cfg.seq_len,
                           rank=ctx.replica * ctx.mesh.shards + ctx.shard,
@@ -909,7 +840,7 @@ def checkpoint_if_due(w: Worker, loop: Loop, step: int) -> None:
     background."""
     cfg = w.cfg
     every = cfg.checkpoint_every * cfg.sync_every
-    delay = max(overlaps(cfg)) if cfg.algorithm == "streaming" else 0
+    delay = cfg.method.checkpoint_delay(cfg)
     if step == cfg.steps or (every and step > delay and (step - delay) % every == 0):
         assert step == cfg.steps or not w.algo.sync_in_flight, "a sync is in flight"
         if w.ctx.comm.elastic:
@@ -1133,7 +1064,7 @@ def final_evaluation(w: Worker) -> tuple[float | None, dict | None]:
                                   cfg.final_average, w.pipeline)
         return (replicas["final_eval_loss"] if w.main else None), replicas
     replicas = None
-    if cfg.eval_replicas and cfg.algorithm in ("diloco", "streaming") and cfg.workers > 1:
+    if cfg.method.global_copy and cfg.eval_replicas and cfg.workers > 1:
         # The Streaming DiLoCo paper's Table 3: the first replica, the replicas' average
         # and the global parameters (the final model), all on the same batches.
         batches = batches or list(eval_batches(w.corpus.val, cfg.batch_size, cfg.seq_len,

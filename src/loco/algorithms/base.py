@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from loco.algorithms.method import Method
 from loco.algorithms.sharding import Share, flatten_fp32, is_sharded, local, unflatten_views
 from loco.comm import Comm
 
@@ -41,7 +42,7 @@ class NonFiniteError(ArithmeticError):
     """
 
 
-class Algorithm:
+class Algorithm(Method):
     """Base class: the model, its inner optimizer, the communication and the step counter.
 
     A subclass implements [`step`][loco.algorithms.base.Algorithm.step] (and
@@ -78,9 +79,6 @@ class Algorithm:
             the values above.
         RuntimeError: the workers' initial state differs (checksums disagree).
     """
-
-    replicas_identical = True
-    """Whether every worker holds the same global parameters (so one worker may evaluate)."""
 
     @property
     def sync_in_flight(self) -> bool:

@@ -24,6 +24,7 @@ import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,6 +37,18 @@ from loco.algorithms.base import Algorithm
 from loco.algorithms.sharding import flatten_fp32, local, unflatten_views
 from loco.comm import Comm
 from loco.comm.codecs import get_codec
+from loco.options import opt
+
+GRAD_CODECS = ("fp32", "bf16")
+
+
+@dataclass
+class DataParallelOptions:
+    """DataParallel's own option: the gradients' wire format."""
+
+    grad_codec: str = opt("fp32", "wire format of DataParallel's (ddp) gradients: fp32, or "
+                          "bf16 as the Streaming DiLoCo paper's data-parallel baseline; the "
+                          "reduction itself is fp32", GRAD_CODECS)
 
 
 class DataParallel(Algorithm):
@@ -84,9 +97,28 @@ class DataParallel(Algorithm):
         ValueError: another ``codec``.
     """
 
+    name = "ddp"
+    title = "DataParallel"
+    options = DataParallelOptions
+
+    @classmethod
+    def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
+        """The gradients' wire format."""
+        return {"codec": cfg.grad_codec}
+
+    @classmethod
+    def setting(cls, config: dict) -> str:
+        """Every step, and the gradients' wire format."""
+        return f"gradients averaged every step, sent in {cls.wire(config)}"
+
+    @classmethod
+    def wire(cls, config: dict) -> str | None:
+        """The gradients' wire format (fp32 for runs saved before ``grad_codec``)."""
+        return config.get("grad_codec") or "fp32"
+
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
                  codec: str = "fp32", bucket_cap_mb: float | None = None, **kwargs: Any):
-        if codec not in ("fp32", "bf16"):
+        if codec not in GRAD_CODECS:
             raise ValueError(f"codec must be fp32 or bf16 for DataParallel (got {codec!r})")
         self.codec = None if codec == "fp32" else get_codec(codec)
         super().__init__(model, inner_optimizer, comm, **kwargs)

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from loco.algorithms.streaming_diloco import StreamingDiLoCo
+from loco.algorithms.method import Method, PaperClaim, leftover_steps
+from loco.algorithms.streaming_diloco import GlobalCopyOptions, StreamingDiLoCo, outer_kwargs
 from loco.comm import Comm
 
 
@@ -46,6 +47,42 @@ class DiLoCo(StreamingDiLoCo):
     Raises:
         ValueError: an argument outside the ranges above.
     """
+
+    name = "diloco"
+    title = "DiLoCo"
+    options = GlobalCopyOptions  # none of Streaming DiLoCo's own: P = 1, τ = 0, α = 0, fp32
+    defaults = {"sync_every": 100, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+    claims = (PaperClaim("loss", "local", 0, text="below {ref}'s (no communication)"),
+              PaperClaim("loss", "ddp", 5))
+
+    @classmethod
+    def check(cls, cfg, layers: int) -> None:
+        """Nothing beyond the shared options: Streaming DiLoCo's own do not apply."""
+
+    @classmethod
+    def setting(cls, config: dict) -> str:
+        """H and the outer optimizer."""
+        return f"H={config['sync_every']}" + cls.outer_setting(config)
+
+    @classmethod
+    def checkpoint_delay(cls, cfg) -> int:
+        """0: a sync is applied within the step that sends it."""
+        return 0
+
+    @classmethod
+    def fragment_names(cls, cfg, module, tied: bool) -> list[list[str]]:
+        """One fragment: the whole model."""
+        return Method.fragment_names(cfg, module, tied)
+
+    @classmethod
+    def warnings(cls, cfg) -> list[str]:
+        """Inner steps past the last sync."""
+        return leftover_steps(cfg)
+
+    @classmethod
+    def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
+        """H, the outer optimizer and ``offload``."""
+        return outer_kwargs(cfg)
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
                  sync_every: int = 500,

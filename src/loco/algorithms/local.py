@@ -29,8 +29,16 @@ class Local(Algorithm):
             gradients, as for [`Algorithm`][loco.algorithms.base.Algorithm]; default None.
     """
 
+    name = "local"
+    title = "Local"
+    shared = ("spread_every", "final_average")
     replicas_identical = False
     """Replicas drift apart; each worker's own parameters are what it evaluates."""
+
+    @classmethod
+    def setting(cls, config: dict) -> str:
+        """Nothing to set: no communication."""
+        return "no communication"
 
     def step(self) -> None:
         """One inner step of this worker's optimizer; no communication."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,9 +28,21 @@ from torch import nn
 from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm
+from loco.algorithms.method import OUTER, PaperClaim, leftover_steps
 from loco.algorithms.sharding import Share, unflatten_views
 from loco.comm import Comm
 from loco.comm.codecs import get_codec
+from loco.options import need, opt
+
+
+@dataclass
+class NoLoCoOptions:
+    """NoLoCo's own options: the gossip groups' size n and the pull γ."""
+
+    group_size: int = opt(2, "n (noloco): workers per random gossip group, redrawn every outer "
+                          "step; must divide --workers")
+    gamma: float = opt(0.7, "gamma (noloco): pull of each worker's slow weights towards its "
+                       "group's mean")
 
 SLOW_CODECS = ("fp32", "bf16")
 """Wire formats allowed for the slow weights φ: at least bf16."""
@@ -83,7 +96,47 @@ class NoLoCo(Algorithm):
             state differs.
     """
 
+    name = "noloco"
+    title = "NoLoCo"
+    options = NoLoCoOptions
+    shared = OUTER + ("spread_every", "final_average")
+    defaults = {"sync_every": 50, "outer_lr": 0.7, "outer_momentum": 0.5, "nesterov": False}
     replicas_identical = False
+    replicas_by_default = True
+    # The paper's baseline is DiLoCo with heavy-ball outer momentum, where a run has it.
+    claims = (PaperClaim("loss", "diloco", 3, want={"nesterov": False}),)
+
+    @classmethod
+    def check(cls, cfg, layers: int) -> None:
+        """n >= 2 dividing M; γ finite and >= 0."""
+        need(cfg, cfg.group_size >= 2 and cfg.workers % cfg.group_size == 0, "group_size",
+             f"must be an integer >= 2 that divides --workers ({cfg.workers})")
+        need(cfg, math.isfinite(cfg.gamma) and cfg.gamma >= 0, "gamma", "must be a number >= 0")
+
+    @classmethod
+    def warnings(cls, cfg) -> list[str]:
+        """(α, β, γ) outside the paper's convergence region; steps past the last sync."""
+        return (convergence_warnings(cfg.outer_lr, cfg.outer_momentum, cfg.gamma,
+                                     cfg.group_size) + leftover_steps(cfg))
+
+    @classmethod
+    def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
+        """H, n, β, α, γ, Nesterov and the seed of the groups."""
+        return {"sync_every": cfg.sync_every, "group_size": cfg.group_size,
+                "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum,
+                "gamma": cfg.gamma, "nesterov": cfg.nesterov, "seed": cfg.seed, "warn": False}
+
+    @classmethod
+    def setting(cls, config: dict) -> str:
+        """H, β, α, the groups' n and γ."""
+        return (f"H={config['sync_every']}" + cls.outer_setting(config)
+                + f", n={config['group_size']}, γ={config['gamma']}")
+
+    @classmethod
+    def outer_setting(cls, config: dict) -> str:
+        """NoLoCo's β and α."""
+        lr, mu = config.get("outer_lr"), config.get("outer_momentum")
+        return "" if lr is None or mu is None else f", β={lr:g}, α={mu:g}"
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
                  sync_every: int = 50, group_size: int = 2,

@@ -32,10 +32,92 @@ from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm
 from loco.algorithms.fragments import PATTERNS, split_fragments
+from loco.algorithms.method import OUTER, PaperClaim
 from loco.algorithms.outer_thread import OuterThread, momentum_of
 from loco.algorithms.sharding import Share, flatten_fp32, unflatten_views
 from loco.comm import Comm, Handle
-from loco.comm.codecs import get_codec
+from loco.comm.codecs import CODEC_NAMES, get_codec
+from loco.options import ConfigError, need, opt
+
+
+@dataclass
+class GlobalCopyOptions:
+    """The options of a method that keeps a global copy apart from the replicas (DiLoCo)."""
+
+    eval_replicas: bool = opt(False, "diloco, streaming: at the end also evaluate every "
+                              "replica and the replicas' average, next to the global model "
+                              "(the Streaming DiLoCo paper's Table 3); every worker evaluates "
+                              "(noloco and local always do)")
+    offload: bool = opt(False, "keep the global copy and outer optimizer state in CPU memory "
+                        "(diloco, streaming)")
+
+
+@dataclass
+class StreamingOptions(GlobalCopyOptions):
+    """Streaming DiLoCo's own options: P, the pattern, τ, α and the wire format."""
+
+    fragments: int = opt(2, "P (streaming): fragments the model's blocks are split into, each "
+                         "synced once every H steps: fragment p at step floor((p + 1) H / P) of "
+                         "each round, so any P <= H works; the peak bytes of a sync are those "
+                         "of the largest fragment")
+    fragment_pattern: str = opt("strided", "how blocks are dealt to fragments (streaming): "
+                                "strided (block i to fragment i mod P) or sequential",
+                                PATTERNS)
+    overlap: str = opt("1", "tau (streaming): inner steps a sync stays in flight while training "
+                       "goes on, 0 <= tau < floor(H/P) (the smallest gap between two sends); "
+                       "hides the transfer time. One integer for every worker, or one per "
+                       "worker: 1,1,2,5")
+    mixing: float = opt(0.5, "mixing factor alpha (streaming): share of the local parameters "
+                        "kept when a synced fragment is merged back, in [0, 1]; 0 replaces "
+                        "them (old name: --alpha)")
+    codec: str = opt("fp4_e3m0", "wire format of the pseudo-gradients (streaming); the "
+                     "reduction itself is fp32", CODEC_NAMES)
+    codec_keep: float | None = opt(None, "share of the values the sparse codecs (topk, "
+                                   "dare, random_drop) send, in (0, 1] (default: 1/8, the "
+                                   "bytes of 4 bits per value)")
+    codec_block: int = opt(32, "values per power-of-two scale of the 8- and 4-bit codecs; "
+                           "larger blocks send fewer scale bytes but clip less evenly")
+
+
+def overlaps(cfg) -> list[int]:
+    """τ of every worker, from ``overlap`` (one integer for all, or one per worker).
+
+    Args:
+        cfg: the configuration (``overlap`` and ``workers``).
+
+    Raises:
+        ConfigError: not integers, or a list whose length is not ``workers``.
+    """
+    try:
+        values = [int(v) for v in str(cfg.overlap).split(",")]
+    except ValueError:
+        raise ConfigError("overlap", f"expected an integer or one per worker such as 1,1,2,5 "
+                          f"(got {cfg.overlap!r})") from None
+    if len(values) == 1:
+        return values * cfg.workers
+    if len(values) != cfg.workers:
+        raise ConfigError("overlap", f"gives {len(values)} values but there are {cfg.workers} "
+                          f"workers; give one integer, or one per worker")
+    return values
+
+
+def outer_kwargs(cfg) -> dict[str, Any]:
+    """H, the outer optimizer and ``offload``, as a method with a global copy takes them."""
+    return {"sync_every": cfg.sync_every, "outer_lr": cfg.outer_lr,
+            "outer_momentum": cfg.outer_momentum, "nesterov": cfg.nesterov,
+            "offload": cfg.offload}
+
+
+def _fragment_spec(cfg, model: nn.Module, tied: bool) -> int | list:
+    """P (``fragments``), or for a pipeline stage that holds a copy of the tied embedding,
+    name lists with it in fragment 0: its two copies (first and last stage) must be synced
+    at the same steps to stay identical."""
+    if not tied:
+        return cfg.fragments
+    names = split_fragments(model, cfg.fragments, cfg.fragment_pattern)
+    fragments = [[n for n in group if n != "embed.weight"] for group in names]
+    fragments[0].append("embed.weight")
+    return fragments
 
 
 @dataclass
@@ -148,6 +230,75 @@ class StreamingDiLoCo(Algorithm):
         RuntimeError: the codec cannot run on ``comm``'s device, or the workers' initial
             state differs.
     """
+
+    name = "streaming"
+    title = "Streaming DiLoCo"
+    options = StreamingOptions
+    shared = OUTER
+    defaults = {"sync_every": 100, "outer_lr": 0.4, "outer_momentum": 0.9, "nesterov": True}
+    global_copy = True
+    claims = (
+        PaperClaim("loss", "twin", 1, want={"codec": "fp32"}, free=("codec_block", "codec_keep")),
+        PaperClaim("loss", "diloco", 2),
+        PaperClaim("bytes", "ddp", 100),
+        PaperClaim("peak", "diloco"),
+    )
+
+    @classmethod
+    def check(cls, cfg, layers: int) -> None:
+        """P within the smallest stage's blocks and H, every τ below floor(H/P), α in
+        [0, 1], the sparse codecs' keep in (0, 1], an even codec block in [2, 65536]."""
+        blocks = layers // cfg.stages  # the smallest stage's blocks
+        need(cfg, 1 <= cfg.fragments <= blocks, "fragments",
+             f"must be in [1, {blocks}], the number of blocks of the {cfg.model} model"
+             + (f" in its smallest of {cfg.stages} pipeline stages" if cfg.stages > 1 else ""))
+        need(cfg, cfg.fragments <= cfg.sync_every, "fragments",
+             f"must be <= --sync-every ({cfg.sync_every}): at most one fragment per step")
+        gap = cfg.sync_every // cfg.fragments  # the smallest gap between two sends
+        need(cfg, all(0 <= t < gap for t in overlaps(cfg)), "overlap",
+             f"every value must be in [0, floor(H/P)) = [0, {gap}), the smallest gap between "
+             f"two sends, with --sync-every {cfg.sync_every} and --fragments {cfg.fragments}")
+        need(cfg, 0 <= cfg.mixing <= 1, "mixing", "must be in [0, 1]")
+        if cfg.codec_keep is not None:
+            need(cfg, 0 < cfg.codec_keep <= 1, "codec_keep", "must be in (0, 1]")
+        need(cfg, 2 <= cfg.codec_block <= 65536 and cfg.codec_block % 2 == 0, "codec_block",
+             "must be an even integer in [2, 65536]")
+
+    @classmethod
+    def warnings(cls, cfg) -> list[str]:
+        """Fewer inner steps than H: some fragments never sync."""
+        if cfg.steps < cfg.sync_every:
+            return [f"--steps {cfg.steps} is less than --sync-every {cfg.sync_every}: some "
+                    "fragments never sync"]
+        return []
+
+    @classmethod
+    def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
+        """H, the outer optimizer, P (with a tied embedding's copies in fragment 0), the
+        pattern, this replica's τ, α and the codec."""
+        tied = pipeline is not None and pipeline.module.tied is not None
+        return {**outer_kwargs(cfg), "fragments": _fragment_spec(cfg, model, tied),
+                "pattern": cfg.fragment_pattern,
+                "overlap": overlaps(cfg)[comm.rank],  # the outer Comm's rank: the replica
+                "alpha": cfg.mixing, "codec": cfg.codec, "codec_block": cfg.codec_block,
+                "codec_keep": cfg.codec_keep}
+
+    @classmethod
+    def setting(cls, config: dict) -> str:
+        """H, the outer optimizer, P, τ, α and the codec."""
+        mixing = config.get("mixing", config.get("alpha"))  # runs saved before the rename
+        return (super().setting(config) + f", P={config['fragments']}, "
+                f"τ={config['overlap']}, α={mixing}, {config['codec']}")
+
+    @classmethod
+    def checkpoint_delay(cls, cfg) -> int:
+        """The largest τ: a fragment sent at a round's end is applied τ steps later."""
+        return max(overlaps(cfg))
+
+    @classmethod
+    def fragment_names(cls, cfg, module, tied: bool) -> list[list[str]]:
+        """The fragments as ``kwargs`` builds them (a tied embedding's copy in fragment 0)."""
+        return split_fragments(module, _fragment_spec(cfg, module, tied), cfg.fragment_pattern)
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
                  sync_every: int = 100,
@@ -523,4 +674,4 @@ def _flat_outer_state(state: dict) -> dict:
     return {"state": merged, "param_groups": [{**state["param_groups"][0], "params": [0]}]}
 
 
-__all__ = ["PATTERNS", "StreamingDiLoCo"]
+__all__ = ["PATTERNS", "GlobalCopyOptions", "StreamingDiLoCo", "StreamingOptions", "overlaps"]

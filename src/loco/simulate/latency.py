@@ -58,7 +58,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from loco.config import ConfigError
+from loco.options import ConfigError
 
 DEFAULT_WORKERS = "4,8,16,32,64,128,256,512,1024"
 DEFAULT_SIGMAS = "0,0.25,0.5,1.0"

@@ -77,7 +77,7 @@ from typing import Any
 
 import numpy as np
 
-from loco.config import ConfigError
+from loco.options import ConfigError
 
 METHODS = ("data_parallel", "diloco", "streaming", "streaming_overlap", "streaming_overlap_fp4")
 """The simulated methods: data-parallel, DiLoCo, Streaming DiLoCo without overlap, with

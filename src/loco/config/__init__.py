@@ -1,0 +1,40 @@
+"""The training configuration: typed sections of options (``sections``), the whole
+configuration with its loading, defaults and checks (``job``), and resuming (``resume``)."""
+
+from loco.config.job import (
+    RENAMED,
+    SECTIONS,
+    TrainConfig,
+    build_config,
+    canonical,
+    choices,
+    coerce,
+    load_yaml,
+    model_dims,
+    profile_steps,
+    resolve,
+    steps_for_tokens,
+    validate,
+    validate_model,
+    warnings_for,
+)
+from loco.config.resume import check_layout, resume_config
+from loco.config.sections import (
+    DEFAULT_STEPS,
+    DTYPES,
+    LAUNCHER_NAMES,
+    LAYOUT,
+    NONFINITE,
+    RESUMABLE,
+    ROUTINGS,
+    WORKER_PARALLEL,
+    algorithm_names,
+    betas,
+)
+from loco.options import ConfigError
+
+__all__ = ["ConfigError", "DEFAULT_STEPS", "DTYPES", "LAUNCHER_NAMES", "LAYOUT", "NONFINITE",
+           "RENAMED", "RESUMABLE", "ROUTINGS", "SECTIONS", "TrainConfig", "WORKER_PARALLEL",
+           "algorithm_names", "betas", "build_config", "canonical", "check_layout", "choices",
+           "coerce", "load_yaml", "model_dims", "profile_steps", "resolve", "resume_config",
+           "steps_for_tokens", "validate", "validate_model", "warnings_for"]

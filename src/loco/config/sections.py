@@ -1,0 +1,399 @@
+"""The configuration's sections, torchtitan-style: each a dataclass of options with their
+defaults and help texts, and a ``check`` of its own options' ranges.
+
+Each field is a flag (``sync_every``: ``--sync-every``) and a YAML key; its help text is
+``field.metadata["help"]``. Checks that need the file system, installed extras or the
+environment are not here: they are the preflight step (``loco.training.preflight``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from loco.algorithms import methods
+from loco.options import ConfigError, need, opt
+
+PATTERNS = ("strided", "sequential")
+DEFAULT_STEPS = 400
+"""Inner steps when neither --steps nor --tokens is given."""
+LAUNCHER_NAMES = ("threads", "processes", "torchrun")
+ROUTINGS = ("fixed", "random")
+NONFINITE = ("stop", "skip")
+WORKER_PARALLEL = ("ddp", "fsdp")
+"""How the ranks of one worker (``--worker-ranks``) split its replica: ddp (each holds the
+whole model and their gradients are averaged) or fsdp (FSDP2 shards the model over them)."""
+#: The worker layout a checkpoint is written for: a resumed run may change it where the
+#: checkpoint reshards (``loco.config.resume.check_layout``).
+LAYOUT = ("worker_ranks", "worker_parallel")
+#: Options a resumed run may change: how it runs, not what it computes.
+RESUMABLE = ("launcher", "progress", "comm_timeout", "checkpoint_every", "max_restarts",
+             "on_nonfinite", "resume", "out", "tensorboard", "wandb", "wandb_project",
+             "wandb_run_name", "wandb_mode", "profile")
+DTYPES = ("fp32", "bf16")
+
+
+def algorithm_names() -> tuple[str, ...]:
+    """The registered methods' names: the choices of ``algorithm``."""
+    return tuple(methods())
+
+
+def resumable_flags() -> str:
+    """The flags a resumed run may change, for help texts and errors."""
+    return ", ".join("--" + o.replace("_", "-") for o in RESUMABLE + LAYOUT)
+
+
+def at_least_one(cfg, *names: str) -> None:
+    """Each named integer option is >= 1 where given (None: left to its default)."""
+    for name in names:
+        value = getattr(cfg, name)
+        need(cfg, value is None or value >= 1, name, "must be an integer >= 1")
+
+
+def betas(cfg) -> tuple[float, float]:
+    """The inner AdamW betas from ``adam_betas`` (``"0.9,0.95"``).
+
+    Args:
+        cfg: the configuration.
+
+    Raises:
+        ConfigError: not two numbers in [0, 1).
+    """
+    try:
+        b1, b2 = (float(v) for v in str(cfg.adam_betas).split(","))
+    except ValueError:
+        b1 = b2 = math.nan
+    if not (0 <= b1 < 1 and 0 <= b2 < 1):
+        raise ConfigError("adam_betas", f"expected two numbers in [0, 1) such as 0.9,0.95 "
+                          f"(got {cfg.adam_betas!r})")
+    return b1, b2
+
+
+def check_worker_layout(cfg) -> None:
+    """More than one rank per worker not with pipeline stages; ``worker_parallel`` fsdp only
+    with ``worker_ranks`` > 1 (the launcher it needs: the preflight step).
+
+    Raises:
+        ConfigError: naming ``worker_ranks`` or ``worker_parallel`` and what is allowed.
+    """
+    if cfg.worker_ranks > 1 and cfg.stages > 1:
+        raise ConfigError("worker_ranks", f"more than one rank per worker with pipeline stages "
+                          f"(--stages {cfg.stages}) is not supported yet; use --worker-ranks 1 "
+                          f"or --stages 1 (got {cfg.worker_ranks})")
+    if cfg.worker_parallel == "fsdp" and cfg.worker_ranks < 2:
+        raise ConfigError("worker_parallel", "fsdp shards a worker's model over its ranks: add "
+                          "--worker-ranks 2 or more (got fsdp with --worker-ranks "
+                          f"{cfg.worker_ranks})")
+
+
+def check_elastic(cfg) -> None:
+    """``elastic``'s options only with it; ``lighthouse`` and ``worker_index`` together,
+    the index in [0, ``workers``); no pipeline stages, no ``eval_replicas``;
+    ``min_workers`` in [1, ``workers``]. (Where its workers may start: the preflight step.)
+
+    Raises:
+        ConfigError: naming the option and what is allowed.
+    """
+    for name in ("min_workers", "lighthouse", "worker_index"):
+        if getattr(cfg, name) is not None and not cfg.elastic:
+            raise ConfigError(name, f"only means something with --elastic (got "
+                              f"{getattr(cfg, name)})")
+    if not cfg.elastic:
+        return
+    if (cfg.lighthouse is None) != (cfg.worker_index is None):
+        raise ConfigError("worker_index" if cfg.worker_index is None else "lighthouse",
+                          "--lighthouse and --worker-index go together: this process is one "
+                          f"worker of that Lighthouse's job (got --lighthouse "
+                          f"{cfg.lighthouse}, --worker-index {cfg.worker_index})")
+    if cfg.worker_index is not None and not 0 <= cfg.worker_index < cfg.workers:
+        raise ConfigError("worker_index", f"must be in [0, --workers {cfg.workers}) (got "
+                          f"{cfg.worker_index})")
+    if cfg.stages != 1:
+        raise ConfigError("stages", "must be 1 with --elastic: elastic workers are not "
+                          f"pipelines for now (got {cfg.stages})")
+    if cfg.eval_replicas:
+        raise ConfigError("eval_replicas", "is a collective outside the syncs, which an "
+                          "elastic run does not make; leave it out with --elastic")
+    if cfg.min_workers is not None and not 1 <= cfg.min_workers <= cfg.workers:
+        raise ConfigError("min_workers", f"must be in [1, --workers {cfg.workers}] (got "
+                          f"{cfg.min_workers})")
+
+
+@dataclass
+class MethodOptions:
+    """The method and the options its outer loop shares with other methods (each method's own options are a section of its own, declared by its class)."""
+
+    algorithm: str = opt("streaming", "training method: " + ", ".join(
+        f"{name} ({cls.title})" for name, cls in methods().items()), algorithm_names)
+    sync_every: int | None = opt(None, "H: inner steps between two syncs of the same "
+                                 "parameters; larger H sends fewer bytes but lets workers "
+                                 "drift further apart (default: the papers' 100 for streaming "
+                                 "and diloco, 50 for noloco; for ddp and local, 50 steps per "
+                                 "checkpoint round)")
+    outer_lr: float | None = opt(None, "outer learning rate (NoLoCo's beta) (default: the "
+                                 "papers' 0.7 for diloco and noloco, 0.4 for streaming)")
+    outer_momentum: float | None = opt(None, "outer momentum (NoLoCo's alpha), in [0, 1) "
+                                       "(default: 0.9 for diloco and streaming, 0.5 for noloco)")
+    nesterov: bool | None = opt(None, "Nesterov outer momentum, or --no-nesterov for heavy-ball "
+                                "(default: on for diloco and streaming, off for noloco, as "
+                                "the papers' code)")
+    spread_every: int = opt(50, "log the RMS distance of the replicas to their mean every this "
+                            "many steps (noloco, local; 0 disables). A diagnostic, not part of "
+                            "the algorithm: an all-worker all-reduce of the full model (noloco "
+                            "has no other collective), kept out of the training bytes, the "
+                            "blocked time, compute utilization and train_seconds")
+    final_average: bool = opt(False, "noloco, local: end with every replica replaced by the "
+                              "replicas' average, and report that as the final model")
+
+    def check(self) -> None:
+        """H >= 1 where given; outer lr finite and > 0; outer momentum in [0, 1); the spread
+        every >= 0 steps. (The method's own options: its class's ``check``.)"""
+        at_least_one(self, "sync_every")
+        if self.outer_lr is not None:
+            need(self, math.isfinite(self.outer_lr) and self.outer_lr > 0, "outer_lr",
+                 "must be a number > 0")
+        if self.outer_momentum is not None:
+            need(self, 0 <= self.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
+        need(self, self.spread_every >= 0, "spread_every", "must be an integer >= 0")
+
+
+@dataclass
+class TrainingOptions:
+    """The inner optimization: budget, batch, learning-rate schedule, AdamW, clipping, seed and evaluation."""
+
+    steps: int | None = opt(None, "inner steps per worker (total tokens = steps x workers x "
+                            f"batch-size x seq-len) (default: {DEFAULT_STEPS}, or what "
+                            "--tokens asks for)")
+    tokens: str | None = opt(None, "token budget instead of --steps: a count (2e7) or tokens "
+                             "per model parameter (20x, Chinchilla's ratio); the steps are "
+                             "rounded up to whole batches of all workers")
+    batch_size: int = opt(8, "sequences per worker per inner step")
+    seq_len: int = opt(128, "tokens per sequence (context length)")
+    lr: float = opt(3e-3, "peak inner AdamW learning rate")
+    min_lr_ratio: float = opt(0.1, "cosine decay ends at lr x this ratio")
+    warmup: int = opt(50, "linear warm-up steps of the inner learning rate")
+    weight_decay: float = opt(0.1, "AdamW weight decay (the NoLoCo paper: 0)")
+    adam_betas: str = opt("0.9,0.95", "inner AdamW betas b1,b2 (the NoLoCo paper: 0.9,0.999)")
+    grad_clip: float = opt(1.0, "clip the (averaged) gradient norm to this; 0 disables")
+    seed: int = opt(0, "seed for weights, data order and everything random")
+    eval_every: int = opt(100, "evaluate the global model every this many inner steps "
+                          "(0: only at the end)")
+    eval_batches: int = opt(8, "batches per periodic evaluation")
+    final_eval_batches: int = opt(100, "at most this many batches in the final evaluation")
+
+    def check(self) -> None:
+        """Counts >= 1 (``steps`` where given), ``seq_len`` >= 2, lr finite and > 0, the
+        schedule's and AdamW's ranges."""
+        at_least_one(self, "steps", "batch_size", "eval_batches", "final_eval_batches")
+        need(self, self.seq_len >= 2, "seq_len", "must be an integer >= 2")
+        need(self, self.eval_every >= 0, "eval_every", "must be an integer >= 0")
+        need(self, self.warmup >= 0, "warmup", "must be an integer >= 0")
+        need(self, math.isfinite(self.lr) and self.lr > 0, "lr", "must be a number > 0")
+        need(self, 0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        need(self, self.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(self, self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
+        betas(self)
+
+
+@dataclass
+class ModelOptions:
+    """The model: a built-in size or a Hugging Face causal LM, its dimensions and precision."""
+
+    model: str = opt("small", "model size: tiny (~0.1M params, tests), small (~1.3M, CPU "
+                     "default), medium (~7.5M), large (~100M), xl (~300M), or the Streaming "
+                     "DiLoCo paper's ladder: 35m, 100m, 200m, 300m, 500m, 1b (layers x d: "
+                     "6x512 ... 24x2048, head size 64); or hf:PATH, a Hugging Face causal LM: "
+                     "a local directory with a config.json (random init) and optionally its "
+                     "weights (loaded, never downloaded), e.g. hf:configs/llama-35m")
+    layers: int | None = opt(None, "blocks of the model, overriding --model's (default: the "
+                             "named size's)")
+    dim: int | None = opt(None, "d_model, overriding --model's; a multiple of --heads with an "
+                          "even head size (default: the named size's)")
+    heads: int | None = opt(None, "attention heads, overriding --model's (default: the named "
+                            "size's)")
+    z_loss: float = opt(0.0, "z-loss coefficient on the log-partition function (0 disables)")
+    dtype: str = opt("fp32", "compute precision: fp32, or bf16 autocast (faster on GPUs and "
+                     "on CPUs with AMX at d_model >= 256)", DTYPES)
+
+    def check(self) -> None:
+        """A known size or ``hf:PATH``; dimensions >= 1 where given; z-loss >= 0."""
+        from loco.model import MODEL_SIZES
+
+        need(self, self.model in MODEL_SIZES or self.model.startswith("hf:"), "model",
+             f"must be one of {', '.join(MODEL_SIZES)}, or hf:PATH")
+        for name in ("layers", "dim", "heads"):
+            need(self, getattr(self, name) is None or getattr(self, name) >= 1, name,
+                 "must be an integer >= 1")
+        need(self, self.z_loss >= 0, "z_loss", "must be >= 0")
+
+
+@dataclass
+class DataOptions:
+    """The data: corpus, tokenizer, held-out split and cache."""
+
+    corpus: str = opt("shakespeare", "training text: 'shakespeare' (bundled), a text file, "
+                      "a .jsonl, .parquet or .arrow file, a glob of them ('data/*.parquet'), a "
+                      "directory of them, or a Hugging Face datasets directory (save_to_disk)")
+    text_field: str = opt("text", "field holding the text in JSONL, Parquet, Arrow and "
+                          "Hugging Face datasets corpora")
+    tokenizer: str | None = opt(None, "a tokenizer.json or a Hugging Face tokenizer directory "
+                                "to use instead of training a BPE (--vocab-size is then the "
+                                "tokenizer's) (default: train a byte-level BPE on the corpus)")
+    vocab_size: int = opt(4096, "byte-level BPE vocabulary size (trained once, then cached)")
+    val_fraction: float = opt(0.05, "fraction of the text held out for evaluation")
+    cache_dir: str | None = opt(None, "where tokenizers and tokenized data are cached "
+                                "(default: $LOCO_CACHE or ~/.cache/loco)")
+    eval_corpus: str | None = opt(None, "a second held-out set, in any --corpus format, whose "
+                                  "loss is reported next to the validation split's at every "
+                                  "evaluation (eval_loss_extra) (default: none)")
+
+    def check(self) -> None:
+        """The held-out share in (0, 0.5]; a vocabulary of at least the byte symbols."""
+        need(self, 0 < self.val_fraction <= 0.5, "val_fraction", "must be in (0, 0.5]")
+        need(self, 257 <= self.vocab_size <= 1 << 20, "vocab_size",
+             "must be in [257, 1048576] (256 byte symbols plus the end-of-text token)")
+
+
+@dataclass
+class CommunicationOptions:
+    """The links between workers and inside one: emulated bandwidth and latency, time-outs."""
+
+    link_bandwidth: str | None = opt(None, "emulate a slow link of this rate per rank, e.g. "
+                                     "100Mbit or 1Gbit: an operation moving B bytes takes at "
+                                     "least B x 8 / rate, transfers queue, compute goes on; "
+                                     "shapes the slow link between workers only, not the fast "
+                                     "link inside one (--fast-link-bandwidth) (default: no "
+                                     "emulation)")
+    link_latency: str | None = opt(None, "emulated one-way latency added to every "
+                                   "communication over the slow link, once per dependent phase "
+                                   "(twice for an all-reduce), e.g. 50ms (default: none)")
+    fast_link_bandwidth: str | None = opt(None, "with --worker-ranks > 1: emulate the fast "
+                                          "link between the ranks of a worker at this rate "
+                                          "per rank, as --link-bandwidth does for the slow "
+                                          "link, e.g. 100Gbit; it shapes the traffic of the "
+                                          "worker's Comm, not FSDP2's own all-gathers and "
+                                          "reduce-scatters (--worker-parallel fsdp) (default: "
+                                          "no emulation)")
+    fast_link_latency: str | None = opt(None, "with --worker-ranks > 1: emulated one-way "
+                                        "latency of the fast link, as --link-latency, e.g. "
+                                        "10us (default: none)")
+    comm_timeout: float = opt(300.0, "seconds a communication may take before the run "
+                              "fails instead of hanging")
+
+    def check(self) -> None:
+        """The links' rates and latencies parse; the time-out is finite and > 0."""
+        from loco.comm.link import parse_bandwidth, parse_latency
+
+        need(self, math.isfinite(self.comm_timeout) and self.comm_timeout > 0, "comm_timeout",
+             "must be a number > 0")
+        for name, parse in (("link_bandwidth", parse_bandwidth), ("link_latency", parse_latency),
+                            ("fast_link_bandwidth", parse_bandwidth),
+                            ("fast_link_latency", parse_latency)):
+            if getattr(self, name) is not None:
+                try:
+                    parse(getattr(self, name))
+                except ValueError as e:
+                    raise ConfigError(name, str(e)) from None
+
+
+@dataclass
+class RuntimeOptions:
+    """How the run is laid out and kept alive: M replicas, S stages, R shards, the launcher, checkpoints, restarts and elastic membership."""
+
+    workers: int = opt(4, "number of workers M (replicas), each with its own data shard")
+    stages: int = opt(1, "S: pipeline stages per replica; the model's blocks are split into S "
+                      "contiguous stages (embedding on the first, head on the last), each on "
+                      "a rank of its own, so a run uses workers x S ranks; outer algorithms "
+                      "sync among the replicas of each stage")
+    routing: str = opt("fixed", "with --stages > 1: fixed (each replica keeps its own "
+                       "pipeline) or random (each sample crosses every stage boundary to a "
+                       "replica drawn from a shared seed, as NoLoCo's random routing); "
+                       "evaluation always uses fixed routing", ROUTINGS)
+    worker_ranks: int = opt(1, "R: ranks per worker, joined by a fast link (--fast-link-*): "
+                            "each reads its own batch, they train one replica together and "
+                            "each sends 1/R of the worker's pseudo-gradient over the slow link; "
+                            "a run uses workers x R ranks; not yet with --stages > 1")
+    worker_parallel: str = opt("ddp", "with --worker-ranks > 1: how a worker's ranks split its "
+                               "replica: ddp (each holds the whole model, gradients averaged "
+                               "over the fast link) or fsdp (FSDP2 shards parameters, gradients "
+                               "and optimizer state over them; needs --launcher processes or "
+                               "torchrun)", WORKER_PARALLEL)
+    launcher: str = opt("threads", "how workers run: threads of this process (fast start), "
+                        "local processes (torch elastic), or torchrun (detected from its "
+                        "environment)", LAUNCHER_NAMES)
+    checkpoint_every: int = opt(1, "save a checkpoint every this many outer rounds of H "
+                                "(--sync-every) inner steps, at the first step with no sync in "
+                                "flight (streaming: tau steps after the round's end), and at "
+                                "the end; 0: only at the end. Each rank writes its own file "
+                                "atomically in the background, with no collective")
+    resume: str | None = opt(None, "continue the run in this directory from its last "
+                             "checkpoint, exactly; its options are reused, and only "
+                             f"{resumable_flags()}"
+                             " may change")
+    max_restarts: int = opt(2, "processes launcher: when a worker process dies, restart all "
+                            "of them from the last checkpoint, at most this many times "
+                            "(with --elastic: restart that worker alone, at most this many "
+                            "times per worker; under torchrun, give torchrun --max-restarts)")
+    elastic: bool = opt(False, "elastic membership (torchft): a worker that dies is "
+                        "restarted alone (at most --max-restarts times each) and joins from a "
+                        "live worker's state while the others keep training; every sync "
+                        "averages over the workers alive then. Processes launcher (or one "
+                        "process per worker with --lighthouse, also under torchrun), workers of "
+                        "one rank, no pipeline stages; checkpoints are the lead worker's one "
+                        "file (resuming restarts every replica from the global copy); no "
+                        "spread diagnostic or --eval-replicas yet")
+    min_workers: int | None = opt(None, "with --elastic: the fewest live workers a sync counts "
+                                  "with; below it the workers wait (at most --comm-timeout) "
+                                  "for more (default: a majority, workers // 2 + 1)")
+    lighthouse: str | None = opt(None, "with --elastic: the address (http://host:port) of a "
+                                 "running torchft Lighthouse (torchft_lighthouse "
+                                 "--min_replicas N); this process is then one worker, "
+                                 "--worker-index, started by hand or by torchrun (one process "
+                                 "per worker) on any machine (default: loco starts the "
+                                 "Lighthouse and all workers on this machine)")
+    worker_index: int | None = opt(None, "with --lighthouse: this process's worker, in [0, "
+                                   "--workers)")
+    on_nonfinite: str = opt("stop", "a non-finite gradient or pseudo-gradient is caught before "
+                            "it reaches the parameters; stop the run (the last checkpoint is "
+                            "the last good state) or skip that step or sync and count it",
+                            NONFINITE)
+
+    def check(self) -> None:
+        """M and R >= 1; checkpoints every >= 0 rounds; restarts in [0, 100]; the worker
+        layout and elastic membership (``check_layout_options``, ``check_elastic``)."""
+        at_least_one(self, "workers", "worker_ranks")
+        need(self, self.checkpoint_every >= 0, "checkpoint_every", "must be an integer >= 0 "
+             "(0: only at the end)")
+        need(self, 0 <= self.max_restarts <= 100, "max_restarts", "must be in [0, 100]")
+        check_worker_layout(self)
+        check_elastic(self)
+
+
+@dataclass
+class LoggingOptions:
+    """What a run writes and shows: its directory, metrics, progress, profiles and dashboards."""
+
+    out: str | None = opt(None, "run directory (default: runs/<algorithm>-<time>)")
+    log_every: int = opt(10, "write a metrics record every this many inner steps")
+    progress: bool = opt(True, "show a progress bar (--no-progress to hide it)")
+    profile: str | None = opt(None, "profile these inner steps with torch.profiler, A-B "
+                              "(inclusive, e.g. 20-30) or one step N, within [1, --steps], and "
+                              "write a Chrome/Perfetto trace of them to "
+                              "<out>/profile/trace-rank<r>.json, with a range for each phase of "
+                              "a sync (loco/encode, loco/all_to_all, loco/wait, ...); a few "
+                              "steps after warm-up are enough (default: no profiling)")
+    tensorboard: bool = opt(False, "also log every metric, sync and the summary to TensorBoard "
+                            "event files under <out>/tensorboard (needs the extra: pip install "
+                            "'loco[tensorboard]')")
+    wandb: bool = opt(False, "also log every metric, sync and the summary to Weights & Biases "
+                      "(needs the extra: pip install 'loco[wandb]')")
+    wandb_project: str = opt("loco", "the W&B project of --wandb")
+    wandb_run_name: str | None = opt(None, "the W&B run name of --wandb (default: the run "
+                                     "directory's name)")
+    wandb_mode: str = opt("offline", "online: stream to the W&B server; offline: write the run "
+                          "under <out>/wandb, to upload later with wandb sync (needs no "
+                          "network)", ("offline", "online"))
+
+    def check(self) -> None:
+        """A metrics record every >= 1 steps; ``profile`` a range of steps."""
+        at_least_one(self, "log_every")

@@ -1,0 +1,1 @@
+"""The training job: what every launcher runs, in parts (the preflight step first)."""
