@@ -17,12 +17,10 @@ from typing import Any
 
 import yaml
 
+from loco.comm.formats import CODEC_NAMES  # torch-free, so that --help is quick
+
 ALGORITHM_NAMES = ("streaming", "diloco", "noloco", "ddp", "local")
 PATTERNS = ("strided", "sequential")
-CODEC_NAMES = ("fp32", "bf16", "fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1", "topk", "dare",
-               "random_drop")
-"""The codecs' names (``loco.comm.codecs.CODEC_NAMES``, kept here so that ``--help`` does not
-import torch; a test keeps the two equal)."""
 #: The papers' outer optimizers, used where --outer-lr, --outer-momentum, --[no-]nesterov
 #: are not given: (lr, momentum, Nesterov). NoLoCo's lr and momentum are its β and α.
 OUTER_DEFAULTS = {"diloco": (0.7, 0.9, True), "streaming": (0.4, 0.9, True),

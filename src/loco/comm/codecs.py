@@ -73,17 +73,9 @@ from fractions import Fraction
 import torch
 import torch.nn.functional as F
 
-SPARSE_CODEC_NAMES = ("topk", "dare", "random_drop")
-"""The value-dropping baselines of the Streaming DiLoCo paper's comparison: they send a fixed
-share ``keep`` of each row's values in fp32 and drop the rest (see
-[`SparseCodec`][loco.comm.codecs.SparseCodec])."""
-CODEC_NAMES = ("fp32", "bf16", "fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1") + SPARSE_CODEC_NAMES
-"""The wire formats: two casts (32 and 16 bits per value), four scaled formats (8 and 4
-bits per value plus one scale byte per block) and the three dropping baselines
-(``SPARSE_CODEC_NAMES``)."""
-DEFAULT_KEEP = 0.125
-"""The share of values the dropping codecs keep by default: 1/8, the same cut of the fp32
-payload as 4-bit values (32 / 4), so they send about FP4's bytes (see ``docs/codecs.md``)."""
+from loco.comm.formats import (CODEC_BITS, CODEC_NAMES, DEFAULT_KEEP, FUSED_CODEC_NAMES,
+                               SPARSE_CODEC_NAMES)
+
 F32_MAX = torch.finfo(torch.float32).max
 MAX_BLOCK = 65536
 """The largest ``block`` a scaled codec accepts."""
@@ -100,8 +92,6 @@ else (the casts, smaller all-reduces, a codec never prepared): it never compiles
 training."""
 KERNEL_ENV = "LOCO_CODEC_KERNEL"
 """The environment variable that gives the default of ``get_codec(kernel=...)``; unset: auto."""
-FUSED_CODEC_NAMES = ("fp32", "bf16", "fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1")
-"""The codecs that have a fused kernel; the dropping codecs always run eager."""
 FUSED_MIN_NUMEL = 1 << 22
 """``"auto"``: the fewest values (4,194,304) of an all-reduce that
 [`prepare`][loco.comm.codecs.Codec.prepare] compiles fused kernels for. A run's first fused
@@ -163,7 +153,7 @@ class Codec:
         ``parts`` workers will run, so that training compiles nothing.
 
         Call it once per distinct tensor size before the first step, with what
-        [`all_reduce_mean`][loco.comm.interface.Comm.all_reduce_mean] will be given:
+        [`all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean] will be given:
         ``numel`` the flat tensor's values, ``parts`` the workers of the Comm (its
         ``size``), ``device`` the Comm's device. It compiles exactly the kernels (op, shape,
         dtype, stride) that all-reduce will call: with ``parts`` M > 1 and chunk =
