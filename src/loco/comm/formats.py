@@ -9,7 +9,7 @@ SCALED_CODEC_NAMES = ("fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1")
 SPARSE_CODEC_NAMES = ("topk", "dare", "random_drop")
 """The value-dropping baselines of the Streaming DiLoCo paper's comparison: they send a fixed
 share ``keep`` of each row's values in fp32 and drop the rest (see
-[`SparseCodec`][loco.comm.codecs.SparseCodec])."""
+[`SparseCodec`][loco.comm.sparse.SparseCodec])."""
 CODEC_NAMES = CAST_CODEC_NAMES + SCALED_CODEC_NAMES + SPARSE_CODEC_NAMES
 """The wire formats: two casts (32 and 16 bits per value), four scaled formats (8 and 4
 bits per value plus one scale byte per block) and the three dropping baselines

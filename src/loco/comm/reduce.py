@@ -4,7 +4,7 @@ chunks, encoded, averaged and decoded, and into which buffers.
 The one definition of the codec calls an all-reduce makes (their shapes, dtypes and
 buffers): [`Comm.all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean] runs
 [`reduce_mean`][loco.comm.reduce.reduce_mean] over the process group, and
-[`Codec.prepare`][loco.comm.codecs.Codec.prepare] runs it over a loopback, so that it
+[`Codec.prepare`][loco.comm.codec.Codec.prepare] runs it over a loopback, so that it
 compiles exactly the fused kernels the all-reduce will call.
 """
 
@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch.profiler import record_function
-
-if TYPE_CHECKING:
-    from loco.comm.codecs import Codec
 
 
 def chunk_elems(numel: int, parts: int) -> int:
@@ -32,7 +29,7 @@ def chunk_elems(numel: int, parts: int) -> int:
     return math.ceil(numel / parts) if numel else 0
 
 
-def layout(numel: int, parts: int, codec: Codec | None, itemsize: int) -> tuple[int, int]:
+def layout(numel: int, parts: int, codec: Any, itemsize: int) -> tuple[int, int]:
     """``(chunk, row_bytes)`` of a mean all-reduce: the values per chunk and the bytes one
     chunk takes on the wire. With a codec a chunk holds whole blocks
     (``codec.padded(ceil(numel / parts))`` values) and carries its own scales
@@ -86,7 +83,7 @@ AllToAll = Callable[[torch.Tensor, torch.Tensor], None]
 AllGather = Callable[[list, torch.Tensor], None]
 
 
-def reduce_mean(flat: torch.Tensor, chunk: int, codec: Codec | None, parts: int, divisor: int,
+def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor: int,
                 buffers: Buffers, all_to_all: AllToAll, all_gather: AllGather) -> torch.Tensor:
     """Average ``flat`` over ``parts`` workers, in place, through two collectives: a
     reduce-scatter done as an all-to-all (worker j receives chunk j of every worker, decodes
@@ -138,7 +135,7 @@ def reduce_mean(flat: torch.Tensor, chunk: int, codec: Codec | None, parts: int,
     return flat
 
 
-def _coders(codec: Codec | None, chunk: int, buffers: Buffers) -> tuple:
+def _coders(codec: Any, chunk: int, buffers: Buffers) -> tuple:
     """``encode(rows, into)`` and ``decode(buf, into)`` for one all-reduce. With a codec
     that writes straight into a buffer, the result goes into ``into``: a tensor, or the kept
     buffer of that role (a str); with another codec, into new tensors; without one, the
