@@ -174,8 +174,7 @@ class Fp4Codec(ScaledCodec):
         a = y.abs()
         # k <= 7 in any integer type: uint8 is fastest eager, int32 vectorizes when fused
         dt = torch.int32 if torch.compiler.is_compiling() else torch.uint8
-        # (A bit-level E3M0 rounding, faster fused, was miscompiled by torch 2.13's AVX2
-        # CPU kernels: wrong codes under ATEN_CPU_CAPABILITY=avx2. Compares are right on all.)
+        # Compares, not a bit-level rounding: some AVX2 builds miscompile that (docs/codecs.md).
         k = torch.zeros_like(a, dtype=dt)
         for i, m in enumerate(self._mid):
             k += (a >= m) if i % 2 else (a > m)

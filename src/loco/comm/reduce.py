@@ -162,7 +162,7 @@ def _coders(codec: Any, chunk: int, buffers: Buffers) -> tuple:
 
 def _sum_rows(rows: torch.Tensor, buffers: Buffers) -> torch.Tensor:
     """The (1, c) sum of the rows of ``rows``, added one after another in rank order, into
-    a kept buffer (a pass per row; see docs/bytes.md)."""
+    a kept buffer (a pass per row: faster than ``sum(dim=0)``, docs/benchmarks.md)."""
     total = buffers("sum", (1, rows.shape[1]), rows.dtype)
     torch.add(rows[0], rows[1], out=total[0])
     for row in rows[2:]:
