@@ -8,7 +8,8 @@ import math
 import pytest
 import torch
 
-from loco.comm.codecs import CODEC_NAMES, SPARSE_CODEC_NAMES, get_codec
+from loco.comm.codecs import get_codec
+from loco.comm.formats import CODEC_NAMES, SPARSE_CODEC_NAMES
 
 pytestmark = pytest.mark.numerics
 

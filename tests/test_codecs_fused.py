@@ -13,9 +13,10 @@ import threading
 import pytest
 import torch
 
-from loco.comm import codecs
-from loco.comm.codecs import (FUSED_CODEC_NAMES, KERNEL_ENV, SPARSE_CODEC_NAMES, compile_count,
-                              get_codec, kernel_in_use)
+from loco.comm import kernels
+from loco.comm.codecs import get_codec
+from loco.comm.formats import FUSED_CODEC_NAMES, SPARSE_CODEC_NAMES
+from loco.comm.kernels import KERNEL_ENV, compile_count, kernel_in_use
 from test_codecs import F32_MAX, FMT_MAX, GRID, normal, wide
 
 B = 32
@@ -217,7 +218,7 @@ def test_threads_compile_once_and_agree(pair):
     shapes = [(ROWS, C), (1, 3 * C), (3, C), (1, 3 * C), (3, C), (ROWS, C)]
     inputs = [normal(r * c, i).view(r, c) for i, (r, c) in enumerate(shapes)]
     new = {s for s in set(shapes)
-           if not any(k[3] == "encode" and k[4][0] == s for k in codecs._KERNELS
+           if not any(k[3] == "encode" and k[4][0] == s for k in kernels._KERNELS
                       if k[1] == "fp4_e3m0" and k[2] == B)}
     before = compile_count()
     start, results, errors = threading.Barrier(len(shapes)), [None] * len(shapes), []
@@ -255,7 +256,7 @@ def test_cached_kernels_take_no_lock(pair):
         out.append(fused.encode_rows(x))
         done.set()
 
-    with codecs._COMPILE_LOCK:
+    with kernels._COMPILE_LOCK:
         t = threading.Thread(target=work)
         t.start()
         assert done.wait(60), "a cached kernel waited for the compile lock"
@@ -265,12 +266,12 @@ def test_cached_kernels_take_no_lock(pair):
 
 # ------------------------------------------------------------------------- fallback
 def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
-    monkeypatch.setattr(codecs, "_FAILED", {})
+    monkeypatch.setattr(kernels, "_FAILED", {})
 
     def broken(method):
         raise RuntimeError("no C++ compiler found\nmore detail")
 
-    monkeypatch.setattr(codecs, "_compiled", broken)
+    monkeypatch.setattr(kernels, "_compiled", broken)
     codec = get_codec("int8", block=4, kernel="fused")  # a block no other test compiles
     assert codec.kernel == "fused"
     x = normal(8 * 4).view(2, 16)
@@ -290,14 +291,14 @@ def test_compile_failure_falls_back_to_eager_with_one_warning(monkeypatch):
 
 
 def test_failure_inside_the_compiled_call_falls_back(monkeypatch):
-    monkeypatch.setattr(codecs, "_FAILED", {})
+    monkeypatch.setattr(kernels, "_FAILED", {})
 
     def unsupported(method):
         def run(*args):
             raise NotImplementedError("op not supported by the backend")
         return run
 
-    monkeypatch.setattr(codecs, "_compiled", unsupported)
+    monkeypatch.setattr(kernels, "_compiled", unsupported)
     codec = get_codec("fp8_e4m3", block=4, kernel="fused")
     x = normal(16).view(2, 8)
     with pytest.warns(RuntimeWarning, match="op not supported"):
@@ -309,7 +310,7 @@ def test_failure_inside_the_compiled_call_falls_back(monkeypatch):
 # ------------------------------------------------------------------------- choosing
 def test_kernel_choice(monkeypatch):
     monkeypatch.delenv(KERNEL_ENV, raising=False)
-    monkeypatch.setattr(codecs, "fused_supported", lambda device=None: (True, ""))
+    monkeypatch.setattr(kernels, "fused_supported", lambda device=None: (True, ""))
     codec = get_codec("fp4_e3m0")  # unset: auto, eager until prepare() compiles
     assert codec.kernel == "eager" and f"{KERNEL_ENV} unset: auto" in codec.kernel_reason
     assert "prepare()" in codec.kernel_reason
@@ -317,12 +318,12 @@ def test_kernel_choice(monkeypatch):
     for name in ("fp32", "bf16"):  # auto: a cast is one kernel eager already
         codec = get_codec(name, kernel="auto")
         assert codec.kernel == "eager" and "cast" in codec.kernel_reason
-        assert codec.prepare(codecs.FUSED_MIN_NUMEL, 2) == "eager" and codec.kernel == "eager"
+        assert codec.prepare(kernels.FUSED_MIN_NUMEL, 2) == "eager" and codec.kernel == "eager"
         assert get_codec(name, kernel="fused").kernel == "fused"
-    monkeypatch.setattr(codecs, "fused_supported", lambda device=None: (False, "no compiler"))
+    monkeypatch.setattr(kernels, "fused_supported", lambda device=None: (False, "no compiler"))
     codec = get_codec("fp4_e3m0", kernel="auto")
     assert codec.kernel == "eager" and "no compiler" in codec.kernel_reason
-    assert codec.prepare(codecs.FUSED_MIN_NUMEL, 2) == "eager" and codec.kernel == "eager"
+    assert codec.prepare(kernels.FUSED_MIN_NUMEL, 2) == "eager" and codec.kernel == "eager"
     monkeypatch.setenv(KERNEL_ENV, "fused")
     assert get_codec("int8").kernel == "fused"
     assert get_codec("int8", kernel="eager").kernel == "eager"  # the argument wins
@@ -348,9 +349,9 @@ def test_device_probe_does_not_compile():
 
 
 def test_fused_supported_on_cpu_here():
-    ok, why = codecs.fused_supported("cpu")
+    ok, why = kernels.fused_supported("cpu")
     assert ok, why  # this machine has a C++ compiler; the issue's numbers were taken on it
-    assert codecs.fused_supported("meta")[0] is False
+    assert kernels.fused_supported("meta")[0] is False
 
 
 def test_the_run_says_which_kernel_ran(corpus, tmp_path, capsys):
@@ -384,10 +385,16 @@ def reduce_worker(ctx, name, kernel, numel, prepare):
 
 
 def needed(name, numel, parts):
-    """The kernel keys an all-reduce of numel values over parts workers runs."""
+    """The kernel keys an all-reduce of numel values over parts > 1 workers runs: encoding
+    (parts, chunk) and (1, chunk) and decoding (parts, row_bytes(chunk)), into buffers."""
     codec = get_codec(name, B, kernel="fused")
-    return {codecs._spec(codec) + (op,) + tuple(codecs._key(a) for a in args)
-            for op, args in codec._reduce_calls(numel, parts, torch.device("cpu"))}
+    chunk = codec.padded(-(-numel // parts))
+    f32 = lambda rows: torch.empty(rows, chunk)  # noqa: E731
+    u8 = lambda rows: torch.empty(rows, codec.row_bytes(chunk), dtype=torch.uint8)  # noqa: E731
+    calls = [("encode_into", (f32(parts), u8(parts))), ("encode_into", (f32(1), u8(1))),
+             ("decode_into", (u8(parts), chunk, f32(parts)))]
+    return {kernels._spec(codec) + (op,) + tuple(kernels._key(a) for a in args)
+            for op, args in calls}
 
 
 def test_prepare_compiles_each_needed_kernel_once_and_training_none():
@@ -399,11 +406,11 @@ def test_prepare_compiles_each_needed_kernel_once_and_training_none():
 
     keys = needed("fp4_e3m0", NUMEL, PARTS)
     assert len(keys) == 3  # encode (2, C) and (1, C), decode (2, row_bytes(C)), into buffers
-    missing = keys - set(codecs._KERNELS)
+    missing = keys - set(kernels._KERNELS)
     before = compile_count()
     codec = get_codec("fp4_e3m0", B, kernel="fused")
     assert codec.prepare(NUMEL, PARTS) == "fused"
-    assert compile_count() == before + len(missing) and keys <= set(codecs._KERNELS)
+    assert compile_count() == before + len(missing) and keys <= set(kernels._KERNELS)
     assert get_codec("fp4_e3m0", B, kernel="fused").prepare(NUMEL, PARTS) == "fused"
     assert compile_count() == before + len(missing)
     compiled, graphs = compile_count(), counters["stats"]["unique_graphs"]
@@ -433,9 +440,9 @@ def test_prepare_one_part_covers_encode_and_decode():
 def test_auto_is_fused_from_the_threshold_and_never_compiles_in_training(monkeypatch):
     """The default: eager until prepare sees an all-reduce of FUSED_MIN_NUMEL values or
     more; fused for those; eager (and no compile) for smaller or unprepared ones."""
-    assert codecs.FUSED_MIN_NUMEL == 1 << 22  # docs/codecs.md gives the reasoning
+    assert kernels.FUSED_MIN_NUMEL == 1 << 22  # docs/codecs.md gives the reasoning
     monkeypatch.delenv(KERNEL_ENV, raising=False)
-    monkeypatch.setattr(codecs, "FUSED_MIN_NUMEL", NUMEL)  # reuse the compiled shapes
+    monkeypatch.setattr(kernels, "FUSED_MIN_NUMEL", NUMEL)  # reuse the compiled shapes
     codec, eager = get_codec("fp4_e3m0", B), get_codec("fp4_e3m0", B, kernel="eager")
     assert codec.kernel == "eager"
     before = compile_count()
@@ -465,15 +472,15 @@ def test_prepare_is_a_no_op_where_nothing_is_fused():
 
 
 def test_prepare_failure_falls_back_with_one_warning(monkeypatch):
-    monkeypatch.setattr(codecs, "_FAILED", {})
-    monkeypatch.setattr(codecs, "_KERNELS", {})
-    monkeypatch.setattr(codecs, "FUSED_MIN_NUMEL", 8)
+    monkeypatch.setattr(kernels, "_FAILED", {})
+    monkeypatch.setattr(kernels, "_KERNELS", {})
+    monkeypatch.setattr(kernels, "FUSED_MIN_NUMEL", 8)
     monkeypatch.delenv(KERNEL_ENV, raising=False)
 
     def broken(method):
         raise RuntimeError("no C++ compiler found")
 
-    monkeypatch.setattr(codecs, "_compiled", broken)
+    monkeypatch.setattr(kernels, "_compiled", broken)
     codec = get_codec("int8", block=4)
     with pytest.warns(RuntimeWarning, match=r"no C\+\+ compiler found") as caught:
         assert codec.prepare(64, 2) == "eager"

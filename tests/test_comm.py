@@ -169,7 +169,8 @@ class OrderGroup:
 def test_comms_sharing_a_thread_issue_in_one_order_on_one_thread():
     """What a CUDA rank gets from the launcher: its Comms share one CommThread, so their
     operations reach the transport in the order the rank issued them (NCCL's need)."""
-    from loco.comm.interface import Comm, CommThread
+    from loco.comm.comm import Comm
+    from loco.comm.thread import CommThread
 
     log = []
     thread = CommThread("loco-comm-shared")

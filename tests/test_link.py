@@ -170,7 +170,7 @@ def latency_worker(ctx):
 
 
 def test_latency_is_paid_per_dependent_phase_and_diagnostics_skip_the_link():
-    from loco.comm.interface import UNMETERED_TAGS
+    from loco.comm.comm import UNMETERED_TAGS
 
     slow = 0.2
     assert "diagnostic" in UNMETERED_TAGS and "train" not in UNMETERED_TAGS

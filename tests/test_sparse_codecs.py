@@ -10,8 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import loco
-from loco.comm.codecs import (CODEC_NAMES, DEFAULT_KEEP, SPARSE_CODEC_NAMES, RandomDropCodec,
-                              get_codec)
+from loco.comm.codecs import get_codec
+from loco.comm.formats import CODEC_NAMES, DEFAULT_KEEP, SPARSE_CODEC_NAMES
+from loco.comm.sparse import RandomDropCodec
 
 pytestmark = pytest.mark.numerics
 

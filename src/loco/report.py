@@ -18,20 +18,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from loco.algorithms import Method, PaperClaim, methods
+from loco.comm.formats import CODEC_BITS, DEFAULT_KEEP
+from loco.comm.formats import SPARSE_CODEC_NAMES as SPARSE_CODECS
 from loco.options import ConfigError
 
 #: Options that are the same for every method of a comparison and not worth repeating per
 #: method in the settings; ``out`` and ``progress`` say nothing about the run.
 NOT_SETTINGS = {"out", "progress", "algorithm"}
-#: Bits per value of each wire format of ``loco.comm.codecs``, scales excluded; the 8- and
-#: 4-bit ones add one scale byte per ``codec_block`` values; the dropping codecs
-#: (``SPARSE_CODECS``) send this per *kept* value. Written out here because reports do not
-#: import torch; a test holds it to the codecs' own byte counts.
-CODEC_BITS = {"fp32": 32, "bf16": 16, "fp8_e4m3": 8, "int8": 8, "fp4_e3m0": 4, "fp4_e2m1": 4,
-              "topk": 32, "dare": 32, "random_drop": 32}
-#: The codecs that drop values: they send a share ``codec_keep`` (default 1/8) of them.
-SPARSE_CODECS = ("topk", "dare", "random_drop")
-DEFAULT_KEEP = 0.125
 #: Options that say where a run is written, not what it does: [`twin`][loco.report.twin]
 #: runs may differ in them.
 PLACE = frozenset({"out", "wandb_run_name"})

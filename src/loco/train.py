@@ -30,8 +30,9 @@ from loco.algorithms import Algorithm
 from loco.algorithms.base import NonFiniteError, flatten_fp32, unflatten_views
 from loco.algorithms.fragments import split_fragments
 from loco.algorithms.sharding import Share, is_sharded, local
-from loco.comm.codecs import kernel_in_use
-from loco.comm.interface import Aborted, Comm
+from loco.comm.kernels import kernel_in_use
+from loco.comm.comm import Comm
+from loco.comm.handles import Aborted
 from loco.comm.link import LinkSpec
 from loco.config import (ConfigError, TrainConfig, betas, model_dims, profile_steps, resolve,
                          validate, warnings_for)

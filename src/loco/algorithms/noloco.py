@@ -74,7 +74,7 @@ class NoLoCo(Algorithm):
             default 0.7 (as the official code).
         nesterov: add the Nesterov look-ahead to the heavy-ball step (default False, as the
             official code).
-        codec: wire format of Δ, one of [`CODEC_NAMES`][loco.comm.codecs.CODEC_NAMES];
+        codec: wire format of Δ, one of [`CODEC_NAMES`][loco.comm.formats.CODEC_NAMES];
             default ``"fp32"``.
         codec_block: values per power-of-two scale of the 8- and 4-bit codecs, an integer in
             [2, 65536] (even for the 4-bit ones); default 32; ignored for fp32 and bf16.

@@ -199,7 +199,7 @@ class StreamingDiLoCo(Algorithm):
         alpha: α, the share of the local parameters kept when a synced fragment is merged
             back, 0 <= α <= 1; default 0.5 (0: replaced by the global value).
         codec: wire format of the pseudo-gradients, one of
-            [`CODEC_NAMES`][loco.comm.codecs.CODEC_NAMES]; default ``"fp4_e3m0"`` (4-bit, the
+            [`CODEC_NAMES`][loco.comm.formats.CODEC_NAMES]; default ``"fp4_e3m0"`` (4-bit, the
             paper's). The reduction itself is fp32.
         codec_block: values per power-of-two scale of the 8- and 4-bit codecs, an integer in
             [2, 65536] (even for the 4-bit ones); default 32; ignored for fp32 and bf16.

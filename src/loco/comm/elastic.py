@@ -1,6 +1,6 @@
 """Workers that come and go: a Comm over the live membership, kept by torchft.
 
-An [`ElasticComm`][loco.comm.elastic.ElasticComm] is a [`Comm`][loco.comm.interface.Comm]
+An [`ElasticComm`][loco.comm.elastic.ElasticComm] is a [`Comm`][loco.comm.comm.Comm]
 whose process group is the *membership* of the moment. torchft provides the parts that are
 hard to get right: a Lighthouse that forms a quorum of the live workers at every sync (a
 worker that stops heartbeating is left out), a gloo group rebuilt for each new quorum, and
@@ -40,7 +40,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from loco.comm.interface import Aborted, Comm, Handle
+from loco.comm.comm import Comm
+from loco.comm.handles import Aborted, Handle
 
 if TYPE_CHECKING:
     from loco.comm.codecs import Codec
@@ -148,7 +149,7 @@ class ElasticComm(Comm):
         shards: R, the ranks of every worker; default 1.
         store: with R > 1, a store the worker's ranks share (their own process group's),
             where rank 0 publishes the address of the worker's torchft store; default None.
-        **kwargs: passed to [`Comm`][loco.comm.interface.Comm] (``device``, ``name``,
+        **kwargs: passed to [`Comm`][loco.comm.comm.Comm] (``device``, ``name``,
             ``link``, ``abort_event``, ...).
     """
 
@@ -378,7 +379,7 @@ class ElasticComm(Comm):
 
     def all_reduce_mean(self, tensor: torch.Tensor, tag: str = "train",
                         codec: Codec | None = None) -> Handle:
-        """[`Comm.all_reduce_mean`][loco.comm.interface.Comm.all_reduce_mean] over the
+        """[`Comm.all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean] over the
         members, divided by the contributors; a copy of the input is kept so that a sync
         that is not committed can be issued again from it (``handle.reissue()``).
 

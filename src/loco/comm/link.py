@@ -173,16 +173,3 @@ class EmulatedLink:
             begin = max(start, self._free_at)
             self._free_at = begin + nbytes * 8 / self.spec.bandwidth
             return self._free_at + phases * self.spec.latency
-
-    @staticmethod
-    def hold_until(deadline: float, aborted: threading.Event | None = None) -> None:
-        """Sleep until ``deadline`` (a time.perf_counter() value), waking early on abort.
-
-        Args:
-            deadline: the ``time.perf_counter()`` to sleep until.
-            aborted: an event that ends the wait early (checked every 50 ms); default None.
-        """
-        while (left := deadline - time.perf_counter()) > 0:
-            if aborted is not None and aborted.is_set():
-                return
-            time.sleep(min(left, 0.05))

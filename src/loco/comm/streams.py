@@ -19,8 +19,8 @@ the CUDA semantics that PyTorch documents for streams and NCCL instead:
   queries it, and ``wait()`` makes the caller's stream wait on it and marks the results as
   used there. Neither blocks the CPU, and nothing synchronises the device.
 
-This module is the only place with CUDA-specific code in the communication layer. It has
-not run on a GPU yet (no GPU was available where it was written); docs/gpu.md says so.
+This module is the only place with CUDA-specific code in the communication layer; what has
+run on a GPU: docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -41,10 +41,8 @@ class HostSync:
     """Tensors in host memory (gloo): issued work is complete when the transport says so.
 
     ``blocking_completion`` is True: gloo tells that a point-to-point operation finished
-    only through a blocking ``wait()`` (measured with torch 2.13: a send's ``is_completed()``
-    stays False until ``wait()`` is called, ``get_future()`` is not implemented for sends and
-    receives, and a ``wait`` with a timeout closes the connection when it expires), so a
-    Comm waits for them on a helper thread.
+    only through a blocking ``wait()`` (see docs/gpu.md), so a Comm waits for them on a
+    helper thread.
     """
 
     blocking_completion = True

@@ -42,7 +42,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from loco.comm import Comm
-from loco.comm.interface import Aborted, CommThread
+from loco.comm.handles import Aborted
+from loco.comm.thread import CommThread
 from loco.comm.link import EmulatedLink, LinkSpec
 from loco.runtime.elastic import Elastic, launch_elastic, run_worker
 
@@ -139,7 +140,7 @@ class WorkerContext:
         rank: this rank's global rank, in [0, world_size).
         world_size: all ranks of the run, replicas × ranks_per_replica.
         mesh: the layout of the ranks.
-        comm: the [`Comm`][loco.comm.interface.Comm] over the replicas of this rank's stage
+        comm: the [`Comm`][loco.comm.comm.Comm] over the replicas of this rank's stage
             (its rank there is the replica index): what the outer algorithm talks through.
         device: this rank's device (a CUDA device under torchrun with GPUs, else CPU).
         launcher: how it was started: ``"threads"``, ``"processes"`` or ``"torchrun"``.

@@ -1,297 +1,40 @@
-"""The one communication interface every algorithm talks through.
-
-A :class:`Comm` wraps a ``torch.distributed`` process group (gloo on CPU, NCCL on GPU) over
-the workers that take part in the outer algorithm. It offers asynchronous operations that
-return a :class:`Handle` to be waited on later, and it accounts for every byte:
-
-* ``raw`` bytes: the size of the tensor the caller asked to reduce or send;
-* ``sent`` / ``received`` bytes: what this worker actually put on and took off the wire.
-
-The mean-all-reduce is built from two collectives whose traffic is known exactly, the way a
-ring all-reduce moves data: a reduce-scatter done as an all-to-all (worker j receives chunk j
-of every worker and averages it in fp32) followed by an all-gather of the averaged chunks. A
-tensor of n elements of b bytes is cut into M chunks of ``ceil(n / M)`` elements (the last one
-zero-padded), so each worker sends and receives exactly ``2 (M - 1) ceil(n / M) b`` bytes.
-Averaging every chunk on exactly one worker, in rank order, also makes the result
-bit-identical on all workers, so replicas never drift apart through rounding.
-
-Every operation runs on one communication thread per worker, in the order it was issued, so
-collectives line up across workers and compute goes on while bytes move: the overlap is real
-(gloo and NCCL release the GIL while they wait on the network).
-
-With an emulated link (:mod:`loco.comm.link`) an operation also completes no earlier than the
-link allows: a delivery thread hands its result over once its bytes have crossed the link, so
-the communication thread goes on with the next operation meanwhile.
+"""[`Comm`][loco.comm.comm.Comm]: asynchronous, byte-counting communication among the workers
+of one ``torch.distributed`` process group (gloo on CPU, NCCL on GPU), optionally held back
+by an emulated link ([`EmulatedLink`][loco.comm.link.EmulatedLink]). How its operations move
+and count bytes: ``docs/bytes.md``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import heapq
-import math
-import queue
 import threading
 import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from loco.comm.counters import RECORDS_KEPT, CommStats, Counter, OpRecord
+from loco.comm.handles import Aborted, Handle
+from loco.comm.reduce import Buffers, layout, reduce_mean
 from loco.comm.streams import streams_for
+from loco.comm.thread import CommThread
 
 if TYPE_CHECKING:
     from loco.comm.codecs import Codec
     from loco.comm.link import EmulatedLink
 
 
-@dataclass
-class OpRecord:
-    """One communication operation as this worker saw it.
-
-    Args:
-        op: the operation: ``"all_reduce_mean"``, ``"broadcast"``, ``"all_gather"``,
-            ``"exchange"``, ``"send"``, ``"recv"`` or ``"sendrecv"``.
-        tag: what the bytes were for (``"train"``, ``"setup"``, ``"eval"``, ...), the key
-            of the totals in [`CommStats`][loco.comm.interface.CommStats].
-        raw_bytes: the size of the tensor the caller asked to reduce or send.
-        sent_bytes: bytes this worker put on the wire.
-        recv_bytes: bytes this worker took off the wire.
-        participants: ranks (in the Comm's group) taking part, sorted.
-        issued_at: ``time.perf_counter()`` when the caller issued it.
-        seconds: issue to completion: time in flight, including queueing (0.0 until done).
-        waited: time the caller spent blocked in ``Handle.wait()`` (0.0 until waited on).
-    """
-
-    op: str
-    tag: str
-    raw_bytes: int
-    sent_bytes: int
-    recv_bytes: int
-    participants: tuple[int, ...]  # ranks (in the Comm's group) taking part
-    issued_at: float  # time.perf_counter() when the caller issued it
-    seconds: float = 0.0  # issue to completion: time in flight, including queueing
-    waited: float = 0.0  # time the caller spent blocked in Handle.wait()
-
-    def as_dict(self) -> dict:
-        """The record as a JSON-ready dict (``participants`` as a list)."""
-        d = asdict(self)
-        d["participants"] = list(self.participants)
-        return d
-
-
-@dataclass
-class Counter:
-    """Totals of the operations of one tag on one worker.
-
-    Args:
-        ops: operations completed.
-        raw_bytes: sum of their raw bytes (the sizes of the tensors the callers passed).
-        sent_bytes: bytes sent on the wire.
-        recv_bytes: bytes received from the wire.
-        seconds: sum of their times in flight, issue to completion.
-        waited: time callers spent blocked in ``Handle.wait()``.
-        peak_sent_bytes: the sent bytes of the largest single operation.
-    """
-
-    ops: int = 0
-    raw_bytes: int = 0
-    sent_bytes: int = 0
-    recv_bytes: int = 0
-    seconds: float = 0.0
-    waited: float = 0.0
-    peak_sent_bytes: int = 0  # the largest single operation
-
-
-@dataclass
-class CommStats:
-    """Per-worker totals, split by tag ("train", "setup", "eval", ...).
-
-    ``stats[tag]`` is the [`Counter`][loco.comm.interface.Counter] of that tag (a new, zero
-    one for a tag not seen yet).
-
-    Args:
-        by_tag: the counters by tag; default empty (a ``defaultdict`` of zero counters).
-    """
-
-    by_tag: dict[str, Counter] = field(default_factory=lambda: defaultdict(Counter))
-
-    def add(self, rec: OpRecord) -> None:
-        """Count a completed operation under its tag (``waited`` is counted by the handle).
-
-        Args:
-            rec: the operation's record.
-        """
-        c = self.by_tag[rec.tag]
-        c.ops += 1
-        c.raw_bytes += rec.raw_bytes
-        c.sent_bytes += rec.sent_bytes
-        c.recv_bytes += rec.recv_bytes
-        c.seconds += rec.seconds
-        c.peak_sent_bytes = max(c.peak_sent_bytes, rec.sent_bytes)
-
-    def __getitem__(self, tag: str) -> Counter:
-        return self.by_tag[tag]
-
-    def as_dict(self) -> dict:
-        """The counters as JSON-ready dicts, by tag."""
-        return {tag: asdict(c) for tag, c in self.by_tag.items()}
-
-
-RECORDS_KEPT = 100_000
-"""How many of the latest operation records a Comm keeps (``Comm.records``)."""
-
 UNMETERED_TAGS = frozenset({"diagnostic", "report"})
 """Tags whose bytes are counted but that do not pass through an emulated link: measurements
 loco takes for its own reports (the replicas' spread, the end-of-run totals), which the
 method itself would not send, so they neither delay training nor occupy the link."""
-
-
-class Aborted(RuntimeError):
-    """Raised in a worker whose peers gave up (another worker failed).
-
-    [`launch`][loco.runtime.launch.launch] reports the worker that failed first, not the
-    ones it stopped.
-    """
-
-
-class Handle:
-    """An operation in flight. ``wait()`` blocks until it is done and returns its result.
-
-    Made by the [`Comm`][loco.comm.interface.Comm] methods, not by the caller.
-
-    Args:
-        future: completes with ``(result, completion mark)`` (or the operation's exception).
-        record: the operation's record, filled in as it completes.
-        comm: the Comm that issued it (for aborts, the ``waited`` counter and the hand-over
-            of CUDA results).
-    """
-
-    def __init__(self, future: Future, record: OpRecord, comm: Comm):
-        self._future = future
-        self.record = record
-        """The operation's [`OpRecord`][loco.comm.interface.OpRecord]: its bytes at once,
-        its times once it is done."""
-        self._comm = comm
-
-    def done(self) -> bool:
-        """Whether the operation has completed (successfully or not), without blocking."""
-        if not self._future.done():
-            return False
-        return (self._future.exception() is not None
-                or self._comm._streams.finished(self._future.result()[1]))
-
-    def wait(self, count: bool = True) -> torch.Tensor | list[torch.Tensor]:
-        """Block until the operation is done and return its result; the time spent waiting
-        is added to the record and to the tag's ``waited`` total. On CUDA the caller's
-        stream is ordered after the transfer (an event; the CPU does not wait for the GPU).
-
-        Args:
-            count: count the time spent waiting (default True); False for a helper thread
-                that waits on the training thread's behalf, which counts its own wait
-                with [`count_wait`][loco.comm.interface.Handle.count_wait].
-
-        Returns:
-            What the operation returns: the reduced tensor (``all_reduce_mean``,
-                ``broadcast``), a list of tensors (``all_gather``, ``exchange``, ``recv``,
-                ``sendrecv``: the receive buffers), or an empty list (``send``).
-
-        Raises:
-            Aborted: another worker failed while this one was waiting.
-            Exception: whatever the operation raised (e.g. a transport timeout).
-        """
-        t0 = time.perf_counter()
-        while True:
-            try:
-                result, done = self._future.result(timeout=0.05)
-                break
-            except FutureTimeout:
-                self._comm.check_aborted()
-        self._comm._streams.hand_over(done, result)
-        if count:
-            self.count_wait(time.perf_counter() - t0)
-        return result
-
-    def count_wait(self, seconds: float) -> None:
-        """Add ``seconds`` of waiting for this operation to its record and to its tag's
-        ``waited`` total.
-
-        Args:
-            seconds: the time the training thread spent waiting.
-        """
-        self.record.waited += seconds
-        with self._comm._lock:
-            self._comm.stats[self.record.tag].waited += seconds
-
-
-class CommThread:
-    """The thread that issues communication operations, one after another in issue order.
-
-    Every [`Comm`][loco.comm.interface.Comm] issues through one. Comms that share one issue
-    all their operations in a single order: NCCL needs that when one process drives several
-    communicators (operations on different communicators, issued in different orders on
-    different ranks, can hang), so the launcher gives all Comms of a CUDA rank one thread;
-    the CUDA thread never blocks on the network (NCCL work is only queued on streams). Over
-    gloo, whose groups do not constrain one another and whose collectives block the thread
-    that runs them, every Comm keeps its own thread, so that one group's slow collective
-    does not hold back another group's traffic.
-
-    Args:
-        name: the thread's name.
-    """
-
-    def __init__(self, name: str):
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._users = 0
-        self._lock = threading.Lock()
-        # A daemon: a thread stuck in the transport must not keep a failed run alive.
-        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while (item := self._queue.get()) is not None:
-            future, fn = item
-            if future.set_running_or_notify_cancel():
-                try:
-                    fn()
-                except BaseException as e:  # noqa: BLE001 - handed to whoever waits
-                    if not future.done():
-                        future.set_exception(e)
-
-    def submit(self, future: Future, fn: Callable[[], None]) -> None:
-        """Queue ``fn`` (which completes ``future`` itself); an exception it raises
-        completes ``future`` instead.
-
-        Args:
-            future: the operation's future.
-            fn: the callable to run on the thread.
-        """
-        self._queue.put((future, fn))
-
-    def attach(self) -> None:
-        """Count one more Comm that issues through this thread."""
-        with self._lock:
-            self._users += 1
-
-    def release(self, join: bool = True) -> None:
-        """One Comm is done with the thread; the last one stops it, after what was queued.
-
-        Args:
-            join: wait for the thread to finish (not when the run was aborted: it may be
-                stuck in the transport); default True.
-        """
-        with self._lock:
-            self._users -= 1
-            last = self._users == 0
-        if last:
-            self._queue.put(None)
-            if join:
-                self._thread.join()
 
 
 @dataclass
@@ -302,15 +45,11 @@ class _Posted:
     result: Any
 
 
-def _chunk_elems(numel: int, parts: int) -> int:
-    return math.ceil(numel / parts) if numel else 0
-
-
 class Comm:
     """Asynchronous, byte-counting communication among the workers of one process group.
 
     Every operation is issued on a communication thread, in order, and returns a
-    [`Handle`][loco.comm.interface.Handle] at once; every worker of the group must issue the
+    [`Handle`][loco.comm.handles.Handle] at once; every worker of the group must issue the
     same collectives in the same order. [`launch`][loco.runtime.launch.launch] builds the
     Comms of a run (``ctx.comm``, ``ctx.pipe``); build one yourself only around your own
     process group. Every tensor handed to it must live on its ``device``.
@@ -326,16 +65,16 @@ class Comm:
         device: where the tensors live (``"cpu"`` for gloo, a CUDA device for NCCL); default
             ``"cpu"``. A CUDA device without an index means the current one.
         name: a name for the threads and error messages; default ``"replicas"``.
-        keep_records: keep the latest [`OpRecord`][loco.comm.interface.OpRecord]s in
+        keep_records: keep the latest [`OpRecord`][loco.comm.counters.OpRecord]s in
             ``records`` (at most ``RECORDS_KEPT``); default True. The totals in ``stats`` are
             kept either way.
         abort_event: an event the launcher sets when any worker fails, so that waits here
-            end promptly with [`Aborted`][loco.comm.interface.Aborted]; default None (a
+            end promptly with [`Aborted`][loco.comm.handles.Aborted]; default None (a
             private event).
         link: an emulated slow link ([`EmulatedLink`][loco.comm.link.EmulatedLink]) that
             every operation passes through (but those of ``UNMETERED_TAGS``); default None
             (the transport's own speed).
-        thread: the [`CommThread`][loco.comm.interface.CommThread] to issue through, shared
+        thread: the [`CommThread`][loco.comm.thread.CommThread] to issue through, shared
             with other Comms of this worker; default None (a thread of its own).
     """
 
@@ -356,6 +95,7 @@ class Comm:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
+        self._buffers = Buffers(self.device)  # kept between all-reduces
         self.name = name
         self.stats = CommStats()
         """Totals by tag, of completed operations."""
@@ -363,7 +103,6 @@ class Comm:
         # grow without end; the counters above hold the totals).
         self.records: deque[OpRecord] = deque(maxlen=RECORDS_KEPT)
         self._issued: dict[str, int] = defaultdict(int)  # bytes handed over, by tag
-        self._buffers: dict[tuple, torch.Tensor] = {}  # see _scratch
         self.keep_records = keep_records
         self._lock = threading.Lock()
         self._closed = False
@@ -402,7 +141,7 @@ class Comm:
             future.set_result(value)
 
     def check_aborted(self) -> None:
-        """Raise [`Aborted`][loco.comm.interface.Aborted] if another worker has failed."""
+        """Raise [`Aborted`][loco.comm.handles.Aborted] if another worker has failed."""
         if self._abort_event.is_set():
             raise Aborted(f"{self.name} rank {self.rank} stopped: another worker failed")
 
@@ -536,12 +275,7 @@ class Comm:
             raise ValueError(f"all_reduce_mean with codec {codec.name} needs an fp32 tensor "
                              f"(got {flat.dtype})")
         m, n, b = self.size, flat.numel(), flat.element_size()
-        if codec is None:
-            chunk = _chunk_elems(n, m)
-            row_bytes = chunk * b
-        else:  # chunks hold whole blocks of values, and each carries its own scales
-            chunk = codec.padded(_chunk_elems(n, m))
-            row_bytes = codec.row_bytes(chunk)
+        chunk, row_bytes = layout(n, m, codec, b)
         wire = 2 * (m - 1) * row_bytes
         divisor = self.contributors
         # Two dependent phases (reduce-scatter, then all-gather): two latencies on a link.
@@ -549,97 +283,14 @@ class Comm:
                             lambda: self._reduce_mean(flat, chunk, codec, m, divisor), [flat],
                             phases=2)
 
-    def _reduce_mean(self, flat: torch.Tensor, chunk: int, codec, m: int, divisor: int
-                     ) -> torch.Tensor:
-        n = flat.numel()
-        if n == 0 or (m == 1 and codec is None):
-            return flat
-        rows = self._rows(flat, m * chunk).view(m, chunk)
-        if m == 1:  # nothing to send, but the value is what the wire format can carry
-            flat.copy_(codec.decode_rows(codec.encode_rows(rows), chunk)[0, :n])
-            return flat
-        encode, decode = self._coders(codec, chunk)
-        # One profiler range per phase, on this (the communication) thread: docs/profiling.md.
-        # Reduce-scatter: worker j receives chunk j of every worker ...
-        with record_function("loco/encode"):
-            outgoing = encode(rows, "outgoing")
-        received = self._scratch("received", outgoing.shape, outgoing.dtype)
-        with record_function("loco/all_to_all"):
-            self.group.alltoall_base(received.view(-1), outgoing.view(-1), [], [],
-                                     dist.AllToAllOptions()).wait()
-        # ... and averages it in fp32; summing in rank order gives the same bits everywhere.
-        with record_function("loco/reduce"):
-            decoded = decode(received, "decoded")
-            mine = encode(self._sum_rows(decoded).div_(divisor), "mine")
-        # All-gather the averaged chunks; everyone decodes the same bytes into ``rows`` (sent
-        # already): into ``flat`` itself when it needed no padding. Unencoded, they land there.
-        gathered = (rows if codec is None
-                    else self._scratch("gathered", (m, mine.shape[1]), mine.dtype))
-        with record_function("loco/all_gather"):
-            self._gather(list(gathered.unbind(0)), mine[0])
-        with record_function("loco/decode"):
-            if gathered.data_ptr() != rows.data_ptr():
-                rows = decode(gathered, rows)
-            if rows.data_ptr() != flat.data_ptr():
-                flat.copy_(rows.view(-1)[:n])
-        return flat
+    def _reduce_mean(self, flat: torch.Tensor, chunk: int, codec: Codec | None, m: int,
+                     divisor: int) -> torch.Tensor:
+        return reduce_mean(flat, chunk, codec, m, divisor, self._buffers, self._all_to_all,
+                           self._gather)
 
-    def _coders(self, codec, chunk: int) -> tuple:
-        """``encode(rows, into)`` and ``decode(buf, into)`` for one all-reduce. With a codec
-        that writes straight into a buffer, the result goes into ``into``: a tensor, or the
-        buffer this Comm keeps between operations for that role (a str); with another
-        codec, into new tensors; without one, the values are the result."""
-        if codec is None:
-            return (lambda x, into: x), (lambda x, into: x)
-        if not codec.writes_into:  # eager scaled codecs: new tensors, copied where needed
-            return ((lambda x, into: codec.encode_rows(x)),
-                    (lambda buf, into: codec.decode_rows(buf, chunk)))
-
-        def buffer(into, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
-            return into if isinstance(into, torch.Tensor) else self._scratch(
-                into, (rows, width), dtype)
-
-        def encode(x: torch.Tensor, into) -> torch.Tensor:
-            out = buffer(into, x.shape[0], codec.row_bytes(chunk), torch.uint8)
-            return codec.encode_rows(x, out=out)
-
-        def decode(buf: torch.Tensor, into) -> torch.Tensor:
-            out = buffer(into, buf.shape[0], chunk, torch.float32)
-            return codec.decode_rows(buf, chunk, out=out)
-
-        return encode, decode
-
-    def _sum_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """The (1, c) sum of the rows of ``rows``, added one after another in rank order
-        (into a reused buffer: a pass per row, where ``sum(dim=0)`` of two rows took three
-        times as long)."""
-        total = self._scratch("sum", (1, rows.shape[1]), rows.dtype)
-        torch.add(rows[0], rows[1], out=total[0])
-        for row in rows[2:]:
-            total[0].add_(row)
-        return total
-
-    def _rows(self, flat: torch.Tensor, size: int) -> torch.Tensor:
-        """``flat`` padded with zeros to ``size`` values: ``flat`` itself when it has them
-        all, else a copy in a buffer kept for the next operation."""
-        if flat.numel() == size:
-            return flat
-        padded = self._scratch("padded", (size,), flat.dtype)
-        padded[:flat.numel()].copy_(flat)
-        padded[flat.numel():].zero_()
-        return padded
-
-    def _scratch(self, role: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        """A buffer of ``shape`` for one phase (``role``) of an operation, reused by the
-        next operation of this Comm (they run one at a time, on its thread): a sync does not
-        allocate, and page in, fragment-sized memory every time. One buffer per role and
-        dtype is kept, the largest asked for so far; smaller requests use its beginning."""
-        numel = math.prod(shape)
-        buf = self._buffers.get((role, dtype))
-        if buf is None or buf.numel() < numel:
-            buf = torch.empty(numel, dtype=dtype, device=self.device)
-            self._buffers[role, dtype] = buf
-        return buf[:numel].view(shape)
+    def _all_to_all(self, received: torch.Tensor, outgoing: torch.Tensor) -> None:
+        """The group's all-to-all of two flat buffers of equal size."""
+        self.group.alltoall_base(received, outgoing, [], [], dist.AllToAllOptions()).wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "setup") -> Handle:
         """Copy ``tensor`` from worker ``src`` to every worker, in place.
@@ -706,7 +357,7 @@ class Comm:
         Only the group's workers take part: nothing waits for the rest of the world. Each
         member sends its tensor to the others and receives theirs: ``(n - 1) * nbytes`` each
         way for a group of n. The sends and receives are posted together, as one NCCL group
-        (see [`sendrecv`][loco.comm.interface.Comm.sendrecv]).
+        (see [`sendrecv`][loco.comm.comm.Comm.sendrecv]).
 
         Args:
             tensor: this worker's contiguous tensor (same shape and dtype on every member).
@@ -733,7 +384,7 @@ class Comm:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: str = "train") -> Handle:
         """Send ``tensor`` to worker ``dst``, point to point, asynchronously (see
-        [`sendrecv`][loco.comm.interface.Comm.sendrecv]); the caller must not modify
+        [`sendrecv`][loco.comm.comm.Comm.sendrecv]); the caller must not modify
         ``tensor`` until ``wait()`` returns.
 
         Args:
@@ -748,7 +399,7 @@ class Comm:
 
     def recv(self, tensor: torch.Tensor, src: int, tag: str = "train") -> Handle:
         """Receive into ``tensor`` from worker ``src`` (see
-        [`sendrecv`][loco.comm.interface.Comm.sendrecv]); the handle returns ``[tensor]``.
+        [`sendrecv`][loco.comm.comm.Comm.sendrecv]); the handle returns ``[tensor]``.
 
         Args:
             tensor: the contiguous buffer to receive into (the sender's shape and dtype).
@@ -899,7 +550,7 @@ class Comm:
             return {"stats": self.stats.as_dict(), "issued": dict(self._issued)}
 
     def load_state_dict(self, state: dict) -> None:
-        """Restore the counters of [`state_dict`][loco.comm.interface.Comm.state_dict]
+        """Restore the counters of [`state_dict`][loco.comm.comm.Comm.state_dict]
         (the records are cleared).
 
         Args:

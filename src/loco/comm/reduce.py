@@ -1,0 +1,181 @@
+"""The mean all-reduce's arithmetic, apart from the transport: how a flat tensor is cut into
+chunks, encoded, averaged and decoded, and into which buffers.
+
+The one definition of the codec calls an all-reduce makes (their shapes, dtypes and
+buffers): [`Comm.all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean] runs
+[`reduce_mean`][loco.comm.reduce.reduce_mean] over the process group, and
+[`Codec.prepare`][loco.comm.codec.Codec.prepare] runs it over a loopback, so that it
+compiles exactly the fused kernels the all-reduce will call.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch.profiler import record_function
+
+
+def chunk_elems(numel: int, parts: int) -> int:
+    """Values per chunk when ``numel`` values are cut into ``parts`` equal chunks:
+    ``ceil(numel / parts)`` (the last chunk zero-padded).
+
+    Args:
+        numel: values, >= 0.
+        parts: chunks (the workers M), >= 1.
+    """
+    return math.ceil(numel / parts) if numel else 0
+
+
+def layout(numel: int, parts: int, codec: Any, itemsize: int) -> tuple[int, int]:
+    """``(chunk, row_bytes)`` of a mean all-reduce: the values per chunk and the bytes one
+    chunk takes on the wire. With a codec a chunk holds whole blocks
+    (``codec.padded(ceil(numel / parts))`` values) and carries its own scales
+    (``codec.row_bytes(chunk)``); without one it is ``ceil(numel / parts)`` values of
+    ``itemsize`` bytes.
+
+    Args:
+        numel: values of the flat tensor, >= 0.
+        parts: workers M, >= 1.
+        codec: the wire format, or None (the tensor's own dtype).
+        itemsize: bytes per value of the tensor (used without a codec).
+    """
+    if codec is None:
+        chunk = chunk_elems(numel, parts)
+        return chunk, chunk * itemsize
+    chunk = codec.padded(chunk_elems(numel, parts))
+    return chunk, codec.row_bytes(chunk)
+
+
+class Buffers(dict):
+    """Buffers kept between the operations of one Comm, by ``(role, dtype)``: a sync does not
+    allocate, and page in, fragment-sized memory every time. Operations run one at a time
+    (on the Comm's thread), so one buffer per role and dtype is kept, the largest asked for
+    so far; a smaller request uses its beginning.
+
+    Args:
+        device: where the buffers live.
+    """
+
+    def __init__(self, device: torch.device):
+        super().__init__()
+        self.device = device
+
+    def __call__(self, role: str, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer of ``shape`` and ``dtype`` for ``role`` (its contents are left as they were).
+
+        Args:
+            role: what the buffer is for, e.g. ``"received"``.
+            shape: its shape.
+            dtype: its dtype.
+        """
+        numel = math.prod(shape)
+        buf = self.get((role, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = torch.empty(numel, dtype=dtype, device=self.device)
+            self[role, dtype] = buf
+        return buf[:numel].view(shape)
+
+
+AllToAll = Callable[[torch.Tensor, torch.Tensor], None]
+AllGather = Callable[[list, torch.Tensor], None]
+
+
+def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor: int,
+                buffers: Buffers, all_to_all: AllToAll, all_gather: AllGather) -> torch.Tensor:
+    """Average ``flat`` over ``parts`` workers, in place, through two collectives: a
+    reduce-scatter done as an all-to-all (worker j receives chunk j of every worker, decodes
+    it and sums it in fp32, in rank order, so every worker gets the same bits) and an
+    all-gather of the encoded means, which every worker decodes.
+
+    Args:
+        flat: the contiguous 1-D tensor, overwritten with the mean; fp32 with a codec.
+        chunk: values per chunk, from [`layout`][loco.comm.reduce.layout].
+        codec: the wire format, or None (the tensor's own dtype, unencoded).
+        parts: workers M, >= 1.
+        divisor: what the sum is divided by (the workers that contribute).
+        buffers: where the operation's intermediate results are kept.
+        all_to_all: ``all_to_all(received, outgoing)``: flat buffers of equal size; worker
+            j's slice i of ``outgoing`` lands in worker i's slice j of ``received``.
+        all_gather: ``all_gather(out, tensor)``: every worker's ``tensor`` into ``out``, a
+            list of M tensors, in rank order.
+
+    Returns:
+        ``flat``, holding the mean.
+    """
+    n = flat.numel()
+    if n == 0 or (parts == 1 and codec is None):
+        return flat
+    rows = _rows(flat, parts * chunk, buffers).view(parts, chunk)
+    if parts == 1:  # nothing to send, but the value is what the wire format can carry
+        flat.copy_(codec.decode_rows(codec.encode_rows(rows), chunk)[0, :n])
+        return flat
+    encode, decode = _coders(codec, chunk, buffers)
+    # One profiler range per phase, on the calling thread: docs/profiling.md.
+    with record_function("loco/encode"):
+        outgoing = encode(rows, "outgoing")
+    received = buffers("received", outgoing.shape, outgoing.dtype)
+    with record_function("loco/all_to_all"):
+        all_to_all(received.view(-1), outgoing.view(-1))
+    with record_function("loco/reduce"):
+        decoded = decode(received, "decoded")
+        mine = encode(_sum_rows(decoded, buffers).div_(divisor), "mine")
+    # Everyone decodes the same gathered bytes into ``rows``: into ``flat`` itself when it
+    # needed no padding. Unencoded, they land there.
+    gathered = rows if codec is None else buffers("gathered", (parts, mine.shape[1]), mine.dtype)
+    with record_function("loco/all_gather"):
+        all_gather(list(gathered.unbind(0)), mine[0])
+    with record_function("loco/decode"):
+        if gathered.data_ptr() != rows.data_ptr():
+            rows = decode(gathered, rows)
+        if rows.data_ptr() != flat.data_ptr():
+            flat.copy_(rows.view(-1)[:n])
+    return flat
+
+
+def _coders(codec: Any, chunk: int, buffers: Buffers) -> tuple:
+    """``encode(rows, into)`` and ``decode(buf, into)`` for one all-reduce. With a codec
+    that writes straight into a buffer, the result goes into ``into``: a tensor, or the kept
+    buffer of that role (a str); with another codec, into new tensors; without one, the
+    values are the result."""
+    if codec is None:
+        return (lambda x, into: x), (lambda x, into: x)
+    if not codec.writes_into:  # eager scaled codecs: new tensors, copied where needed
+        return ((lambda x, into: codec.encode_rows(x)),
+                (lambda buf, into: codec.decode_rows(buf, chunk)))
+
+    def buffer(into, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+        return into if isinstance(into, torch.Tensor) else buffers(into, (rows, width), dtype)
+
+    def encode(x: torch.Tensor, into) -> torch.Tensor:
+        out = buffer(into, x.shape[0], codec.row_bytes(chunk), torch.uint8)
+        return codec.encode_rows(x, out=out)
+
+    def decode(buf: torch.Tensor, into) -> torch.Tensor:
+        out = buffer(into, buf.shape[0], chunk, torch.float32)
+        return codec.decode_rows(buf, chunk, out=out)
+
+    return encode, decode
+
+
+def _sum_rows(rows: torch.Tensor, buffers: Buffers) -> torch.Tensor:
+    """The (1, c) sum of the rows of ``rows``, added one after another in rank order, into
+    a kept buffer (a pass per row: faster than ``sum(dim=0)``, docs/benchmarks.md)."""
+    total = buffers("sum", (1, rows.shape[1]), rows.dtype)
+    torch.add(rows[0], rows[1], out=total[0])
+    for row in rows[2:]:
+        total[0].add_(row)
+    return total
+
+
+def _rows(flat: torch.Tensor, size: int, buffers: Buffers) -> torch.Tensor:
+    """``flat`` padded with zeros to ``size`` values: ``flat`` itself when it has them all,
+    else a copy in a kept buffer."""
+    if flat.numel() == size:
+        return flat
+    padded = buffers("padded", (size,), flat.dtype)
+    padded[:flat.numel()].copy_(flat)
+    padded[flat.numel():].zero_()
+    return padded
