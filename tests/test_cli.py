@@ -98,6 +98,10 @@ BAD_INPUTS = [
     (["--profile", "9-2"], "--profile", "e.g. 20-30, or one step N"),
     (["--profile", "abc"], "--profile", "A-B"),
     (["--steps", "10", "--profile", "5-11"], "--profile", "<= --steps (10)"),
+    # counts are checked before --tokens is turned into steps (it divides by them)
+    (["--tokens", "2e7", "--workers", "0"], "--workers", ">= 1"),
+    (["--tokens", "2e7", "--batch-size", "0"], "--batch-size", ">= 1"),
+    (["--tokens", "20x", "--seq-len", "0"], "--seq-len", ">= 2"),
 ]
 
 

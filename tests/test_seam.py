@@ -1,0 +1,100 @@
+"""A method is one seam: a method registered from outside the package (here, plain parameter
+averaging every H steps) trains, compares, reports and evaluates with no edit elsewhere."""
+
+import json
+import os
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from test_harness import tasks, train_args  # noqa: E402,F401  (tasks is a fixture)
+
+from loco.algorithms import Algorithm, PaperClaim, registry  # noqa: E402
+from loco.algorithms.sharding import flatten_fp32, unflatten_views  # noqa: E402
+from loco.cli import main  # noqa: E402
+
+
+class Averaging(Algorithm):
+    """Every H inner steps the workers replace their parameters by their mean (FedAvg)."""
+
+    name = "avg"
+    title = "Plain averaging"
+    shared = ("sync_every",)
+    defaults = {"sync_every": 4}
+    claims = (PaperClaim("loss", "local", 0, text="below {ref}'s (no communication)"),)
+
+    def __init__(self, model, inner_optimizer, comm, sync_every: int = 4, **kwargs):
+        super().__init__(model, inner_optimizer, comm, **kwargs)
+        self.sync_every = sync_every
+
+    @classmethod
+    def kwargs(cls, cfg, model, comm, pipeline):
+        return {"sync_every": cfg.sync_every}
+
+    def step(self) -> None:
+        self.inner_update()
+        self.inner_steps += 1
+        if self.inner_steps % self.sync_every == 0:
+            flat = flatten_fp32([p.detach() for p in self.params])
+            self.comm.all_reduce_mean(flat).wait()
+            with torch.no_grad():
+                for p, mean in zip(self.params, unflatten_views(flat, self.params)):
+                    p.copy_(mean)
+
+
+@pytest.fixture
+def averaging(monkeypatch):
+    """``avg`` registered for one test (the registry is restored afterwards)."""
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
+    registry.register(Averaging)
+    return Averaging
+
+
+def summary(run_dir) -> dict:
+    with open(os.path.join(run_dir, "summary.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.slow
+def test_a_method_registered_from_outside_trains_and_evaluates(averaging, corpus, tasks,
+                                                                 tmp_path, capsys):
+    out = tmp_path / "avg"
+    assert main(train_args(corpus, out, "--algorithm", "avg", "--steps", "8")) == 0
+    s = summary(out)
+    assert s["algorithm"] == "avg" and s["config"]["sync_every"] == 4  # the method's default
+    # two all-reduces of the whole model, M = 2: each worker sends half of it twice per sync
+    floats = s["model_parameters"]
+    assert s["bytes_sent_per_worker"] == 2 * 2 * 4 * (floats // 2 + floats % 2)
+    assert main(["eval", str(out), "--tasks", "loco_tiny_mc", "--include-path", tasks,
+                 "--limit", "4", "--batch-size", "4"]) == 0
+    assert "loco_tiny_mc" in summary(out)["downstream"]
+    capsys.readouterr()
+
+
+@pytest.mark.slow
+def test_a_method_registered_from_outside_compares_and_reports(averaging, corpus, tmp_path):
+    text, cache = corpus
+    out = tmp_path / "cmp"
+    assert main(["compare", "--algorithms", "avg,local", "--model", "tiny", "--workers", "2",
+                 "--steps", "8", "--seq-len", "32", "--batch-size", "4", "--vocab-size",
+                 "300", "--eval-every", "4", "--eval-batches", "2", "--final-eval-batches",
+                 "4", "--corpus", text, "--cache-dir", cache, "--out", str(out),
+                 "--no-progress", "--set", "avg.sync-every=2"]) == 0
+    report = (out / "report.md").read_text()
+    assert "Plain averaging" in report and "H=2" in report  # the shared options' setting
+    assert "Plain averaging eval loss below Local's (no communication)" in report
+    numbers = json.loads((out / "compare.json").read_text())
+    assert numbers["avg"]["config"]["sync_every"] == 2
+
+
+def test_a_registered_method_is_a_choice_and_its_options_are_checked(averaging, capsys):
+    assert main(["train", "--algorithm", "avg", "--sync-every", "0"]) == 2
+    assert "--sync-every: must be an integer >= 1 (got 0)" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit:
+        main(["train", "--algorithm", "nope"])
+    assert exit.value.code == 2
+    assert "'avg'" in capsys.readouterr().err  # argparse lists the registered methods
+    with pytest.raises(ValueError, match="taken"):
+        registry.register(type("Other", (Averaging,), {}))
