@@ -124,11 +124,34 @@ def _check_class(where: str, cls: type) -> list[str]:
             if not (member.__doc__ or "").strip():
                 problems.append(f"{qualified}: no docstring")
         elif isinstance(member, (staticmethod, classmethod)):
-            problems += _check_function(qualified, member.__func__,
+            problems += _check_function(qualified, _with_base_args(cls, name, member.__func__),
                                         is_method=isinstance(member, classmethod))
         elif inspect.isfunction(member):
-            problems += _check_function(qualified, member, is_method=True)
+            problems += _check_function(qualified, _with_base_args(cls, name, member),
+                                        is_method=True)
     return problems
+
+
+def _with_base_args(cls: type, name: str, func):
+    """``func``, or where its docstring has no ``Args:`` section and it overrides a method
+    whose docstring has one (a method's seam, ``loco.algorithms.method.Method``), a stand-in
+    whose docstring adds that section: an override inherits its base's arguments."""
+    doc = func.__doc__ or ""
+    if not doc.strip() or "Args:" in doc or not parameters(func, skip_first=True):
+        return func
+    for base in cls.__mro__:
+        found = vars(base).get(name)
+        found = getattr(found, "__func__", found)
+        if found is not None and found is not func and "Args:" in (found.__doc__ or ""):
+            base_doc = found.__doc__
+            args = base_doc[base_doc.rindex("\n", 0, base_doc.index("Args:")) + 1:]
+
+            def stand_in(*a, **k):
+                return func(*a, **k)
+            stand_in.__doc__ = doc + "\n\n" + args
+            stand_in.__signature__ = inspect.signature(func)
+            return stand_in
+    return func
 
 
 def docstring_problems(reference_dir: str | Path) -> list[str]:
@@ -175,13 +198,14 @@ def options_table() -> str:
     """A Markdown table of every ``loco train`` option (flag, YAML key, default, choices,
     help), from :class:`loco.config.TrainConfig` as ``loco.cli.add_train_options`` reads it."""
     from loco.config import TrainConfig
+    from loco.config import choices as config_choices
 
     rows = ["| Flag | YAML key | Default | Choices | Help |", "|---|---|---|---|---|"]
     for f in TrainConfig.fields():
         name = f.name.replace("_", "-")
         flag = f"--[no-]{name}" if str(f.type).startswith("bool") else f"--{name}"
         default = "—" if f.default is None else f"`{f.default}`"
-        choices = ", ".join(f"`{c}`" for c in f.metadata.get("choices") or ()) or "—"
+        choices = ", ".join(f"`{c}`" for c in config_choices(f) or ()) or "—"
         rows.append(f"| `{flag}` | `{f.name}` | {default} | {choices} | "
                     f"{_cell(f.metadata['help'])} |")
     return "\n".join(rows)

@@ -1,5 +1,6 @@
-"""A method is one seam: a method registered from outside the package (here, plain parameter
-averaging every H steps) trains, compares, reports and evaluates with no edit elsewhere."""
+"""A method is one seam: a method registered from outside the package (docs/examples/
+averaging.py: plain parameter averaging every H steps) trains, compares, reports and
+evaluates with no edit elsewhere."""
 
 import json
 import os
@@ -7,41 +8,17 @@ import os
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
-import torch  # noqa: E402
 from test_harness import tasks, train_args  # noqa: E402,F401  (tasks is a fixture)
 
-from loco.algorithms import Algorithm, PaperClaim, registry  # noqa: E402
-from loco.algorithms.sharding import flatten_fp32, unflatten_views  # noqa: E402
+from loco.algorithms import registry  # noqa: E402
 from loco.cli import main  # noqa: E402
 
-
-class Averaging(Algorithm):
-    """Every H inner steps the workers replace their parameters by their mean (FedAvg)."""
-
-    name = "avg"
-    title = "Plain averaging"
-    shared = ("sync_every",)
-    defaults = {"sync_every": 4}
-    claims = (PaperClaim("loss", "local", 0, text="below {ref}'s (no communication)"),)
-
-    def __init__(self, model, inner_optimizer, comm, sync_every: int = 4, **kwargs):
-        super().__init__(model, inner_optimizer, comm, **kwargs)
-        self.sync_every = sync_every
-
-    @classmethod
-    def kwargs(cls, cfg, model, comm, pipeline):
-        return {"sync_every": cfg.sync_every}
-
-    def step(self) -> None:
-        self.inner_update()
-        self.inner_steps += 1
-        if self.inner_steps % self.sync_every == 0:
-            flat = flatten_fp32([p.detach() for p in self.params])
-            self.comm.all_reduce_mean(flat).wait()
-            with torch.no_grad():
-                for p, mean in zip(self.params, unflatten_views(flat, self.params)):
-                    p.copy_(mean)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "docs" / "examples"))
+from averaging import Averaging  # noqa: E402  (the docs' example method, one file)
 
 
 @pytest.fixture

@@ -84,21 +84,29 @@ class Method:
         return own + cls.shared
 
     @classmethod
-    def check(cls, cfg, layers: int) -> None:
-        """Check the method's own options in ``cfg`` (a full configuration, resolved) for a
-        model of ``layers`` blocks.
+    def check(cls, cfg: Any, layers: int) -> None:
+        """Check the method's own options in ``cfg`` for a model of ``layers`` blocks.
+
+        Args:
+            cfg: the run's configuration, resolved.
+            layers: the model's blocks (transformer layers).
 
         Raises:
             ConfigError: naming the first option out of range and what it allows.
         """
 
     @classmethod
-    def warnings(cls, cfg) -> list[str]:
-        """Legal settings that are probably not what the user meant, one message each."""
+    def warnings(cls, cfg: Any) -> list[str]:
+        """Legal settings that are probably not what the user meant, one message each.
+
+        Args:
+            cfg: the run's configuration, resolved.
+        """
         return []
 
     @classmethod
-    def from_config(cls, cfg, model, optimizer, comm, pipeline=None, inner=None):
+    def from_config(cls, cfg: Any, model: Any, optimizer: Any, comm: Any, pipeline: Any = None,
+                    inner: Any = None) -> Any:
         """The method as a run of ``cfg`` builds it on this rank (collective: see
         [`Algorithm`][loco.algorithms.base.Algorithm]).
 
@@ -119,7 +127,7 @@ class Method:
         return algo
 
     @classmethod
-    def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
+    def kwargs(cls, cfg: Any, model: Any, comm: Any, pipeline: Any) -> dict[str, Any]:
         """The constructor's method-specific arguments for a configuration.
 
         Args:
@@ -131,20 +139,32 @@ class Method:
         return {}
 
     @classmethod
-    def checkpoint_delay(cls, cfg) -> int:
-        """Inner steps after a round's end during which a sync may still be in flight."""
+    def checkpoint_delay(cls, cfg: Any) -> int:
+        """Inner steps after a round's end during which a sync may still be in flight.
+
+        Args:
+            cfg: the run's configuration, resolved.
+        """
         return 0
 
     @classmethod
     def setting(cls, config: dict) -> str:
-        """The report's phrase for the method's own knobs in ``config`` (a saved run's
-        options): H and the outer optimizer by default."""
+        """The report's phrase for the method's own knobs: H and the outer optimizer by
+        default.
+
+        Args:
+            config: a saved run's options (``summary.json``'s ``config``).
+        """
         return f"H={config['sync_every']}" + cls.outer_setting(config)
 
     @classmethod
     def outer_setting(cls, config: dict) -> str:
-        """The report's words for the outer optimizer in ``config``, ``", ..."``, or empty
-        where the run has none."""
+        """The report's words for the outer optimizer, ``", ..."``, or empty where the run
+        has none.
+
+        Args:
+            config: a saved run's options.
+        """
         lr, mu = config.get("outer_lr"), config.get("outer_momentum")
         if lr is None or mu is None:
             return ""
@@ -154,11 +174,15 @@ class Method:
     @classmethod
     def wire(cls, config: dict) -> str | None:
         """The wire format of what a run sends, where the report shows it next to the
-        bytes (DataParallel's gradients); None elsewhere."""
+        bytes (DataParallel's gradients); None elsewhere.
+
+        Args:
+            config: a saved run's options.
+        """
         return None
 
     @classmethod
-    def fragment_names(cls, cfg, module, tied: bool) -> list[list[str]]:
+    def fragment_names(cls, cfg: Any, module: Any, tied: bool) -> list[list[str]]:
         """The parameter names of each fragment the method syncs (a method with a global
         copy); one fragment of every trained parameter by default.
 
@@ -172,7 +196,7 @@ class Method:
         return split_fragments(module, 1)
 
 
-def leftover_steps(cfg) -> list[str]:
+def leftover_steps(cfg: Any) -> list[str]:
     """A warning when ``steps`` is not a multiple of H: the last steps never reach the
     global model (a method that averages every H steps)."""
     if cfg.steps % cfg.sync_every:

@@ -77,7 +77,7 @@ class TrainConfig(LoggingOptions, RuntimeOptions, CommunicationOptions, DataOpti
     Each field is a flag (``sync_every``: ``--sync-every``) and a key of the YAML
     ``--config`` file; its help text is ``field.metadata["help"]`` and its allowed values,
     where they are a list, ``field.metadata["choices"]`` (see
-    [`choices`][loco.config.job.choices]); ``loco train --help`` and the options table of
+    ``loco.config.choices``); ``loco train --help`` and the options table of
     the API reference list them all.
     Build one with [`build_config`][loco.config.build_config] (which converts YAML values),
     fill the defaults that depend on the method with [`resolve`][loco.config.resolve], and
