@@ -311,24 +311,8 @@ class StreamingDiLoCo(Algorithm):
             raise ValueError(f"sync_every (H) must be an integer >= 1 (got {sync_every!r})")
         names = split_fragments(model, fragments, pattern)
         count = len(names)
-        if count > sync_every:
-            raise ValueError(f"fragments (P={count}) must be <= sync_every (H={sync_every}): "
-                             "at most one fragment is sent per step")
-        if not isinstance(overlap, int) or not 0 <= overlap < sync_every // count:
-            raise ValueError(f"overlap (tau) must be an integer in [0, floor(H/P)) = "
-                             f"[0, {sync_every // count}), the smallest gap between two sends "
-                             f"(got {overlap!r})")
-        if not 0 <= alpha <= 1:
-            raise ValueError(f"alpha must be in [0, 1] (got {alpha!r})")
-        if not outer_lr > 0:
-            raise ValueError(f"outer_lr must be > 0 (got {outer_lr!r})")
-        if not 0 <= outer_momentum < 1:
-            raise ValueError(f"outer_momentum must be in [0, 1) (got {outer_momentum!r})")
-        if outer_thread not in (None, True, False):
-            raise ValueError(f"outer_thread must be None, True or False (got {outer_thread!r})")
-        if outer_thread and comm.elastic:
-            raise ValueError("outer_thread=True needs a fixed group: an elastic comm retries "
-                             "a sync on the training thread")
+        _check_arguments(sync_every, count, overlap, alpha, outer_lr, outer_momentum,
+                         outer_thread, comm.elastic)
         self.codec = get_codec(codec, codec_block, device=comm.device, keep=codec_keep)
         super().__init__(model, inner_optimizer, comm, **kwargs)
         self.sync_every, self.overlap, self.alpha = sync_every, overlap, alpha
@@ -343,26 +327,10 @@ class StreamingDiLoCo(Algorithm):
         self._in_flight: _InFlight | None = None
         outer_device = torch.device("cpu") if offload else self.params[0].device
         by_name = dict(model.named_parameters())
-        self.fragment_list: list[Fragment] = []
-        for p, frag_names in enumerate(names):
-            params = [by_name[n] for n in frag_names]
-            # With R ranks per worker each holds and syncs 1/R: no worker sends R copies.
-            share = Share(params, self.inner)
-            global_flat = share.read().to(outer_device)
-            if offload:
-                global_flat = _pinned(global_flat)
-            global_params = unflatten_views(global_flat, share.views)
-            delta = torch.zeros(share.numel, dtype=torch.float32, device=comm.device)
-            # The outer optimizer reads Δ̄ as the gradient of the global copy.
-            grad = delta if delta.device == outer_device else _pinned(torch.zeros_like(
-                global_flat))  # offloaded: Δ̄ lands here, one copy per fragment
-            global_flat.grad = grad
-            # One flat tensor: one fused kernel per outer step, no loop over parameters.
-            optimizer = torch.optim.SGD([global_flat], lr=outer_lr, momentum=outer_momentum,
-                                        nesterov=nesterov and outer_momentum > 0,
-                                        fused=outer_device.type in ("cpu", "cuda"))
-            self.fragment_list.append(Fragment(p, frag_names, params, share, global_flat,
-                                               global_params, delta, grad, optimizer))
+        sgd = {"lr": outer_lr, "momentum": outer_momentum,
+               "nesterov": nesterov and outer_momentum > 0}
+        self.fragment_list = [self._fragment(p, frag_names, by_name, outer_device, sgd)
+                              for p, frag_names in enumerate(names)]
         for fragment in self.fragment_list:  # compiled now, not inside the first syncs
             self.codec.prepare(fragment.delta.numel(), comm.size, comm.device)
         if outer_thread is None:  # it pays where the CPU is idle while the device computes
@@ -372,6 +340,28 @@ class StreamingDiLoCo(Algorithm):
         # Every worker derives the schedule from the same step counter, so the same fragment
         # is reduced everywhere without a word.
         self._due = dict(zip(send_offsets(sync_every, count), self.fragment_list))
+
+    def _fragment(self, p: int, names: list[str], by_name: dict, outer_device: torch.device,
+                  sgd: dict) -> Fragment:
+        """Fragment ``p``: its parameters, this rank's share, the global copy on
+        ``outer_device`` and its outer SGD (``sgd``: lr, momentum, Nesterov)."""
+        params = [by_name[n] for n in names]
+        # With R ranks per worker each holds and syncs 1/R: no worker sends R copies.
+        share = Share(params, self.inner)
+        global_flat = share.read().to(outer_device)
+        if self.offload:
+            global_flat = _pinned(global_flat)
+        global_params = unflatten_views(global_flat, share.views)
+        delta = torch.zeros(share.numel, dtype=torch.float32, device=self.comm.device)
+        # The outer optimizer reads Δ̄ as the gradient of the global copy.
+        grad = delta if delta.device == outer_device else _pinned(torch.zeros_like(
+            global_flat))  # offloaded: Δ̄ lands here, one copy per fragment
+        global_flat.grad = grad
+        # One flat tensor: one fused kernel per outer step, no loop over parameters.
+        optimizer = torch.optim.SGD([global_flat], **sgd,
+                                    fused=outer_device.type in ("cpu", "cuda"))
+        return Fragment(p, names, params, share, global_flat, global_params, delta, grad,
+                        optimizer)
 
     # ----------------------------------------------------------------------------- the loop
     @property
@@ -640,6 +630,30 @@ class StreamingDiLoCo(Algorithm):
                 f.outer_optimizer.state[f.global_flat]["momentum_buffer"] = torch.zeros_like(
                     f.global_flat)
         super().load_outer_state(values)
+
+
+def _check_arguments(sync_every: int, count: int, overlap: Any, alpha: float, outer_lr: float,
+                     outer_momentum: float, outer_thread: Any, elastic: bool) -> None:
+    """The constructor's ranges (see ``StreamingDiLoCo``); raises ValueError naming the
+    first argument out of range."""
+    if count > sync_every:
+        raise ValueError(f"fragments (P={count}) must be <= sync_every (H={sync_every}): "
+                         "at most one fragment is sent per step")
+    if not isinstance(overlap, int) or not 0 <= overlap < sync_every // count:
+        raise ValueError(f"overlap (tau) must be an integer in [0, floor(H/P)) = "
+                         f"[0, {sync_every // count}), the smallest gap between two sends "
+                         f"(got {overlap!r})")
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1] (got {alpha!r})")
+    if not outer_lr > 0:
+        raise ValueError(f"outer_lr must be > 0 (got {outer_lr!r})")
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(f"outer_momentum must be in [0, 1) (got {outer_momentum!r})")
+    if outer_thread not in (None, True, False):
+        raise ValueError(f"outer_thread must be None, True or False (got {outer_thread!r})")
+    if outer_thread and elastic:
+        raise ValueError("outer_thread=True needs a fixed group: an elastic comm retries "
+                         "a sync on the training thread")
 
 
 def _pseudo_gradient(f: Fragment) -> None:
