@@ -33,11 +33,8 @@ def only_for(option: str) -> tuple[str, ...]:
     return users or algorithm_names()
 
 
-#: The outer optimizer for tens of outer steps, chosen by the sweeps of docs/claims.md: for
-#: DiLoCo (outer lr 0.3-3 x momentum 0 / Nesterov 0.9 x H 10 / 30, tiny and small models, 300
-#: and 900 steps) the papers' Nesterov 0.9 overshoots there, and no momentum at lr 1 (the
-#: workers' average) was best or within 1.5% of best at every H, model and budget; for
-#: NoLoCo (beta 0.7 / 1 x alpha 0 / 0.5, tiny model) beta 1 without momentum was best too.
+#: The outer optimizer for tens of outer steps, the choice of the sweeps in docs/claims.md
+#: (DiLoCo's and NoLoCo's): outer lr 1 (the workers' average) without momentum.
 FEW_OUTER_STEPS = {"outer_lr": 1.0, "outer_momentum": 0.0}
 
 
