@@ -1,0 +1,111 @@
+"""What every method of a comparison shares, and the named settings of ``--preset``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from loco.algorithms import methods as registered
+from loco.config import algorithm_names
+
+
+#: Options every method must share: the same model, data, seed and token budget (and the
+#: same machine and network), so that only the methods differ. ``stages`` and ``routing`` (a
+#: replica's pipeline layout: the same model and tokens) may differ, to compare routings.
+SHARED = ("model", "layers", "dim", "heads", "steps", "tokens", "workers",
+          "worker_ranks", "worker_parallel", "batch_size", "seq_len", "seed", "corpus",
+          "text_field", "vocab_size", "val_fraction", "cache_dir", "dtype", "eval_every",
+          "eval_batches", "final_eval_batches", "log_every", "launcher", "link_bandwidth",
+          "link_latency", "fast_link_bandwidth", "fast_link_latency", "out", "progress",
+          "resume", "tokenizer", "eval_corpus", "tensorboard", "wandb", "wandb_project",
+          "wandb_mode")
+
+
+def only_for(option: str) -> tuple[str, ...]:
+    """The methods an option means something to, where it is some methods' only (their
+    ``Method.uses``); every method's name otherwise (the inner optimizer's lr, adam_betas,
+    weight_decay, z_loss, ...). --set (or a preset's, a YAML file's per-method entry, a
+    --sweep) of an option elsewhere is an error.
+
+    Args:
+        option: an option's field name.
+    """
+    users = tuple(name for name, cls in registered().items() if option in cls.uses())
+    return users or algorithm_names()
+
+
+#: The outer optimizer for tens of outer steps, the choice of the sweeps in docs/claims.md
+#: (DiLoCo's and NoLoCo's): outer lr 1 (the workers' average) without momentum.
+FEW_OUTER_STEPS = {"outer_lr": 1.0, "outer_momentum": 0.0}
+
+
+#: Named settings. ``shared`` options apply to every method; ``methods`` maps an algorithm
+#: or a label to its own options (an algorithm's entry applies to every method of that
+#: algorithm, a label's to that method only, in the order listed, so a label's entry after its
+#: algorithm's wins); ``algorithms``, where given, is the preset's own ``--algorithms``;
+#: ``seeds``, where given, its ``--seeds`` (a ``--seed`` replaces them with one run).
+PRESETS: dict[str, dict[str, Any]] = {
+    "quick": {
+        "about": "the small model (1.3M parameters) on Shakespeare, 4 workers of 4 x 128 "
+                 "tokens, 300 steps, H = 30 (10 outer steps), the outer optimizer the "
+                 "sweeps chose for so few outer steps (lr 1, no momentum: docs/claims.md): "
+                 "all five methods in about 8 minutes on a 2-core CPU",
+        "shared": {"model": "small", "workers": 4, "steps": 300, "batch_size": 4,
+                   "seq_len": 128, "warmup": 30, "eval_every": 50, "eval_batches": 8,
+                   "final_eval_batches": 50, "log_every": 10},
+        "methods": {"diloco": {"sync_every": 30, **FEW_OUTER_STEPS},
+                    "noloco": {"sync_every": 30, "spread_every": 10, **FEW_OUTER_STEPS},
+                    "streaming": {"sync_every": 30, "fragments": 2, "overlap": "1",
+                                  "codec": "fp4_e3m0", **FEW_OUTER_STEPS},
+                    "local": {"spread_every": 10}},
+    },
+    "evidence": {
+        "about": "the papers' headline claims tested over 3 seeds in about 30 minutes on a "
+                 "2-core CPU: the tiny model (0.16M parameters) on Shakespeare, 4 workers of "
+                 "4 x 128 tokens, 900 steps (12 tokens per parameter), H = 30 (30 outer "
+                 "steps) with the outer optimizer the sweeps chose (lr 1, no momentum) for "
+                 "DiLoCo, Streaming DiLoCo (FP4, and its fp32 twin) and NoLoCo (also in 2 "
+                 "pipeline stages with fixed and with random routing), Local and "
+                 "DataParallel",
+        "algorithms": "ddp,diloco,streaming,streaming-fp32=streaming,noloco,noloco-pp=noloco,"
+                      "noloco-routed=noloco,local",
+        "seeds": [0, 1, 2],
+        "shared": {"model": "tiny", "workers": 4, "steps": 900, "batch_size": 4,
+                   "seq_len": 128, "warmup": 30, "eval_every": 100, "eval_batches": 8,
+                   "final_eval_batches": 50, "log_every": 20},
+        "methods": {"diloco": {"sync_every": 30, **FEW_OUTER_STEPS},
+                    "streaming": {"sync_every": 30, "fragments": 2, "overlap": "1",
+                                  "mixing": 0.5, "codec": "fp4_e3m0", **FEW_OUTER_STEPS},
+                    "streaming-fp32": {"codec": "fp32"},
+                    "noloco": {"sync_every": 30, "spread_every": 10, **FEW_OUTER_STEPS},
+                    "noloco-pp": {"stages": 2},
+                    "noloco-routed": {"stages": 2, "routing": "random"},
+                    "local": {"spread_every": 10}},
+    },
+    "paper": {
+        "about": "the papers' settings at the size of their smaller runs, for one GPU machine "
+                 "(bring a large --corpus): the large model (12 layers, d=768, ~88M "
+                 "parameters at vocab 4096), M = 4 workers, seq 1024, bf16, z-loss 1e-4; "
+                 "DataParallel with bf16 gradients; inner AdamW (0.9, 0.95), wd 0.1, except "
+                 "NoLoCo's Adam (0.9, 0.999), wd 0; H = 100 (Streaming: 4 fragments of 3 "
+                 "layers, τ = 1, α = 0.5, FP4), NoLoCo H = 50, n = 2; and diloco-hb, the "
+                 "NoLoCo paper's DiLoCo baseline (H = 100, heavy-ball momentum 0.3, NoLoCo's "
+                 "inner optimizer)",
+        "algorithms": "ddp,diloco,diloco-hb=diloco,streaming,noloco,local",
+        "shared": {"model": "large", "workers": 4, "steps": 8800, "batch_size": 16,
+                   "seq_len": 1024, "dtype": "bf16", "lr": 4e-4, "warmup": 1000,
+                   "weight_decay": 0.1, "adam_betas": "0.9,0.95", "z_loss": 1e-4,
+                   "eval_every": 500, "eval_batches": 32, "final_eval_batches": 200,
+                   "log_every": 50, "comm_timeout": 1800.0},
+        "methods": {"ddp": {"grad_codec": "bf16"},
+                    "diloco": {"sync_every": 100},
+                    # The NoLoCo paper's DiLoCo baseline: its code's heavy-ball outer
+                    # momentum 0.3 at H = 100, with NoLoCo's inner optimizer.
+                    "diloco-hb": {"sync_every": 100, "nesterov": False, "outer_momentum": 0.3,
+                                  "adam_betas": "0.9,0.999", "weight_decay": 0.0},
+                    "streaming": {"sync_every": 100, "fragments": 4, "overlap": "1",
+                                  "mixing": 0.5, "codec": "fp4_e3m0"},
+                    "noloco": {"sync_every": 50, "group_size": 2, "spread_every": 100,
+                               "adam_betas": "0.9,0.999", "weight_decay": 0.0},
+                    "local": {"spread_every": 100}},
+    },
+}

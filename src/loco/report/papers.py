@@ -1,0 +1,269 @@
+"""The papers' claims checked on runs: each method's declared claims
+(``loco.algorithms.PaperClaim``) against its reference run, seed by seed, and the runs' regime."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from loco.algorithms import PaperClaim, methods
+from loco.report.cells import ratio_cell
+from loco.report.numbers import baseline, codec_compression
+from loco.report.runs import Run
+from loco.report.seeds import half_range_pct
+
+
+#: Options that say where a run is written, not what it does: [`twin`][loco.report.papers.twin]
+#: runs may differ in them.
+PLACE = frozenset({"out", "wandb_run_name"})
+
+
+def verdict(met: list[bool]) -> bool | None:
+    """A claim's verdict over seeds: True if it holds on every seed, False if on none, None
+    (mixed) otherwise.
+
+    Args:
+        met: whether it holds, per seed.
+    """
+    return True if all(met) else False if not any(met) else None
+
+
+@dataclass
+class Claim:
+    """One of the papers' claims, checked on the runs of one seed.
+
+    Args:
+        text: the claim, naming the methods without a seed.
+        measured: what was measured, as the report shows it.
+        met: whether it holds.
+        pair: a comparison's two values, the method's and its reference's (final eval
+            losses, or replicas' spreads), whose gap in % of the reference's is the margin;
+            None for other claims.
+    """
+
+    text: str
+    measured: str
+    met: bool
+    pair: tuple[float, float] | None = None
+
+
+def targets(runs: list[Run]) -> list[tuple[str, str, bool | None]]:
+    """The papers' claims checked on these runs, seed by seed where there are several.
+
+    Each seed's claims are checked on its own runs ([`claims`][loco.report.papers.claims]), so a
+    method is held against the run of the same seed. A loss claim over several seeds reads
+    ``+1.20% (seeds: +0.8% to +1.6%; seed spread ±0.9% / ±1.1%)``: the margin's mean over
+    the seeds, its range, and the half-range of each method's loss over the seeds in % of
+    its mean; another claim gives its measure once where the seeds agree, else per seed.
+
+    Args:
+        runs: the runs, in report order.
+
+    Returns:
+        (claim, measured, met) per claim that these runs can check; with several seeds, met
+            is a [`verdict`][loco.report.papers.verdict]: None where the claim holds on some seeds
+            only (mixed).
+    """
+    by_seed: dict[int | None, list[Run]] = {}
+    for r in runs:
+        by_seed.setdefault(r.seed, []).append(r)
+    if len(by_seed) == 1:
+        return [(c.text, c.measured, c.met) for c in claims(runs)]
+    merged: dict[str, dict[int | None, Claim]] = {}
+    for seed, mine in by_seed.items():
+        for c in claims(mine):
+            merged.setdefault(c.text, {})[seed] = c
+    return [(text, _measured_over_seeds(per_seed), verdict([c.met for c in per_seed.values()]))
+            for text, per_seed in merged.items()]
+
+
+def _measured_over_seeds(per_seed: dict[int | None, Claim]) -> str:
+    """A claim's measured cell over seeds (see [`targets`][loco.report.papers.targets])."""
+    found = list(per_seed.values())
+    if found[0].pair is None:
+        texts = {c.measured for c in found}
+        return (found[0].measured if len(texts) == 1 else
+                "; ".join(f"seed {seed}: {c.measured}" for seed, c in per_seed.items()))
+    gaps = [100 * (a - b) / b for a, b in (c.pair for c in found)]
+    spreads = [half_range_pct([c.pair[i] for c in found]) for i in (0, 1)]
+    return (f"{sum(gaps) / len(gaps):+.2f}% (seeds: {min(gaps):+.1f}% to {max(gaps):+.1f}%; "
+            f"seed spread ±{spreads[0]:.1f}% / ±{spreads[1]:.1f}%)")
+
+
+def twin(runs: list[Run], run: Run, also_free: tuple[str, ...] = (), **want: Any
+         ) -> Run | None:
+    """Another run of ``run``'s algorithm that holds ``want`` and is otherwise configured as
+    ``run`` is, but for where it is written (``PLACE``) and the options ``also_free``: the
+    reference a claim holds ``run`` against.
+
+    Args:
+        runs: the runs of one seed.
+        run: the run.
+        also_free: more options the two may differ in.
+        **want: option values the twin must have (and ``run`` may not).
+    """
+    free = PLACE | set(want) | set(also_free)
+
+    def rest(r: Run) -> dict:
+        return {k: v for k, v in r.summary["config"].items() if k not in free}
+
+    return next((r for r in runs if r is not run and r.method is run.method
+                 and all(r.summary["config"].get(k) == v for k, v in want.items())
+                 and rest(r) == rest(run)), None)
+
+
+def reference(runs: list[Run], run: Run, claim: PaperClaim, by: dict[str, Run]
+              ) -> Run | None:
+    """The run a claim about ``run`` holds it against; None without one.
+
+    A twin ([`twin`][loco.report.papers.twin]) holding the claim's ``want`` where ``run`` holds
+    none of it (``FP4 ≈ fp32``: a Streaming run in fp32); or the named method's run holding
+    ``want`` (NoLoCo against a DiLoCo run with heavy-ball momentum, the NoLoCo paper's),
+    else that method's baseline run.
+
+    Args:
+        runs: the runs of one seed.
+        run: the run the claim is about.
+        claim: the claim.
+        by: each method's [`baseline`][loco.report.numbers.baseline] run, by name.
+    """
+    config = run.summary["config"]
+    if claim.against == "twin":
+        if any(config.get(k) == v for k, v in claim.want.items()):
+            return None
+        return twin(runs, run, claim.free, **claim.want)
+    cls = methods().get(claim.against)
+    preferred = (next((r for r in runs if r.method is cls and not r.sweep and all(
+        r.summary["config"].get(k) == v for k, v in claim.want.items())), None)
+        if claim.want else None)
+    return preferred or by.get(claim.against)
+
+
+def mean_spread(run: Run) -> float | None:
+    """The mean of the replicas' RMS spread over a run's logged measures (``--spread-every``);
+    None where none was logged.
+
+    Args:
+        run: a run.
+    """
+    spreads = [rec["spread"] for rec in run.records if rec.get("spread") is not None]
+    return sum(spreads) / len(spreads) if spreads else None
+
+
+def routing_claim(runs: list[Run]) -> list[Claim]:
+    """NoLoCo's claim that random pipeline routing lowers the replicas' spread (the paper:
+    by 10-15%): each run with random routing against its [`twin`][loco.report.papers.twin] with
+    fixed routing (labelled runs, or a ``--sweep routing=fixed,random``), by their mean spread
+    over the run ([`mean_spread`][loco.report.papers.mean_spread]).
+
+    Args:
+        runs: the runs of one seed.
+
+    Returns:
+        One Claim per such pair (none without one).
+    """
+    rows = []
+    for routed in runs:
+        fixed = (twin(runs, routed, routing="fixed")
+                 if routed.summary["config"].get("routing") == "random" else None)
+        if fixed is None:
+            continue
+        a, b = mean_spread(routed), mean_spread(fixed)
+        if a is None or b is None or not b:
+            continue
+        change = 100 * (a - b) / b
+        rows.append(Claim(f"random routing lowers the replicas' spread: {routed.group_name} "
+                          f"below {fixed.group_name}", f"{change:+.2f}%", change < 0, (a, b)))
+    return rows
+
+
+def claims(runs: list[Run]) -> list[Claim]:
+    """The papers' claims checked on the runs of one seed (or of no seed): every method's
+    declared claims (``Method.claims``) on its [`baseline`][loco.report.numbers.baseline] run, each
+    against its [`reference`][loco.report.papers.reference], then random routing against fixed
+    ([`routing_claim`][loco.report.papers.routing_claim]).
+
+    Args:
+        runs: the runs, in report order, of one seed.
+
+    Returns:
+        One Claim per claim that these runs can check.
+    """
+    by = {a: r for a in methods() if (r := baseline(runs, a)) is not None}
+    rows = []
+    for run in by.values():
+        for claim in run.method.claims:
+            ref = reference(runs, run, claim, by)
+            if ref is not None:
+                rows.append(CHECKS[claim.kind](run, ref, claim))
+    return rows + routing_claim(runs)
+
+
+def loss_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
+    """``run``'s final eval loss at most ``claim.limit`` % above ``ref``'s."""
+    la, lb = run.summary["final_eval_loss"], ref.summary["final_eval_loss"]
+    gap = 100 * (la - lb) / lb
+    text = (claim.text or "within {limit:g}% of {ref}'s").format(limit=claim.limit,
+                                                                   ref=ref.group_name)
+    return Claim(f"{run.group_name} eval loss {text}", f"{gap:+.2f}%", gap <= claim.limit,
+                 (la, lb))
+
+
+def bytes_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
+    """``ref`` sends at least ``claim.limit`` times ``run``'s bytes per worker."""
+    sent = run.summary["bytes_sent_per_worker"]
+    ratio = ref.summary["bytes_sent_per_worker"] / sent if sent else float("inf")
+    wire = ref.method.wire(ref.summary["config"])
+    note = f" ({ref.group_name}'s gradients in {wire})" if wire else ""
+    return Claim(f"{ref.group_name} sends at least {claim.limit:g}× the bytes of "
+                 f"{run.group_name}", f"{ratio_cell(ratio)}{note}", ratio >= claim.limit)
+
+
+def peak_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
+    """``run``'s peak sync about P times below ``ref``'s from the fragments alone: a
+    narrower codec alone makes the peak smaller (``ref`` sends fp32), so its share is
+    factored out, and what is left must be at least 0.9 P."""
+    config = run.summary["config"]
+    p = config["fragments"]
+    peak = run.summary["peak_sync_bytes_per_worker"]
+    ratio = ref.summary["peak_sync_bytes_per_worker"] / peak if peak else float("inf")
+    codec = config.get("codec", "fp32")
+    squeeze = codec_compression(codec, config.get("codec_block", 32), config.get("codec_keep"))
+    frag = ratio / squeeze
+    # What the split allows at best: the whole model against the largest fragment.
+    largest = max((f["elements"] for f in run.summary.get("fragments") or []), default=0)
+    cap = (f"; the largest fragment allows {ratio_cell(run.summary['model_parameters'] / largest)}"
+           if largest else "")
+    return Claim(f"{run.group_name}'s peak sync about P={p}× below {ref.group_name}'s, from "
+                 f"the fragments alone", f"{ratio_cell(frag)} ({ratio_cell(ratio)} in all, "
+                 f"{ratio_cell(squeeze)} of it from {codec}{cap})", frag >= 0.9 * p)
+
+
+#: How each kind of declared claim (``loco.algorithms.PaperClaim.kind``) is checked.
+CHECKS = {"loss": loss_claim, "bytes": bytes_claim, "peak": peak_claim}
+
+
+#: The smallest tokens per parameter of the papers' runs (Streaming DiLoCo's 1B model on 25B
+#: tokens); the regime sentence holds a comparison's against it.
+PAPER_TOKENS_PER_PARAMETER = 25
+
+
+def regime(runs: list[Run]) -> str:
+    """One sentence saying what regime the runs are in against the papers': training tokens
+    per model parameter and outer steps (per H the runs use).
+
+    Args:
+        runs: the runs, in report order.
+    """
+    first = runs[0].summary
+    ratio = first["tokens"] / first["model_parameters"]
+    hs = sorted({r.summary["config"]["sync_every"] for r in runs
+                 if "sync_every" in r.method.uses()})
+    outer = " and".join(f" {first['inner_steps'] // h} outer steps at H = {h}" for h in hs)
+    early = ratio < PAPER_TOKENS_PER_PARAMETER
+    return (f"Regime: {ratio:.2g} training tokens per model parameter"
+            + (f",{outer}" if hs else "") + "; the papers train on "
+            f"{PAPER_TOKENS_PER_PARAMETER} or more tokens per parameter (Streaming DiLoCo's "
+            "1B model: 25B and 250B tokens) with H = 30 to 500"
+            + (", so these runs compare the methods early in training, while the loss still "
+               "falls fast." if early else "."))
