@@ -78,7 +78,7 @@ def test_a_failing_worker_stops_the_run_with_its_name():
 
 
 def test_mesh_layout():
-    mesh = loco.Mesh(replicas=3, ranks_per_replica=2)
+    mesh = loco.Mesh(replicas=3, stages=2)
     assert mesh.world_size == 6
     assert mesh.coords(5) == (2, 1)
     assert mesh.replica_peers(1) == [1, 3, 5]
