@@ -3,8 +3,8 @@
 Launched with ``launch(fn, replicas=M, stages=S)``, every replica is a pipeline of S ranks:
 rank = replica · S + stage. Each rank holds the whole model object but owns, trains and
 synchronises only its stage's part: the model's
-[`stage_part`][loco.model.StagedModel.stage_part] (see [`split_stages`][loco.runtime.pipeline.split_stages]).
-When a part shares a parameter with another stage's (``tied``: the embedding that the output
+[`stage_part`][loco.model.StagedModel.stage_part] (see
+[`split_stages`][loco.runtime.pipeline.split_stages]). When a part shares a parameter with another stage's (``tied``: the embedding that the output
 head reuses, on stage 0 and stage S − 1), the two copies' gradient increments are summed
 point to point after every backward, so both copies stay identical under the same optimizer;
 outer algorithms average each copy among the replicas of its own stage.
