@@ -26,7 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from loco.model import StagePart, token_loss
+from loco.model import StagedModel, StagePart, token_loss
 
 PREFIX = "hf:"
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -148,7 +148,7 @@ def _set_vocab(config, vocab_size: int) -> None:
             setattr(config, key, None)
 
 
-class HFCausalLM(nn.Module):
+class HFCausalLM(nn.Module, StagedModel):
     """A ``transformers`` causal LM with loco's model interface.
 
     Args:

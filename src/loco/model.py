@@ -8,14 +8,13 @@ residual output projections scaled down by sqrt(2 * n_layers). The repeated
 blocks live in `Transformer.blocks`, an ordered `nn.ModuleList`; that list is
 what the training code partitions into fragments.
 
-Pipeline stages split a model through [`StagedModel`][loco.model.StagedModel]: a model that
-has ``stage_part(stage, stages)`` gives each stage its [`StagePart`][loco.model.StagePart].
-`Transformer` does (its parts are [`StageModule`][loco.model.StageModule]s).
+Pipeline stages split a model through the [`StagedModel`][loco.model.StagedModel] interface:
+its ``stage_part(stage, stages)`` gives each stage its [`StagePart`][loco.model.StagePart].
+``Transformer`` implements it (its parts are [`StageModule`][loco.model.StageModule]s).
 """
 
 import math
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
 
 import torch
 import torch.nn as nn
@@ -194,7 +193,26 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0)
     return loss
 
 
-class Transformer(nn.Module):
+class StagedModel:
+    """What a model provides so that pipeline stages can split it (``loco.runtime.pipeline``
+    uses nothing else of it): ``stage_part``. A model that stages can split derives from it
+    and implements ``stage_part``."""
+
+    def stage_part(self, stage: int, stages: int) -> "StagePart":
+        """The part of the model that pipeline stage ``stage`` of ``stages`` owns, a
+        [`StagePart`][loco.model.StagePart] that shares the model's modules.
+
+        Args:
+            stage: the stage, in [0, stages).
+            stages: S, in [1, the model's number of blocks].
+
+        Raises:
+            ValueError: ``stages`` out of range.
+        """
+        raise NotImplementedError
+
+
+class Transformer(nn.Module, StagedModel):
     def __init__(self, cfg: ModelConfig, generator: torch.Generator | None = None):
         super().__init__()
         self.cfg = cfg
@@ -320,24 +338,6 @@ class StagePart(nn.Module):
             targets: the next-token ids, ``(batch, seq)``.
         """
         return token_loss(logits, targets, self.z_loss)
-
-
-@runtime_checkable
-class StagedModel(Protocol):
-    """A model that pipeline stages can split: what ``loco.runtime.pipeline`` needs of it."""
-
-    def stage_part(self, stage: int, stages: int) -> StagePart:
-        """The part of the model that pipeline stage ``stage`` of ``stages`` owns, sharing
-        the model's modules.
-
-        Args:
-            stage: the stage, in [0, stages).
-            stages: S, in [1, the model's number of blocks].
-
-        Raises:
-            ValueError: ``stages`` out of range.
-        """
-        ...
 
 
 class StageModule(StagePart):
