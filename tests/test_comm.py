@@ -23,7 +23,7 @@ def reduce_worker(ctx, sizes):
 @pytest.mark.parametrize("workers", [1, 2, 3, 4])
 def test_mean_all_reduce_values_and_exact_bytes(workers):
     sizes = [1, 7, 1000, 1001, 4099]
-    results = loco.launch(reduce_worker, workers, args=(sizes,))
+    results = loco.launch(reduce_worker, replicas=workers, args=(sizes,))
     mean_factor = sum(r + 1 for r in range(workers)) / workers
     for rank, (out, totals) in enumerate(results):
         for n, (t, rec) in zip(sizes, out):
@@ -45,7 +45,7 @@ def test_broadcast_bytes_are_exact():
         rec = ctx.comm.broadcast(t, src=1).record
         ctx.comm.totals("setup")  # noqa: B018 - the counters exist per tag
         return t, rec
-    for rank, (t, rec) in enumerate(loco.launch(fn, 3)):
+    for rank, (t, rec) in enumerate(loco.launch(fn, replicas=3)):
         assert torch.equal(t, torch.ones(250))
         assert rec.sent_bytes == (2 * 1000 if rank == 1 else 0)
         assert rec.recv_bytes == (0 if rank == 1 else 1000)
@@ -62,7 +62,7 @@ def test_reduction_completes_in_the_background():
         done_before_wait = handle.done()
         handle.wait()
         return done_before_wait, handle.record.waited
-    for done, waited in loco.launch(fn, 2):
+    for done, waited in loco.launch(fn, replicas=2):
         assert done and waited < 0.05
 
 
@@ -73,12 +73,12 @@ def test_a_failing_worker_stops_the_run_with_its_name():
         ctx.comm.all_reduce_mean(torch.ones(10)).wait()  # would wait for worker 1 forever
     t0 = time.time()
     with pytest.raises(loco.WorkerError, match=r"worker 1 failed(.|\n)*boom at step 3"):
-        loco.launch(fn, 2, timeout=60)
+        loco.launch(fn, replicas=2, timeout=60)
     assert time.time() - t0 < 30
 
 
 def test_mesh_layout():
-    mesh = loco.Mesh(replicas=3, ranks_per_replica=2)
+    mesh = loco.Mesh(replicas=3, stages=2)
     assert mesh.world_size == 6
     assert mesh.coords(5) == (2, 1)
     assert mesh.replica_peers(1) == [1, 3, 5]
@@ -89,6 +89,8 @@ def test_launch_rejects_bad_arguments():
         loco.launch(lambda ctx: None, 2, "mpi")
     with pytest.raises(ValueError, match="workers"):
         loco.launch(lambda ctx: None, 0)
+    with pytest.raises(ValueError, match="replicas"):
+        loco.launch(lambda ctx: None, replicas=0)
 
 
 # ------------------------------------------------------------------ devices, NCCL's needs
@@ -112,7 +114,7 @@ def test_every_operation_refuses_a_tensor_on_another_device():
             messages.append(str(e.value))
         ctx.comm.all_reduce_mean(cpu).wait()  # nothing half-issued is left behind
         return messages, ctx.comm.totals("train").ops, ctx.comm.issued_bytes("train")
-    for messages, ops, issued in loco.launch(fn, 2):
+    for messages, ops, issued in loco.launch(fn, replicas=2):
         assert all("device=comm.device" in m for m in messages)
         assert ops == 1 and issued == 2 * 4 * 4
 
@@ -140,7 +142,7 @@ def spy_p2p_worker(ctx):
 
 def test_point_to_point_is_posted_as_one_batch_on_a_process_group():
     for rank, (is_pg, calls, got, received) in enumerate(
-            loco.launch(spy_p2p_worker, 2, "processes")):
+            loco.launch(spy_p2p_worker, replicas=2, launcher="processes")):
         peer = 1 - rank
         assert is_pg
         assert calls == [[("irecv", peer), ("isend", peer)]] * 2
@@ -228,7 +230,7 @@ def test_handles_use_the_device_hand_over_protocol():
         h.wait()
         return rec.calls, t.data_ptr(), threading.current_thread().name
 
-    for rank, (calls, ptr, me) in enumerate(loco.launch(fn, 2)):
+    for rank, (calls, ptr, me) in enumerate(loco.launch(fn, replicas=2)):
         assert calls[0] == ("issue", me, [ptr])
         assert calls[1] == ("run", f"loco-comm-replicas-{rank}", "ready")
         assert ("finished", "done-mark") in calls

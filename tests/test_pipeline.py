@@ -124,21 +124,21 @@ def test_routing_permutation_is_a_deterministic_permutation():
 def mesh_worker(ctx):
     h = ctx.comm.all_gather(torch.tensor([ctx.rank]))
     gathered = [int(t) for t in h.wait()]
-    return {"rank": ctx.rank, "stage": ctx.stage, "replica": ctx.replica,
-            "comm": (ctx.comm.rank, ctx.comm.size), "gathered": gathered,
+    return {"rank": ctx.rank, "stage": ctx.stage, "replica": ctx.replica, "shard": ctx.shard,
+            "mesh": ctx.mesh, "comm": (ctx.comm.rank, ctx.comm.size), "gathered": gathered,
             "participants": h.record.participants,
             "pipe": None if ctx.pipe is None else (ctx.pipe.rank, ctx.pipe.size)}
 
 
 def test_launch_with_stages_gives_per_stage_comm():
-    R, S = 3, 2
-    out = loco.launch(mesh_worker, R * S, ranks_per_replica=S)
-    mesh = loco.Mesh(R, S)
+    M, S = 3, 2
+    out = loco.launch(mesh_worker, replicas=M, stages=S)
+    mesh = loco.Mesh(M, S)
     for rank, o in enumerate(out):
         replica, stage = mesh.coords(rank)
         assert (o["replica"], o["stage"]) == (replica, stage)
-        assert o["comm"] == (replica, R)
-        assert o["pipe"] == (rank, R * S)
+        assert o["comm"] == (replica, M)
+        assert o["pipe"] == (rank, M * S)
         assert o["gathered"] == mesh.replica_peers(stage)
         # the op's participants, as global ranks, are all of this rank's stage
         glob = [mesh.replica_peers(stage)[p] for p in o["participants"]]
@@ -149,6 +149,32 @@ def test_launch_with_stages_gives_per_stage_comm():
     assert [o["comm"] for o in out] == [(0, 2), (1, 2)]
     with pytest.raises(ValueError, match="multiple"):
         loco.launch(mesh_worker, 3, ranks_per_replica=2)
+
+
+@pytest.mark.parametrize("old,new", [
+    (dict(workers=6, ranks_per_replica=2), dict(replicas=3, stages=2)),
+    (dict(workers=4, shards=2), dict(replicas=2, shards=2)),
+    (dict(), dict(replicas=2)),
+])
+def test_old_names_give_the_layout_of_the_new(old, new):
+    """``workers`` (all ranks) and ``ranks_per_replica`` (the stages), by keyword or the
+    count by position, lay the ranks out as ``replicas``, ``stages`` and ``shards`` do."""
+    layout = loco.launch(mesh_worker, **new)
+    assert loco.launch(mesh_worker, **old) == layout
+    positional = dict(old)
+    assert loco.launch(mesh_worker, positional.pop("workers", 2), **positional) == layout
+    m = new["replicas"]
+    assert [o["mesh"] for o in layout] == [loco.Mesh(m, new.get("stages", 1),
+                                                     new.get("shards", 1))] * len(layout)
+
+
+def test_a_count_by_both_names_is_refused():
+    with pytest.raises(TypeError, match="not both"):
+        loco.launch(mesh_worker, 4, replicas=2)
+    with pytest.raises(TypeError, match="not both"):
+        loco.launch(mesh_worker, replicas=2, stages=2, ranks_per_replica=2)
+    with pytest.raises(ValueError, match=r"stages must be >= 1 \(got 0\)"):
+        loco.launch(mesh_worker, replicas=2, stages=0)
 
 
 def p2p_worker(ctx):
@@ -177,7 +203,7 @@ def p2p_worker(ctx):
 
 
 def test_point_to_point_ops_values_bytes_and_no_deadlock():
-    out = loco.launch(p2p_worker, 4, ranks_per_replica=2, timeout=30)
+    out = loco.launch(p2p_worker, replicas=2, stages=2, timeout=30)
     for me, (bufs, got, send_rec, recv_rec) in enumerate(out):
         assert bufs == {p: float(p) for p in range(4) if p != me}
         assert got == float((me - 1) % 4)
@@ -188,9 +214,9 @@ def test_point_to_point_ops_values_bytes_and_no_deadlock():
 
 
 # --------------------------------------------------------------------------- fixed routing
-def check_fixed(results, R, S):
+def check_fixed(results, M, S):
     res = by_coords(results)
-    for r in range(R):
+    for r in range(M):
         losses, grads, ev = reference_fixed(r)
         last = res[(r, S - 1)]
         for got, want in zip(last["losses"], losses):
@@ -209,24 +235,24 @@ def check_fixed(results, R, S):
 
 
 def test_fixed_routing_matches_the_unsplit_model():
-    R, S = 2, 2
-    check_fixed(loco.launch(pipe_worker, R * S, ranks_per_replica=S, args=("fixed",)), R, S)
+    M, S = 2, 2
+    check_fixed(loco.launch(pipe_worker, replicas=M, stages=S, args=("fixed",)), M, S)
 
 
 def test_fixed_routing_under_the_processes_launcher():
-    R, S = 2, 2
-    check_fixed(loco.launch(pipe_worker, R * S, "processes", ranks_per_replica=S,
-                            args=("fixed",)), R, S)
+    M, S = 2, 2
+    check_fixed(loco.launch(pipe_worker, replicas=M, stages=S, launcher="processes",
+                            args=("fixed",)), M, S)
 
 
 # --------------------------------------------------------------------------- random routing
-@pytest.mark.parametrize("R,S", [(2, 2), (3, 3)])
-def test_random_routing_matches_the_per_sample_reference(R, S):
+@pytest.mark.parametrize("M,S", [(2, 2), (3, 3)])
+def test_random_routing_matches_the_per_sample_reference(M, S):
     seed = 7
-    results = loco.launch(pipe_worker, R * S, ranks_per_replica=S, args=("random", seed))
+    results = loco.launch(pipe_worker, replicas=M, stages=S, args=("random", seed))
     res = by_coords(results)
-    losses, grads = reference_routed(R, S, seed)
-    for q in range(R):
+    losses, grads = reference_routed(M, S, seed)
+    for q in range(M):
         for t in range(len(STEPS)):
             assert abs(res[(q, S - 1)]["losses"][t].item() - losses[t][q].item()) < TOL
     for (r, k), o in res.items():
@@ -235,11 +261,11 @@ def test_random_routing_matches_the_per_sample_reference(R, S):
         assert torch.equal(res[(r, 0)]["grads"]["embed.weight"],
                            res[(r, S - 1)]["grads"]["embed.weight"])
     # routing really mattered: fixed routing gives other losses and gradients ...
-    fixed_losses, fixed_grads = reference_routed(R, S, seed, routing="fixed")
+    fixed_losses, fixed_grads = reference_routed(M, S, seed, routing="fixed")
     assert max(abs(res[(q, S - 1)]["losses"][t].item() - fixed_losses[t][q].item())
-               for q in range(R) for t in range(len(STEPS))) > 1e-4
+               for q in range(M) for t in range(len(STEPS))) > 1e-4
     # ... while evaluation uses fixed routing
-    for q in range(R):
+    for q in range(M):
         assert abs(res[(q, S - 1)]["eval"].item() - reference_fixed(q)[2].item()) < TOL
     # load is balanced: every rank processed its batch size per step, and for every sample
     # index the sources of one stage's replicas form a permutation
@@ -250,9 +276,9 @@ def test_random_routing_matches_the_per_sample_reference(R, S):
     for k in range(1, S):
         for t in range(len(STEPS)):
             for s in range(BATCH):
-                assert sorted(res[(q, k)]["sources"][t][s] for q in range(R)) == list(range(R))
+                assert sorted(res[(q, k)]["sources"][t][s] for q in range(M)) == list(range(M))
     # traffic went only between adjacent stages (and stage 0 <-> S-1 for the tied weight)
-    mesh = loco.Mesh(R, S)
+    mesh = loco.Mesh(M, S)
     for (r, k), o in res.items():
         for rec in o["records"]:
             stages = {mesh.coords(p)[1] for p in rec.participants}
@@ -262,15 +288,15 @@ def test_random_routing_matches_the_per_sample_reference(R, S):
 def test_random_routing_with_equal_weights_equals_fixed_routing_gradient_sum():
     """With identical weights everywhere the stage weights a sample visits do not matter:
     the sum of the replicas' gradients equals fixed routing's."""
-    R, S = 2, 2
-    rand = by_coords(loco.launch(pipe_worker, R * S, ranks_per_replica=S,
+    M, S = 2, 2
+    rand = by_coords(loco.launch(pipe_worker, replicas=M, stages=S,
                                  args=("random", 7, True)))
-    fixed = by_coords(loco.launch(pipe_worker, R * S, ranks_per_replica=S,
+    fixed = by_coords(loco.launch(pipe_worker, replicas=M, stages=S,
                                   args=("fixed", 7, True)))
     for k in range(S):
         for n in rand[(0, k)]["grads"]:
-            a = sum(rand[(r, k)]["grads"][n] for r in range(R))
-            b = sum(fixed[(r, k)]["grads"][n] for r in range(R))
+            a = sum(rand[(r, k)]["grads"][n] for r in range(M))
+            b = sum(fixed[(r, k)]["grads"][n] for r in range(M))
             assert (a - b).abs().max().item() < TOL
 
 
@@ -293,9 +319,9 @@ def diloco_pipe_worker(ctx, steps=4):
 
 
 def test_diloco_over_stages_keeps_tied_copies_and_stage_replicas_in_step():
-    R, S = 2, 2
-    res = by_coords(loco.launch(diloco_pipe_worker, R * S, ranks_per_replica=S))
-    for r in range(R):
+    M, S = 2, 2
+    res = by_coords(loco.launch(diloco_pipe_worker, replicas=M, stages=S))
+    for r in range(M):
         # the tied embedding's two copies (stage 0 and stage S-1) stay identical
         assert torch.equal(res[(r, 0)]["params"]["embed.weight"],
                            res[(r, S - 1)]["params"]["embed.weight"])
@@ -343,12 +369,12 @@ def test_streaming_over_uneven_stages_syncs_the_tied_copies_together():
     assert "embed.weight" in split_fragments(first, 2)[1]
     assert "embed.weight" in split_fragments(last, 2)[0]
 
-    R, S = 2, 2
-    cfg = dict(algorithm="streaming", workers=R, stages=S, fragments=2, sync_every=4,
+    M, S = 2, 2
+    cfg = dict(algorithm="streaming", workers=M, stages=S, fragments=2, sync_every=4,
                overlap=1)
-    res = by_coords(loco.launch(train_pipe_worker, R * S, ranks_per_replica=S,
+    res = by_coords(loco.launch(train_pipe_worker, replicas=M, stages=S,
                                 args=(cfg, 5, 10)))
-    for r in range(R):
+    for r in range(M):
         assert "embed.weight" in res[(r, 0)]["fragments"][0]
         assert "embed.weight" in res[(r, S - 1)]["fragments"][0]
         assert torch.equal(res[(r, 0)]["embed"], res[(r, S - 1)]["embed"])
@@ -358,16 +384,16 @@ def test_streaming_over_uneven_stages_syncs_the_tied_copies_together():
 def test_noloco_over_stages_with_random_routing_has_no_collective():
     """4 replicas x 2 stages: gossip pairs inside each stage, point-to-point traffic between
     stages; no training operation spans all replicas of a stage, nor the world."""
-    R, S = 4, 2
-    cfg = dict(algorithm="noloco", workers=R, stages=S, routing="random", sync_every=2)
-    res = by_coords(loco.launch(train_pipe_worker, R * S, ranks_per_replica=S,
+    M, S = 4, 2
+    cfg = dict(algorithm="noloco", workers=M, stages=S, routing="random", sync_every=2)
+    res = by_coords(loco.launch(train_pipe_worker, replicas=M, stages=S,
                                 args=(cfg, LAYERS, 6)))
     for (r, k), out in res.items():
         assert len(out["outer"]) == 3  # one gossip exchange per outer step
-        assert all(op == "exchange" and len(p) == 2 < R for op, p in out["outer"])
+        assert all(op == "exchange" and len(p) == 2 < M for op, p in out["outer"])
         # batched point-to-point messages to the next or previous stage's replicas (and the
         # tied gradient's pair exchange): never the whole world
-        assert out["pipe"] and all(op in ("send", "recv", "exchange") and len(p) <= R + 1 < R * S
+        assert out["pipe"] and all(op in ("send", "recv", "exchange") and len(p) <= M + 1 < M * S
                                    for op, p in out["pipe"])
-    for r in range(R):  # the tied copies follow the same groups on both stages
+    for r in range(M):  # the tied copies follow the same groups on both stages
         assert torch.equal(res[(r, 0)]["embed"], res[(r, S - 1)]["embed"])

@@ -10,9 +10,10 @@ and the tokenizer's ids must fit the model's embedding.
 The model is wrapped in [`HFCausalLM`][loco.hf.HFCausalLM], which gives it loco's interface:
 ``model(idx)`` returns logits and ``model(idx, targets)`` the mean token loss in fp32 (with the
 optional z-loss). Its decoder layers are the model's largest ``nn.ModuleList``, so they become
-the blocks of Streaming DiLoCo's fragments and the FSDP2 units without further code. Dropout
-is turned off: the papers train without it, and under the threads launcher it would draw from
-torch's global random generator, which all workers share.
+the blocks of Streaming DiLoCo's fragments and the FSDP2 units without further code; pipeline
+stages split Llama architectures ([`HFCausalLM.stage_part`][loco.hf.HFCausalLM.stage_part]).
+Dropout is turned off: the papers train without it, and under the threads launcher it would
+draw from torch's global random generator, which all workers share.
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from loco.model import token_loss
-from loco.runtime.pipeline import StagePart
+from loco.model import StagedModel, StagePart, token_loss
 
 PREFIX = "hf:"
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -148,7 +148,7 @@ def _set_vocab(config, vocab_size: int) -> None:
             setattr(config, key, None)
 
 
-class HFCausalLM(nn.Module):
+class HFCausalLM(nn.Module, StagedModel):
     """A ``transformers`` causal LM with loco's model interface.
 
     Args:
@@ -174,6 +174,21 @@ class HFCausalLM(nn.Module):
     def num_parameters(self) -> int:
         """Parameters, each tensor once (tied embeddings count once)."""
         return sum(p.numel() for p in self.parameters())
+
+    def stage_part(self, stage: int, stages: int) -> LlamaStage:
+        """The part of this model pipeline stage ``stage`` of ``stages`` owns (see
+        [`LlamaStage`][loco.hf.LlamaStage]): the model's
+        [`StagedModel`][loco.model.StagedModel] interface, for Llama architectures with
+        untied embeddings ([`splits_into_stages`][loco.hf.splits_into_stages]).
+
+        Args:
+            stage: the stage, in [0, stages).
+            stages: S, in [1, the model's number of decoder layers].
+
+        Raises:
+            ValueError: ``stages`` out of range.
+        """
+        return LlamaStage(self, stage, stages)
 
 
 def build(model: str, vocab_size: int, seed: int, z_loss: float = 0.0) -> HFCausalLM:

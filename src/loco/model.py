@@ -7,6 +7,10 @@ output head tied to the token embedding, and normal(0, 0.02) init with
 residual output projections scaled down by sqrt(2 * n_layers). The repeated
 blocks live in `Transformer.blocks`, an ordered `nn.ModuleList`; that list is
 what the training code partitions into fragments.
+
+Pipeline stages split a model through the [`StagedModel`][loco.model.StagedModel] interface:
+its ``stage_part(stage, stages)`` gives each stage its [`StagePart`][loco.model.StagePart].
+``Transformer`` implements it (its parts are [`StageModule`][loco.model.StageModule]s).
 """
 
 import math
@@ -189,7 +193,26 @@ def token_loss(logits: torch.Tensor, targets: torch.Tensor, z_loss: float = 0.0)
     return loss
 
 
-class Transformer(nn.Module):
+class StagedModel:
+    """What a model provides so that pipeline stages can split it (``loco.runtime.pipeline``
+    uses nothing else of it): ``stage_part``. A model that stages can split derives from it
+    and implements ``stage_part``."""
+
+    def stage_part(self, stage: int, stages: int) -> "StagePart":
+        """The part of the model that pipeline stage ``stage`` of ``stages`` owns, a
+        [`StagePart`][loco.model.StagePart] that shares the model's modules.
+
+        Args:
+            stage: the stage, in [0, stages).
+            stages: S, in [1, the model's number of blocks].
+
+        Raises:
+            ValueError: ``stages`` out of range.
+        """
+        raise NotImplementedError
+
+
+class Transformer(nn.Module, StagedModel):
     def __init__(self, cfg: ModelConfig, generator: torch.Generator | None = None):
         super().__init__()
         self.cfg = cfg
@@ -226,3 +249,145 @@ class Transformer(nn.Module):
     def num_parameters(self) -> int:
         # parameters() yields each tensor once, so the tied head is not double counted.
         return sum(p.numel() for p in self.parameters())
+
+    def stage_part(self, stage: int, stages: int) -> "StageModule":
+        """The part of this model pipeline stage ``stage`` of ``stages`` owns (see
+        [`StageModule`][loco.model.StageModule]).
+
+        Args:
+            stage: the stage, in [0, stages).
+            stages: S, in [1, n_layers].
+
+        Raises:
+            ValueError: ``stages`` out of range.
+        """
+        return StageModule(self, stage, stages)
+
+
+# ------------------------------------------------------------------------ pipeline stages
+def stage_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
+    """Block index ranges ``[start, stop)`` of each stage: contiguous, as equal as possible.
+
+    Earlier stages take the extra block when ``stages`` does not divide ``n_layers``.
+
+    Args:
+        n_layers: the model's blocks.
+        stages: S, an integer in [1, n_layers].
+
+    Returns:
+        S ranges ``(start, stop)`` covering ``[0, n_layers)`` in order.
+
+    Raises:
+        ValueError: ``stages`` < 1 or more than ``n_layers``.
+    """
+    if stages < 1:
+        raise ValueError(f"stages must be >= 1 (got {stages})")
+    if stages > n_layers:
+        raise ValueError(f"{stages} pipeline stages need at least {stages} blocks "
+                         f"(the model has {n_layers})")
+    base, extra = divmod(n_layers, stages)
+    bounds, start = [], 0
+    for k in range(stages):
+        stop = start + base + (1 if k < extra else 0)
+        bounds.append((start, stop))
+        start = stop
+    return bounds
+
+
+class StagePart(nn.Module):
+    """What every stage's part of a model offers the pipeline: its place (``stage``,
+    ``stages``, ``block_range``, ``is_first``, ``is_last``), the width of the activations it
+    passes on (``width``), the parameter it shares with another stage (``tied``: the tied
+    embedding of a model whose head reuses it, on the first and last of several stages; else
+    None), ``forward`` and ``loss``.
+
+    ``forward`` maps token ids ``(batch, seq)`` (stage 0) or activations
+    ``(batch, seq, width)`` (later stages) to activations, or on the last stage to logits
+    ``(batch, seq, vocab)``. The part shares the model's modules and names its parameters as
+    the model does, so an optimizer or an outer algorithm built on it sees exactly this
+    stage's parameters.
+
+    Args:
+        stage: this part's stage, in [0, stages).
+        stages: S, in [1, the model's number of blocks].
+        n_blocks: the model's blocks.
+        width: the activations' last dimension (d_model).
+        z_loss: the model's z-loss coefficient.
+
+    Raises:
+        ValueError: ``stages`` out of range.
+    """
+
+    def __init__(self, stage: int, stages: int, n_blocks: int, width: int, z_loss: float):
+        super().__init__()
+        self.stage, self.stages = stage, stages
+        self.block_range = stage_bounds(n_blocks, stages)[stage]
+        self.is_first, self.is_last = stage == 0, stage == stages - 1
+        self.width, self.z_loss = width, z_loss
+
+    @property
+    def tied(self) -> nn.Parameter | None:
+        """The parameter this part shares with another stage's part, or None."""
+        return None
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean token loss, as the whole model computes it (with its z-loss).
+
+        Args:
+            logits: the last stage's output, ``(batch, seq, vocab)``.
+            targets: the next-token ids, ``(batch, seq)``.
+        """
+        return token_loss(logits, targets, self.z_loss)
+
+
+class StageModule(StagePart):
+    """The part of a ``Transformer`` one pipeline stage owns: its
+    run of blocks (``stage_bounds``), the token embedding on stage 0, the final norm and the
+    output head on stage S − 1. The head is tied to the embedding, so the last of several
+    stages holds the embedding too (``tied``). Parameters keep the model's names
+    (``embed.weight``, ``blocks.3.attn.qkv.weight``, ``norm.weight``).
+
+    Args:
+        model: the whole model, whose modules are shared.
+        stage: this part's stage, in [0, stages).
+        stages: S, in [1, the model's number of blocks].
+
+    Raises:
+        ValueError: ``stages`` out of range.
+    """
+
+    def __init__(self, model: Transformer, stage: int, stages: int):
+        super().__init__(stage, stages, len(model.blocks), model.cfg.d_model, model.cfg.z_loss)
+        self.cfg = model.cfg
+        start, stop = self.block_range
+        self.embed = model.embed if (self.is_first or self.is_last) else None
+        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(start, stop)})
+        self.norm = model.norm if self.is_last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+
+    @property
+    def tied(self) -> nn.Parameter | None:
+        """The embedding matrix, on the first and the last of several stages (the head
+        reuses it); else None."""
+        return self.embed.weight if self.stages > 1 and self.embed is not None else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This stage's part of the forward pass.
+
+        Args:
+            x: token ids ``(batch, seq)`` on stage 0, activations ``(batch, seq, d_model)``
+                on later stages.
+
+        Returns:
+            Activations ``(batch, seq, d_model)``, or on the last stage logits
+                ``(batch, seq, vocab)``.
+        """
+        cos, sin = rope_window(self.rope_cos, self.rope_sin, x.shape[1])
+        if self.is_first:
+            x = self.embed(x)
+        for block in self.blocks.values():
+            x = block(x, cos, sin)
+        if self.is_last:
+            x = F.linear(self.norm(x), self.embed.weight)
+        return x

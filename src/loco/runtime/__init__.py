@@ -2,9 +2,10 @@
 pipeline stages across the ranks of a replica, with fixed or random routing; FSDP2 over the
 ranks of one worker."""
 
+from loco.runtime.context import Mesh, WorkerContext, WorkerError
 from loco.runtime.elastic import Elastic
 from loco.runtime.fsdp import shard_worker
-from loco.runtime.launch import LAUNCHERS, Mesh, WorkerContext, WorkerError, launch, under_torchrun
+from loco.runtime.launch import LAUNCHERS, launch, under_torchrun
 from loco.runtime.pipeline import (
     ROUTINGS,
     PipelineStage,

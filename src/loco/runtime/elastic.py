@@ -1,6 +1,6 @@
 """Elastic runs: workers that die are restarted alone, and the others keep training.
 
-``launch(fn, workers=M, launcher="processes", elastic=Elastic(...))`` starts torchft's
+``launch(fn, replicas=M, launcher="processes", elastic=Elastic(...))`` starts torchft's
 Lighthouse (the quorum service) in this process and every worker as a process of its own,
 with an [`ElasticComm`][loco.comm.elastic.ElasticComm] as ``ctx.comm``. There is no
 ``torch.distributed`` world spanning the workers: each sync's group is the quorum of the
@@ -27,6 +27,16 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+
+from loco.runtime.context import (
+    MESH_DIMS,
+    Mesh,
+    WorkerContext,
+    WorkerError,
+    attempt_store,
+    emulated,
+    worker_comms,
+)
 
 
 log = logging.getLogger("loco.elastic")
@@ -70,18 +80,18 @@ class Elastic:
     lighthouse: str | None = None
     worker: int | None = None
 
-    def check(self, workers: int) -> int:
+    def check(self, replicas: int) -> int:
         """Validate against M workers; returns the min_workers in effect.
 
         Args:
-            workers: M.
+            replicas: M, the workers of the job.
 
         Raises:
             ValueError: an option out of its range.
         """
-        need = workers // 2 + 1 if self.min_workers is None else self.min_workers
-        if not isinstance(need, int) or not 1 <= need <= workers:
-            raise ValueError(f"min_workers must be an integer in [1, workers={workers}] "
+        need = replicas // 2 + 1 if self.min_workers is None else self.min_workers
+        if not isinstance(need, int) or not 1 <= need <= replicas:
+            raise ValueError(f"min_workers must be an integer in [1, workers={replicas}] "
                              f"(got {self.min_workers!r})")
         if not isinstance(self.restarts, int) or self.restarts < 0:
             raise ValueError(f"restarts must be an integer >= 0 (got {self.restarts!r})")
@@ -91,12 +101,12 @@ class Elastic:
             raise ValueError("lighthouse and worker go together: this process is worker "
                              f"`worker` of the job of that Lighthouse (got lighthouse="
                              f"{self.lighthouse!r}, worker={self.worker!r})")
-        if self.worker is not None and not 0 <= self.worker < workers:
-            raise ValueError(f"worker must be in [0, workers={workers}) (got {self.worker!r})")
+        if self.worker is not None and not 0 <= self.worker < replicas:
+            raise ValueError(f"worker must be in [0, workers={replicas}) (got {self.worker!r})")
         return need
 
 
-def launch_elastic(fn: Callable[..., Any], args: tuple, workers: int, timeout: float,
+def launch_elastic(fn: Callable[..., Any], args: tuple, replicas: int, timeout: float,
                    spec: Elastic, links: tuple = (None, None), shards: int = 1) -> list:
     """Run ``fn(ctx, *args)`` on M workers of R rank processes each, with elastic
     membership (see the module).
@@ -104,7 +114,7 @@ def launch_elastic(fn: Callable[..., Any], args: tuple, workers: int, timeout: f
     Args:
         fn: the worker function (picklable).
         args: its positional arguments after ``ctx``.
-        workers: M.
+        replicas: M, the workers.
         timeout: seconds any wait of a worker may last.
         spec: the [`Elastic`][loco.runtime.elastic.Elastic] options.
         links: the emulated slow and fast links ([`LinkSpec`][loco.comm.link.LinkSpec] or
@@ -123,33 +133,62 @@ def launch_elastic(fn: Callable[..., Any], args: tuple, workers: int, timeout: f
     """
     from loco.comm.elastic import start_lighthouse
 
-    min_workers = spec.check(workers)
+    min_workers = spec.check(replicas)
     lighthouse = start_lighthouse(min_workers, spec.heartbeat_timeout,
                                   join_timeout=timeout)
     ctx = mp.get_context("spawn")
-    job = _Job(ctx, (fn, args, workers, shards, lighthouse.address(), min_workers, timeout,
-                     links, ctx.Event()), ctx.Queue(), shards)
+    job = _Job(ctx, _RankSpec(fn, args, replicas, shards, lighthouse.address(), min_workers,
+                              timeout, links, "127.0.0.1", ctx.Event()), ctx.Queue())
     try:
-        for w in range(workers):
+        for w in range(replicas):
             job.start(w, 0)
-        while not job.settled(workers):
+        while not job.settled():
             job.collect()
-            for w in range(workers):
+            for w in range(replicas):
                 job.check(w, spec.restarts)
             time.sleep(0.05)
     finally:
         job.stop()
         lighthouse.shutdown()
-    return job.outcome(workers)
+    return job.outcome()
+
+
+@dataclass(frozen=True)
+class _RankSpec:
+    """What every rank process of an elastic job is started with.
+
+    Args:
+        fn: the worker function.
+        args: its positional arguments after ``ctx``.
+        replicas: M, the workers of the job.
+        shards: R, the ranks of every worker.
+        lighthouse: the Lighthouse's address.
+        min_workers: the fewest live workers a sync counts with.
+        timeout: seconds any wait may last.
+        links: the emulated slow and fast links (``LinkSpec`` or None each).
+        host: the address the other workers reach this one at.
+        job_over: a multiprocessing Event the supervisor sets when a rank finished the job
+            (then one still joining stops); None for a worker of an external Lighthouse.
+    """
+
+    fn: Callable[..., Any]
+    args: tuple
+    replicas: int
+    shards: int
+    lighthouse: str
+    min_workers: int
+    timeout: float
+    links: tuple
+    host: str
+    job_over: Any = None
 
 
 class _Job:
     """The supervisor's view of an elastic job's processes: R per worker, keyed
     (worker, shard); a worker's ranks live, die and restart together."""
 
-    def __init__(self, ctx, job: tuple, results, shards: int):
-        self.ctx, self.job, self.results, self.shards = ctx, job, results, shards
-        self.job_over = job[-1]  # set when a rank finished: one still joining then stops
+    def __init__(self, ctx, spec: _RankSpec, results):
+        self.ctx, self.spec, self.results, self.shards = ctx, spec, results, spec.shards
         self.procs: dict[int, list] = {}
         self.stores: list = []  # each start's store of the worker's ranks, kept alive
         self.restarts: dict[int, int] = {}
@@ -165,16 +204,16 @@ class _Job:
             port = store.port
         self.restarts[worker] = restart
         self.procs[worker] = [
-            self.ctx.Process(target=_entry, args=(*self.job, worker, r, restart, port,
+            self.ctx.Process(target=_entry, args=(self.spec, (worker, r), restart, port,
                                                   self.results),
                              name=f"loco-worker-{worker}-{r}", daemon=True)
             for r in range(self.shards)]
         for p in self.procs[worker]:
             p.start()
 
-    def settled(self, workers: int) -> bool:
+    def settled(self) -> bool:
         return all(self._finished(w) or w in self.lost or self._raised(w)
-                   for w in range(workers))
+                   for w in range(self.spec.replicas))
 
     def _finished(self, worker: int) -> bool:
         return all((worker, r) in self.done for r in range(self.shards))
@@ -194,8 +233,8 @@ class _Job:
             else:
                 self.raised[key] = value
             wait = 0.0
-        if self.done and not self.job_over.is_set():
-            self.job_over.set()
+        if self.done and not self.spec.job_over.is_set():
+            self.spec.job_over.set()
 
     def _dead(self, worker: int) -> list:
         return [p for r, p in enumerate(self.procs[worker])
@@ -240,16 +279,15 @@ class _Job:
                 if p.is_alive():
                     p.kill()
 
-    def outcome(self, workers: int) -> list:
-        from loco.runtime.launch import WorkerError
-
+    def outcome(self) -> list:
         if self.raised:
             key = min(self.raised)
             raise WorkerError(f"worker {key[0]} failed:\n{self.raised[key]}")
         if not self.done:
             raise WorkerError("every worker of the elastic run was lost: " + "; ".join(
                 f"worker {w} {e}" for w, e in sorted(self.lost.items())))
-        return [self.done.get((w, r)) for w in range(workers) for r in range(self.shards)]
+        return [self.done.get((w, r)) for w in range(self.spec.replicas)
+                for r in range(self.shards)]
 
 
 def _too_late(job_over, comm, key: tuple[int, int], results) -> None:
@@ -265,7 +303,7 @@ def _too_late(job_over, comm, key: tuple[int, int], results) -> None:
     os._exit(0)
 
 
-def run_worker(fn: Callable[..., Any], args: tuple, workers: int, timeout: float,
+def run_worker(fn: Callable[..., Any], args: tuple, replicas: int, timeout: float,
                spec: Elastic, links: tuple = (None, None), launcher: str = "processes",
                shards: int = 1) -> Any:
     """Run ``fn(ctx, *args)`` as (one rank of) worker ``spec.worker`` of the elastic job
@@ -276,7 +314,7 @@ def run_worker(fn: Callable[..., Any], args: tuple, workers: int, timeout: float
     Args:
         fn: the worker function.
         args: its positional arguments after ``ctx``.
-        workers: M.
+        replicas: M, the workers of the job.
         timeout: seconds any wait may last.
         spec: the [`Elastic`][loco.runtime.elastic.Elastic] options, with ``lighthouse``
             and ``worker``.
@@ -288,20 +326,19 @@ def run_worker(fn: Callable[..., Any], args: tuple, workers: int, timeout: float
     Returns:
         ``fn``'s return value.
     """
-    from loco.runtime.launch import _attempt_store
-
     # The address the other workers reach this one at (its torchft servers, its store, its
     # gloo pairs): LOCO_ELASTIC_HOST, or this machine's name.
     host = os.environ.get(HOST_ENV) or socket.gethostname()
     shard = int(os.environ["RANK"]) if shards > 1 else 0
-    store = _attempt_store(shard, shards, timeout) if shards > 1 else None
+    store = attempt_store(shard, shards, timeout) if shards > 1 else None
+
     def watch(comm):
         if restart_count() > 0:
             threading.Thread(target=_alone, args=(comm,), daemon=True,
                              name="loco-alone").start()
-    return _run(fn, args, (spec.worker, shard), (workers, shards),
-                (spec.lighthouse, spec.check(workers), timeout, links, host), store, launcher,
-                started=watch)
+    job = _RankSpec(fn, args, replicas, shards, spec.lighthouse, spec.check(replicas),
+                    timeout, links, host)
+    return _run(job, (spec.worker, shard), store, launcher, started=watch)
 
 
 def _alone(comm, polls: int = 3) -> None:
@@ -319,31 +356,31 @@ def _alone(comm, polls: int = 3) -> None:
     os._exit(0)
 
 
-def _run(fn, args, key: tuple[int, int], sizes: tuple[int, int], job: tuple, store,
-         launcher: str, started: Callable[[Any], None] | None = None) -> Any:
+def _run(job: _RankSpec, key: tuple[int, int], store, launcher: str,
+         started: Callable[[Any], None] | None = None) -> Any:
     """One rank of an elastic worker: the worker's own process group (R > 1), its
-    ElasticComm and context, then ``fn``."""
+    ElasticComm and context, then ``job.fn``."""
     from loco.comm.elastic import ElasticComm
-    from loco.runtime.launch import Mesh, WorkerContext, _emulated
 
-    (worker, shard), (workers, shards) = key, sizes
-    lighthouse, min_workers, timeout, links, host = job
+    worker, shard = key
     if shard == 0 and torch.cuda.is_available():
         log.warning("elastic: worker %d trains on the CPU and syncs over gloo: elastic runs "
                     "do not use GPUs yet", worker)
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers: no line per quorum
-    inner, device_mesh, checkpoint_group = (_worker_world(store, shard, shards, timeout,
-                                                          links[1])
-                                            if shards > 1 else (None, None, None))
-    comm = ElasticComm(worker, workers, lighthouse, min_workers, timeout, host=host,
-                       shard=shard, shards=shards, store=store, link=_emulated(links[0]))
+    inner, device_mesh, checkpoint_group = (
+        _worker_world(store, shard, job.shards, job.timeout, job.links[1])
+        if job.shards > 1 else (None, None, None))
+    comm = ElasticComm(worker, job.replicas, job.lighthouse, job.min_workers, job.timeout,
+                       host=job.host, shard=shard, shards=job.shards, store=store,
+                       link=emulated(job.links[0]))
     if started is not None:
         started(comm)
-    ctx = WorkerContext(worker * shards + shard, workers * shards, Mesh(workers, 1, shards),
-                        comm, torch.device("cpu"), launcher, inner=inner,
-                        device_mesh=device_mesh, checkpoint_group=checkpoint_group)
+    mesh = Mesh(job.replicas, 1, job.shards)
+    ctx = WorkerContext(mesh.rank_of(worker, 0, shard), mesh.world_size, mesh, comm,
+                        torch.device("cpu"), launcher, inner=inner, device_mesh=device_mesh,
+                        checkpoint_group=checkpoint_group)
     try:
-        return fn(ctx, *args)
+        return job.fn(ctx, *job.args)
     finally:
         comm.close()
         if inner is not None:
@@ -355,34 +392,29 @@ def _worker_world(store, shard: int, shards: int, timeout: float, fast_link: Any
     """The process group of one worker's R ranks (its own world: there is none across the
     workers), its device mesh of shape (1, 1, R), the fast-link Comm over it and a gloo
     group for checkpoints."""
-    from loco.runtime.launch import MESH_DIMS, Mesh, _worker_comms
-
     dist.init_process_group("gloo", store=dist.PrefixStore("loco/world", store), rank=shard,
                             world_size=shards, timeout=datetime.timedelta(seconds=timeout))
     local = Mesh(1, 1, shards)
     device_mesh = init_device_mesh("cpu", local.shape, mesh_dim_names=MESH_DIMS)
-    inner, checkpoint_group = _worker_comms(local, shard, torch.device("cpu"), fast_link)
+    inner, checkpoint_group = worker_comms(local, shard, torch.device("cpu"), fast_link)
     return inner, device_mesh, checkpoint_group
 
 
-def _entry(fn, args, workers, shards, lighthouse, min_workers, timeout, links, job_over,
-           worker, shard, restart, port, results) -> None:
-    """A rank process of an elastic worker: ``fn`` in its context; the result (or the
-    traceback) goes back through ``results``."""
+def _entry(job: _RankSpec, key: tuple[int, int], restart: int, port: int | None,
+           results) -> None:
+    """A rank process of an elastic worker started by ``launch_elastic``: ``job.fn`` in its
+    context; the result (or the traceback) goes back through ``results``."""
     os.environ[RESTART_ENV] = str(restart)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (workers * shards)))
-    key = (worker, shard)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (job.replicas * job.shards)))
     store = (dist.TCPStore("127.0.0.1", port, is_master=False,
-                           timeout=datetime.timedelta(seconds=timeout))
+                           timeout=datetime.timedelta(seconds=job.timeout))
              if port is not None else None)
 
     def watch(comm):
-        threading.Thread(target=_too_late, args=(job_over, comm, key, results), daemon=True,
-                         name="loco-job-over").start()
+        threading.Thread(target=_too_late, args=(job.job_over, comm, key, results),
+                         daemon=True, name="loco-job-over").start()
     try:
-        value = _run(fn, args, key, (workers, shards),
-                     (lighthouse, min_workers, timeout, links, "127.0.0.1"), store,
-                     "processes", started=watch)
+        value = _run(job, key, store, "processes", started=watch)
         # By value: a queue would pass tensors as shared memory this process must outlive.
         results.put((key, True, pickle.dumps(value)))
     except BaseException:  # the supervisor tells a cause from a consequence, and says it

@@ -32,7 +32,7 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from loco.runtime.launch import WorkerContext
+    from loco.runtime.context import WorkerContext
 
 NO_MESH_ERROR = ("--worker-parallel fsdp needs a torch.distributed process group per rank: "
                  "use --launcher processes or torchrun (the threads launcher has none)")
@@ -49,7 +49,7 @@ def shard_worker(model: nn.Module, ctx: WorkerContext,
     Args:
         model: the worker's model, with its repeated blocks in an ``nn.ModuleList`` (see
             [`find_blocks`][loco.algorithms.fragments.find_blocks]).
-        ctx: this rank's [`WorkerContext`][loco.runtime.launch.WorkerContext]; its
+        ctx: this rank's [`WorkerContext`][loco.runtime.context.WorkerContext]; its
             ``device_mesh["shard"]`` is the group the model is sharded over.
         mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (parameter, reduction and output
             dtypes) for every unit; default None, FSDP2's default (everything in the

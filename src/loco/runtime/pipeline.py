@@ -1,36 +1,30 @@
 """Pipeline stages across the ranks of a replica, with fixed or random routing between them.
 
-Launched with ``launch(fn, workers=R * S, ranks_per_replica=S)``, every replica is a pipeline
-of S ranks: rank = replica · S + stage. Each rank holds the whole :class:`~loco.model.Transformer`
-object but owns, trains and synchronises only its stage's part, :func:`split_stages`:
+Launched with ``launch(fn, replicas=M, stages=S)``, every replica is a pipeline of S ranks:
+rank = replica · S + stage. Each rank holds the whole model object but owns, trains and
+synchronises only its stage's part: the model's
+[`stage_part`][loco.model.StagedModel.stage_part] (see
+[`split_stages`][loco.runtime.pipeline.split_stages]). When a part shares a parameter with another stage's (``tied``: the embedding that the output
+head reuses, on stage 0 and stage S − 1), the two copies' gradient increments are summed
+point to point after every backward, so both copies stay identical under the same optimizer;
+outer algorithms average each copy among the replicas of its own stage.
 
-* the blocks are cut into S contiguous runs, as equal as possible (earlier stages take the
-  extra block when they do not divide evenly);
-* stage 0 owns the token embedding;
-* stage S−1 owns the final norm and the output head. The head is tied to the embedding, so
-  the last stage keeps its own copy of the embedding matrix (``embed.weight`` of its model),
-  identical to stage 0's at the start. After every backward the two copies' gradients, of
-  stage 0 and stage S−1 of the same replica, are summed point to point, so both receive the
-  gradient the tied matrix would have received and, given the same optimizer, stay identical
-  (as Megatron-LM does with its word embeddings). Outer algorithms average each copy among
-  the replicas of its own stage: equal inputs give equal outputs, so the copies stay equal.
+[`PipelineStage`][loco.runtime.pipeline.PipelineStage] runs one training micro-step: stage 0
+embeds its replica's batch, the activations (and the int64 targets) cross every boundary
+k → k+1, the last stage computes the mean token loss and the activation gradients travel back
+along the same path, sequentially (no micro-batch interleaving).
 
-:class:`PipelineStage` runs one training micro-step: stage 0 embeds its replica's batch, the
-activations (and the int64 targets) cross every boundary k → k+1, the last stage computes the
-mean token loss and the activation gradients travel back along the same path. Sequential: no
-micro-batch interleaving.
+Routing. ``routing="fixed"``: every replica keeps its own pipeline. ``routing="random"``: sample
+``s`` of the batch held by replica ``r`` at stage ``k`` goes to replica ``π(r)`` at stage
+``k+1``, where π = [`routing_permutation`][loco.runtime.pipeline.routing_permutation] of
+(seed, step, s, k); every rank computes π itself (no messages), each rank processes exactly its
+batch size of samples per step, and gradients return the same way. Evaluation
+([`PipelineStage.evaluate`][loco.runtime.pipeline.PipelineStage.evaluate]) always uses fixed
+routing.
 
-Routing. ``routing="fixed"``: every replica keeps its own pipeline. ``routing="random"`` (the
-NoLoCo paper's random pipeline routing): sample ``s`` of the batch held by replica ``r`` at stage
-``k`` goes to replica ``π(r)`` at stage ``k+1``, where π = :func:`routing_permutation` of
-(seed, step, s, k). Every rank computes π itself (no messages), each receiving replica gets
-exactly one sample per index ``s`` (the load stays balanced: every rank processes exactly its
-batch size of samples per step) and gradients return the same way. Evaluation
-(:meth:`PipelineStage.evaluate`) always uses fixed routing.
-
-All traffic goes through ``ctx.pipe`` (a :class:`~loco.comm.Comm` over the world), one
-:meth:`~loco.comm.Comm.sendrecv` per boundary and direction, so it is byte-counted under the
-tag given (``"train"`` or ``"eval"``).
+All traffic goes through ``ctx.pipe`` (a [`Comm`][loco.comm.comm.Comm] over the world), one
+``sendrecv`` per boundary and direction, byte-counted under the tag given (``"train"`` or
+``"eval"``).
 """
 
 from __future__ import annotations
@@ -42,12 +36,11 @@ from typing import TYPE_CHECKING
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
-from loco.model import Transformer, rope_window, token_loss
+from loco.model import StagedModel, StageModule, StagePart, stage_bounds
 
 if TYPE_CHECKING:
-    from loco.runtime.launch import WorkerContext
+    from loco.runtime.context import WorkerContext
 
 ROUTINGS = ("fixed", "random")
 """How samples cross the stage boundaries: each replica's own pipeline, or a random one."""
@@ -56,163 +49,40 @@ ROUTINGS = ("fixed", "random")
 _TAG_ACT, _TAG_TARGET = 1, 2
 
 
-def stage_bounds(n_layers: int, stages: int) -> list[tuple[int, int]]:
-    """Block index ranges ``[start, stop)`` of each stage: contiguous, as equal as possible.
-
-    Earlier stages take the extra block when ``stages`` does not divide ``n_layers``.
-
-    Args:
-        n_layers: the model's blocks.
-        stages: S, an integer in [1, n_layers].
-
-    Returns:
-        S ranges ``(start, stop)`` covering ``[0, n_layers)`` in order.
-
-    Raises:
-        ValueError: ``stages`` < 1 or more than ``n_layers``.
-    """
-    if stages < 1:
-        raise ValueError(f"stages must be >= 1 (got {stages})")
-    if stages > n_layers:
-        raise ValueError(f"{stages} pipeline stages need at least {stages} blocks "
-                         f"(the model has {n_layers})")
-    base, extra = divmod(n_layers, stages)
-    bounds, start = [], 0
-    for k in range(stages):
-        stop = start + base + (1 if k < extra else 0)
-        bounds.append((start, stop))
-        start = stop
-    return bounds
-
-
-class StagePart(nn.Module):
-    """What every stage's part of a model offers the pipeline: its place (``stage``,
-    ``stages``, ``block_range``, ``is_first``, ``is_last``), the width of the activations it
-    passes on (``width``), the parameter it shares with another stage (``tied``: the tied
-    embedding of a model whose head reuses it, on the first and last of several stages; else
-    None), ``forward`` and ``loss``.
-
-    Args:
-        stage: this part's stage, in [0, stages).
-        stages: S, in [1, the model's number of blocks].
-        n_blocks: the model's blocks.
-        width: the activations' last dimension (d_model).
-        z_loss: the model's z-loss coefficient.
-    """
-
-    def __init__(self, stage: int, stages: int, n_blocks: int, width: int, z_loss: float):
-        super().__init__()
-        self.stage, self.stages = stage, stages
-        self.block_range = stage_bounds(n_blocks, stages)[stage]
-        self.is_first, self.is_last = stage == 0, stage == stages - 1
-        self.width, self.z_loss = width, z_loss
-
-    @property
-    def tied(self) -> nn.Parameter | None:
-        """The parameter this part shares with another stage's part, or None."""
-        return None
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean token loss, as the whole model computes it (with its z-loss).
-
-        Args:
-            logits: the last stage's output, ``(batch, seq, vocab)``.
-            targets: the next-token ids, ``(batch, seq)``.
-        """
-        return token_loss(logits, targets, self.z_loss)
-
-
-class StageModule(StagePart):
-    """The part of a ``Transformer`` (``loco.model``) one pipeline stage owns.
-
-    It shares the model's modules (no copies), and names its parameters as the model does
-    (``embed.weight``, ``blocks.3.attn.qkv.weight``, ``norm.weight``), so an optimizer or an
-    outer algorithm built on it sees exactly this stage's parameters. ``forward`` maps token
-    ids (stage 0) or activations (later stages) to activations, or, on the last stage, to
-    logits through the tied head.
-
-    Args:
-        model: the whole model (``loco.model.Transformer``), whose modules are shared.
-        stage: this part's stage, in [0, stages).
-        stages: S, in [1, the model's number of blocks].
-    """
-
-    def __init__(self, model: Transformer, stage: int, stages: int):
-        super().__init__(stage, stages, len(model.blocks), model.cfg.d_model, model.cfg.z_loss)
-        self.cfg = model.cfg
-        start, stop = self.block_range
-        # The last stage keeps its own copy of the embedding as the tied output head.
-        self.embed = model.embed if (self.is_first or self.is_last) else None
-        self.blocks = nn.ModuleDict({str(i): model.blocks[i] for i in range(start, stop)})
-        self.norm = model.norm if self.is_last else None
-        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
-        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
-
-    @property
-    def tied(self) -> nn.Parameter | None:
-        """The embedding matrix, on the first and the last of several stages (the head
-        reuses it); else None."""
-        return self.embed.weight if self.stages > 1 and self.embed is not None else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """This stage's part of the forward pass.
-
-        Args:
-            x: token ids ``(batch, seq)`` on stage 0, activations ``(batch, seq, d_model)``
-                on later stages.
-
-        Returns:
-            Activations ``(batch, seq, d_model)``, or on the last stage logits
-                ``(batch, seq, vocab)``.
-        """
-        cos, sin = rope_window(self.rope_cos, self.rope_sin, x.shape[1])
-        if self.is_first:
-            x = self.embed(x)
-        for block in self.blocks.values():
-            x = block(x, cos, sin)
-        if self.is_last:
-            x = F.linear(self.norm(x), self.embed.weight)
-        return x
-
-
 def stage_part(model: nn.Module, stage: int, stages: int) -> StagePart:
-    """The part of ``model`` that pipeline stage ``stage`` of ``stages`` owns: a
-    [`StageModule`][loco.runtime.pipeline.StageModule] of loco's ``Transformer``, or a
-    Hugging Face model's part (``loco.hf.HFCausalLM``: Llama architectures).
+    """The part of ``model`` that pipeline stage ``stage`` of ``stages`` owns: the model's
+    own [`stage_part`][loco.model.StagedModel.stage_part].
 
     Args:
-        model: the whole model.
+        model: the whole model, a [`StagedModel`][loco.model.StagedModel] (loco's
+            ``Transformer``, a Hugging Face Llama model).
         stage: the stage, in [0, stages).
         stages: S, in [1, the model's number of blocks].
 
     Raises:
-        ValueError: a model that stages cannot split.
+        ValueError: a model that stages cannot split, or ``stages`` out of range.
     """
-    if isinstance(model, Transformer):
-        return StageModule(model, stage, stages)
-    from loco.hf import HFCausalLM, LlamaStage
-
-    if isinstance(model, HFCausalLM):
-        return LlamaStage(model, stage, stages)
-    raise ValueError(f"pipeline stages cannot split a {type(model).__name__}: loco's "
-                     "Transformer and Hugging Face Llama models only")
+    if not isinstance(model, StagedModel):
+        raise ValueError(f"pipeline stages cannot split a {type(model).__name__}: loco's "
+                         "Transformer and Hugging Face Llama models only")
+    return model.stage_part(stage, stages)
 
 
 def split_stages(model: nn.Module, stages: int) -> list[StagePart]:
-    """The parts of ``model`` owned by each of ``stages`` pipeline stages.
+    """The parts of ``model`` owned by each of ``stages`` pipeline stages (its
+    [`stage_part`][loco.model.StagedModel.stage_part] of each).
 
     The blocks are cut into S contiguous runs, as equal as possible
-    ([`stage_bounds`][loco.runtime.pipeline.stage_bounds]); stage 0 owns the token
-    embedding, stage S − 1 the final norm and the output head, which is tied to the
-    embedding, so the last stage keeps its own copy of the embedding matrix. With one stage the single part owns the whole model (embedding, every block, norm and the
-    tied head). The parts share ``model``'s modules.
+    ([`stage_bounds`][loco.model.stage_bounds]); stage 0 owns the token embedding, stage
+    S − 1 the final norm and the output head. With one stage the single part owns the whole
+    model. The parts share ``model``'s modules.
 
     Args:
-        model: the whole model (``loco.model.Transformer``).
+        model: the whole model, a [`StagedModel`][loco.model.StagedModel].
         stages: S, in [1, the model's number of blocks].
 
     Raises:
-        ValueError: ``stages`` out of range.
+        ValueError: a model that stages cannot split, or ``stages`` out of range.
     """
     return [stage_part(model, k, stages) for k in range(stages)]
 
@@ -230,7 +100,7 @@ def routing_permutation(seed: int, step: int, sample: int, boundary: int,
         step: the training step, the same on every rank.
         sample: the sample's index in the batch, in [0, batch_size).
         boundary: k, the boundary between stage k and stage k + 1, in [0, S − 1).
-        replicas: R, the number of replicas.
+        replicas: M, the number of replicas.
 
     Returns:
         A permutation of ``range(replicas)``.
@@ -250,7 +120,7 @@ def routing_path(seed: int, step: int, sample: int, origin: int, replicas: int,
         step: the training step.
         sample: the sample's index in the batch.
         origin: the replica whose stage 0 embedded the sample, in [0, replicas).
-        replicas: R, the number of replicas.
+        replicas: M, the number of replicas.
         stages: S, the pipeline stages.
         routing: ``"random"`` (default) follows
             [`routing_permutation`][loco.runtime.pipeline.routing_permutation] at every
@@ -277,9 +147,10 @@ class PipelineStage:
     model's norm.
 
     Args:
-        model: this rank's full model object (``loco.model.Transformer``); only this
-            stage's part is used and trained.
-        ctx: the launch's [`WorkerContext`][loco.runtime.launch.WorkerContext]; its
+        model: this rank's full model object, a
+            [`StagedModel`][loco.model.StagedModel]; only this stage's part is used and
+            trained.
+        ctx: the launch's [`WorkerContext`][loco.runtime.context.WorkerContext]; its
             ``pipe`` Comm carries the traffic between stages (required when S > 1), its mesh
             gives the stage (``ctx.stage``) and the replica.
         batch_size: samples per batch of every replica, >= 1 (later stages must know the
@@ -293,7 +164,8 @@ class PipelineStage:
             ``torch.autocast("cpu", torch.bfloat16)``); default None (none).
 
     Raises:
-        ValueError: an unknown ``routing``, or S > 1 without ``ctx.pipe``.
+        ValueError: an unknown ``routing``, S > 1 without ``ctx.pipe``, or a model that
+            stages cannot split.
     """
 
     def __init__(self, model: nn.Module, ctx: WorkerContext, batch_size: int, seq_len: int,
@@ -302,8 +174,8 @@ class PipelineStage:
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)} (got {routing!r})")
         self.ctx = ctx
-        self.stages = ctx.mesh.ranks_per_replica
-        self.replicas = ctx.mesh.replicas
+        self.stages = ctx.stages
+        self.replicas = ctx.replicas
         self.stage = ctx.stage
         self.replica = ctx.replica
         if self.stages > 1 and ctx.pipe is None:
@@ -588,3 +460,9 @@ class _TiedGradSync:
         else:
             self.weight.grad.copy_(new)
         return False
+
+
+# StagePart, StageModule and stage_bounds live with the models (loco.model); they are named
+# here too, where the pipeline's users import them from.
+__all__ = ["ROUTINGS", "PipelineStage", "StageModule", "StagePart", "routing_path",
+           "routing_permutation", "split_stages", "stage_bounds", "stage_part"]
