@@ -20,7 +20,6 @@ Two paths, one class:
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,6 +36,7 @@ from loco.algorithms.base import Algorithm
 from loco.algorithms.sharding import flatten_fp32, local, unflatten_views
 from loco.comm import Comm
 from loco.comm.codecs import get_codec
+from loco.model import StagePart
 from loco.options import opt
 
 GRAD_CODECS = ("fp32", "bf16")
@@ -135,8 +135,7 @@ class DataParallel(Algorithm):
 
     # ------------------------------------------------------------------------ the DDP path
     def _uses_ddp(self) -> bool:
-        pipeline = sys.modules.get("loco.runtime.pipeline")  # loaded if a stage can exist
-        stage = pipeline is not None and isinstance(self.model, pipeline.StagePart)
+        stage = isinstance(self.model, StagePart)
         return (not self.comm.elastic and self.inner is None and not self.sharded
                 and not stage and all(p.dtype == torch.float32 for p in self.params))
 
