@@ -138,10 +138,11 @@ class Algorithm(Method):
 
     # ----------------------------------------------------------------------- initial state
     def _sync_initial_state(self, mode: str) -> None:
-        """Broadcast parameters and buffers from worker 0, then verify checksums.
+        """Broadcast parameters and buffers from worker 0 (``mode`` ``"broadcast"``), then
+        verify their checksums on every worker (and every rank of a worker).
 
-        Workers that silently start from different weights was a real bug in a public
-        DiLoCo implementation; the checksum makes it impossible to miss.
+        Raises:
+            RuntimeError: the workers' state differs.
         """
         state = [local(t) for t in self.model.state_dict(keep_vars=True).values()
                  if isinstance(t, torch.Tensor)]
