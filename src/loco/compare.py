@@ -654,7 +654,7 @@ def _method_configs(methods: list[Method], values: dict[str, Any], out: str
     """Every method's prepared TrainConfig (the shared values, then its own), and the
     warnings they give; a bad one fails naming its label."""
     from loco.config import warnings_for
-    from loco.train import prepare_config
+    from loco.training import prepare_config
 
     configs, warnings = [], []
     for m in methods:
@@ -701,7 +701,7 @@ def run(p: Plan, progress: bool = True) -> dict[str, dict]:
     from tqdm import tqdm
 
     from loco.report import load_run, order_key, write_report
-    from loco.train import check_fits, human_bytes, launch_training, prepare_data
+    from loco.training import check_fits, human_bytes, launch_training, prepare_data
 
     for w in p.warnings:
         print(f"loco compare: warning: {w}", file=sys.stderr)

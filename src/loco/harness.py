@@ -246,7 +246,7 @@ def replica_model(run: RunCheckpoint, replica: int, vocab_size: int,
     Raises:
         EvalError: the checkpoint does not fit the run's model.
     """
-    from loco.train import make_model
+    from loco.training import make_model
 
     cfg = run.cfg
     _, stages, _ = _layout(run)
