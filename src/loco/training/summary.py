@@ -19,113 +19,133 @@ class Summary:
     older run did not write is None. "Per worker" values are the largest over the workers'
     ranks (each rank sends its share); "bytes" count the training traffic only (tag
     ``train``, see How bytes are counted).
+
+    Args:
+        algorithm: the method (``--algorithm``).
+        workers: replicas M that trained (torchrun decides it when launched by torchrun).
+        stages: pipeline stages per replica (``--stages``).
+        routing: the pipeline's routing (``--routing``); None without pipeline stages.
+        launcher: how the ranks were started: ``threads``, ``processes`` or ``torchrun``.
+        worker_ranks: ranks R per worker (``--worker-ranks``).
+        worker_parallel: how a worker's ranks share the model: ``ddp`` or ``fsdp``.
+        inner_steps: inner steps T of the run (``--steps``).
+        tokens: training tokens of the whole run, every rank together.
+        final_eval_loss: the final model's mean token loss on the validation split, in nats
+            per token.
+        final_eval_loss_extra: the final model's loss on ``--eval-corpus``, in nats per
+            token; None without one.
+        unigram_entropy: the training split's unigram entropy, in nats per token (a
+            reference loss).
+        model_parameters: parameters of the whole model.
+        bytes_sent_per_worker: bytes sent between workers, the busiest rank's.
+        bytes_received_per_worker: bytes received from other workers, the busiest rank's.
+        raw_bytes_per_worker: what ``bytes_sent_per_worker`` would be in fp32 without a
+            codec, in bytes.
+        peak_sync_bytes_per_worker: bytes of the largest single synchronization, the busiest
+            rank's.
+        pipeline_bytes_sent_per_rank: bytes sent between pipeline stages, the busiest
+            rank's; None without stages.
+        slow_link_bytes_sent_per_rank: bytes sent over the slow link between workers, the
+            busiest rank's.
+        slow_link_bytes_sent_per_worker: bytes sent over the slow link, the busiest worker's
+            (its ranks summed).
+        fast_link_bytes_sent_per_rank: bytes sent over the fast link inside a worker, the
+            busiest rank's (0 for R = 1).
+        fast_link_bytes_sent_per_worker: bytes sent over the fast link, the busiest worker's
+            (its ranks summed).
+        memory_bytes_per_rank: bytes of the tensors a rank holds by part (``model``,
+            ``inner_optimizer``, ``outer``), the largest of any rank; None when the
+            algorithm does not report them.
+        max_rss_bytes: peak resident memory of the largest process, in bytes (threads: all
+            ranks').
+        syncs: synchronizations worker 0 took part in.
+        comm_seconds: seconds worker 0 had operations in flight.
+        comm_wait_seconds: the longest time any rank was blocked on training communication,
+            in seconds.
+        compute_utilization: 1 - blocked time / training-loop time, the mean over ranks (a
+            fraction in [0, 1]).
+        nonfinite_skipped: non-finite ``inner_steps`` and ``syncs`` skipped (``--on-
+            nonfinite skip``), summed over ranks; a sync skipped by all its workers counts
+            once per worker.
+        resumed_from_step: the checkpoint's step this run resumed from; None for a fresh
+            run.
+        restarts: times the launcher restarted the workers.
+        elastic: with ``--elastic``: ``min_workers`` and the recovery report (syncs by
+            participants, dropped syncs, losses, membership events); None otherwise.
+        link: the emulated slow link's ``bandwidth`` and ``latency`` as given; None without
+            one.
+        fast_link: the emulated fast link's ``bandwidth`` and ``latency``; None without one.
+        wall_seconds: seconds of the lead rank's whole worker, evaluation included.
+        train_seconds: seconds of the slowest rank's training loop, without evaluation and
+            the spread diagnostic.
+        eval_seconds: seconds of the periodic evaluations.
+        diagnostic_seconds: seconds of the replicas' spread diagnostic.
+        tokens_per_second: ``tokens / train_seconds``.
+        per_worker: every rank's counters, in rank order.
+        fragments: per fragment (Streaming DiLoCo, DiLoCo): tensors, elements, syncs and
+            bytes; None for other methods.
+        codec_kernel: the wire ``codec``, the ``kernel`` that ran it and the ``reason``;
+            None without a codec.
+        replicas: methods whose replicas differ (and ``--eval-replicas``): every replica's
+            eval loss, their mean, the loss of their average; None otherwise.
+        corpus: the corpus's ``name``, ``train_tokens``, ``val_tokens``, ``vocab_size`` and
+            ``eval_corpus_tokens``.
+        device: the lead rank's device, as torch names it (``cpu``, ``cuda:0``).
+        machine: host, platform, CPU, cores, accelerator, Python and torch versions.
+        config: the run's full configuration (``TrainConfig.to_dict()``).
+        unknown: keys this record does not know (added by other tools, such as the
+            evaluation harness's scores), in the file's order; written back after the known
+            ones.
     """
 
     algorithm: str | None = None
-    """The method (``--algorithm``)."""
     workers: int | None = None
-    """Replicas M that trained (torchrun decides it when launched by torchrun)."""
     stages: int | None = None
-    """Pipeline stages per replica (``--stages``)."""
     routing: str | None = None
-    """The pipeline's routing (``--routing``); None without pipeline stages."""
     launcher: str | None = None
-    """How the ranks were started: ``threads``, ``processes`` or ``torchrun``."""
     worker_ranks: int | None = None
-    """Ranks R per worker (``--worker-ranks``)."""
     worker_parallel: str | None = None
-    """How a worker's ranks share the model: ``ddp`` or ``fsdp``."""
     inner_steps: int | None = None
-    """Inner steps T of the run (``--steps``)."""
     tokens: int | None = None
-    """Training tokens of the whole run, every rank together."""
     final_eval_loss: float | None = None
-    """The final model's mean token loss on the validation split, in nats per token."""
     final_eval_loss_extra: float | None = None
-    """The final model's loss on ``--eval-corpus``, in nats per token; None without one."""
     unigram_entropy: float | None = None
-    """The training split's unigram entropy, in nats per token (a reference loss)."""
     model_parameters: int | None = None
-    """Parameters of the whole model."""
     bytes_sent_per_worker: int | None = None
-    """Bytes sent between workers, the busiest rank's."""
     bytes_received_per_worker: int | None = None
-    """Bytes received from other workers, the busiest rank's."""
     raw_bytes_per_worker: int | None = None
-    """What ``bytes_sent_per_worker`` would be in fp32 without a codec, in bytes."""
     peak_sync_bytes_per_worker: int | None = None
-    """Bytes of the largest single synchronization, the busiest rank's."""
     pipeline_bytes_sent_per_rank: int | None = None
-    """Bytes sent between pipeline stages, the busiest rank's; None without stages."""
     slow_link_bytes_sent_per_rank: int | None = None
-    """Bytes sent over the slow link between workers, the busiest rank's."""
     slow_link_bytes_sent_per_worker: int | None = None
-    """Bytes sent over the slow link, the busiest worker's (its ranks summed)."""
     fast_link_bytes_sent_per_rank: int | None = None
-    """Bytes sent over the fast link inside a worker, the busiest rank's (0 for R = 1)."""
     fast_link_bytes_sent_per_worker: int | None = None
-    """Bytes sent over the fast link, the busiest worker's (its ranks summed)."""
     memory_bytes_per_rank: dict[str, int] | None = None
-    """Bytes of the tensors a rank holds by part (``model``, ``inner_optimizer``,
-    ``outer``), the largest of any rank; None when the algorithm does not report them."""
     max_rss_bytes: int | None = None
-    """Peak resident memory of the largest process, in bytes (threads: all ranks')."""
     syncs: int | None = None
-    """Synchronizations worker 0 took part in."""
     comm_seconds: float | None = None
-    """Seconds worker 0 had operations in flight."""
     comm_wait_seconds: float | None = None
-    """The longest time any rank was blocked on training communication, in seconds."""
     compute_utilization: float | None = None
-    """1 - blocked time / training-loop time, the mean over ranks (a fraction in [0, 1])."""
     nonfinite_skipped: dict[str, int] | None = None
-    """Non-finite ``inner_steps`` and ``syncs`` skipped (``--on-nonfinite skip``), summed
-    over ranks; a sync skipped by all its workers counts once per worker."""
     resumed_from_step: int | None = None
-    """The checkpoint's step this run resumed from; None for a fresh run."""
     restarts: int | None = None
-    """Times the launcher restarted the workers."""
     elastic: dict[str, Any] | None = None
-    """With ``--elastic``: ``min_workers`` and the recovery report (syncs by participants,
-    dropped syncs, losses, membership events); None otherwise."""
     link: dict[str, Any] | None = None
-    """The emulated slow link's ``bandwidth`` and ``latency`` as given; None without one."""
     fast_link: dict[str, Any] | None = None
-    """The emulated fast link's ``bandwidth`` and ``latency``; None without one."""
     wall_seconds: float | None = None
-    """Seconds of the lead rank's whole worker, evaluation included."""
     train_seconds: float | None = None
-    """Seconds of the slowest rank's training loop, without evaluation and the spread
-    diagnostic."""
     eval_seconds: float | None = None
-    """Seconds of the periodic evaluations."""
     diagnostic_seconds: float | None = None
-    """Seconds of the replicas' spread diagnostic."""
     tokens_per_second: float | None = None
-    """``tokens / train_seconds``."""
     per_worker: list[dict[str, Any]] | None = None
-    """Every rank's counters, in rank order."""
     fragments: list[dict[str, Any]] | None = None
-    """Per fragment (Streaming DiLoCo, DiLoCo): tensors, elements, syncs and bytes; None
-    for other methods."""
     codec_kernel: dict[str, Any] | None = None
-    """The wire ``codec``, the ``kernel`` that ran it and the ``reason``; None without a
-    codec."""
     replicas: dict[str, Any] | None = None
-    """Methods whose replicas differ (and ``--eval-replicas``): every replica's eval loss,
-    their mean, the loss of their average; None otherwise."""
     corpus: dict[str, Any] | None = None
-    """The corpus's ``name``, ``train_tokens``, ``val_tokens``, ``vocab_size`` and
-    ``eval_corpus_tokens``."""
     device: str | None = None
-    """The lead rank's device, as torch names it (``cpu``, ``cuda:0``)."""
     machine: dict[str, Any] | None = None
-    """Host, platform, CPU, cores, accelerator, Python and torch versions."""
     config: dict[str, Any] | None = None
-    """The run's full configuration (``TrainConfig.to_dict()``)."""
     unknown: dict[str, Any] = field(default_factory=dict)
-    """Keys this record does not know (added by other tools, such as the evaluation
-    harness's scores), in the file's order; written back after the known ones."""
 
     def to_dict(self) -> dict[str, Any]:
         """The content of ``summary.json``: every known key in the record's order, then the
