@@ -28,7 +28,7 @@ from loco.comm.codecs import CODEC_NAMES, get_codec
 from loco.config import TrainConfig
 from loco.data import TokenLoader, prepare_corpus
 from loco.model import Transformer, model_config
-from loco.train import adamw, lr_lambda
+from loco.training import adamw, lr_lambda
 
 SWEEP_CODECS = ("fp4_e3m0", "fp4_e2m1")
 SWEEP_BLOCKS = (16, 32, 64, 128, 256)

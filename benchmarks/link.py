@@ -18,7 +18,7 @@ import dataclasses
 import tempfile
 
 from loco.config import TrainConfig
-from loco.train import run_training
+from loco.training import run_training
 
 #: name -> TrainConfig overrides.
 RUNS = {

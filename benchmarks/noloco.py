@@ -20,7 +20,7 @@ import os
 import tempfile
 
 from loco.config import TrainConfig
-from loco.train import run_training
+from loco.training import run_training
 
 
 def main() -> None:

@@ -29,7 +29,7 @@ import tempfile
 
 from loco.config import TrainConfig
 from loco.model import MODEL_SIZES
-from loco.train import run_training
+from loco.training import run_training
 
 #: name -> TrainConfig overrides; the order is the order the runs go in.
 RUNS = {

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-import loco.train
+import loco.training.job
 from loco.cli import build_parser, main
 from loco.config import build_config
 
@@ -107,7 +107,8 @@ BAD_INPUTS = [
 
 @pytest.mark.parametrize("args,option,allowed", BAD_INPUTS, ids=[" ".join(a) for a, _, _ in BAD_INPUTS])
 def test_bad_input_is_one_clear_line_and_exit_2(args, option, allowed, capsys, monkeypatch):
-    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    monkeypatch.setattr(loco.training.job, "launch",
+                        lambda *a, **k: pytest.fail("workers started"))
     with pytest.raises(SystemExit) as e:
         sys.exit(main(["train", "--no-progress", *args]))
     assert e.value.code == 2
@@ -117,7 +118,8 @@ def test_bad_input_is_one_clear_line_and_exit_2(args, option, allowed, capsys, m
 
 
 def expect_error(argv, option, allowed, capsys, monkeypatch):
-    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    monkeypatch.setattr(loco.training.job, "launch",
+                        lambda *a, **k: pytest.fail("workers started"))
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and option in err and allowed in err

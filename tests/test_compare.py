@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-import loco.train
+import loco.training.job
 from loco import compare
 from loco.cli import main
 from loco.config import ConfigError
@@ -230,7 +230,8 @@ BAD_PLANS = [
                          ids=[" ".join(e) for e, _, _ in BAD_PLANS])
 def test_bad_plans_fail_in_one_line_before_any_training(extra, option, allowed, corpus,
                                                         tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    monkeypatch.setattr(loco.training.job, "launch",
+                        lambda *a, **k: pytest.fail("workers started"))
     out = tmp_path / "cmp"
     try:
         code = main(job(corpus, out, *extra))
@@ -245,7 +246,8 @@ def test_bad_plans_fail_in_one_line_before_any_training(extra, option, allowed, 
 
 def test_yaml_methods_and_a_finished_run_are_checked_first(corpus, tmp_path, capsys,
                                                            monkeypatch):
-    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    monkeypatch.setattr(loco.training.job, "launch",
+                        lambda *a, **k: pytest.fail("workers started"))
     cfg = tmp_path / "cmp.yaml"
     cfg.write_text("algorithms: [diloco, streaming]\nmethods:\n  noloco: {gamma: 0.5}\n")
     assert main(job(corpus, tmp_path / "a", "--config", str(cfg))) == 2

@@ -122,7 +122,7 @@ def test_eval_writes_scores_summary_provenance_and_report(runs, tasks, tmp_path,
 @pytest.mark.slow
 def test_loaded_model_is_the_global_copy_and_reproduces_the_final_eval_loss(runs):
     from loco.data import eval_batches
-    from loco.train import evaluate
+    from loco.training import evaluate
 
     run = harness.open_run(runs["diloco"])
     tokenizer, corpus = harness.load_tokenizer(run)
@@ -195,7 +195,7 @@ def test_loglikelihoods_equal_a_direct_computation_with_the_model(runs):
 @pytest.mark.slow
 def test_noloco_scores_every_replica_and_their_average(runs, tasks, tmp_path, capsys):
     from loco.data import eval_batches
-    from loco.train import evaluate
+    from loco.training import evaluate
 
     run_dir = shutil.copytree(runs["noloco"], tmp_path / "noloco")
     run = harness.open_run(str(run_dir))

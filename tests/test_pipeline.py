@@ -337,7 +337,7 @@ def test_diloco_over_stages_keeps_tied_copies_and_stage_replicas_in_step():
 def train_pipe_worker(ctx, cfg_kwargs, layers, steps):
     """``loco train``'s own algorithm set-up (``Method.from_config``) on a pipeline stage."""
     from loco.config import TrainConfig, resolve
-    from loco.train import adamw
+    from loco.training import adamw
 
     cfg = resolve(TrainConfig(**cfg_kwargs))
     model = make_model(layers=layers)

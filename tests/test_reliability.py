@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-import loco.train
+import loco.training.job
 from loco import checkpoint
 from loco.cli import main
 
@@ -317,7 +317,8 @@ def bad_inputs(out):
 
 
 def test_bad_reliability_inputs_fail_before_any_worker(finished, corpus, capsys, monkeypatch):
-    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    monkeypatch.setattr(loco.training.job, "launch",
+                        lambda *a, **k: pytest.fail("workers started"))
     for extra, option, allowed in bad_inputs(finished):
         argv = job(corpus, finished.parent / "other") + extra
         if extra[0] == "--out":  # the finished run's own directory
@@ -335,12 +336,13 @@ def test_bad_reliability_inputs_fail_before_any_worker(finished, corpus, capsys,
 
 def test_resume_refuses_changed_options_and_names_a_corrupt_file(finished, capsys,
                                                                  monkeypatch):
-    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    monkeypatch.setattr(loco.training.job, "launch",
+                        lambda *a, **k: pytest.fail("workers started"))
     assert main(["train", "--resume", str(finished), "--lr", "0.1"]) == 2
     err = capsys.readouterr().err
     assert "--lr: differs from the run being resumed (0.003)" in err
     # Options about how it runs may change.
-    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: [{"rank": 0}])
+    monkeypatch.setattr(loco.training.job, "launch", lambda *a, **k: [{"rank": 0}])
     assert main(["train", "--resume", str(finished), "--comm-timeout", "60",
                  "--launcher", "processes"]) == 0
     path = checkpoint.rank_file(str(finished), 16, 1)

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-import loco.train
+import loco.training.job
 from loco import compare
 from loco.cli import main
 from loco.config import ConfigError
@@ -77,7 +77,8 @@ BAD_SEEDS = [
 @pytest.mark.parametrize("extra,message", BAD_SEEDS, ids=[" ".join(e) for e, _ in BAD_SEEDS])
 def test_bad_seeds_fail_in_one_line_before_anything_runs(extra, message, corpus, tmp_path,
                                                          capsys, monkeypatch):
-    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    monkeypatch.setattr(loco.training.job, "launch",
+                        lambda *a, **k: pytest.fail("workers started"))
     out = tmp_path / "cmp"
     assert main(job(corpus, out, "--algorithms", "ddp,diloco", *extra)) == 2
     err = capsys.readouterr().err.strip()

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-import loco.train
+import loco.training.job
 from loco import compare
 from loco.cli import main
 from loco.config import ConfigError
@@ -82,7 +82,8 @@ BAD_SWEEPS = [
 @pytest.mark.parametrize("extra,message", BAD_SWEEPS, ids=[" ".join(e) for e, _ in BAD_SWEEPS])
 def test_bad_sweeps_fail_in_one_line_before_anything_runs(extra, message, corpus, tmp_path,
                                                           capsys, monkeypatch):
-    monkeypatch.setattr(loco.train, "launch", lambda *a, **k: pytest.fail("workers started"))
+    monkeypatch.setattr(loco.training.job, "launch",
+                        lambda *a, **k: pytest.fail("workers started"))
     out = tmp_path / "cmp"
     # The shared overlap 3 is in [0, H/P) for H = 8 but not for H = 6, whose last case needs.
     assert main(job(corpus, out, "--overlap", "3", *extra)) == 2

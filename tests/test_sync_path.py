@@ -9,7 +9,7 @@ import loco
 from loco.algorithms.base import NonFiniteError, all_finite
 from loco.algorithms.streaming_diloco import _flat_outer_state
 from loco.comm.codecs import get_codec
-from loco.train import Loop
+from loco.training import Loop
 from workers import batch, make_model
 
 pytestmark = pytest.mark.numerics

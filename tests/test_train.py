@@ -9,7 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import loco.train
+import loco.training
+import loco.training.evaluation
+import loco.training.finish
 from loco import checkpoint
 from loco.cli import main
 from test_cli import small_run
@@ -24,13 +26,13 @@ def test_noloco_train_runs_no_all_worker_collective(corpus, tmp_path, monkeypatc
     traffic is point-to-point exchanges within a pair, the checkpoints use no communication,
     and every operation of all workers is labelled setup, diagnostic or report."""
     records = {}
-    write_totals = loco.train.write_comm_totals
+    write_totals = loco.training.finish.write_comm_totals
 
     def spy(out, ctx):  # after the rank's last operation
         records[ctx.rank] = list(ctx.comm.records)
         write_totals(out, ctx)
 
-    monkeypatch.setattr(loco.train, "write_comm_totals", spy)
+    monkeypatch.setattr(loco.training.finish, "write_comm_totals", spy)
     out = tmp_path / "run"
     assert main(job(corpus, out, "--algorithm", "noloco", "--workers", "4", "--group-size", "2",
                     "--spread-every", "2", "--checkpoint-every", "1")) == 0
@@ -54,10 +56,10 @@ def test_noloco_train_runs_no_all_worker_collective(corpus, tmp_path, monkeypatc
 def test_spread_diagnostic_is_not_blocked_time():
     waited = {"train": 1.0, "diagnostic": 5.0, "checkpoint": 7.0, "report": 3.0}
     comm = SimpleNamespace(totals=lambda tag="train": SimpleNamespace(waited=waited.get(tag, 0)))
-    assert loco.train.blocked_seconds(SimpleNamespace(comm=comm, pipe=None, inner=None)) == 1.0
-    assert loco.train.blocked_seconds(SimpleNamespace(comm=comm, pipe=comm, inner=None)) == 2.0
+    assert loco.training.blocked_seconds(SimpleNamespace(comm=comm, pipe=None, inner=None)) == 1.0
+    assert loco.training.blocked_seconds(SimpleNamespace(comm=comm, pipe=comm, inner=None)) == 2.0
     # the fast link inside a worker blocks its ranks too
-    assert loco.train.blocked_seconds(SimpleNamespace(comm=comm, pipe=None, inner=comm)) == 2.0
+    assert loco.training.blocked_seconds(SimpleNamespace(comm=comm, pipe=None, inner=comm)) == 2.0
 
 
 def test_streaming_checkpoints_wait_for_the_sync_in_flight_and_write_in_the_background(
@@ -108,10 +110,10 @@ def test_communication_tensors_live_on_the_comms_device(monkeypatch):
     the Comm's device."""
     model = torch.nn.Linear(3, 2)
     algo = SimpleNamespace(params=list(model.parameters()))
-    monkeypatch.setattr(loco.train, "evaluate", lambda *a, **k: 1.5)
+    monkeypatch.setattr(loco.training.evaluation, "evaluate", lambda *a, **k: 1.5)
     with torch.device("meta"):
-        assert loco.train.replica_spread(algo, StubComm()) == 0.0
-        report = loco.train.replica_report(model, algo, StubComm(), [], None, False)
+        assert loco.training.replica_spread(algo, StubComm()) == 0.0
+        report = loco.training.replica_report(model, algo, StubComm(), [], None, False)
     assert report["eval_losses"] == [1.5] and report["average_eval_loss"] == 1.5
 
 
@@ -169,3 +171,60 @@ def test_a_different_tau_per_worker_checkpoints_at_one_step(corpus, tmp_path, mo
         assert [(step, flight) for r, step, flight in saves if r == rank] == [
             (8, None), (12, None)]
     assert checkpoint.latest(str(out))["step"] == 12
+
+
+class PublicView:
+    """A schedule seen through its public attributes only: reading or writing a name that
+    starts with an underscore raises."""
+
+    def __init__(self, schedule):
+        object.__setattr__(self, "_schedule", schedule)
+
+    def __getattr__(self, name):
+        if name.startswith("_"):
+            raise AttributeError(f"private attribute {name}")
+        return getattr(object.__getattribute__(self, "_schedule"), name)
+
+    def __setattr__(self, name, value):
+        if name.startswith("_"):
+            raise AttributeError(f"private attribute {name}")
+        setattr(object.__getattribute__(self, "_schedule"), name, value)
+
+
+def test_seek_puts_the_schedule_where_stepping_would_through_its_public_api():
+    """A worker that joins at step k has, through the schedule's public API alone, the
+    learning rate of a worker that trained k steps, at k and at every step after it."""
+    from loco.config import TrainConfig
+
+    cfg = TrainConfig(steps=40, warmup=5, lr=1e-3)
+
+    def schedule():
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr)
+        return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                            loco.training.lr_lambda(cfg))
+    for k in (0, 3, 17):
+        trained_opt, trained = schedule()
+        for _ in range(k):
+            trained_opt.step()
+            trained.step()
+        joined_opt, joined = schedule()
+        loco.training.seek(PublicView(joined), None, k)
+        for _ in range(6):
+            assert joined.get_last_lr() == trained.get_last_lr()
+            assert joined_opt.param_groups[0]["lr"] == trained_opt.param_groups[0]["lr"]
+            assert joined.last_epoch == trained.last_epoch
+            for opt, s in ((trained_opt, trained), (joined_opt, joined)):
+                opt.step()
+                s.step()
+
+
+def test_evaluate_leaves_a_training_model_in_training_mode_when_it_fails():
+    model = torch.nn.Linear(2, 2).train()
+
+    def batches():
+        raise RuntimeError("the batches failed")
+        yield
+
+    with pytest.raises(RuntimeError, match="the batches failed"):
+        loco.training.evaluate(model, {}, batches(), None)
+    assert model.training

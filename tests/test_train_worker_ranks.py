@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import loco
-import loco.train
+import loco.training.job
 from loco import checkpoint
 from loco.cli import main
 from loco.comm.link import LinkSpec
@@ -125,7 +125,7 @@ def test_checkpoint_records_the_layout_and_rank_files_do_not_reshard(runs, capsy
                       capsys, monkeypatch)
     cfg = resume_config(str(runs["diloco", R]), {})
     with pytest.raises(ConfigError, match="--worker-ranks: .*resume with --worker-ranks 2"):
-        loco.train.prepare_config(dataclasses.replace(cfg, worker_ranks=1))
+        loco.training.job.prepare_config(dataclasses.replace(cfg, worker_ranks=1))
 
 
 def test_check_layout_names_the_option_that_differs():
@@ -168,10 +168,10 @@ def test_dcp_checkpoint_reshards_to_workers_of_another_size(runs, corpus, tmp_pa
     assert (meta["step"], meta["dcp_workers"]) == (8, M)
     saved = [final_state(out, rank) for rank in range(M * R)]
     for ranks, launcher in ((3, "processes"), (1, "threads")):
-        cfg = loco.train.prepare_config(resume_config(str(out), {
+        cfg = loco.training.job.prepare_config(resume_config(str(out), {
             "worker_ranks": ranks, "launcher": launcher}))
         got = loco.launch(resumed_tensors, M * ranks, launcher, shards=ranks,
-                          args=(cfg, loco.train.prepare_data(cfg)))
+                          args=(cfg, loco.training.job.prepare_data(cfg)))
         for m in range(M):
             mine, before = got[m * ranks:(m + 1) * ranks], saved[m * R:(m + 1) * R]
             whole = before[0]["algorithm"]["tensors"]
@@ -303,10 +303,10 @@ def test_launch_training_lays_out_workers_of_r_ranks(monkeypatch):
         seen.update(kw, workers=workers)
         return [{"final_eval_loss": 1.0}]
 
-    monkeypatch.setattr(loco.train, "launch", fake_launch)
+    monkeypatch.setattr(loco.training.job, "launch", fake_launch)
     cfg = TrainConfig(workers=3, worker_ranks=4, link_latency="50ms",
                       fast_link_bandwidth="100Gbit")
-    loco.train.launch_training(cfg, corpus=None)
+    loco.training.job.launch_training(cfg, corpus=None)
     assert (seen["workers"], seen["shards"], seen["ranks_per_replica"]) == (12, 4, 1)
     assert seen["link"] == LinkSpec(latency=0.05)
     assert seen["fast_link"] == LinkSpec(bandwidth=100e9)
@@ -318,10 +318,10 @@ def test_a_batch_must_fit_every_rank_of_every_worker():
     corpus = SimpleNamespace(train=np.zeros(1 + 32 * 40), val=np.zeros(1000),
                              eval_extra=None)  # 40 windows
     cfg = TrainConfig(workers=2, batch_size=16, seq_len=32)
-    loco.train.check_fits(cfg, corpus)  # 20 windows per worker
+    loco.training.job.check_fits(cfg, corpus)  # 20 windows per worker
     with pytest.raises(ConfigError, match=r"--batch-size: .*4 ranks \(2 workers x 2 ranks\) "
                                           r"has 10 windows.*--worker-ranks"):
-        loco.train.check_fits(dataclasses.replace(cfg, worker_ranks=2), corpus)
+        loco.training.job.check_fits(dataclasses.replace(cfg, worker_ranks=2), corpus)
 
 
 def test_torchrun_world_must_be_workers_times_ranks_times_stages(monkeypatch):
@@ -330,9 +330,9 @@ def test_torchrun_world_must_be_workers_times_ranks_times_stages(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "6")
     with pytest.raises(ConfigError, match=r"^--worker-ranks: --workers x --worker-ranks x "
                                           r"--stages must be torchrun's world size 6"):
-        loco.train.prepare_config(TrainConfig(worker_ranks=4, out="unused"))
+        loco.training.job.prepare_config(TrainConfig(worker_ranks=4, out="unused"))
     monkeypatch.setenv("WORLD_SIZE", "8")
-    cfg = loco.train.prepare_config(TrainConfig(worker_ranks=2, out="unused"))
+    cfg = loco.training.job.prepare_config(TrainConfig(worker_ranks=2, out="unused"))
     assert (cfg.workers, cfg.worker_ranks) == (4, 2)
 
 
@@ -407,9 +407,9 @@ def test_fsdp_run_restarted_after_a_failure_ends_bit_identical(corpus, tmp_path,
         assert_same_tensors(final_state(out, rank)["algorithm"],
                             final_state(full, rank)["algorithm"])
     # DCP reshards FSDP2's shards, AdamW's and the outer state's to workers of 3 ranks
-    cfg = loco.train.prepare_config(resume_config(str(out), {"worker_ranks": 3}))
+    cfg = loco.training.job.prepare_config(resume_config(str(out), {"worker_ranks": 3}))
     got = loco.launch(resumed_tensors, M * 3, "processes", shards=3,
-                      args=(cfg, loco.train.prepare_data(cfg)))
+                      args=(cfg, loco.training.job.prepare_data(cfg)))
     for rank, r in enumerate(got):
         whole = final_state(out, rank // 3 * R)["algorithm"]["tensors"]
         assert_same_tensors(r["tensors"]["model"], whole["model"])

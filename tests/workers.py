@@ -135,7 +135,7 @@ def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, parallel="
     from loco import checkpoint
     from loco.algorithms import method
     from loco.runtime.fsdp import shard_worker
-    from loco.train import shard_mesh
+    from loco.training import shard_mesh
 
     def build():
         model = make_model(layers=layers)
@@ -483,7 +483,7 @@ def resumed_tensors(ctx, cfg, corpus):
     counters of both links."""
     from torch.distributed.tensor import DTensor
 
-    from loco.train import setup_worker, shard_mesh
+    from loco.training import setup_worker, shard_mesh
 
     w, _ = setup_worker(ctx, cfg, corpus)
     w.bar.close()

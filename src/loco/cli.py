@@ -286,7 +286,7 @@ def _guarded(command: str, fn):
 
 def _train(args: argparse.Namespace) -> int:
     from loco.config import TrainConfig, build_config
-    from loco.train import human_bytes, run_training
+    from loco.training import human_bytes, run_training
 
     names = {f.name for f in TrainConfig.fields()}
 

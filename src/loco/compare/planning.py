@@ -172,7 +172,7 @@ def _method_configs(methods: list[Method], values: dict[str, Any], out: str
     """Every method's prepared TrainConfig (the shared values, then its own), and the
     warnings they give; a bad one fails naming its label."""
     from loco.config import warnings_for
-    from loco.train import prepare_config
+    from loco.training import prepare_config
 
     configs, warnings = [], []
     for m in methods:

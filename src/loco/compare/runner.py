@@ -27,7 +27,7 @@ def run(p: Plan, progress: bool = True) -> dict[str, dict]:
     from tqdm import tqdm
 
     from loco.report import load_run, order_key, write_report
-    from loco.train import check_fits, human_bytes, launch_training, prepare_data
+    from loco.training import check_fits, human_bytes, launch_training, prepare_data
 
     for w in p.warnings:
         print(f"loco compare: warning: {w}", file=sys.stderr)

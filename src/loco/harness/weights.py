@@ -91,7 +91,7 @@ def replica_model(run: RunCheckpoint, replica: int, vocab_size: int,
     Raises:
         EvalError: the checkpoint does not fit the run's model.
     """
-    from loco.train import make_model
+    from loco.training import make_model
 
     cfg = run.cfg
     _, stages, _ = _layout(run)
@@ -140,7 +140,7 @@ def run_models(run: RunCheckpoint, vocab_size: int, replicas: bool = False):
     or for NoLoCo and Local replica 0 or, with ``--final-average``, the replicas' average);
     with ``replicas`` also ``replica{m}`` for every worker and, for NoLoCo and Local,
     ``average`` (the mean of the replicas' trainable parameters, as
-    ``loco.train.replica_report`` forms it). A model with several keys comes once.
+    ``loco.training.replica_report`` forms it). A model with several keys comes once.
 
     Args:
         run: the run.

@@ -1,1 +1,45 @@
-"""The training job: what every launcher runs, in parts (the preflight step first)."""
+"""The training job: what every launcher runs, in parts, each its own module.
+
+- ``job``: [`run_training`][loco.training.job.run_training], the configuration and data
+  it prepares, the launch, and what each rank runs (``train_worker``);
+- ``preflight``: the checks of what lies outside the configuration;
+- ``build``: a rank's model, optimizer, schedule, algorithm and loader (``setup_worker``);
+- ``worker``: what a rank's run is made of (``Worker``) and the loop's running values;
+- ``state``: checkpoints, resuming (and resharding) from them, joining an elastic run;
+- ``loop``: the steps, their logging and the replicas' spread diagnostic;
+- ``evaluation``: the global model's, the replicas' and their average's losses;
+- ``counters``: every rank's bytes, times and memory, gathered at the end;
+- ``finish``: the end of the run and the lead rank's summary;
+- ``summary``: the summary's typed record (torch-free);
+- ``runlog``: the run directory's files; ``errors``: a worker's failure.
+
+The public names below are imported on first use, so that ``loco.training.summary`` loads
+without torch.
+"""
+
+import importlib
+
+_EXPORTS = {
+    "run_training": "job", "prepare_config": "job", "prepare_data": "job",
+    "launch_training": "job", "check_fits": "job", "train_worker": "job",
+    "setup_worker": "build", "make_model": "build", "build_model": "build", "adamw": "build",
+    "lr_lambda": "build", "Worker": "worker", "Loop": "worker", "seek": "state",
+    "shard_mesh": "state", "evaluate": "evaluation", "replica_report": "evaluation",
+    "replica_spread": "loop", "blocked_seconds": "counters",
+    "write_comm_totals": "counters", "Summary": "summary", "human_bytes": "summary",
+    "RunLog": "runlog", "TrainingError": "errors",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"loco.training.{_EXPORTS[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'loco.training' has no attribute {name!r}")
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,202 @@
+"""Building one rank's run: the model, its optimizer and schedule, the algorithm, the
+loader, and the ``Worker`` that holds them, fresh or resumed."""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from contextlib import nullcontext
+
+import torch
+from tqdm import tqdm
+
+from loco import checkpoint, hf
+from loco.config import TrainConfig, betas, model_dims
+from loco.data import Corpus, TokenLoader
+from loco.hf import is_hf
+from loco.model import Transformer, model_config
+from loco.runtime import WorkerContext
+from loco.runtime.elastic import restart_count
+from loco.runtime.faults import Fault
+from loco.runtime.pipeline import PipelineStage
+from loco.training.runlog import RunLog
+from loco.training.state import resume_state, restore, restore_elastic, seek
+from loco.training.worker import SAVED_LOOP, Loop, Worker
+
+
+def lr_lambda(cfg: TrainConfig):
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` at the last step."""
+    def f(step: int) -> float:
+        if step < cfg.warmup:
+            return (step + 1) / cfg.warmup
+        progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    return f
+
+
+def adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
+    """AdamW with ``--adam-betas``, weight decay on matrices only (not on norms' gains)."""
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=betas(cfg))
+
+
+def make_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
+    """The run's model in fp32 on the CPU, before any sharding: the built-in ``Transformer``
+    of ``--model`` (with ``--layers``, ``--dim``, ``--heads``), or a Hugging Face model
+    (``hf:PATH``, see [`loco.hf`][loco.hf]). Its weights are drawn from ``--seed`` (or loaded),
+    the same in every process.
+
+    Args:
+        cfg: the run's configuration.
+        vocab_size: the tokenizer's vocabulary size.
+    """
+    if is_hf(cfg.model):
+        return hf.build(cfg.model, vocab_size, cfg.seed, cfg.z_loss)
+    mcfg = model_config(cfg.model, vocab_size, cfg.seq_len, z_loss=cfg.z_loss,
+                        **model_dims(cfg))
+    return Transformer(mcfg, torch.Generator().manual_seed(cfg.seed))
+
+
+def build_model(cfg: TrainConfig, ctx: WorkerContext, vocab_size: int) -> torch.nn.Module:
+    """The model (:func:`make_model`) on this rank's device; with ``--worker-parallel fsdp``,
+    sharded over the worker's ranks by FSDP2 (before any optimizer sees its parameters).
+    Every rank builds the same weights from the seed; the algorithm still broadcasts worker
+    0's and verifies checksums.
+
+    Args:
+        cfg: the run's configuration.
+        ctx: this rank's context.
+        vocab_size: the corpus's vocabulary size.
+    """
+    model = make_model(cfg, vocab_size).to(ctx.device)
+    if cfg.worker_parallel == "fsdp":
+        from loco.runtime.fsdp import shard_worker
+
+        model = shard_worker(model, ctx)
+    return model
+
+
+def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[Worker, Loop]:
+    """Build the model, pipeline stage, optimizer, algorithm and loader; resume from the
+    last complete checkpoint when asked (--resume) or after torch elastic restarted the
+    workers.
+
+    Args:
+        ctx: this rank's place in the run and its communicators.
+        cfg: the run's prepared configuration.
+        corpus: the tokenized corpus.
+    """
+    start = time.perf_counter()
+    autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16"
+                else nullcontext())
+    model = build_model(cfg, ctx, corpus.vocab_size)
+    # With pipeline stages each rank trains and syncs only its stage's part of the model.
+    pipeline = (PipelineStage(model, ctx, cfg.batch_size, cfg.seq_len, routing=cfg.routing,
+                              seed=cfg.seed, autocast=autocast) if ctx.stages > 1 else None)
+    trained = model if pipeline is None else pipeline.module
+    optimizer = adamw(trained, cfg)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    algo = cfg.method.from_config(cfg, trained, optimizer, ctx.comm, pipeline, ctx.inner)
+    loader = make_loader(cfg, ctx, corpus)
+    main = ctx.rank == ctx.mesh.rank_of(0, ctx.stages - 1)  # replica 0's last stage, shard 0
+    state, loop = resume_state(cfg, ctx, corpus), Loop()
+    if state is not None:
+        (restore_elastic if state.get("elastic") else restore)(state, algo, schedule, loader,
+                                                               ctx)
+        loop = Loop(**{k: state["loop"][k] for k in SAVED_LOOP
+                       if state["loop"].get(k) is not None})
+    joined = ctx.comm.elastic and algo.join()  # a restarted worker takes a live one's state
+    if joined:
+        seek(schedule, loader, algo.inner_steps)
+    resumed_from = algo.inner_steps if joined else None if state is None else int(state["step"])
+    bar = progress_bar(cfg, ctx, main, resumed_from)
+    writer = make_writer(cfg, ctx, main)
+    worker = Worker(
+        cfg, ctx, corpus, model, trained, pipeline, schedule, algo, loader, autocast, main,
+        log=open_log(cfg, state, joined, loop) if main else None, bar=bar, writer=writer,
+        fault=Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None,
+        resumed_from=resumed_from, start=start)
+    if resumed_from is not None:  # a checkpoint counts its tokens; a joiner estimates them
+        nominal = resumed_from * ctx.mesh.replicas * ctx.mesh.shards * cfg.batch_size * cfg.seq_len
+        worker.resumed_tokens = int(state["loop"].get("tokens", nominal)) if state else nominal
+    worker.elastic_tokens = worker.resumed_tokens
+    return worker, loop
+
+
+def make_loader(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> TokenLoader | None:
+    """This rank's training batches: every rank of every worker reads its own, M x R
+    readers; None on later pipeline stages (they receive their inputs).
+
+    Args:
+        cfg: the run's configuration.
+        ctx: this rank's context.
+        corpus: the tokenized corpus.
+    """
+    if ctx.stage != 0:
+        return None
+    return TokenLoader(corpus.train, cfg.batch_size, cfg.seq_len,
+                       rank=ctx.replica * ctx.mesh.shards + ctx.shard,
+                       world_size=ctx.mesh.replicas * ctx.mesh.shards, seed=cfg.seed,
+                       device=ctx.device)
+
+
+def progress_bar(cfg: TrainConfig, ctx: WorkerContext, main: bool,
+                 resumed_from: int | None) -> tqdm:
+    """The run's progress bar, shown on the lead rank with ``--progress`` only.
+
+    Args:
+        cfg: the run's configuration.
+        ctx: this rank's context.
+        main: whether this rank is the lead rank.
+        resumed_from: the step the run continues after; None for a fresh run.
+    """
+    return tqdm(total=cfg.steps, initial=resumed_from or 0,
+                desc=f"{cfg.algorithm} x{ctx.mesh.replicas}"
+                + (f"x{ctx.stages} stages" if ctx.stages > 1 else "")
+                + (f"x{ctx.mesh.shards} ranks" if ctx.mesh.shards > 1 else ""), unit="step",
+                disable=not (main and cfg.progress), dynamic_ncols=True)
+
+
+def make_writer(cfg: TrainConfig, ctx: WorkerContext, main: bool) -> checkpoint.Writer:
+    """This rank's background checkpoint writer. An elastic run's checkpoint is the lead's
+    (whichever worker leads then): one file per rank of that worker, each with its share;
+    otherwise a worker of R ranks saves its tensors through DCP.
+
+    Args:
+        cfg: the run's configuration.
+        ctx: this rank's context.
+        main: whether this rank is the lead rank (it commits the checkpoint's metadata).
+    """
+    elastic = ctx.comm.elastic
+    dcp = ctx.checkpoint_group is not None and not elastic
+    world = ctx.mesh.shards if elastic else ctx.world_size
+    meta = {"world_size": world, "algorithm": cfg.algorithm, "worker_ranks": cfg.worker_ranks,
+            "worker_parallel": cfg.worker_parallel, "dcp_workers": cfg.workers if dcp else 0,
+            "elastic": elastic, "config": cfg.to_dict()}
+    return checkpoint.Writer(cfg.out, ctx.shard if elastic else ctx.rank, world,
+                             timeout=cfg.comm_timeout,
+                             commit_meta=meta if main or elastic and ctx.shard == 0 else None,
+                             worker=ctx.replica if dcp else None,
+                             group=ctx.checkpoint_group if dcp else None)
+
+
+def open_log(cfg: TrainConfig, state: dict | None, joined: bool, loop: Loop) -> RunLog:
+    """The lead rank's ``RunLog``. A resumed lead cuts metrics.jsonl where its checkpoint
+    was; a rejoined lead, or one resumed from a checkpoint another worker led, appends.
+
+    Args:
+        cfg: the run's configuration.
+        state: the checkpoint's state this rank resumed from; None for a fresh run.
+        joined: whether this worker joined a running elastic run.
+        loop: the loop's running values (``metrics_bytes``: the length at the checkpoint).
+    """
+    metrics = os.path.join(cfg.out, "metrics.jsonl")
+    appends = os.path.exists(metrics) and (joined or state is not None
+                                           and state["loop"].get("metrics_bytes") is None)
+    keep = os.path.getsize(metrics) if appends else loop.metrics_bytes if state else None
+    return RunLog(cfg.out, resume_at=keep, cfg=cfg,
+                  resumed_from=None if appends or state is None else int(state["step"]))

@@ -1,0 +1,186 @@
+"""Every rank's counters: bytes by link, blocked time, memory, gathered at the end of the
+run for the summary, and each rank's ``comm/rank<r>.json``."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from loco.algorithms import Algorithm
+from loco.runtime import WorkerContext
+from loco.training.worker import Worker
+
+
+#: The counters every rank reports at the end, in the order of its report tensor.
+COUNTERS = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
+            "comm_seconds", "comm_wait_seconds", "train_seconds", "pipeline_bytes_sent",
+            "blocked_seconds", "skipped_inner_steps", "skipped_syncs", "fast_link_bytes_sent",
+            "max_rss_bytes")
+#: The parts of a rank's memory that ``algo.memory_bytes()`` reports, after ``COUNTERS``.
+MEMORY_PARTS = ("model", "inner_optimizer", "outer")
+
+
+def gather_counters(w: Worker, train_seconds: float) -> list[dict]:
+    """Every rank's counters, by name (a tiny gather outside the training traffic). The
+    outer algorithm's bytes travel between replicas (ctx.comm, the slow link); the
+    gradients of a worker's ranks between them (ctx.inner, the fast link); activations,
+    their gradients and the tied head's gradient between stages (ctx.pipe). A rank's
+    ``memory_bytes`` is None when its algorithm does not report it."""
+    ctx, algo = w.ctx, w.algo
+    mine = ctx.comm.totals("train")
+    piped = ctx.pipe.totals("train").sent_bytes if ctx.pipe is not None else 0
+    fast = ctx.inner.totals("train").sent_bytes if ctx.inner is not None else 0
+    memory = memory_bytes(algo)
+    report = torch.tensor([mine.sent_bytes, mine.recv_bytes, mine.raw_bytes,
+                           ctx.comm.peak_sent_bytes("train"), mine.ops, mine.seconds, mine.waited,
+                           train_seconds, piped, blocked_seconds(ctx),
+                           algo.skipped["inner_steps"], algo.skipped["syncs"], fast,
+                           max_rss_bytes(),
+                           *(memory[k] if memory else -1 for k in MEMORY_PARTS)],
+                          dtype=torch.float64, device=ctx.comm.device)
+    return [counters_of(t.tolist()) for t in w.gather_all(report)]
+
+
+def counters_of(values: list[float]) -> dict:
+    """One rank's report, by name: ``COUNTERS`` (counts as integers), its
+    ``compute_utilization``, and its ``memory_bytes`` by ``MEMORY_PARTS`` (None where its
+    algorithm does not report them: sent as -1).
+
+    Args:
+        values: the rank's report tensor as a list, in the order of ``COUNTERS`` and then
+            ``MEMORY_PARTS``.
+    """
+    c = dict(zip(COUNTERS, values))
+    c["compute_utilization"] = 1 - c["blocked_seconds"] / c["train_seconds"]
+    for k in ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
+              "pipeline_bytes_sent", "skipped_inner_steps", "skipped_syncs",
+              "fast_link_bytes_sent", "max_rss_bytes"):
+        c[k] = int(c[k])
+    held = values[len(COUNTERS):]
+    c["memory_bytes"] = (None if min(held) < 0
+                         else {k: int(v) for k, v in zip(MEMORY_PARTS, held)})
+    return c
+
+
+def memory_bytes(algo: Algorithm) -> dict[str, int] | None:
+    """Bytes of the tensors this rank holds, by ``MEMORY_PARTS`` (``algo.memory_bytes()``);
+    None for an algorithm that does not report them.
+
+    Args:
+        algo: this rank's algorithm.
+    """
+    report = getattr(algo, "memory_bytes", None)
+    if report is None:
+        return None
+    parts = report()
+    if not all(k in parts for k in MEMORY_PARTS):
+        return None
+    return {k: int(parts[k]) for k in MEMORY_PARTS}
+
+
+def max_rss_bytes() -> int:
+    """The peak resident memory of this process, in bytes (``getrusage``; under the threads
+    launcher that of all ranks together)."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux counts kilobytes
+
+
+def link_bytes(mesh, counters: list[dict]) -> dict[str, int]:
+    """Training bytes sent over the slow link between workers (``bytes_sent``, ctx.comm) and
+    the fast link inside them (``fast_link_bytes_sent``, ctx.inner): the busiest rank's,
+    and the busiest worker's, summed over its ranks.
+
+    Args:
+        mesh: the run's layout of ranks (``ctx.mesh``).
+        counters: every rank's counters, in rank order (:func:`gather_counters`).
+    """
+    out = {}
+    for link, key in (("slow_link", "bytes_sent"), ("fast_link", "fast_link_bytes_sent")):
+        per_worker = [0] * mesh.replicas
+        for rank, c in enumerate(counters):
+            per_worker[mesh.coords(rank)[0]] += c[key]
+        out[f"{link}_bytes_sent_per_rank"] = max(c[key] for c in counters)
+        out[f"{link}_bytes_sent_per_worker"] = max(per_worker)
+    return out
+
+
+def memory_per_rank(counters: list[dict]) -> dict[str, int] | None:
+    """The largest ``memory_bytes`` of any rank, part by part; None when a rank has none.
+
+    Args:
+        counters: every rank's counters (:func:`gather_counters`).
+    """
+    if any(c["memory_bytes"] is None for c in counters):
+        return None
+    return {k: max(c["memory_bytes"][k] for c in counters) for k in MEMORY_PARTS}
+
+
+def summarize_counters(ctx: WorkerContext, counters: list[dict]) -> dict:
+    """The summary's fields made of every rank's counters: bytes (the busiest rank's or
+    worker's), memory, syncs, communication time, compute utilization (the mean over ranks)
+    and the non-finite skips (summed over ranks).
+
+    Args:
+        ctx: the lead rank's context.
+        counters: every rank's counters, in rank order (:func:`gather_counters`).
+    """
+    most = {k: max(c[k] for c in counters) for k in COUNTERS}
+    return {
+        "bytes_sent_per_worker": most["bytes_sent"],
+        "bytes_received_per_worker": most["bytes_received"],
+        "raw_bytes_per_worker": most["raw_bytes"],
+        "peak_sync_bytes_per_worker": most["peak_sync_bytes"],
+        "pipeline_bytes_sent_per_rank": most["pipeline_bytes_sent"] if ctx.stages > 1 else None,
+        **link_bytes(ctx.mesh, counters),
+        "memory_bytes_per_rank": memory_per_rank(counters),
+        "max_rss_bytes": most["max_rss_bytes"],
+        "syncs": counters[0]["syncs"],
+        "comm_seconds": counters[0]["comm_seconds"],
+        "comm_wait_seconds": most["blocked_seconds"],
+        "compute_utilization": sum(c["compute_utilization"] for c in counters) / len(counters),
+        "nonfinite_skipped": {"inner_steps": sum(c["skipped_inner_steps"] for c in counters),
+                              "syncs": sum(c["skipped_syncs"] for c in counters)}}
+
+
+def blocked_seconds(ctx: WorkerContext) -> float:
+    """Time this rank has spent blocked waiting for its training traffic (tag ``train``):
+    the slow link's, its pipeline's and its worker's fast link's; not for the spread
+    diagnostic, the checkpoints or the report, which are no part of the algorithm."""
+    comms = [c for c in (ctx.comm, ctx.pipe, ctx.inner) if c is not None]
+    return sum(c.totals("train").waited for c in comms)
+
+
+def issued_link_bytes(ctx: WorkerContext) -> dict[str, int]:
+    """This rank's training bytes so far on the slow and the fast link, counted as each
+    operation is issued (the same at a step whatever their timing), for a metrics record;
+    empty for a worker of one rank (``bytes_sent`` says it all).
+
+    Args:
+        ctx: this rank's context.
+    """
+    if ctx.inner is None:
+        return {}
+    return {"slow_link_bytes_sent": ctx.comm.issued_bytes("train"),
+            "fast_link_bytes_sent": ctx.inner.issued_bytes("train")}
+
+
+def write_comm_totals(out: str, ctx: WorkerContext) -> None:
+    """``out/comm/rank<r>.json``: this rank's byte and time totals by tag, for every Comm,
+    after its last operation of the run (what a packet counter on its link should see)."""
+    comms = {"outer": ctx.comm, **({"pipe": ctx.pipe} if ctx.pipe is not None else {}),
+             **({"inner": ctx.inner} if ctx.inner is not None else {})}
+    totals = {name: c.stats.as_dict() for name, c in comms.items()}
+    tags = [t for by_tag in totals.values() for t in by_tag.values()]
+    totals["sent_bytes"] = sum(t["sent_bytes"] for t in tags)
+    totals["recv_bytes"] = sum(t["recv_bytes"] for t in tags)
+    os.makedirs(os.path.join(out, "comm"), exist_ok=True)
+    path = os.path.join(out, "comm", f"rank{ctx.rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump({"rank": ctx.rank, "replica": ctx.replica, "stage": ctx.stage,
+                   "shard": ctx.shard, **totals}, f, indent=2)
+    os.replace(path + ".tmp", path)

@@ -1,0 +1,146 @@
+"""The end of a run: the final evaluation, the last checkpoint, every rank's counters and
+the lead rank's summary."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from loco.algorithms import Algorithm
+from loco.comm.kernels import kernel_in_use
+from loco.runtime.elastic import recovery_report, restart_count
+from loco.training.counters import (gather_counters, issued_link_bytes, summarize_counters,
+                                    write_comm_totals)
+from loco.training.evaluation import final_evaluation, final_extra_evaluation
+from loco.training.runlog import RunLog
+from loco.training.state import last_checkpoint
+from loco.training.summary import Summary
+from loco.training.worker import Loop, Worker
+
+
+def finish_worker(w: Worker, loop: Loop) -> dict:
+    """The end of the run: gather every rank's counters, evaluate the final model(s), wait
+    for the last checkpoint, write this rank's comm totals; the lead writes the summary."""
+    train_seconds = loop.elapsed()
+    if w.ctx.comm.elastic:
+        take_lead(w)
+    per_worker = gather_counters(w, train_seconds)
+    final_eval, replicas = final_evaluation(w)
+    extra = final_extra_evaluation(w)
+    last_checkpoint(w)
+    write_comm_totals(w.cfg.out, w.ctx)
+    if not w.main:
+        return {"rank": w.ctx.rank}
+    return write_summary(w, loop, per_worker, final_eval, replicas, extra)
+
+
+def take_lead(w: Worker) -> None:
+    """At the end of an elastic run the lowest live worker reports (worker 0 if alive); one
+    that takes over from a lost worker 0 appends to its metrics.jsonl."""
+    w.lead = min(w.ctx.comm.members)
+    lead = w.ctx.replica == w.lead and w.ctx.shard == 0
+    if lead and not w.main:
+        path = os.path.join(w.cfg.out, "metrics.jsonl")
+        w.log = RunLog(w.cfg.out, resume_at=os.path.getsize(path) if os.path.exists(path)
+                       else None, cfg=w.cfg)
+    w.main = lead
+
+
+def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float | None,
+                  replicas: dict | None, extra: float | None = None) -> dict:
+    """The lead rank's last metrics record, ``summary.json`` and ``loss.png``; returns the
+    summary's content (``Summary.to_dict()``).
+
+    Args:
+        w: the lead rank's worker.
+        loop: the loop's running values.
+        workers: every rank's counters (:func:`gather_counters`).
+        final_eval: the final model's loss on the validation split.
+        replicas: the replicas' report (:func:`final_evaluation`), or None.
+        extra: the final model's loss on ``--eval-corpus``, or None.
+    """
+    ctx = w.ctx
+    w.log.metric({"step": w.cfg.steps, "tokens": w.tokens_at(w.cfg.steps),
+                  "eval_loss": final_eval, **({} if extra is None else {"eval_loss_extra": extra}),
+                  "bytes_sent": ctx.comm.totals("train").sent_bytes,
+                  **issued_link_bytes(ctx), "elapsed": time.perf_counter() - w.start})
+    summary = make_summary(w, loop, workers, final_eval, replicas, extra)
+    w.log.finish(summary)
+    return summary.to_dict()
+
+
+def make_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float | None,
+                 replicas: dict | None, extra: float | None) -> Summary:
+    """The run's summary, now (its ``wall_seconds`` end here); the arguments are
+    :func:`write_summary`'s."""
+    cfg, ctx, algo, corpus = w.cfg, w.ctx, w.algo, w.corpus
+    tokens = w.tokens_at(cfg.steps)
+    wall = time.perf_counter() - w.start
+    # The job is done when its slowest worker is: timing worker 0 alone would flatter
+    # methods without a barrier, whose workers drift apart in speed.
+    train_seconds = max(c["train_seconds"] for c in workers)
+    return Summary(
+        algorithm=cfg.algorithm, workers=ctx.mesh.replicas, stages=ctx.stages,
+        routing=cfg.routing if ctx.stages > 1 else None, launcher=ctx.launcher,
+        worker_ranks=ctx.mesh.shards, worker_parallel=cfg.worker_parallel,
+        inner_steps=cfg.steps, tokens=tokens, final_eval_loss=final_eval,
+        final_eval_loss_extra=extra, unigram_entropy=corpus.unigram_entropy,
+        model_parameters=w.model.num_parameters(), **summarize_counters(ctx, workers),
+        resumed_from_step=w.resumed_from, restarts=restart_count(),
+        elastic=(None if not ctx.comm.elastic else {
+            "min_workers": ctx.comm.min_workers,
+            **recovery_report(ctx.comm.events, ctx.comm.syncs, ctx.comm.workers)}),
+        link=link_options(cfg.link_bandwidth, cfg.link_latency),
+        fast_link=link_options(cfg.fast_link_bandwidth, cfg.fast_link_latency),
+        wall_seconds=wall, train_seconds=train_seconds, eval_seconds=loop.eval_seconds,
+        diagnostic_seconds=loop.diagnostic_seconds, tokens_per_second=tokens / train_seconds,
+        per_worker=workers,
+        fragments=algo.fragment_stats() if hasattr(algo, "fragment_stats") else None,
+        codec_kernel=codec_kernel(algo), replicas=replicas,
+        corpus={"name": corpus.name, "train_tokens": len(corpus.train),
+                "val_tokens": len(corpus.val), "vocab_size": corpus.vocab_size,
+                "eval_corpus_tokens": (None if corpus.eval_extra is None
+                                       else len(corpus.eval_extra))},
+        device=str(ctx.device), machine=machine_info(ctx.device), config=cfg.to_dict())
+
+
+def link_options(bandwidth: str | None, latency: str | None) -> dict | None:
+    """An emulated link's options as given, for the summary; None without one.
+
+    Args:
+        bandwidth: ``--link-bandwidth`` (or ``--fast-link-bandwidth``), or None.
+        latency: ``--link-latency`` (or ``--fast-link-latency``), or None.
+    """
+    if bandwidth is None and latency is None:
+        return None
+    return {"bandwidth": bandwidth, "latency": latency}
+
+
+def codec_kernel(algo: Algorithm) -> dict | None:
+    """The wire codec and the kernel that ran it (``fused``: compiled by torch.compile;
+    ``eager``: the reference ops, and why), for the summary; None without a codec."""
+    codec = getattr(algo, "codec", None)
+    if codec is None:
+        return None
+    return {"codec": codec.name, "kernel": kernel_in_use(codec),
+            "reason": getattr(codec, "kernel_reason", None)}
+
+
+def machine_info(device: torch.device) -> dict:
+    """What the run ran on, for reports: host, CPU, accelerator and library versions."""
+    import platform
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f
+                        if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"hostname": platform.node(), "platform": platform.platform(), "cpu": cpu,
+            "cpu_count": os.cpu_count(),
+            "accelerator": (torch.cuda.get_device_name(device) if device.type == "cuda"
+                            else None),
+            "python": platform.python_version(), "torch": torch.__version__}

@@ -1,0 +1,203 @@
+"""The training loop: every step, the logging, the periodic evaluation, the replicas'
+spread diagnostic and the checkpoints when due."""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+
+import torch
+from torch.profiler import record_function
+from tqdm import tqdm
+
+from loco.algorithms import Algorithm
+from loco.algorithms.sharding import Share
+from loco.comm.comm import Comm
+from loco.comm.handles import Aborted
+from loco.config import profile_steps
+from loco.profiling import StepProfiler
+from loco.runtime.pipeline import PipelineStage
+from loco.training.counters import blocked_seconds, issued_link_bytes
+from loco.training.errors import failure
+from loco.training.evaluation import periodic_eval
+from loco.training.state import checkpoint_if_due
+from loco.training.summary import human_bytes
+from loco.training.worker import Loop, Worker
+
+
+def train_loop(w: Worker, loop: Loop) -> None:
+    """Every step of the run; a failure becomes a TrainingError naming the rank and step."""
+    step = w.first
+    profiler = step_profiler(w)
+    loop.start()
+    try:
+        for step in range(w.first, w.cfg.steps + 1):
+            with profiler.step(step):
+                loss = train_step(w, step)
+                syncs = _drain(w.algo)
+                spread = spread_diagnostic(w, loop, step)
+                evals = periodic_eval(w, loop, step)
+                if w.main:
+                    log_step(w, loop, step, loss, syncs, spread, evals)
+                checkpoint_if_due(w, loop, step)
+    except (Aborted, KeyboardInterrupt):
+        w.writer.close(abandon=True)
+        raise
+    except Exception as e:  # name the worker and the step; expected failures in one line
+        w.writer.close(abandon=True)
+        raise failure(e, w.ctx.rank, step, w.cfg.comm_timeout) from e
+    finally:
+        profiler.close()
+    w.bar.close()
+
+
+def step_profiler(w: Worker) -> StepProfiler:
+    """This rank's profiler of the ``--profile`` steps: every rank's under the processes
+    launcher and torchrun, rank 0's alone under the threads launcher (one process: its
+    profiler sees every rank's threads)."""
+    window = profile_steps(w.cfg)
+    if window is not None and window[1] < w.first and w.main:
+        tqdm.write(f"loco: --profile {w.cfg.profile}: those steps were trained before the "
+                   f"step this run resumes from ({w.first - 1}); nothing is profiled",
+                   file=sys.stderr)
+    threads = w.ctx.launcher == "threads"
+    return StepProfiler(window, w.cfg.out, w.ctx.rank, w.ctx.device,
+                        enabled=not threads or w.ctx.rank == 0,
+                        announce=None if w.ctx.rank else "" if threads
+                        else " and every other rank's next to it")
+
+
+def train_step(w: Worker, step: int) -> torch.Tensor | None:
+    """One inner step: forward, backward, the algorithm's step (which syncs when due) and
+    the schedule's; returns the loss (None on pipeline stages but the last)."""
+    if w.fault is not None:
+        if step == w.fault.step:  # a drill strikes once the last checkpoint is committed
+            w.writer.wait_committed(w.ctx.comm.check_aborted)
+        w.fault.before_step(step, w.ctx.comm, w.algo.params)
+    batch = w.loader.next_batch() if w.loader is not None else None
+    with record_function("loco/forward_backward"):
+        if w.pipeline is None:
+            with w.autocast:
+                loss = w.model(*batch)
+            loss.backward()
+        else:  # the loss arrives on the last stage only
+            loss = w.pipeline.forward_backward(batch, step)
+    if w.fault is not None:
+        w.fault.after_backward(step, w.algo.params)
+    w.algo.step()
+    w.schedule.step()
+    w.algo.zero_grad()
+    if step % w.cfg.log_every == 0:  # inner steps skipped on the device, if any, read now
+        w.algo.settle_nonfinite()
+    if w.ctx.comm.elastic:  # the workers in the quorum of the latest sync trained this step
+        w.elastic_tokens += (len(w.ctx.comm.members) * w.ctx.mesh.shards * w.cfg.batch_size
+                             * w.cfg.seq_len)
+    if step == w.cfg.steps:
+        w.algo.flush()  # the last fragment sent must reach the evaluated global model
+    return loss
+
+
+def spread_diagnostic(w: Worker, loop: Loop, step: int) -> float | None:
+    """Every --spread-every steps (methods whose replicas differ): the replicas' RMS distance
+    to their mean. A diagnostic, not part of the algorithm: its all-worker reductions and
+    their time are kept out of the training bytes, blocked time and loop time."""
+    cfg = w.cfg
+    if (w.algo.replicas_identical or not cfg.spread_every or step % cfg.spread_every
+            or w.ctx.comm.elastic):  # not between the syncs of an elastic run
+        return None
+    t0 = time.perf_counter()
+    spread = replica_spread(w.algo, w.ctx.comm, w.pipeline, w.ctx.inner)
+    loop.diagnostic_seconds += time.perf_counter() - t0
+    return spread
+
+
+@torch.no_grad()
+def replica_spread(algo: Algorithm, comm: Comm, pipeline: PipelineStage | None = None,
+                   inner: Comm | None = None) -> float:
+    """RMS over all parameters of each replica's distance to the replicas' mean.
+
+    A diagnostic, not part of any algorithm: an all-worker all-reduce of the full model (of
+    each stage's part, with pipeline stages) and one of two numbers, tagged ``diagnostic``,
+    outside the training bytes and blocked time. With pipeline stages every stage measures
+    its own parameters and the sums are combined over all ranks. With workers of R ranks
+    every rank measures its share (a ``Share``: its FSDP2 shards, or its 1/R range) with
+    the same rank of the other workers, and the sums are combined over the worker's ranks
+    (``inner``)."""
+    params = algo.params if pipeline is None else pipeline.owned_parameters()
+    flat = Share(params, inner).read()
+    mean = flat.clone()
+    comm.all_reduce_mean(mean, tag="diagnostic").wait()
+    stats = torch.tensor([(flat - mean).double().pow(2).sum().item(), flat.numel()],
+                         dtype=torch.float64, device=comm.device)
+    sums = [pipeline.pipe] if pipeline is not None else [comm, inner]
+    for c in sums:  # means over ranks: the ratio of the two is that of the sums
+        if c is not None:
+            c.all_reduce_mean(stats, tag="diagnostic").wait()
+    return math.sqrt(stats[0].item() / stats[1].item())
+
+
+def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[dict],
+             spread: float | None, evals: dict) -> None:
+    """The lead rank's records of a step: its sync events, and a metrics record when there
+    is something to log (every --log-every steps, a spread or an evaluation); then the
+    progress bar."""
+    cfg, tokens = w.cfg, w.tokens_at(step)
+    for sync in syncs:
+        w.log.metric({"event": "sync", **sync})
+    if w.ctx.comm.elastic:
+        log_membership(w, step)
+    loop.add_loss(loss)  # read every --log-every steps: no device synchronisation per step
+    record = None if spread is None else {"step": step, "tokens": tokens, "spread": spread}
+    if step % cfg.log_every == 0 or step == cfg.steps:
+        loop.settle_losses()
+        loop.shown_loss = loop.loss_sum / loop.loss_count
+        record = {**(record or {}), "step": step, "tokens": tokens,
+                  "train_loss": loop.shown_loss, "lr": w.schedule.get_last_lr()[0]}
+        loop.loss_sum, loop.loss_count = 0.0, 0
+    if evals:
+        record = {**(record or {"step": step, "tokens": tokens}), **evals}
+    sent = w.ctx.comm.issued_bytes("train")  # at issue: the same whatever the timing
+    if record is not None:
+        record.update(bytes_sent=sent, **issued_link_bytes(w.ctx),
+                      elapsed=time.perf_counter() - w.start)
+        w.log.metric(record)
+    train_seconds = loop.elapsed()
+    this_run = max(train_seconds - loop.train_seconds, 1e-9)  # since (re)start
+    w.bar.set_postfix(loss="-" if loop.shown_loss is None else f"{loop.shown_loss:.3f}",
+                      tok_s=f"{(step - w.first + 1) * w.tokens_per_step / this_run:,.0f}",
+                      sent=human_bytes(sent),
+                      cu=f"{1 - blocked_seconds(w.ctx) / train_seconds:.0%}", refresh=False)
+    w.bar.update(1)
+
+
+def log_membership(w: Worker, step: int) -> None:
+    """An elastic run's records (lead rank): every committed sync's participants and every
+    change of membership or dropped sync since the last call; changes also on the console."""
+    comm = w.ctx.comm
+    for rec in comm.syncs[w.elastic_logged[0]:]:
+        w.log.metric({"event": "elastic_sync", "step": step, **rec})
+    for ev in comm.events[w.elastic_logged[1]:]:
+        w.log.metric({**ev, "step": step, "event": "membership", "elastic": ev["event"]})
+        if ev["event"] != "membership" or ev["joined"] != sorted(ev["members"]):
+            tqdm.write(f"loco: step {step}: {describe_event(ev)}", file=sys.stderr)
+    w.elastic_logged = (len(comm.syncs), len(comm.events))
+
+
+def describe_event(ev: dict) -> str:
+    """One line for a membership event of an ElasticComm."""
+    if ev["event"] == "membership":
+        change = ", ".join(f"worker {w} {what}" for what in ("left", "joined")
+                           for w in ev[what])
+        return f"{change or 'membership'}; members {ev['members']}"
+    return f"{ev['event'].replace('_', ' ')} ({ev.get('error') or 'no error text'})"
+
+
+def _drain(algo: Algorithm) -> list[dict]:
+    """The syncs the algorithm applied since the last call."""
+    log = getattr(algo, "sync_log", None)
+    if not log:
+        return []
+    out = list(log)
+    log.clear()
+    return out

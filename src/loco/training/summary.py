@@ -1,0 +1,180 @@
+"""A run's summary: the typed record that ``summary.json`` holds (torch-free).
+
+[`Summary`][loco.training.summary.Summary] has one field per key of ``summary.json``, in the
+file's order. ``Summary.to_dict()`` is the file's content; ``Summary.from_dict()`` reads it
+back, also from an older run that lacks some keys or a file that others added keys to.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class Summary:
+    """The final numbers of one ``loco train`` run, as the lead rank writes them to
+    ``summary.json``. Every field but ``unknown`` is one key of the file; a key that an
+    older run did not write is None. "Per worker" values are the largest over the workers'
+    ranks (each rank sends its share); "bytes" count the training traffic only (tag
+    ``train``, see How bytes are counted).
+
+    Args:
+        algorithm: the method (``--algorithm``).
+        workers: replicas M that trained (torchrun decides it when launched by torchrun).
+        stages: pipeline stages per replica (``--stages``).
+        routing: the pipeline's routing (``--routing``); None without pipeline stages.
+        launcher: how the ranks were started: ``threads``, ``processes`` or ``torchrun``.
+        worker_ranks: ranks R per worker (``--worker-ranks``).
+        worker_parallel: how a worker's ranks share the model: ``ddp`` or ``fsdp``.
+        inner_steps: inner steps T of the run (``--steps``).
+        tokens: training tokens of the whole run, every rank together.
+        final_eval_loss: the final model's mean token loss on the validation split, in nats
+            per token.
+        final_eval_loss_extra: the final model's loss on ``--eval-corpus``, in nats per
+            token; None without one.
+        unigram_entropy: the training split's unigram entropy, in nats per token (a
+            reference loss).
+        model_parameters: parameters of the whole model.
+        bytes_sent_per_worker: bytes sent between workers, the busiest rank's.
+        bytes_received_per_worker: bytes received from other workers, the busiest rank's.
+        raw_bytes_per_worker: what ``bytes_sent_per_worker`` would be in fp32 without a
+            codec, in bytes.
+        peak_sync_bytes_per_worker: bytes of the largest single synchronization, the busiest
+            rank's.
+        pipeline_bytes_sent_per_rank: bytes sent between pipeline stages, the busiest
+            rank's; None without stages.
+        slow_link_bytes_sent_per_rank: bytes sent over the slow link between workers, the
+            busiest rank's.
+        slow_link_bytes_sent_per_worker: bytes sent over the slow link, the busiest worker's
+            (its ranks summed).
+        fast_link_bytes_sent_per_rank: bytes sent over the fast link inside a worker, the
+            busiest rank's (0 for R = 1).
+        fast_link_bytes_sent_per_worker: bytes sent over the fast link, the busiest worker's
+            (its ranks summed).
+        memory_bytes_per_rank: bytes of the tensors a rank holds by part (``model``,
+            ``inner_optimizer``, ``outer``), the largest of any rank; None when the
+            algorithm does not report them.
+        max_rss_bytes: peak resident memory of the largest process, in bytes (threads: all
+            ranks').
+        syncs: synchronizations worker 0 took part in.
+        comm_seconds: seconds worker 0 had operations in flight.
+        comm_wait_seconds: the longest time any rank was blocked on training communication,
+            in seconds.
+        compute_utilization: 1 - blocked time / training-loop time, the mean over ranks (a
+            fraction in [0, 1]).
+        nonfinite_skipped: non-finite ``inner_steps`` and ``syncs`` skipped (``--on-
+            nonfinite skip``), summed over ranks; a sync skipped by all its workers counts
+            once per worker.
+        resumed_from_step: the checkpoint's step this run resumed from; None for a fresh
+            run.
+        restarts: times the launcher restarted the workers.
+        elastic: with ``--elastic``: ``min_workers`` and the recovery report (syncs by
+            participants, dropped syncs, losses, membership events); None otherwise.
+        link: the emulated slow link's ``bandwidth`` and ``latency`` as given; None without
+            one.
+        fast_link: the emulated fast link's ``bandwidth`` and ``latency``; None without one.
+        wall_seconds: seconds of the lead rank's whole worker, evaluation included.
+        train_seconds: seconds of the slowest rank's training loop, without evaluation and
+            the spread diagnostic.
+        eval_seconds: seconds of the periodic evaluations.
+        diagnostic_seconds: seconds of the replicas' spread diagnostic.
+        tokens_per_second: ``tokens / train_seconds``.
+        per_worker: every rank's counters, in rank order.
+        fragments: per fragment (Streaming DiLoCo, DiLoCo): tensors, elements, syncs and
+            bytes; None for other methods.
+        codec_kernel: the wire ``codec``, the ``kernel`` that ran it and the ``reason``;
+            None without a codec.
+        replicas: methods whose replicas differ (and ``--eval-replicas``): every replica's
+            eval loss, their mean, the loss of their average; None otherwise.
+        corpus: the corpus's ``name``, ``train_tokens``, ``val_tokens``, ``vocab_size`` and
+            ``eval_corpus_tokens``.
+        device: the lead rank's device, as torch names it (``cpu``, ``cuda:0``).
+        machine: host, platform, CPU, cores, accelerator, Python and torch versions.
+        config: the run's full configuration (``TrainConfig.to_dict()``).
+        unknown: keys this record does not know (added by other tools, such as the
+            evaluation harness's scores), in the file's order; written back after the known
+            ones.
+    """
+
+    algorithm: str | None = None
+    workers: int | None = None
+    stages: int | None = None
+    routing: str | None = None
+    launcher: str | None = None
+    worker_ranks: int | None = None
+    worker_parallel: str | None = None
+    inner_steps: int | None = None
+    tokens: int | None = None
+    final_eval_loss: float | None = None
+    final_eval_loss_extra: float | None = None
+    unigram_entropy: float | None = None
+    model_parameters: int | None = None
+    bytes_sent_per_worker: int | None = None
+    bytes_received_per_worker: int | None = None
+    raw_bytes_per_worker: int | None = None
+    peak_sync_bytes_per_worker: int | None = None
+    pipeline_bytes_sent_per_rank: int | None = None
+    slow_link_bytes_sent_per_rank: int | None = None
+    slow_link_bytes_sent_per_worker: int | None = None
+    fast_link_bytes_sent_per_rank: int | None = None
+    fast_link_bytes_sent_per_worker: int | None = None
+    memory_bytes_per_rank: dict[str, int] | None = None
+    max_rss_bytes: int | None = None
+    syncs: int | None = None
+    comm_seconds: float | None = None
+    comm_wait_seconds: float | None = None
+    compute_utilization: float | None = None
+    nonfinite_skipped: dict[str, int] | None = None
+    resumed_from_step: int | None = None
+    restarts: int | None = None
+    elastic: dict[str, Any] | None = None
+    link: dict[str, Any] | None = None
+    fast_link: dict[str, Any] | None = None
+    wall_seconds: float | None = None
+    train_seconds: float | None = None
+    eval_seconds: float | None = None
+    diagnostic_seconds: float | None = None
+    tokens_per_second: float | None = None
+    per_worker: list[dict[str, Any]] | None = None
+    fragments: list[dict[str, Any]] | None = None
+    codec_kernel: dict[str, Any] | None = None
+    replicas: dict[str, Any] | None = None
+    corpus: dict[str, Any] | None = None
+    device: str | None = None
+    machine: dict[str, Any] | None = None
+    config: dict[str, Any] | None = None
+    unknown: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The content of ``summary.json``: every known key in the record's order, then the
+        ``unknown`` ones."""
+        known = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                 if f.name != "unknown"}
+        return {**known, **self.unknown}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Summary:
+        """The record of a ``summary.json``'s content.
+
+        Args:
+            d: the file's content, of this version of loco or an older one: a missing key
+                is None, a key the record does not know is kept in ``unknown``.
+        """
+        names = {f.name for f in dataclasses.fields(cls)} - {"unknown"}
+        return cls(**{k: v for k, v in d.items() if k in names},
+                   unknown={k: v for k, v in d.items() if k not in names})
+
+
+def human_bytes(n: float) -> str:
+    """``n`` bytes in decimal units, for people: ``512B``, ``1.5KB``, ``2.3GB``.
+
+    Args:
+        n: a count of bytes (negative allowed).
+    """
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f}{unit}" if unit == "B" else f"{n:.1f}{unit}"
+        n /= 1000
+    return f"{n:.1f}TB"

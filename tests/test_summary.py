@@ -1,0 +1,59 @@
+"""The summary's typed record: exactly ``summary.json``'s content, read back from today's
+and older runs, and importable without torch."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from loco.cli import main
+from loco.training.summary import Summary
+from test_cli import small_run
+
+
+@pytest.fixture(scope="module")
+def run(corpus, tmp_path_factory):
+    """A short run's directory."""
+    out = tmp_path_factory.mktemp("summary") / "run"
+    assert main(small_run(corpus, out, "--steps", "8", "--final-eval-batches", "2")) == 0
+    return out
+
+
+def test_a_runs_summary_is_the_record_and_back(run):
+    text = (run / "summary.json").read_text()
+    content = json.loads(text)
+    summary = Summary.from_dict(content)
+    assert summary.unknown == {}  # the record knows every key the job writes
+    assert summary.inner_steps == 8 and summary.workers == 2
+    assert summary.final_eval_loss == content["final_eval_loss"]
+    assert list(summary.to_dict()) == list(content)
+    assert json.dumps(summary.to_dict(), indent=2) == text
+
+
+def test_an_older_summary_reads_with_its_missing_keys_none_and_others_kept(run):
+    content = json.loads((run / "summary.json").read_text())
+    old = {k: v for k, v in content.items()
+           if k not in ("worker_ranks", "max_rss_bytes", "codec_kernel", "fast_link")}
+    old["downstream"] = {"hellaswag": {"acc": 0.25}}  # added by another tool
+    summary = Summary.from_dict(old)
+    assert summary.worker_ranks is None and summary.max_rss_bytes is None
+    assert summary.codec_kernel is None and summary.fast_link is None
+    assert summary.unknown == {"downstream": {"hellaswag": {"acc": 0.25}}}
+    again = summary.to_dict()
+    assert list(again)[-1] == "downstream"
+    assert {k: v for k, v in again.items() if k in old} == old
+
+
+def test_the_summary_imports_without_torch():
+    code = ("import sys; sys.modules['torch'] = None\n"  # any import of torch fails
+            "from loco.training.summary import Summary, human_bytes\n"
+            "assert Summary.from_dict({'tokens': 3}).to_dict()['tokens'] == 3\n"
+            "assert human_bytes(1500) == '1.5KB'\n")
+    src = os.path.join(os.path.dirname(__file__), "..", "src")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [src, *filter(None, [os.environ.get("PYTHONPATH")])])}
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                            text=True)
+    assert result.returncode == 0, result.stderr
