@@ -131,13 +131,9 @@ def fragments(spec: ModelSpec, layers_per_fragment: int) -> int:
 
 
 def send_offsets(H: int, P: int) -> list[int]:
-    """When each fragment is sent: fragment p (0-based) at the inner steps t (counted after
-    the t-th step, from 1) with ``t % H == send_offsets(H, P)[p]``.
-
-    The offsets are ``((p + 1) · H // P) % H`` (floor rounding), the schedule of loco's
-    Streaming DiLoCo: with P <= H they are P distinct steps spread evenly over a round, and
-    the last fragment is sent at the end of the round (offset 0). When P divides H this is one
-    fragment every H/P steps.
+    """When each fragment is sent: fragment p (0-based) after the inner steps t (from 1)
+    with ``t % H == ((p + 1) · H // P) % H``, the schedule of loco's Streaming DiLoCo (P
+    distinct steps spread evenly over a round, the last fragment at its end).
 
     Args:
         H: inner steps per round, an integer >= 1.
@@ -329,14 +325,9 @@ def data_parallel_plan(spec: ModelSpec, bits: int) -> Plan:
 def outer_plan(spec: ModelSpec, H: int, fragment_layers: list[list[int]], overlap: int,
                bits: int) -> Plan:
     """Per-layer graph of H-step rounds with outer reductions (DiLoCo: one fragment holding
-    every layer, overlap 0).
-
-    Fragment p is sent after the inner steps t with ``t % H == ((p+1)·H // P) % H`` (see
-    [`send_offsets`][loco.simulate.utilization.send_offsets]). Each of its layers is reduced
-    by its own all-reduce, issued as soon as that layer's weight gradient (its last use in
-    step t) is done, in the order the backward pass reaches them, on the link data-parallel
-    would use; the forward pass of that layer in step t+overlap+1 (the next use of the
-    merged values) waits for it.
+    every layer, overlap 0): fragment p is sent at the steps of
+    [`send_offsets`][loco.simulate.utilization.send_offsets], one all-reduce per layer issued
+    after its weight gradient, waited for by its forward pass in step t+overlap+1.
 
     Args:
         spec: the model.
