@@ -8,22 +8,10 @@ Layout in the run directory::
     checkpoints/latest.json                {"step": 100, "world_size": 4, ...}: the last
                                            checkpoint that every rank finished writing
 
-A worker of one rank keeps everything in its rank's file. The ranks of a worker of R ranks
-(processes or torchrun) save the worker's model, inner optimizer and outer state together
-with ``torch.distributed.checkpoint`` over a process group of their own (no message crosses
-workers, so NoLoCo stays free of collectives): each rank writes its shards once, and any
-other R can load them (DCP reshards); their rank files keep the rest (counters, positions).
-
-A rank writes its file to a temporary name and renames it (never a half file). Only when
-every rank's file exists does the lead rank move ``latest.json`` to the new step (again by
-rename), and only then are older checkpoints removed: a crash at any moment leaves the last
-complete checkpoint usable. No collective is involved: the lead rank learns that the others
-have written by looking at the files (:func:`wait_for_ranks`). Files are read with
-``torch.load(weights_only=True)``, which refuses to unpickle anything but tensors and plain
-containers.
-
-:class:`Writer` does this on a background thread: the training thread hands it a
-:func:`snapshot` (a copy in CPU memory) and goes on training while the file is written.
+Every file appears whole, by rename; ``latest.json`` moves only once every rank's file exists
+(:func:`wait_for_ranks` looks at the files: no collective), and only then are older
+checkpoints removed. :class:`Writer` writes on a background thread. docs/reliability.md,
+"Checkpoints", describes the design.
 """
 
 from __future__ import annotations

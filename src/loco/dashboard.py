@@ -1,29 +1,12 @@
 """TensorBoard and Weights & Biases: a second home for what ``metrics.jsonl`` and
 ``summary.json`` hold.
 
-``loco train --tensorboard`` writes TensorBoard event files under ``<out>/tensorboard``;
-``--wandb`` starts a W&B run (offline by default: written under ``<out>/wandb``, uploaded later
-with ``wandb sync``). Both get every record of ``metrics.jsonl``, as it is written, and the
-final summary. The run directory stays the reference: its files are written first and in
-full, and a dashboard that fails after its start only warns.
-
-Names (the same in TensorBoard and W&B):
-
-* a metrics record's fields: ``metrics/<field>`` (``metrics/train_loss``,
-  ``metrics/eval_loss``, ``metrics/bytes_sent``, ...), at its ``step``;
-* an event record's fields: ``<event>/<field>`` (``sync/wire_bytes``,
-  ``sync/seconds_waited``, ``elastic_sync/participants``, ``membership/members``, ...), at
-  its step;
-* the summary's: ``summary/<key>``, nested keys joined by dots
-  (``summary/final_eval_loss``, ``summary/memory_bytes_per_rank.model``,
-  ``summary/per_worker.0.bytes_sent``), at the last step; its ``config`` is the run's
-  configuration, logged as such instead.
-
-Only numbers become scalars (booleans as 0 and 1); a list of plain values becomes its length
-(``participants``: the workers in the sync); ``None`` and text are left out of the scalars.
-In W&B every row also carries ``step``, the x axis of every chart (W&B's own row counter
-then only counts rows, so several records at one step, or a resumed run that goes back in
-steps, are all kept).
+``loco train --tensorboard`` writes event files under ``<out>/tensorboard``; ``--wandb``
+starts a W&B run (offline by default, under ``<out>/wandb``). Both get every
+``metrics.jsonl`` record as it is written, as ``metrics/<field>`` or ``<event>/<field>``
+scalars at its ``step``, and the final summary as ``summary/<dotted key>``. The run
+directory stays the reference: a dashboard that fails after its start only warns. The
+names and what becomes a scalar are listed in docs/dashboards.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """Hugging Face causal language models as loco models: ``--model hf:PATH``.
 
 PATH is a local directory with a ``config.json`` and, optionally, the model's weights
-(``model.safetensors``, ``pytorch_model.bin`` or their sharded index). With a config only, the
-model is built with ``AutoModelForCausalLM.from_config`` from the run's seed, and its
-vocabulary is the tokenizer's (the config's ``vocab_size`` is replaced: the vocabulary is the
-data's). With weights, ``from_pretrained`` loads them from the directory, never from a hub,
-and the tokenizer's ids must fit the model's embedding.
-
-The model is wrapped in [`HFCausalLM`][loco.hf.HFCausalLM], which gives it loco's interface:
-``model(idx)`` returns logits and ``model(idx, targets)`` the mean token loss in fp32 (with the
-optional z-loss). Its decoder layers are the model's largest ``nn.ModuleList``, so they become
-the blocks of Streaming DiLoCo's fragments and the FSDP2 units without further code; pipeline
-stages split Llama architectures ([`HFCausalLM.stage_part`][loco.hf.HFCausalLM.stage_part]).
-Dropout is turned off: the papers train without it, and under the threads launcher it would
-draw from torch's global random generator, which all workers share.
+(``model.safetensors``, ``pytorch_model.bin`` or their sharded index), loaded from there,
+never from a hub. Without weights the model is built from the config and the run's seed,
+with the tokenizer's vocabulary. [`HFCausalLM`][loco.hf.HFCausalLM] gives it loco's model
+interface; its decoder layers (the largest ``nn.ModuleList``) are the blocks of fragments
+and FSDP2 units, and Llama architectures split into pipeline stages. Dropout is off (the
+threads launcher's workers share torch's global generator); see docs/hugging-face.md.
 """
 
 from __future__ import annotations

@@ -166,9 +166,8 @@ class Algorithm(Method):
         ([`ElasticComm`][loco.comm.elastic.ElasticComm]); call it once, before the first
         step (it does nothing on a fixed Comm). In a fresh job the workers wait for each
         other (all M; after the timeout, those that came, at least ``min_workers``) and
-        start from the same state, as without elasticity. A worker that joins a running job (restarted after a failure, or
-        started by hand) receives the state of a live worker at its next sync and goes on
-        from there: its ``inner_steps`` jump to that worker's.
+        start from the same state. A worker that joins a running job receives the state of
+        a live worker at its next sync: its ``inner_steps`` jump to that worker's.
 
         Returns:
             Whether this worker joined a running job.
@@ -248,10 +247,8 @@ class Algorithm(Method):
         or, with ``on_nonfinite="skip"``, leave the parameters as they are). Every worker
         that sees the same gradient (data-parallel, pipeline stages) decides the same.
 
-        On a CPU the norm is read at once (no device to wait for). Where reading it would
-        stall the device (CUDA) and the optimizer can skip a step itself (``fused=True``
-        Adam, AdamW, SGD: ``found_inf``), the step is skipped on the device and the skips
-        are read at the next sync or ``settle_nonfinite()`` (see ``skip_on_device``).
+        With ``skip_on_device`` the step is skipped on the device, and the skips are read
+        at the next sync or ``settle_nonfinite()``.
 
         Returns:
             True if the optimizer stepped (or the decision was left to the device), False
@@ -351,11 +348,9 @@ class Algorithm(Method):
 
     def finite(self, tensor: torch.Tensor, what: str, verdict: bool | None = None) -> bool:
         """Whether a reduced pseudo-gradient is finite; if not, raise or count a skipped
-        sync. The reduced value is the same on every worker of the sync, and so is the
-        decision. A non-finite value on any one worker makes it non-finite on all of them,
-        with every codec: a sum with a NaN or an infinity is not finite, and the scaled
-        codecs send a block that holds one with a mark that decodes as NaN
-        (``loco.comm.codecs.NONFINITE_SCALE``) instead of failing on that worker alone.
+        sync. Every worker of the sync decides the same: a non-finite value on one worker
+        makes the reduced value non-finite on all (the scaled codecs mark such a block with
+        ``loco.comm.codecs.NONFINITE_SCALE``).
 
         Args:
             tensor: the reduced value to check (every element).
@@ -564,10 +559,8 @@ def _full(norm: torch.Tensor) -> torch.Tensor:
 
 
 def all_finite(tensor: torch.Tensor) -> bool:
-    """Whether every element of ``tensor`` is finite, in one pass in the common case: a sum
-    with a NaN or an infinity is not finite, so a finite sum proves it; only a non-finite
-    sum (a non-finite element, or finite ones whose sum overflows) looks element by
-    element.
+    """Whether every element of ``tensor`` is finite: one sum in the common case (a finite
+    sum proves it); only a non-finite sum is checked element by element.
 
     Args:
         tensor: a floating-point tensor.

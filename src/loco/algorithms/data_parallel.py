@@ -1,21 +1,10 @@
 """Data-parallel training: the reference for quality and for bytes on the wire.
 
 Every inner step the workers' gradients are averaged (mean-all-reduces in fp32, or with bf16
-on the wire) before the inner optimizer steps, so M workers with batch b train exactly like
-one worker with batch M·b (exactly so in fp32).
-
-Two paths, one class:
-
-* **DDP** (the common case: a fixed Comm, a worker of one rank, a model neither sharded by
-  FSDP2 nor a pipeline stage, fp32 parameters): ``torch.nn.parallel.DistributedDataParallel``
-  buckets the gradients and reduces each bucket while the backward pass still runs, through a
-  communication hook that sends it with ``comm.all_reduce_mean`` (so every byte is counted by
-  the Comm, and an emulated link applies). The model's forward drives DDP through forward
-  hooks on the model itself, as ``torch.distributed._composable.replicate`` does, so the loop
-  keeps calling ``model(x, y)``.
-* **Explicit** (workers of several ranks, FSDP2, pipeline stages, elastic membership, or a
-  backward pass that did not run through DDP): ``step()`` flattens every gradient into one
-  buffer and averages it in one mean-all-reduce after the backward pass.
+on the wire) before the inner optimizer steps, so M workers with batch b train like one
+worker with batch M·b (exactly so in fp32). Two paths, one class: DDP's buckets reduced
+during the backward pass (the common case), or one explicit mean-all-reduce in ``step()``
+(see [`DataParallel`][loco.algorithms.data_parallel.DataParallel]).
 """
 
 from __future__ import annotations
@@ -59,20 +48,14 @@ class DataParallel(Algorithm):
 
     **Which path runs.** On a fixed Comm, with a worker of one rank, a model that is neither
     FSDP2-sharded nor a pipeline stage and fp32 parameters, the model is wrapped in
-    ``torch.nn.parallel.DistributedDataParallel`` (``self.ddp``): its gradients are bucketed
-    (``bucket_cap_mb``) and each bucket is averaged by ``comm.all_reduce_mean`` as soon as the
-    backward pass has produced it, while the rest of the backward pass runs; the backward
-    pass ends once every bucket is averaged, and ``step()`` only clips and steps. DDP's own
-    bookkeeping runs in forward hooks on ``model``, so the loop calls ``model`` as before
-    (never ``self.ddp``). As with DDP, the gradient is averaged *during* ``backward()``: a
-    change the loop makes to ``p.grad`` between ``backward()`` and ``step()`` stays on its
-    worker, several backward passes before one ``step()`` are each averaged (put all but the
-    last inside ``with algo.no_sync():`` to accumulate locally), and every trainable
-    parameter must get a gradient in every backward pass (DDP raises otherwise). Otherwise
+    ``torch.nn.parallel.DistributedDataParallel`` (``self.ddp``), whose buckets are averaged
+    by ``comm.all_reduce_mean`` during the backward pass; the loop still calls ``model``
+    (never ``self.ddp``), and DDP's rules apply: the gradient is averaged *during*
+    ``backward()``, every backward pass is averaged (accumulate inside
+    ``with algo.no_sync():``), and every trainable parameter must get a gradient. Otherwise
     (workers of several ranks, FSDP2, pipeline stages, elastic membership, or a backward pass
-    that did not go through the model's forward hooks, e.g. ``model.forward(x)``), ``step()``
-    averages all gradients in one mean-all-reduce after the backward pass (a parameter
-    without a gradient contributes zeros).
+    that bypassed the model's forward hooks), ``step()`` averages all gradients in one
+    mean-all-reduce (a parameter without a gradient contributes zeros).
 
     With ``codec="bf16"`` the gradients travel as bf16 (half the bytes, as the Streaming
     DiLoCo paper's data-parallel baseline); the mean is still summed in fp32 by the chunk's
@@ -85,9 +68,8 @@ class DataParallel(Algorithm):
             gradient.
         comm: the communication among the M workers (``ctx.comm``).
         codec: the gradients' wire format, ``"fp32"`` (default) or ``"bf16"``.
-        bucket_cap_mb: the DDP path's bucket size in MiB; default None: DDP's (25 MiB, and
-            1 MiB for the first bucket). The first backward pass reduces one bucket of all
-            gradients; DDP then rebuilds the buckets in the order the gradients came.
+        bucket_cap_mb: the DDP path's bucket size in MiB; default None: DDP's (25 MiB,
+            and 1 MiB for the first bucket).
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
             ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
             several ranks, ``ctx.inner``: its gradients are averaged inside it first, then

@@ -4,8 +4,7 @@ With an integer ``P`` the model's repeated blocks (the largest ``nn.ModuleList``
 layers) are dealt out **strided** (block i to fragment ``i % P``, the paper's default) or
 **sequential** (contiguous runs). Parameters outside the blocks (embeddings, final norm, a
 head) are placed one at a time, largest first, into the fragment with the fewest elements so
-far, which keeps the peak bytes of one sync as low as whole tensors allow. A tied head shares
-the embedding's tensor and is counted once.
+far; a tied head shares the embedding's tensor and is counted once.
 
 An explicit list gives each fragment as a module, a parameter name, or a list of them; every
 trainable parameter must then appear in exactly one of them.

@@ -1,25 +1,12 @@
 """The outer step of a fragment on a thread of its own, while the inner steps go on.
 
-With overlap (τ ≥ 1) a fragment's averaged pseudo-gradient Δ̄_p usually arrives a few inner
-steps before it is applied. [`OuterThread`][loco.algorithms.outer_thread.OuterThread]
-computes the outer step as soon as it arrives, on a helper thread: it waits for the
-all-reduce, brings Δ̄_p to the outer optimizer's device (one copy, to pinned memory when
-offloaded), checks that it is finite and steps a *shadow* of the global copy and its outer
-momentum. The training thread, at the step where the sync is applied, only swaps the shadow
-in (no copy) and merges. The committed global copy and momentum are never written before
-then, so a checkpoint, an evaluation or a skipped sync sees exactly what it sees without
-the thread, and the results are bit for bit the same (the same fused SGD on the same
-values).
-
-This pays where the training thread would otherwise do the outer step itself while the
-accelerator waits: offloaded to the CPU from a GPU, a step over a fragment of a large model
-takes CPU time on the order of a second. On a CPU-only machine the helper thread competes
-with training for the same cores, so
-[`StreamingDiLoCo`][loco.algorithms.streaming_diloco.StreamingDiLoCo] uses it by default
-only when offloading from an accelerator.
-
-Memory: one spare global copy and momentum per distinct fragment size, in the outer state's
-memory (pinned CPU memory when offloaded), about 1/P of the outer state.
+With overlap (τ ≥ 1), [`OuterThread`][loco.algorithms.outer_thread.OuterThread] computes the
+outer step as soon as Δ̄_p arrives, on a helper thread, into a *shadow* of the global copy
+and its outer momentum; the training thread swaps the shadow in (no copy) at the step where
+the sync is applied. The committed global copy and momentum are never written before then,
+so checkpoints, evaluations and skipped syncs see what they see without the thread, and the
+results are bit for bit the same. When it pays, and what it costs, is in
+docs/algorithms/streaming.md.
 """
 
 from __future__ import annotations

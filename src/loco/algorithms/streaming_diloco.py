@@ -11,11 +11,7 @@ Every worker m runs inner steps (AdamW) on its own data and, after inner step t:
    and merges it into the working copy, which has moved on meanwhile:
    ``θ_{m,p} ← α · θ_{m,p} + (1 − α) · θ^g_p``.
 
-With P = 1, τ = 0, α = 0 and fp32 this is DiLoCo (:class:`loco.DiLoCo`). With outer lr 1 and
-momentum 0 the global copy becomes the average of the workers' parameters (FedAvg), which
-pins the sign of Δ. Every layer keeps training between its syncs; only communication is
-partial, so the peak bytes of one sync fall to those of the largest fragment: about 1/P when
-the blocks hold most of the parameters (a large tied embedding must travel whole).
+With P = 1, τ = 0, α = 0 and fp32 this is DiLoCo (:class:`loco.DiLoCo`).
 """
 
 from __future__ import annotations
@@ -151,10 +147,8 @@ def send_offsets(sync_every: int, fragments: int) -> list[int]:
     """When each fragment is sent: fragment p at the inner steps t with
     ``t % H == floor((p + 1) · H / P) % H``.
 
-    The P sends are spread as evenly as whole steps allow, the last fragment at the end of
-    the round (t % H == 0); when P divides H they are exactly H/P apart. Two consecutive
-    sends are ``floor(H/P)`` or ``ceil(H/P)`` steps apart, so τ < ``floor(H/P)`` keeps one
-    sync in flight at a time. E.g. H = 100, P = 8: steps 12, 25, 37, 50, 62, 75, 87, 100.
+    Consecutive sends are ``floor(H/P)`` or ``ceil(H/P)`` steps apart, the last fragment at
+    the round's end (t % H == 0); e.g. H = 100, P = 8: steps 12, 25, 37, 50, 62, 75, 87, 100.
 
     Args:
         sync_every: H, >= 1.
@@ -676,9 +670,8 @@ def _pinned(t: torch.Tensor) -> torch.Tensor:
 
 
 def _flat_outer_state(state: dict) -> dict:
-    """An outer optimizer's ``state_dict`` for the one flat tensor it steps. Checkpoints
-    written before the outer step was flat hold one entry per parameter: their momenta are
-    concatenated in order (the flat tensor's layout)."""
+    """An outer optimizer's ``state_dict`` for the one flat tensor it steps; a state with one
+    entry per parameter (an older checkpoint) has its momenta concatenated in order."""
     params = state["param_groups"][0]["params"]
     if len(params) == 1:
         return state

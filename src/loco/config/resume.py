@@ -13,13 +13,10 @@ from loco.options import ConfigError
 
 def check_layout(meta: dict, worker_ranks: int, worker_parallel: str,
                  launcher: str = "processes") -> None:
-    """Whether a run of this worker layout can resume a checkpoint. Workers of several
-    ranks under the processes launcher or torchrun save their tensors through
-    ``torch.distributed.checkpoint``, which reshards: such a checkpoint resumes with any
-    R of the same ``worker_parallel`` (and with R = 1 from ``ddp``). Rank files (workers
-    of one rank, or the threads launcher) hold each rank's shard and resume with the same
-    R only; and the threads launcher, which has no process groups, cannot load DCP for a
-    worker of several ranks.
+    """Check that a run of this worker layout can resume a checkpoint: a DCP checkpoint
+    (workers of several ranks, processes launcher or torchrun) with any R of the same
+    ``worker_parallel`` (R = 1 too from ``ddp``), but not under the threads launcher with
+    R > 1; rank files (workers of one rank, or the threads launcher) with the same R only.
 
     Args:
         meta: the checkpoint's ``latest.json`` (a checkpoint that records no layout was

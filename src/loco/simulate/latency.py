@@ -1,51 +1,20 @@
 """NoLoCo's latency argument, simulated: a tree all-reduce against a pairwise exchange, and
 the cost of stragglers (``loco simulate latency``).
 
-Two separate Monte Carlo models, both numpy only (no torch), deterministic for a seed.
+Two Monte Carlo models, numpy only, deterministic for a seed:
 
-**Message times (the tree/pair ratio).** One message between two workers takes
-``t = t_c · exp(σ·Z − σ²/2)``, Z standard normal, independently for every message: a
-log-normal time whose *mean* is ``t_c`` for every σ (σ = 0 gives exactly ``t_c``), so a
-growing ratio reflects the spread of message times, not a slower mean.
+- **Message times.** Each message takes ``t_c · exp(σZ − σ²/2)`` (log-normal, mean ``t_c``).
+  A tree all-reduce over N workers (a power of two) is ``log2 N`` levels up then down, each
+  parent waiting for the slower child; a pair exchange is the tree at N = 2 (``2·t_c`` at
+  σ = 0). Ratio = E[tree time] / E[pair time], ``log2 N`` at σ = 0. Latency only: no
+  bandwidth, contention or arithmetic.
+- **Stragglers.** Inner-step times are log-normal with mean 1 and spread σ_s; an outer step
+  of H inner steps waits for the slowest of the group's sums. Slowdown = E[max of the
+  group's sums] / H; every outer step starts in sync, a lower bound for NoLoCo's pairs.
 
-- Tree all-reduce over N workers (N a power of two): a binary tree, ``log2 N`` levels up,
-  then ``log2 N`` levels down. Up: at every level each parent receives one message from each
-  of its two children and is ready when the slower has arrived (child ready time + its own
-  message). Down: each child receives the result at its parent's arrival time plus its own
-  message; the all-reduce ends when the last of the N leaves has it. At σ = 0 this is
-  ``2·t_c·log2 N``.
-- Pair exchange: the all-reduce of a group of two, i.e. two rounds, in each of which both
-  workers send to each other at once and the round ends when both messages have arrived
-  (read the two rounds as a send and a reply). It has the distribution of the tree at N = 2
-  and costs ``2·t_c`` at σ = 0, the figure of NoLoCo's paper, so the σ = 0 ratio is exactly
-  ``log2 N``. Counting a single crossing of messages (``t_c``) instead would double every
-  ratio here.
-- Ratio = E[tree time] / E[pair time], both means over the samples described below.
-- Bandwidth is ignored (message size does not enter), as are contention and the reduction's
-  arithmetic: this is the latency term only.
-
-**Stragglers (slowdown against H).** Inner-step times are log-normal with mean 1 (the unit of
-time) and spread σ_s, independent across steps and workers (no persistently slow worker).
-Every outer step each worker runs H inner steps (the sum of H draws); an all-reduce over N
-workers then waits for the slowest of the N sums, a pair for the slower of its two.
-Slowdown = E[time per outer step] / (H · mean step time) = E[max of the group's sums] / H;
-1 means no time lost to waiting. Communication time is not included (that is the first
-model). Every outer step starts with the group synchronized: delays do not carry over
-between rounds. For the all-reduce this is exact (it is a barrier for every worker). For
-NoLoCo's pairs it is optimistic: partners change every outer step and there is no global
-barrier, so a worker that waited for a slow partner starts its next round late and passes
-the delay on; since E[max(d + W1, −d + W2)] is smallest at d = 0 (W1, W2 i.i.d.), the
-pair's figures here are a lower bound on its cost per outer step.
-
-**Sampling.** One trial simulates a cluster of ``max(--workers)`` workers: one tree
-all-reduce over all of them, and one outer step of all of them. Every aligned subtree (block)
-of N workers, timed with its own messages (steps) only, is one sample for a group of N, so N
-gets ``trials · max/N`` independent samples; pairs are the blocks of two (for the message
-model, as many pair exchanges as the cluster has pairs). The same draws serve every N, and
-every H (the first H steps of the round), which keeps the tables smooth: the straggler
-slowdown can never fall as N grows. The generator is ``numpy.random.default_rng(seed)``,
-fresh for each σ of the message model (common random numbers across σ) and for the
-straggler model.
+One trial is a cluster of ``max(workers)``; each aligned block of N workers is one sample for
+N, and the same draws serve every N and H. The assumptions are discussed in
+docs/simulators.md, "The model and its assumptions".
 """
 
 from __future__ import annotations

@@ -1,68 +1,14 @@
 """Compute utilization against bandwidth: the Streaming DiLoCo paper's per-layer simulator.
 
-Compute utilization (CU) is the time spent computing divided by the wall time. Following
-Douillard et al. (2025), each worker runs a dependency graph: the forward pass layer by layer,
-then the backward pass in reverse, each layer's backward split into its activation gradient
-and its weight gradient. For **data-parallel**, a layer's gradient reduction starts as soon as
-its weight gradient is ready and overlaps the rest of the backward pass; the next step's forward
-of that layer waits for the reduction. **DiLoCo** reduces the whole model once every H steps,
-and **Streaming DiLoCo** splits it into P fragments of ``layers_per_fragment`` layers, one
-sent about every H/P steps. For every method the reductions live in the same per-layer graph:
-a layer's (outer) gradient is reduced as soon as its last use in the step (its weight
-gradient) is done, overlapping the rest of that backward pass, and the next use of that layer
-(its forward pass in the next step, or τ steps later with overlap τ) waits for it. **FP4** is
-Streaming DiLoCo with overlap sending 4-bit values instead of 16-bit ones.
-
-The simulator is a discrete-event timeline with two resources per worker: a compute stream
-that runs one operation at a time, in program order, and one network link that carries one
-all-reduce at a time, first in first out. An operation starts when the previous one has ended
-and every reduction it waits for is done; a reduction starts when the operation that produced
-its values has ended and the link is free. Workers are identical, so one worker's timeline is
-the whole system's. CU is measured over whole periods (one step for data-parallel, one round of
-H steps otherwise) after warm-up periods, from the start of a period's first step to the start
-of the first step after the window, so the stalls a round ends with are counted. The table
-gives, for each target CU, the lowest bandwidth that reaches it, found by bisection on a log
-scale (CU never falls as bandwidth grows: every time in the timeline is a max-plus expression
-of transfer times, so it cannot fall as they shrink).
-
-Assumptions the paper leaves open, and how they are chosen here:
-
-1. **Step time split.** Forward is 1/3 of a step, backward 2/3 (≈ 2 FLOPs per parameter per
-   token forward, 4 backward); each layer gets an equal share, and its backward is half
-   activation gradient, then half weight gradient (the activation gradient first: it is on
-   the critical path to the layers below).
-2. **Parameters.** The presets use the nominal sizes, 1e9, 1e10 and 1e11 parameters. The
-   paper's step times (6·params FLOPs per token at 60% MFU) fold in a batch size and a chip
-   count it does not state, so they do not pin the parameter count down; we take the step
-   times as given. Non-block parameters (embeddings, head) are spread evenly over the layers,
-   so every layer holds params / layers.
-3. **All-reduce cost.** A ring among W workers (default W = 2): 2(W−1) sequential messages of
-   B/W bytes each, so a reduction of B bytes takes 2(W−1)·latency + 2(W−1)/W·B·8/bandwidth;
-   with W = 2 each worker sends exactly B bytes. Bandwidth is each worker's own link, in
-   Gbit/s = 1e9 bit/s. The reduced values are ``bits`` wide on the wire (16 by default;
-   ``fp4_bits``, 4, for the FP4 variant); the reduction's arithmetic costs nothing.
-4. **Data-parallel reductions** are one all-reduce per layer (no bucketing), issued in the
-   order the weight gradients are ready; the optimizer update is instantaneous.
-5. **Outer reductions** (DiLoCo, Streaming) are per layer, like data-parallel's: in the step
-   t that sends a fragment, each of its layers is reduced by its own all-reduce, issued when
-   that layer's weight gradient is done (the layer's last use in step t; its inner update is
-   instantaneous), in backward order, on the same FIFO link. The merge is instantaneous.
-6. **Overlap τ**: the forward pass of layer l in step t+τ+1 waits for layer l's reduction
-   issued in step t, so it runs under the rest of step t's backward pass, the compute of
-   steps t+1..t+τ and step t+τ+1 up to layer l; τ = 0 is Streaming without overlap. The
-   simulator takes any integer τ in [0, H) (several fragments in flight once τ >= floor(H/P),
-   as the paper's Figure 9 does), though loco's trainer requires τ < floor(H/P).
-7. **Fragments**: P = ceil(layers / layers_per_fragment) <= H; strided by default (layer i
-   in fragment i % P, the paper's choice) or sequential (contiguous runs, the last holding
-   the layers left over). Fragment p (0-based) is sent at the inner steps t (counted from 1)
-   with t % H == ((p+1)·H // P) % H: P distinct steps spread evenly, gaps floor(H/P) or one
-   more, the last fragment at the end of the round; DiLoCo is P = 1.
-8. **Steady state**: when the link cannot carry a window's reductions within its wall
-   time, CU is capped at compute time / link time, the long-run rate (a large τ would
-   otherwise push the stalls past the window).
-9. **Unreachable targets**: latency alone caps CU (every reduction costs 2(W−1)·latency even
-   at infinite bandwidth); a target above that cap needs ``math.inf`` Gbit/s (``null`` in
-   the JSON, "unreachable" in the table).
+CU = compute time / wall time of one worker (workers are identical), simulated as a
+discrete-event timeline: a compute stream running the per-layer forward and backward passes
+in order, and one FIFO link carrying one ring all-reduce at a time. A layer's (outer)
+gradient is reduced once its weight gradient is done; its next forward pass (next step, or
+step t+τ+1 with overlap τ) waits for the reduction. Data-parallel reduces every layer every
+step, DiLoCo the whole model every H steps, Streaming DiLoCo one of P fragments about every
+H/P steps. The table gives, per target CU, the lowest bandwidth that reaches it (bisection on
+a log scale: CU never falls as bandwidth grows). The assumptions the paper leaves open are
+listed in docs/simulators.md, "Assumptions the paper leaves open".
 """
 
 from __future__ import annotations
@@ -139,9 +85,7 @@ PAPER_TABLE4 = {
 }
 """Table 4 of the Streaming DiLoCo paper (Douillard et al. 2025, arXiv 2501.18512): the
 bandwidth in Gbit/s each method needs for 50, 80, 90, 95 and 99% CU (H = 100, 3-layer
-fragments, τ = 1). Its values lie on a geometric grid about 21% apart (close to
-``numpy.logspace(-1, 3, 50)``), so each is presumably the first grid bandwidth that reaches
-the target: the exact threshold may be up to 21% lower."""
+fragments, τ = 1)."""
 
 
 @dataclass(frozen=True)
@@ -187,13 +131,9 @@ def fragments(spec: ModelSpec, layers_per_fragment: int) -> int:
 
 
 def send_offsets(H: int, P: int) -> list[int]:
-    """When each fragment is sent: fragment p (0-based) at the inner steps t (counted after
-    the t-th step, from 1) with ``t % H == send_offsets(H, P)[p]``.
-
-    The offsets are ``((p + 1) · H // P) % H`` (floor rounding), the schedule of loco's
-    Streaming DiLoCo: with P <= H they are P distinct steps spread evenly over a round, and
-    the last fragment is sent at the end of the round (offset 0). When P divides H this is one
-    fragment every H/P steps.
+    """When each fragment is sent: fragment p (0-based) after the inner steps t (from 1)
+    with ``t % H == ((p + 1) · H // P) % H``, the schedule of loco's Streaming DiLoCo (P
+    distinct steps spread evenly over a round, the last fragment at its end).
 
     Args:
         H: inner steps per round, an integer >= 1.
@@ -385,14 +325,9 @@ def data_parallel_plan(spec: ModelSpec, bits: int) -> Plan:
 def outer_plan(spec: ModelSpec, H: int, fragment_layers: list[list[int]], overlap: int,
                bits: int) -> Plan:
     """Per-layer graph of H-step rounds with outer reductions (DiLoCo: one fragment holding
-    every layer, overlap 0).
-
-    Fragment p is sent after the inner steps t with ``t % H == ((p+1)·H // P) % H`` (see
-    [`send_offsets`][loco.simulate.utilization.send_offsets]). Each of its layers is reduced
-    by its own all-reduce, issued as soon as that layer's weight gradient (its last use in
-    step t) is done, in the order the backward pass reaches them, on the link data-parallel
-    would use; the forward pass of that layer in step t+overlap+1 (the next use of the
-    merged values) waits for it.
+    every layer, overlap 0): fragment p is sent at the steps of
+    [`send_offsets`][loco.simulate.utilization.send_offsets], one all-reduce per layer issued
+    after its weight gradient, waited for by its forward pass in step t+overlap+1.
 
     Args:
         spec: the model.
@@ -458,12 +393,9 @@ def allreduce_seconds(nbytes: float, bandwidth_gbps: float, workers: int,
 
 
 def simulate(plan: Plan, bandwidth_gbps: float, workers: int, latency_s: float) -> float:
-    """Run the timeline; return compute time / wall time over the measured window.
-
-    The window covers whole periods, so the link must carry the reductions issued in it
-    within its wall time in the long run. When it cannot, the link is the bottleneck, and a
-    large overlap would only postpone the stalls past a finite window: the result is then
-    capped at the window's compute time / its link time (the long-run rate).
+    """Run the timeline; return compute time / wall time over the measured window, capped
+    at the window's compute time / link time (the long-run rate when the link cannot keep
+    up, which a large overlap would otherwise push past the window).
 
     Args:
         plan: one worker's program.
