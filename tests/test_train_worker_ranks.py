@@ -299,15 +299,15 @@ def test_launch_training_lays_out_workers_of_r_ranks(monkeypatch):
     each link's emulation passed to its own Comm."""
     seen = {}
 
-    def fake_launch(fn, workers, launcher, **kw):
-        seen.update(kw, workers=workers)
+    def fake_launch(fn, **kw):
+        seen.update(kw)
         return [{"final_eval_loss": 1.0}]
 
     monkeypatch.setattr(loco.training.job, "launch", fake_launch)
     cfg = TrainConfig(workers=3, worker_ranks=4, link_latency="50ms",
                       fast_link_bandwidth="100Gbit")
     loco.training.job.launch_training(cfg, corpus=None)
-    assert (seen["workers"], seen["shards"], seen["ranks_per_replica"]) == (12, 4, 1)
+    assert (seen["replicas"], seen["shards"], seen["stages"]) == (3, 4, 1)
     assert seen["link"] == LinkSpec(latency=0.05)
     assert seen["fast_link"] == LinkSpec(bandwidth=100e9)
 

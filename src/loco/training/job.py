@@ -93,8 +93,8 @@ def prepare_data(cfg: TrainConfig) -> Corpus:
 
 def launch_training(cfg: TrainConfig, corpus: Corpus) -> dict:
     """Train a prepared config on every rank; return the lead rank's summary."""
-    results = launch(train_worker, cfg.workers * cfg.stages * cfg.worker_ranks, cfg.launcher,
-                     args=(cfg, corpus), ranks_per_replica=cfg.stages, shards=cfg.worker_ranks,
+    results = launch(train_worker, replicas=cfg.workers, stages=cfg.stages,
+                     shards=cfg.worker_ranks, launcher=cfg.launcher, args=(cfg, corpus),
                      timeout=cfg.comm_timeout, max_restarts=cfg.max_restarts,
                      link=LinkSpec.parse(cfg.link_bandwidth, cfg.link_latency),
                      fast_link=LinkSpec.parse(cfg.fast_link_bandwidth, cfg.fast_link_latency),
