@@ -10,7 +10,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "loco"
 
 #: The layers, bottom first; a module may import its own layer's and the ones below.
 LAYERS = [
-    ("options", "comm", "model", "hf", "data", "simulate", "profiling", "plot"),
+    ("options", "lazy", "comm", "model", "hf", "data", "simulate", "profiling", "plot"),
     ("algorithms", "runtime", "checkpoint"),
     ("config", "dashboard"),
     ("training",),

@@ -4,7 +4,7 @@ The public names are imported on first use, so that ``loco simulate`` and ``loco
 start without loading torch.
 """
 
-import importlib
+from loco.lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -17,14 +17,4 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'loco' has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

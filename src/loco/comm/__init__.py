@@ -4,7 +4,7 @@ The public names are imported on first use, so that the torch-free modules of th
 (``loco.comm.formats``, ``loco.comm.link``) import without torch.
 """
 
-import importlib
+from loco.lazy import lazy_exports
 
 _EXPORTS = {"Comm": "loco.comm.comm", "CommStats": "loco.comm.counters",
             "Counter": "loco.comm.counters", "Handle": "loco.comm.handles",
@@ -12,14 +12,4 @@ _EXPORTS = {"Comm": "loco.comm.comm", "CommStats": "loco.comm.counters",
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'loco.comm' has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)

@@ -17,7 +17,7 @@ The public names below are imported on first use, so that ``loco.training.summar
 without torch.
 """
 
-import importlib
+from loco.lazy import lazy_exports
 
 _EXPORTS = {
     "run_training": "job", "prepare_config": "job", "prepare_data": "job",
@@ -32,14 +32,5 @@ _EXPORTS = {
 
 __all__ = sorted(_EXPORTS)
 
-
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"loco.training.{_EXPORTS[name]}"), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'loco.training' has no attribute {name!r}")
-
-
-def __dir__():
-    return __all__
+__getattr__, __dir__ = lazy_exports(
+    __name__, {name: f"loco.training.{module}" for name, module in _EXPORTS.items()})
