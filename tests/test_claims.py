@@ -172,7 +172,7 @@ def test_a_comparison_holds_random_routing_against_fixed(corpus, tmp_path):
                "--set", "routed.spread-every=4")
     assert main(argv) == 0
     fixed, routed = find_runs([str(out)])
-    assert (fixed.summary["config"]["routing"], routed.summary["config"]["routing"]) == (
+    assert (fixed.summary.config["routing"], routed.summary.config["routing"]) == (
         "fixed", "random")
     (row,) = routing_claim([fixed, routed])
     a, b = mean_spread(routed), mean_spread(fixed)

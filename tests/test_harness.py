@@ -135,7 +135,7 @@ def test_loaded_model_is_the_global_copy_and_reproduces_the_final_eval_loss(runs
     batches = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.final_eval_batches,
                            torch.device("cpu"))
     loss = evaluate(model, dict(model.named_parameters()), batches, nullcontext())
-    assert loss == pytest.approx(run.summary["final_eval_loss"], rel=1e-6)
+    assert loss == pytest.approx(run.summary.final_eval_loss, rel=1e-6)
 
 
 def direct_loglikelihood(model, context, continuation, max_length):
@@ -212,7 +212,7 @@ def test_noloco_scores_every_replica_and_their_average(runs, tasks, tmp_path, ca
     for name, p in models[("average",)].named_parameters():
         torch.testing.assert_close(p, (first[name] + second[name]) / 2)
     losses = [evaluate(m, dict(m.named_parameters()), batches, nullcontext()) for m in replicas]
-    assert losses == pytest.approx(run.summary["replicas"]["eval_losses"], rel=1e-6)
+    assert losses == pytest.approx(run.summary.replicas["eval_losses"], rel=1e-6)
 
     assert main(["eval", str(run_dir), "--tasks", TASK, "--include-path", tasks]) == 0
     out = capsys.readouterr().out

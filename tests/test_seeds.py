@@ -149,8 +149,8 @@ def test_a_method_over_its_seeds():
     assert loss_spread(groups["diloco"]) == "5.0000 ± 0.2000 (4.8000–5.2000)"
     mean = mean_run("diloco", groups["diloco"])
     assert (mean.label, mean.seed, mean.name) == ("diloco", None, "DiLoCo")
-    assert mean.summary["final_eval_loss"] == pytest.approx(5.0)
-    assert mean.summary["bytes_sent_per_worker"] == 5
+    assert mean.summary.final_eval_loss == pytest.approx(5.0)
+    assert mean.summary.bytes_sent_per_worker == 5
     # One seed is not several: no groups, and the runs stand for themselves.
     assert seed_groups([r for r in runs if r.seed == 1]) == []
 

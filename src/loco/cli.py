@@ -286,7 +286,8 @@ def _guarded(command: str, fn):
 
 def _train(args: argparse.Namespace) -> int:
     from loco.config import TrainConfig, build_config
-    from loco.training import human_bytes, run_training
+    from loco.training import run_training
+    from loco.training.summary import Summary, human_bytes
 
     names = {f.name for f in TrainConfig.fields()}
 
@@ -306,33 +307,34 @@ def _train(args: argparse.Namespace) -> int:
         return code
     if "final_eval_loss" not in summary:  # a torchrun rank other than 0
         return 0
-    out = summary["config"]["out"]
-    print(f"final eval loss {summary['final_eval_loss']:.3f} nats/token "
-          f"(unigram entropy of the corpus: {summary['unigram_entropy']:.3f})")
-    print(f"{summary['tokens']:,} tokens in {summary['wall_seconds']:.1f} s "
-          f"({summary['tokens_per_second']:,.0f} tokens/s); sent per "
-          f"{'worker' if summary.get('worker_ranks', 1) == 1 else 'rank'} "
-          f"{human_bytes(summary['bytes_sent_per_worker'])}, peak sync "
-          f"{human_bytes(summary['peak_sync_bytes_per_worker'])}")
-    if summary.get("codec_kernel"):
-        k = summary["codec_kernel"]
+    summary = Summary.from_dict(summary)
+    out = summary.config["out"]
+    print(f"final eval loss {summary.final_eval_loss:.3f} nats/token "
+          f"(unigram entropy of the corpus: {summary.unigram_entropy:.3f})")
+    print(f"{summary.tokens:,} tokens in {summary.wall_seconds:.1f} s "
+          f"({summary.tokens_per_second:,.0f} tokens/s); sent per "
+          f"{'worker' if (summary.worker_ranks or 1) == 1 else 'rank'} "
+          f"{human_bytes(summary.bytes_sent_per_worker)}, peak sync "
+          f"{human_bytes(summary.peak_sync_bytes_per_worker)}")
+    if summary.codec_kernel:
+        k = summary.codec_kernel
         print(f"codec {k['codec']}: {k['kernel']} kernels"
               + (f" ({k['reason']})" if k["kernel"] == "eager" and k.get("reason") else ""))
-    print(f"compute utilization {summary['compute_utilization']:.1%} (the slowest worker "
-          f"waited {summary['comm_wait_seconds']:.1f} s on communication)"
-          + (f"; emulated link {summary['link']['bandwidth'] or 'unlimited'}, "
-             f"{summary['link']['latency'] or '0 ms'}" if summary.get("link") else ""))
-    if summary.get("worker_ranks", 1) > 1:
-        print(f"workers of {summary['worker_ranks']} ranks ({summary['worker_parallel']}): "
-              f"sent per worker {human_bytes(summary['slow_link_bytes_sent_per_worker'])} over "
-              f"the slow link, {human_bytes(summary['fast_link_bytes_sent_per_worker'])} over "
+    print(f"compute utilization {summary.compute_utilization:.1%} (the slowest worker "
+          f"waited {summary.comm_wait_seconds:.1f} s on communication)"
+          + (f"; emulated link {summary.link['bandwidth'] or 'unlimited'}, "
+             f"{summary.link['latency'] or '0 ms'}" if summary.link else ""))
+    if (summary.worker_ranks or 1) > 1:
+        print(f"workers of {summary.worker_ranks} ranks ({summary.worker_parallel}): "
+              f"sent per worker {human_bytes(summary.slow_link_bytes_sent_per_worker)} over "
+              f"the slow link, {human_bytes(summary.fast_link_bytes_sent_per_worker)} over "
               "the fast link inside it")
-    if summary.get("stages", 1) > 1:
-        print(f"pipeline: {summary['stages']} stages per replica, {summary['routing']} routing; "
+    if (summary.stages or 1) > 1:
+        print(f"pipeline: {summary.stages} stages per replica, {summary.routing} routing; "
               f"activations and gradients sent per rank "
-              f"{human_bytes(summary['pipeline_bytes_sent_per_rank'])}")
-    if summary.get("replicas"):
-        r = summary["replicas"]
+              f"{human_bytes(summary.pipeline_bytes_sent_per_rank)}")
+    if summary.replicas:
+        r = summary.replicas
         print(f"replicas: mean eval loss {r['mean_eval_loss']:.3f}, their average's "
               f"{r['average_eval_loss']:.3f}" + (" (the final model)" if r["final_average"]
                                                   else ""))

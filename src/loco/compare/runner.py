@@ -12,6 +12,7 @@ import threading
 from loco.compare.methods import MethodError
 from loco.compare.planning import Plan
 from loco.config import ConfigError
+from loco.training.summary import Summary, human_bytes
 
 
 def run(p: Plan, progress: bool = True) -> dict[str, dict]:
@@ -27,7 +28,7 @@ def run(p: Plan, progress: bool = True) -> dict[str, dict]:
     from tqdm import tqdm
 
     from loco.report import load_run, order_key, write_report
-    from loco.training import check_fits, human_bytes, launch_training, prepare_data
+    from loco.training import check_fits, launch_training, prepare_data
 
     for w in p.warnings:
         print(f"loco compare: warning: {w}", file=sys.stderr)
@@ -49,11 +50,11 @@ def run(p: Plan, progress: bool = True) -> dict[str, dict]:
         with FollowMetrics(os.path.join(cfg.out, "metrics.jsonl"),
                            lambda rec: _advance(bar, done + rec["step"], rec)), \
                 wandb_group(p.out):
-            summary = launch_training(cfg, corpus)
+            summary = Summary.from_dict(launch_training(cfg, corpus))
         _advance(bar, done + steps, {})
-        bar.write(f"{m.label}: eval loss {summary['final_eval_loss']:.4f}, sent per worker "
-                  f"{human_bytes(summary['bytes_sent_per_worker'])}, "
-                  f"{summary['wall_seconds']:.0f} s")
+        bar.write(f"{m.label}: eval loss {summary.final_eval_loss:.4f}, sent per worker "
+                  f"{human_bytes(summary.bytes_sent_per_worker)}, "
+                  f"{summary.wall_seconds:.0f} s")
         runs.append(load_run(cfg.out, m.label))
     bar.close()
     return write_report(sorted(runs, key=order_key), p.out)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loco import checkpoint
+from loco.training.summary import Summary
 
 
 class EvalError(ValueError):
@@ -30,7 +31,7 @@ class RunCheckpoint:
 
     out: str
     cfg: Any
-    summary: dict
+    summary: Summary
     meta: dict
     step: int
 
@@ -71,7 +72,8 @@ def open_run(run_dir: str) -> RunCheckpoint:
         raise EvalError(f"{run_dir} has no checkpoint ({checkpoint.DIRNAME}/latest.json is "
                         "missing): loco eval reads the model's weights from the run's last "
                         "checkpoint")
-    saved = summary.get("config") if isinstance(summary, dict) else None
+    summary = Summary.from_dict(summary) if isinstance(summary, dict) else Summary()
+    saved = summary.config
     if not isinstance(saved, dict):
         saved = meta.get("config")
     if not isinstance(saved, dict):

@@ -14,8 +14,8 @@ from loco.harness.runs import EvalError, RunCheckpoint
 def _layout(run: RunCheckpoint) -> tuple[int, int, int]:
     """(M workers, S stages, R ranks per worker) of the run's checkpoint."""
     cfg = run.cfg
-    workers = int(run.summary.get("workers") or cfg.workers)
-    stages = int(run.summary.get("stages") or cfg.stages)
+    workers = int(run.summary.workers or cfg.workers)
+    stages = int(run.summary.stages or cfg.stages)
     ranks = int(run.meta.get("worker_ranks", cfg.worker_ranks))
     if ranks > 1 and stages > 1:
         raise EvalError("a checkpoint of pipeline stages with workers of several ranks is "

@@ -35,8 +35,8 @@ def sent_cell(run: Run) -> str:
     Args:
         run: a run.
     """
-    sent = f"{run.summary['bytes_sent_per_worker']:,}"
-    wire = run.method.wire(run.summary["config"])
+    sent = f"{run.summary.bytes_sent_per_worker:,}"
+    wire = run.method.wire(run.summary.config)
     return f"{sent} ({wire})" if wire else sent
 
 
@@ -47,7 +47,7 @@ def link_cell(run: Run, link: str) -> str:
         run: a run.
         link: ``slow`` or ``fast``.
     """
-    value = run.summary.get(f"{link}_link_bytes_sent_per_worker")
+    value = getattr(run.summary, f"{link}_link_bytes_sent_per_worker")
     return "–" if value is None else f"{value:,}"
 
 

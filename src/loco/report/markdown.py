@@ -48,7 +48,7 @@ def intro(runs: list[Run]) -> list[str]:
         runs: the runs, in report order.
     """
     first = runs[0].summary
-    link = next((r.summary["link"] for r in runs if r.summary.get("link")), None)
+    link = next((r.summary.link for r in runs if r.summary.link), None)
     kind = "runs" if any(r.sweep for r in runs) else "methods"
     ranks = worker_ranks(runs[0])
     groups = seed_groups(runs)
@@ -56,12 +56,12 @@ def intro(runs: list[Run]) -> list[str]:
     count = (f"{len(groups)} {kind}, each with {len(seeds)} seeds," if groups
              else f"{len(runs)} {kind}")
     seed = (f"seeds {', '.join(map(str, seeds))}" if seeds
-            else f"seed {first['config']['seed']}")
-    lines = [f"{count} on the same job: {first['config']['model']} model "
-             f"({first['model_parameters']:,} parameters), {first['workers']} workers"
-             + (f" of {ranks} ranks ({first.get('worker_parallel', 'ddp')})" if ranks > 1
+            else f"seed {first.config['seed']}")
+    lines = [f"{count} on the same job: {first.config['model']} model "
+             f"({first.model_parameters:,} parameters), {first.workers} workers"
+             + (f" of {ranks} ranks ({first.worker_parallel or 'ddp'})" if ranks > 1
                 else "") + ", "
-             f"{first['inner_steps']} inner steps, {first['tokens']:,} training tokens each, "
+             f"{first.inner_steps} inner steps, {first.tokens:,} training tokens each, "
              f"{seed}"
              + (f"; emulated link {link['bandwidth'] or 'unlimited'}, "
                 f"{link['latency'] or '0 ms'} per worker" if link else "") + ".", "",

@@ -70,9 +70,9 @@ def method_setting(run: Run) -> str:
     Args:
         run: a run.
     """
-    text = run.method.setting(run.summary["config"])
-    if run.summary.get("stages", 1) > 1:
-        text += f", {run.summary['stages']} stages ({run.summary['routing']} routing)"
+    text = run.method.setting(run.summary.config)
+    if (run.summary.stages or 1) > 1:
+        text += f", {run.summary.stages} stages ({run.summary.routing} routing)"
     return text
 
 
@@ -105,23 +105,23 @@ def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
         rel = {"label": r.label, "method": r.name, "setting": method_setting(r),
                "run_dir": os.path.relpath(r.path, out), "eval_loss_vs_ddp_pct": None,
                "ddp_bytes_over_bytes": None, "diloco_peak_over_peak": None,
-               "grad_codec": r.method.wire(s["config"]),
+               "grad_codec": r.method.wire(s.config),
                "sweep": sweep[1] if sweep else None,
                "downstream": {task: dict(zip(("metric", "value"), main_metric(entry)))
-                              for task, entry in (s.get("downstream") or {}).items()
+                              for task, entry in (s.downstream or {}).items()
                               if main_metric(entry)} or None}
         if groups:
             rel.update(seed=r.seed, over_seeds=over_seeds(groups[r.group]))
         if ddp is not None:
-            base = ddp.summary["final_eval_loss"]
-            rel["eval_loss_vs_ddp_pct"] = 100 * (s["final_eval_loss"] - base) / base
-            if s["bytes_sent_per_worker"]:
-                rel["ddp_bytes_over_bytes"] = (ddp.summary["bytes_sent_per_worker"]
-                                               / s["bytes_sent_per_worker"])
-        if diloco is not None and s["peak_sync_bytes_per_worker"]:
-            rel["diloco_peak_over_peak"] = (diloco.summary["peak_sync_bytes_per_worker"]
-                                            / s["peak_sync_bytes_per_worker"])
-        numbers[r.label] = {**s, "compare": rel}
+            base = ddp.summary.final_eval_loss
+            rel["eval_loss_vs_ddp_pct"] = 100 * (s.final_eval_loss - base) / base
+            if s.bytes_sent_per_worker:
+                rel["ddp_bytes_over_bytes"] = (ddp.summary.bytes_sent_per_worker
+                                               / s.bytes_sent_per_worker)
+        if diloco is not None and s.peak_sync_bytes_per_worker:
+            rel["diloco_peak_over_peak"] = (diloco.summary.peak_sync_bytes_per_worker
+                                            / s.peak_sync_bytes_per_worker)
+        numbers[r.label] = {**s.to_dict(), "compare": rel}
     return numbers
 
 

@@ -105,10 +105,10 @@ def twin(runs: list[Run], run: Run, also_free: tuple[str, ...] = (), **want: Any
     free = PLACE | set(want) | set(also_free)
 
     def rest(r: Run) -> dict:
-        return {k: v for k, v in r.summary["config"].items() if k not in free}
+        return {k: v for k, v in r.summary.config.items() if k not in free}
 
     return next((r for r in runs if r is not run and r.method is run.method
-                 and all(r.summary["config"].get(k) == v for k, v in want.items())
+                 and all(r.summary.config.get(k) == v for k, v in want.items())
                  and rest(r) == rest(run)), None)
 
 
@@ -127,14 +127,14 @@ def reference(runs: list[Run], run: Run, claim: PaperClaim, by: dict[str, Run]
         claim: the claim.
         by: each method's [`baseline`][loco.report.numbers.baseline] run, by name.
     """
-    config = run.summary["config"]
+    config = run.summary.config
     if claim.against == "twin":
         if any(config.get(k) == v for k, v in claim.want.items()):
             return None
         return twin(runs, run, claim.free, **claim.want)
     cls = methods().get(claim.against)
     preferred = (next((r for r in runs if r.method is cls and not r.sweep and all(
-        r.summary["config"].get(k) == v for k, v in claim.want.items())), None)
+        r.summary.config.get(k) == v for k, v in claim.want.items())), None)
         if claim.want else None)
     return preferred or by.get(claim.against)
 
@@ -165,7 +165,7 @@ def routing_claim(runs: list[Run]) -> list[Claim]:
     rows = []
     for routed in runs:
         fixed = (twin(runs, routed, routing="fixed")
-                 if routed.summary["config"].get("routing") == "random" else None)
+                 if routed.summary.config.get("routing") == "random" else None)
         if fixed is None:
             continue
         a, b = mean_spread(routed), mean_spread(fixed)
@@ -201,7 +201,7 @@ def claims(runs: list[Run]) -> list[Claim]:
 
 def loss_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
     """``run``'s final eval loss at most ``claim.limit`` % above ``ref``'s."""
-    la, lb = run.summary["final_eval_loss"], ref.summary["final_eval_loss"]
+    la, lb = run.summary.final_eval_loss, ref.summary.final_eval_loss
     gap = 100 * (la - lb) / lb
     text = (claim.text or "within {limit:g}% of {ref}'s").format(limit=claim.limit,
                                                                    ref=ref.group_name)
@@ -211,9 +211,9 @@ def loss_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
 
 def bytes_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
     """``ref`` sends at least ``claim.limit`` times ``run``'s bytes per worker."""
-    sent = run.summary["bytes_sent_per_worker"]
-    ratio = ref.summary["bytes_sent_per_worker"] / sent if sent else float("inf")
-    wire = ref.method.wire(ref.summary["config"])
+    sent = run.summary.bytes_sent_per_worker
+    ratio = ref.summary.bytes_sent_per_worker / sent if sent else float("inf")
+    wire = ref.method.wire(ref.summary.config)
     note = f" ({ref.group_name}'s gradients in {wire})" if wire else ""
     return Claim(f"{ref.group_name} sends at least {claim.limit:g}× the bytes of "
                  f"{run.group_name}", f"{ratio_cell(ratio)}{note}", ratio >= claim.limit)
@@ -223,16 +223,16 @@ def peak_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
     """``run``'s peak sync about P times below ``ref``'s from the fragments alone: a
     narrower codec alone makes the peak smaller (``ref`` sends fp32), so its share is
     factored out, and what is left must be at least 0.9 P."""
-    config = run.summary["config"]
+    config = run.summary.config
     p = config["fragments"]
-    peak = run.summary["peak_sync_bytes_per_worker"]
-    ratio = ref.summary["peak_sync_bytes_per_worker"] / peak if peak else float("inf")
+    peak = run.summary.peak_sync_bytes_per_worker
+    ratio = ref.summary.peak_sync_bytes_per_worker / peak if peak else float("inf")
     codec = config.get("codec", "fp32")
     squeeze = codec_compression(codec, config.get("codec_block", 32), config.get("codec_keep"))
     frag = ratio / squeeze
     # What the split allows at best: the whole model against the largest fragment.
-    largest = max((f["elements"] for f in run.summary.get("fragments") or []), default=0)
-    cap = (f"; the largest fragment allows {ratio_cell(run.summary['model_parameters'] / largest)}"
+    largest = max((f["elements"] for f in run.summary.fragments or []), default=0)
+    cap = (f"; the largest fragment allows {ratio_cell(run.summary.model_parameters / largest)}"
            if largest else "")
     return Claim(f"{run.group_name}'s peak sync about P={p}× below {ref.group_name}'s, from "
                  f"the fragments alone", f"{ratio_cell(frag)} ({ratio_cell(ratio)} in all, "
@@ -256,10 +256,10 @@ def regime(runs: list[Run]) -> str:
         runs: the runs, in report order.
     """
     first = runs[0].summary
-    ratio = first["tokens"] / first["model_parameters"]
-    hs = sorted({r.summary["config"]["sync_every"] for r in runs
+    ratio = first.tokens / first.model_parameters
+    hs = sorted({r.summary.config["sync_every"] for r in runs
                  if "sync_every" in r.method.uses()})
-    outer = " and".join(f" {first['inner_steps'] // h} outer steps at H = {h}" for h in hs)
+    outer = " and".join(f" {first.inner_steps // h} outer steps at H = {h}" for h in hs)
     early = ratio < PAPER_TOKENS_PER_PARAMETER
     return (f"Regime: {ratio:.2g} training tokens per model parameter"
             + (f",{outer}" if hs else "") + "; the papers train on "

@@ -10,6 +10,7 @@ from typing import Any
 
 from loco.algorithms import Method, methods
 from loco.options import ConfigError
+from loco.training.summary import Summary
 
 
 #: A sweep run's label, as ``loco compare --sweep`` names it: ``BASE[OPTION=VALUE,...]``
@@ -69,19 +70,24 @@ class Run:
     Args:
         label: the run's label (its directory's name unless given).
         path: the run directory.
-        summary: its ``summary.json``.
+        summary: its ``summary.json``: the record, or the file's content (read into the
+            record).
         records: its ``metrics.jsonl`` records, in order.
     """
 
     label: str
     path: str
-    summary: dict
+    summary: Summary
     records: list[dict]
+
+    def __post_init__(self):
+        if isinstance(self.summary, dict):
+            self.summary = Summary.from_dict(self.summary)
 
     @property
     def algorithm(self) -> str:
         """The run's algorithm (``ddp``, ``diloco``, ...)."""
-        return self.summary["algorithm"]
+        return self.summary.algorithm
 
     @property
     def method(self) -> type[Method]:
@@ -92,21 +98,21 @@ class Run:
     def seed(self) -> int | None:
         """The seed of a run of ``loco compare --seeds``, else None (see
         [`seed_point`][loco.report.runs.seed_point])."""
-        seeded = seed_point(self.label, self.summary.get("config", {}))
+        seeded = seed_point(self.label, self.summary.config or {})
         return seeded[1] if seeded else None
 
     @property
     def group(self) -> str:
         """The label without a seed entry: the method (or grid point) the run is a seed of;
         the label itself for a run that is not one of several seeds'."""
-        seeded = seed_point(self.label, self.summary.get("config", {}))
+        seeded = seed_point(self.label, self.summary.config or {})
         return seeded[0] if seeded else self.label
 
     @property
     def sweep(self) -> tuple[str, dict[str, Any]] | None:
         """``(base label, grid point)`` for a sweep's run, else None (see
         [`sweep_point`][loco.report.runs.sweep_point]); a seed is not part of the point."""
-        return sweep_point(self.group, self.summary.get("config", {}))
+        return sweep_point(self.group, self.summary.config or {})
 
     @property
     def base(self) -> str:
@@ -161,7 +167,8 @@ def load_run(path: str, label: str | None = None) -> Run:
         raise ConfigError("dirs", f"cannot read the run in {path}: {e}") from None
     if "final_eval_loss" not in summary or "config" not in summary:
         raise ConfigError("dirs", f"{summary_path} is not a loco run summary")
-    return Run(label or os.path.basename(os.path.normpath(path)), path, summary, records)
+    return Run(label or os.path.basename(os.path.normpath(path)), path,
+               Summary.from_dict(summary), records)
 
 
 def find_runs(dirs: list[str]) -> list[Run]:
@@ -249,4 +256,4 @@ def worker_ranks(run: Run) -> int:
     Args:
         run: a run.
     """
-    return run.summary.get("worker_ranks") or 1
+    return run.summary.worker_ranks or 1

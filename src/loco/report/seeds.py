@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from loco.report.runs import Run
@@ -45,7 +46,7 @@ def over_seeds(members: list[Run]) -> dict[str, Any]:
             (in the order of ``seeds``), ``final_eval_loss_mean``, ``final_eval_loss_min``,
             ``final_eval_loss_max``.
     """
-    losses = [m.summary["final_eval_loss"] for m in members]
+    losses = [m.summary.final_eval_loss for m in members]
     return {"label": members[0].group, "seeds": [m.seed for m in members],
             "labels": [m.label for m in members], "final_eval_loss_per_seed": losses,
             "final_eval_loss_mean": sum(losses) / len(losses),
@@ -69,13 +70,13 @@ def mean_run(label: str, members: list[Run]) -> Run:
     Returns:
         The run, labelled ``label``, in the first seed's directory.
     """
-    summary = dict(members[0].summary)
+    means = {}
     for key in MEAN_FIELDS:
-        values = [m.summary.get(key) for m in members]
+        values = [getattr(m.summary, key) for m in members]
         if all(isinstance(v, (int, float)) for v in values):
             mean = sum(values) / len(values)
-            summary[key] = round(mean) if all(isinstance(v, int) for v in values) else mean
-    return Run(label, members[0].path, summary, [])
+            means[key] = round(mean) if all(isinstance(v, int) for v in values) else mean
+    return Run(label, members[0].path, dataclasses.replace(members[0].summary, **means), [])
 
 
 def seed_means(runs: list[Run]) -> list[Run]:

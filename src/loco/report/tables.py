@@ -28,7 +28,7 @@ def table(runs: list[Run], numbers: dict[str, dict],
         seeds: each mean run's runs by its label (``seed_groups``): a column lists their
             seeds and the loss reads ``mean ± half-range (min–max)``; default: none.
     """
-    link = any(r.summary.get("link") for r in runs)
+    link = any(r.summary.link for r in runs)
     ranks = any(worker_ranks(r) > 1 for r in runs)
     head = ["method", "setting", "final eval loss", "vs DataParallel", "sent / worker (B)",
             "peak sync / worker (B)", "DataParallel ÷ sent", "wall time (s)", "tokens/s"]
@@ -41,16 +41,16 @@ def table(runs: list[Run], numbers: dict[str, dict],
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in runs:
         s, rel = r.summary, numbers[r.label]["compare"]
-        row = [r.name, rel["setting"], f"{s['final_eval_loss']:.4f}",
+        row = [r.name, rel["setting"], f"{s.final_eval_loss:.4f}",
                pct_cell(rel["eval_loss_vs_ddp_pct"]), sent_cell(r),
-               f"{s['peak_sync_bytes_per_worker']:,}",
-               "∞" if rel["eval_loss_vs_ddp_pct"] is not None and not s["bytes_sent_per_worker"]
+               f"{s.peak_sync_bytes_per_worker:,}",
+               "∞" if rel["eval_loss_vs_ddp_pct"] is not None and not s.bytes_sent_per_worker
                else ratio_cell(rel["ddp_bytes_over_bytes"]),
-               f"{s['wall_seconds']:.1f}", f"{s['tokens_per_second']:,.0f}"]
+               f"{s.wall_seconds:.1f}", f"{s.tokens_per_second:,.0f}"]
         if ranks:
             row[6:6] = [link_cell(r, "slow"), link_cell(r, "fast")]
         if link:
-            row.append(f"{s['compute_utilization']:.1%}")
+            row.append(f"{s.compute_utilization:.1%}")
         if seeds:
             row[2:3] = [", ".join(str(m.seed) for m in seeds[r.label]),
                         loss_spread(seeds[r.label])]
@@ -77,21 +77,21 @@ def downstream_table(runs: list[Run]) -> list[str]:
     Args:
         runs: the runs, in report order.
     """
-    scored = [r for r in runs if r.summary.get("downstream")]
+    scored = [r for r in runs if r.summary.downstream]
     if not scored:
         return []
     metrics: dict[str, str] = {}
     for r in scored:
-        for task, entry in r.summary["downstream"].items():
+        for task, entry in r.summary.downstream.items():
             found = main_metric(entry)
             if found and task not in metrics:
                 metrics[task] = found[0]
-    entries = [e for r in scored for e in r.summary["downstream"].values()]
+    entries = [e for r in scored for e in r.summary.downstream.values()]
     shots = {e.get("shots") for e in entries}
     head = ["method"]
     for task, metric in metrics.items():
-        docs = {r.summary["downstream"][task].get("samples") for r in scored
-                if task in r.summary["downstream"]}
+        docs = {r.summary.downstream[task].get("samples") for r in scored
+                if task in r.summary.downstream}
         head.append(f"{task} ({metric}" + (f", {docs.pop()} docs)" if len(docs) == 1
                                            and None not in docs else ")"))
     note = ("Each run's final model (the global model; for NoLoCo and Local replica 0 "
@@ -105,7 +105,7 @@ def downstream_table(runs: list[Run]) -> list[str]:
     for r in runs:
         row = [r.name]
         for task, metric in metrics.items():
-            value = (r.summary.get("downstream") or {}).get(task, {}).get(metric)
+            value = (r.summary.downstream or {}).get(task, {}).get(metric)
             row.append("–" if value is None else f"{value:.3f}")
         lines.append("| " + " | ".join(row) + " |")
     return lines
@@ -138,11 +138,11 @@ def sweep_tables(runs: list[Run], numbers: dict[str, dict]) -> list[str]:
             s, rel = r.summary, numbers[r.label]["compare"]
             lines.append("| " + " | ".join(
                 [r.method_name, *(value_cell(v) for v in r.sweep[1].values()),
-                 f"{s['final_eval_loss']:.4f}", pct_cell(rel["eval_loss_vs_ddp_pct"]), sent_cell(r),
-                 f"{s['peak_sync_bytes_per_worker']:,}", ratio_cell(rel["ddp_bytes_over_bytes"])])
+                 f"{s.final_eval_loss:.4f}", pct_cell(rel["eval_loss_vs_ddp_pct"]), sent_cell(r),
+                 f"{s.peak_sync_bytes_per_worker:,}", ratio_cell(rel["ddp_bytes_over_bytes"])])
                 + " |")
         if ddp is not None:
-            lines += ["", f"For reference, {ddp.name}: {ddp.summary['final_eval_loss']:.4f}, "
+            lines += ["", f"For reference, {ddp.name}: {ddp.summary.final_eval_loss:.4f}, "
                       f"{sent_cell(ddp)} bytes per worker."]
     return lines
 
@@ -156,7 +156,7 @@ def settings(runs: list[Run]) -> list[str]:
     """
     import yaml
 
-    configs = [r.summary["config"] for r in runs]
+    configs = [r.summary.config for r in runs]
     keys = [k for k in configs[0] if k not in NOT_SETTINGS]
     shared = {k: configs[0][k] for k in keys
               if all(c.get(k) == configs[0][k] for c in configs)}
@@ -166,7 +166,7 @@ def settings(runs: list[Run]) -> list[str]:
     if differ:
         lines += ["", "Per method:", "", "| method | " + " | ".join(differ) + " |",
                   "|" + "---|" * (len(differ) + 1)]
-        lines += ["| " + " | ".join([r.name] + [str(r.summary["config"].get(k)) for k in differ])
+        lines += ["| " + " | ".join([r.name] + [str(r.summary.config.get(k)) for k in differ])
                   + " |" for r in runs]
     return lines
 
@@ -179,7 +179,7 @@ def machine(runs: list[Run]) -> list[str]:
     """
     seen = []
     for r in runs:
-        m = r.summary.get("machine")
+        m = r.summary.machine
         if m and m not in seen:
             seen.append(m)
     if not seen:
@@ -189,7 +189,7 @@ def machine(runs: list[Run]) -> list[str]:
         lines.append(f"- {m['hostname']}: {m['cpu']} ({m['cpu_count']} cores)"
                      + (f", {m['accelerator']}" if m.get("accelerator") else ", no accelerator")
                      + f"; {m['platform']}; Python {m['python']}, torch {m['torch']}")
-    devices = sorted({r.summary.get("device", "?") for r in runs})
-    launchers = sorted({r.summary.get("launcher", "?") for r in runs})
+    devices = sorted({r.summary.device or "?" for r in runs})
+    launchers = sorted({r.summary.launcher or "?" for r in runs})
     lines.append(f"- device {', '.join(devices)}; launcher {', '.join(launchers)}")
     return lines

@@ -147,6 +147,12 @@ class Summary:
     config: dict[str, Any] | None = None
     unknown: dict[str, Any] = field(default_factory=dict)
 
+    @property
+    def downstream(self) -> dict[str, dict[str, Any]] | None:
+        """The final model's task scores, ``{task: {metric: value}}``, as ``loco eval``
+        records them (an ``unknown`` key); None for a run not scored."""
+        return self.unknown.get("downstream")
+
     def to_dict(self) -> dict[str, Any]:
         """The content of ``summary.json``: every known key in the record's order, then the
         ``unknown`` ones."""
