@@ -24,7 +24,7 @@ class RunCheckpoint:
     Args:
         out: the run directory.
         cfg: the run's configuration (a ``TrainConfig``).
-        summary: its ``summary.json``.
+        summary: its ``summary.json``'s record.
         meta: the checkpoint's ``latest.json``.
         step: the checkpoint's step.
     """

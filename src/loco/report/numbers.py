@@ -85,7 +85,8 @@ def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
         out: the directory the report goes to; ``run_dir`` is relative to it.
 
     Returns:
-        By label: every field of the run's ``summary.json`` and ``compare``: ``label``,
+        By label: every field of the run's summary (``Summary.to_dict()``: a key an older
+            run did not write is None) and ``compare``: ``label``,
             ``method``, ``setting``, ``run_dir``, ``eval_loss_vs_ddp_pct``,
             ``ddp_bytes_over_bytes``, ``diloco_peak_over_peak`` (None where there is no such
             baseline), ``grad_codec`` (DataParallel's runs; None for others) and ``sweep`` (a
