@@ -22,10 +22,11 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/loco train
 
-# The suite on every core (pytest-xdist, one worker per core; JOBS=0 runs it in this process):
-# tests/conftest.py keeps the tests that share a module's trained run on one worker.
+# The suite on every core (pytest-xdist, one worker per core; JOBS=0 runs it in this process).
+# Each test file runs whole on one worker, so a module's shared set-up (trained runs, compiled
+# kernels) is still built once; the files with the most tests are handed out first.
 JOBS   ?= auto
-PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist loadgroup
+PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile
 
 test: install
 	$(PYTEST)

@@ -27,16 +27,3 @@ def corpus(tmp_path_factory):
     (d / "text.txt").write_text("\n".join(lines))
     return str(d / "text.txt"), str(d / "cache")
 
-
-def pytest_collection_modifyitems(config, items):
-    """With pytest-xdist's ``--dist loadgroup`` (``make test``), the tests of a module that
-    share a module-scoped fixture (a trained run, a tokenizer, compiled kernels) are sent to
-    one worker, which builds the fixture once; every other test goes wherever a worker is
-    free."""
-    if not config.pluginmanager.hasplugin("xdist"):
-        return
-    for item in items:
-        info = getattr(item, "_fixtureinfo", None)
-        defs = info.name2fixturedefs.values() if info is not None else ()
-        if any(d.scope in ("module", "package") for chain in defs for d in chain):
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
