@@ -22,14 +22,20 @@ $(VENV)/.installed: pyproject.toml
 demo: install
 	$(BIN)/loco train
 
+# The suite on every core (pytest-xdist, one worker per core; JOBS=0 runs it in this process).
+# Each test file runs whole on one worker, so a module's shared set-up (trained runs, compiled
+# kernels) is still built once; the files with the most tests are handed out first.
+JOBS   ?= auto
+PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile
+
 test: install
-	$(BIN)/python -m pytest -q
+	$(PYTEST)
 
 # The floating-point tests again with another CPU's kernels: the generic build (no AVX), and
 # AVX2 where the CPU has it (torch falls back to what the CPU supports).
 test-numerics: install
-	ATEN_CPU_CAPABILITY=default $(BIN)/python -m pytest -q -m numerics
-	ATEN_CPU_CAPABILITY=avx2 $(BIN)/python -m pytest -q -m numerics
+	ATEN_CPU_CAPABILITY=default $(PYTEST) -m numerics
+	ATEN_CPU_CAPABILITY=avx2 $(PYTEST) -m numerics
 
 $(VENV)/.docs-installed: $(VENV)/.installed
 	$(BIN)/pip install --quiet -e '.[test,docs]'

@@ -26,3 +26,4 @@ def corpus(tmp_path_factory):
     lines = [" ".join(rng.choice(words) for _ in range(rng.randint(4, 12))) for _ in range(6000)]
     (d / "text.txt").write_text("\n".join(lines))
     return str(d / "text.txt"), str(d / "cache")
+

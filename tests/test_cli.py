@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,6 +20,22 @@ def small_run(corpus, out, *extra):
             "--seq-len", "32", "--batch-size", "4", "--vocab-size", "300", "--eval-every", "6",
             "--eval-batches", "2", "--log-every", "3", "--corpus", text, "--cache-dir", cache,
             "--out", str(out), "--no-progress", *extra]
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """``trained(*extra)``: the directory of ``small_run`` with those options, trained once
+    for the module; the tests that read the same run share it (a test that writes into a
+    run copies it first)."""
+    runs = {}
+
+    def train(*extra):
+        if extra not in runs:
+            out = tmp_path_factory.mktemp("trained") / "run"
+            assert main(small_run(corpus, out, *extra)) == 0
+            runs[extra] = out
+        return runs[extra]
+    return train
 
 
 BAD_INPUTS = [
@@ -168,11 +185,10 @@ def test_small_run_writes_metrics_summary_and_plot(corpus, tmp_path, capsys):
     assert "final eval loss" in capsys.readouterr().out
 
 
-def test_default_streaming_run_reports_every_sync_and_fragment(corpus, tmp_path):
+def test_default_streaming_run_reports_every_sync_and_fragment(trained):
     """The default method: P = 2 fragments, one sent every H/P = 2 steps, applied τ = 1 step
     later (the last one by the final flush), each as FP4 with one scale byte per 32 values."""
-    out = tmp_path / "run"
-    assert main(small_run(corpus, out)) == 0
+    out = trained()
     summary = json.loads((out / "summary.json").read_text())
     assert summary["algorithm"] == "streaming" and summary["config"]["codec"] == "fp4_e3m0"
     assert summary["config"]["outer_lr"] == 0.4  # the paper's, filled in for streaming
@@ -240,30 +256,6 @@ def test_console_script_help_lists_every_option():
         assert "--" + f.name.replace("_", "-") in res.stdout
 
 
-@pytest.mark.parametrize("how", ["processes", "torchrun"])
-def test_same_job_under_processes_and_torchrun_matches_threads(corpus, tmp_path, how):
-    """The same code under every launcher: same losses, same bytes."""
-    assert main(small_run(corpus, tmp_path / "threads")) == 0
-    argv = small_run(corpus, tmp_path / how)
-    if how == "processes":
-        cmd = [sys.executable, "-m", "loco", *argv, "--launcher", "processes"]
-    else:
-        i = argv.index("--workers")
-        del argv[i:i + 2]  # torchrun decides the number of workers
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc-per-node", "2", "-m", "loco", *argv]
-    res = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
-    assert res.returncode == 0, res.stderr[-3000:]
-    ref = json.loads((tmp_path / "threads" / "summary.json").read_text())
-    got = json.loads((tmp_path / how / "summary.json").read_text())
-    assert got["launcher"] == how and got["workers"] == 2
-    assert got["bytes_sent_per_worker"] == ref["bytes_sent_per_worker"]
-    # The same operations on the same CPU: bit-identical. (torchrun gives each process one
-    # intra-op thread, the threads launcher cores ÷ workers; the tiny model's operations are
-    # below torch's parallel grain, so the count splits nothing: checked with 1 to 16.)
-    assert got["final_eval_loss"] == ref["final_eval_loss"]
-
-
 def test_warns_when_the_last_round_never_syncs(corpus, tmp_path, capsys):
     assert main(small_run(corpus, tmp_path / "run", "--steps", "10", "--algorithm",
                           "diloco")) == 0  # H = 4
@@ -276,16 +268,13 @@ def records_of(out):
 
 @pytest.mark.numerics
 @pytest.mark.parametrize("algorithm", ["diloco", "ddp"])
-def test_pipeline_stages_with_fixed_routing_train_like_the_unsplit_model(corpus, tmp_path,
-                                                                         algorithm):
+def test_pipeline_stages_with_fixed_routing_train_like_the_unsplit_model(trained, algorithm):
     """2 replicas x 2 stages: every loss as with whole-model workers (clipping active, so the
     gradient norm must span both stages), and the bytes between stages exactly as counted."""
     from loco.model import model_config
 
-    clip = ["--algorithm", algorithm, "--grad-clip", "0.05"]
-    assert main(small_run(corpus, tmp_path / "whole", *clip)) == 0
-    assert main(small_run(corpus, tmp_path / "piped", *clip, "--stages", "2")) == 0
-    whole, piped = records_of(tmp_path / "whole"), records_of(tmp_path / "piped")
+    clip = ("--algorithm", algorithm, "--grad-clip", "0.05")
+    whole, piped = records_of(trained(*clip)), records_of(trained(*clip, "--stages", "2"))
     for key in ("train_loss", "eval_loss"):
         a = [(r["step"], r[key]) for r in whole if key in r]
         b = [(r["step"], r[key]) for r in piped if key in r]
@@ -295,7 +284,7 @@ def test_pipeline_stages_with_fixed_routing_train_like_the_unsplit_model(corpus,
         # (measured: at most 1/3 ulp, on the generic, AVX2 and AVX-512 kernels).
         for (_, x), (_, y) in zip(a, b):
             assert y == pytest.approx(x, abs=16 * 2.0**-21)
-    summary = json.loads((tmp_path / "piped" / "summary.json").read_text())
+    summary = json.loads((trained(*clip, "--stages", "2") / "summary.json").read_text())
     assert summary["stages"] == 2 and summary["routing"] == "fixed"
     assert len(summary["per_worker"]) == 4  # ranks
     # Per step, stage 0 sends its activations (fp32) and the int64 targets, and both stages
@@ -320,19 +309,18 @@ def test_noloco_with_random_routing_over_stages(corpus, tmp_path, capsys):
     assert "random routing" in capsys.readouterr().out
 
 
-def test_pipeline_stages_under_the_processes_launcher(corpus, tmp_path):
-    argv = small_run(corpus, tmp_path / "threads", "--algorithm", "diloco", "--stages", "2")
-    assert main(argv) == 0
-    argv = small_run(corpus, tmp_path / "procs", "--algorithm", "diloco", "--stages", "2",
-                     "--launcher", "processes")
-    res = subprocess.run([sys.executable, "-m", "loco", *argv], capture_output=True, text=True,
-                         timeout=240)
-    assert res.returncode == 0, res.stderr[-3000:]
-    ref = json.loads((tmp_path / "threads" / "summary.json").read_text())
+def test_pipeline_stages_under_the_processes_launcher(corpus, tmp_path, trained):
+    """The same job under the processes launcher as under threads: the same bytes between
+    stages and the same final loss, bit for bit. The same operations on the same CPU: each
+    process has one intra-op thread, the threads launcher cores ÷ workers, but the tiny
+    model's operations are below torch's parallel grain, so the count splits nothing."""
+    job = ("--algorithm", "diloco", "--grad-clip", "0.05", "--stages", "2")
+    assert main(small_run(corpus, tmp_path / "procs", *job, "--launcher", "processes")) == 0
+    ref = json.loads((trained(*job) / "summary.json").read_text())
     got = json.loads((tmp_path / "procs" / "summary.json").read_text())
     assert got["launcher"] == "processes" and got["stages"] == 2
     assert got["pipeline_bytes_sent_per_rank"] == ref["pipeline_bytes_sent_per_rank"]
-    assert got["final_eval_loss"] == ref["final_eval_loss"]  # as above: bit-identical
+    assert got["final_eval_loss"] == ref["final_eval_loss"]
 
 
 def test_emulated_link_slows_blocking_reductions_and_is_reported(corpus, tmp_path, capsys):
@@ -412,11 +400,10 @@ def test_commands_write_no_file_unless_asked(argv, tmp_path, monkeypatch, capsys
         json.loads(capsys.readouterr().out)  # nothing but the JSON on stdout
 
 
-def test_report_of_one_run_writes_into_it_only(corpus, tmp_path, monkeypatch):
+def test_report_of_one_run_writes_into_it_only(trained, tmp_path, monkeypatch):
     """`loco report DIR` writes into DIR and nowhere else; --out elsewhere leaves DIR as it
     was."""
-    out = tmp_path / "run"
-    assert main(small_run(corpus, out)) == 0
+    out = shutil.copytree(trained(), tmp_path / "run")
     work = tmp_path / "cwd"
     work.mkdir()
     monkeypatch.chdir(work)
