@@ -260,7 +260,7 @@ def test_each_link_is_emulated_on_its_own():
     """``fast_link`` shapes ``ctx.inner`` only, ``link`` everything else: an all-reduce is
     two dependent phases, so it takes at least two latencies of its own link and is not
     slowed by the other's."""
-    latency, n = 0.15, 1000
+    latency, n = 0.5, 1000  # wide: an unshaped all-reduce must stay under it on a busy CPU
     fast = loco.launch(timed_reductions, 4, shards=2, args=(n,),
                        fast_link=LinkSpec(latency=latency))
     slow = loco.launch(timed_reductions, 4, shards=2, args=(n,),
