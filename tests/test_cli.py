@@ -444,7 +444,8 @@ def test_per_method_defaults_are_the_papers_and_help_says_so(algorithm, h, capsy
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "100 for streaming and diloco, 50 for noloco" in text
+    assert "the papers': ddp 50, diloco 100, streaming 100, noloco 50, local 50)" in text
+    assert f"{algorithm} {h}" in text
 
 
 def test_model_ladder_overrides_and_token_budget():

@@ -38,6 +38,13 @@ def algorithm_names() -> tuple[str, ...]:
     return tuple(methods())
 
 
+def method_defaults(option: str) -> str:
+    """Each registered method's default for a shared option (``Method.defaults``), for its
+    help text: ``"streaming 100, diloco 100, ..."``; the methods without one are left out."""
+    return ", ".join(f"{name} {cls.defaults[option]}" for name, cls in methods().items()
+                     if option in cls.defaults)
+
+
 def resumable_flags() -> str:
     """The flags a resumed run may change, for help texts and errors."""
     return ", ".join("--" + o.replace("_", "-") for o in RESUMABLE + LAYOUT)
@@ -127,16 +134,17 @@ class MethodOptions:
         f"{name} ({cls.title})" for name, cls in methods().items()), algorithm_names)
     sync_every: int | None = opt(None, "H: inner steps between two syncs of the same "
                                  "parameters; larger H sends fewer bytes but lets workers "
-                                 "drift further apart (default: the papers' 100 for streaming "
-                                 "and diloco, 50 for noloco; for ddp and local, 50 steps per "
-                                 "checkpoint round)")
+                                 "drift further apart; for methods without syncs, the steps "
+                                 "per checkpoint round (default: the method's, the papers': "
+                                 f"{method_defaults('sync_every')})")
     outer_lr: float | None = opt(None, "outer learning rate (NoLoCo's beta) (default: the "
-                                 "papers' 0.7 for diloco and noloco, 0.4 for streaming)")
+                                 f"method's, the papers': {method_defaults('outer_lr')})")
     outer_momentum: float | None = opt(None, "outer momentum (NoLoCo's alpha), in [0, 1) "
-                                       "(default: 0.9 for diloco and streaming, 0.5 for noloco)")
+                                       "(default: the method's, the papers': "
+                                       f"{method_defaults('outer_momentum')})")
     nesterov: bool | None = opt(None, "Nesterov outer momentum, or --no-nesterov for heavy-ball "
-                                "(default: on for diloco and streaming, off for noloco, as "
-                                "the papers' code)")
+                                "(default: the method's, as the papers' code: "
+                                f"{method_defaults('nesterov')})")
     spread_every: int = opt(50, "log the RMS distance of the replicas to their mean every this "
                             "many steps (noloco, local; 0 disables). A diagnostic, not part of "
                             "the algorithm: an all-worker all-reduce of the full model (noloco "
