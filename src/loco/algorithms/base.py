@@ -181,7 +181,7 @@ class Algorithm(Method):
                 if self.comm.begin():
                     self._resume()
                     return True
-                if len(self.comm.members) == self.comm.workers or time.monotonic() > deadline:
+                if self._enough_came(time.monotonic() > deadline):
                     break  # all M, or as many as came within the timeout (>= min_workers)
                 time.sleep(0.5)  # the others are still starting
             self._sync_initial_state(self._init_sync)
@@ -189,6 +189,20 @@ class Algorithm(Method):
             return False
         finally:
             self.comm.joining = False
+
+    def _enough_came(self, my_wait_over: bool) -> bool:
+        """Whether the members of this start-up quorum stop waiting for the others: all M
+        are here, or any rank's wait is over. Agreed by every rank of every member (one
+        integer each, tag ``setup``, inside the worker first): their clocks started apart,
+        and a rank that went on waiting alone would ask for a quorum the others never join
+        while they broadcast the start."""
+        if len(self.comm.members) == self.comm.workers:
+            return True
+        over = torch.tensor([int(my_wait_over)], dtype=torch.int64, device=self.comm.device)
+        for comm in (self.inner, self.comm):
+            if comm is not None:
+                over = max(comm.all_gather(over, tag="setup").wait())
+        return bool(over)
 
     def heal_state(self) -> dict:
         """What a worker that is behind receives from this one, at the quorum of a sync:
