@@ -14,6 +14,7 @@ listed in docs/simulators.md, "Assumptions the paper leaves open".
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import sys
@@ -349,8 +350,10 @@ def outer_plan(spec: ModelSpec, H: int, fragment_layers: list[list[int]], overla
                              reductions)
 
 
+@functools.lru_cache(maxsize=128)
 def plan_for(method: str, spec: ModelSpec, settings: Settings) -> Plan:
-    """The program of one worker for ``method``.
+    """The program of one worker for ``method``; cached (a sweep over bandwidths builds it
+    once), so the caller must not modify it.
 
     Args:
         method: one of [`METHODS`][loco.simulate.utilization.METHODS].
