@@ -75,7 +75,10 @@ def test_a_restarted_worker_rejoins_from_a_peer_bit_for_bit():
     s = joiner["join_sync"]
     assert joiner["start"] in (s, s + TAU)  # at the send, or during the retry at s + τ
     # after joining, its replica is the global copy the others held at that sync, exactly
-    assert all(torch.equal(joiner["after_join"][n], v) for n, v in peers[0]["sent"][s].items())
+    # (unless it was back for the retry of the sync it died in, s = 20; the reference below
+    # follows either)
+    assert s == 20 or all(torch.equal(joiner["after_join"][n], v)
+                          for n, v in peers[0]["sent"][s].items())
     assert_same_bits(out)
     ref = reference_streaming(M, steps, H, P, TAU, ALPHA, lost={3: 20},
                               rejoin={3: (s, joiner["start"])})
@@ -104,8 +107,11 @@ def test_a_worker_of_two_ranks_is_lost_whole_and_rejoins_rank_by_rank():
                                                  step_seconds=0.3, parallel="fsdp", **ALGO))
     peers, joiner = out[:4], out[4:]
     s = joiner[0]["join_sync"]
-    assert all(j["joined"] and j["join_sync"] == s for j in joiner) and 12 < s < steps
-    for j in joiner:  # each rank gathers the whole replica: the peers' global copy
+    # The restart (forked from the warm server) may be up while the survivors still form
+    # the quorum of the retry of the sync it died in (at 12 + τ): then it joins that retry
+    # (s = 12), else a later sync; the reference follows either.
+    assert all(j["joined"] and j["join_sync"] == s for j in joiner) and 12 <= s < steps
+    for j in joiner if s > 12 else ():  # each rank gathers the whole replica: the global copy
         assert all(torch.equal(j["after_join"][n], v) for n, v in peers[0]["sent"][s].items())
     assert_same_bits(out)
     # The R ranks average their gradients in another order than the reference's batch of
@@ -119,7 +125,8 @@ def test_a_worker_of_two_ranks_is_lost_whole_and_rejoins_rank_by_rank():
     for p in peers:  # both shares of every survivor dropped the sync at 12 and retried it
         sent = [x["step"] for x in p["sync_log"]]
         by_step = dict(zip(sent, p["syncs"]))
-        assert by_step[12] == {**by_step[12], "participants": [0, 1], "retries": 1}
+        assert by_step[12] == {**by_step[12], "participants": [0, 1] if s > 12 else [0, 1, 2],
+                               "retries": 1}
         assert by_step[s]["participants"] == [0, 1, 2] and by_step[s]["contributors"] == 2
 
 
@@ -268,7 +275,9 @@ def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_
     """Scaling up: a job of M = 3 whose workers 0 and 1 start alone (--min-workers 2: they
     wait --comm-timeout for worker 2, then begin); worker 2, started by hand once they are
     past step 50, joins at their next sync from a live worker, and the syncs from then on
-    count three."""
+    count three. Worker 1 starts 5 s after worker 0: their waits end together all the same
+    (each used to end on its own clock, and worker 0 then broadcast the start to a worker 1
+    still asking for a quorum, until gloo's time-out)."""
     import json
     import os
     import subprocess
@@ -298,7 +307,9 @@ def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
     try:
-        jobs = [start(0), start(1)]
+        jobs = [start(0)]
+        time.sleep(5)
+        jobs.append(start(1))
         metrics, deadline = out / "metrics.jsonl", time.monotonic() + 90
         while not (metrics.exists() and '"step": 50,' in metrics.read_text()):
             if jobs[0].poll() is not None or time.monotonic() > deadline:

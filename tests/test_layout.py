@@ -63,3 +63,30 @@ def test_one_shard_keeps_the_old_layout():
     assert [mesh.coords(r) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0),
                                                   (2, 1)]
     assert mesh.replica_peers(1) == [1, 3, 5] and mesh.rank_of(2, 1) == 5
+
+
+def env_worker(ctx, names):
+    """The values of the environment variables ``names`` in this rank's process."""
+    import os
+    return {n: os.environ.get(n) for n in names}
+
+
+@pytest.mark.parametrize("elastic", [None, loco.Elastic(min_workers=1, restarts=0)])
+def test_rank_processes_see_the_launchers_environment_as_of_each_launch(monkeypatch,
+                                                                       elastic):
+    """Rank processes are forked from a server started by the first launch of this process;
+    each launch's ranks still see the launcher's environment as of that launch (a variable
+    set, changed or removed since), plus what their starter sets (torch elastic's RANK)."""
+    names = ("LOCO_TEST_SET", "LOCO_TEST_GONE", "RANK")
+    kw = dict(launcher="processes", args=(names,), elastic=elastic)
+    monkeypatch.setenv("LOCO_TEST_SET", "first")
+    monkeypatch.setenv("LOCO_TEST_GONE", "here")
+    first = loco.launch(env_worker, 2, **kw)
+    monkeypatch.setenv("LOCO_TEST_SET", "second")
+    monkeypatch.delenv("LOCO_TEST_GONE")
+    second = loco.launch(env_worker, 2, **kw)
+    ranks = ["0", "1"] if elastic is None else [None, None]
+    assert first == [{"LOCO_TEST_SET": "first", "LOCO_TEST_GONE": "here", "RANK": r}
+                     for r in ranks]
+    assert second == [{"LOCO_TEST_SET": "second", "LOCO_TEST_GONE": None, "RANK": r}
+                      for r in ranks]

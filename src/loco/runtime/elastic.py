@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import datetime
 import logging
-import multiprocessing as mp
 import os
 import pickle
 import queue
@@ -37,6 +36,7 @@ from loco.runtime.context import (
     emulated,
     worker_comms,
 )
+from loco.runtime.starter import adopt_environment, context
 
 
 log = logging.getLogger("loco.elastic")
@@ -136,9 +136,10 @@ def launch_elastic(fn: Callable[..., Any], args: tuple, replicas: int, timeout: 
     min_workers = spec.check(replicas)
     lighthouse = start_lighthouse(min_workers, spec.heartbeat_timeout,
                                   join_timeout=timeout)
-    ctx = mp.get_context("spawn")
+    ctx = context(getattr(fn, "__module__", None))
     job = _Job(ctx, _RankSpec(fn, args, replicas, shards, lighthouse.address(), min_workers,
-                              timeout, links, "127.0.0.1", ctx.Event()), ctx.Queue())
+                              timeout, links, "127.0.0.1", ctx.Event(), dict(os.environ)),
+               ctx.Queue())
     try:
         for w in range(replicas):
             job.start(w, 0)
@@ -169,6 +170,8 @@ class _RankSpec:
         host: the address the other workers reach this one at.
         job_over: a multiprocessing Event the supervisor sets when a rank finished the job
             (then one still joining stops); None for a worker of an external Lighthouse.
+        env: the supervisor's environment at launch, which every rank process (and every
+            restart) adopts; None: keep the process's own.
     """
 
     fn: Callable[..., Any]
@@ -181,6 +184,7 @@ class _RankSpec:
     links: tuple
     host: str
     job_over: Any = None
+    env: dict | None = None
 
 
 class _Job:
@@ -404,6 +408,8 @@ def _entry(job: _RankSpec, key: tuple[int, int], restart: int, port: int | None,
            results) -> None:
     """A rank process of an elastic worker started by ``launch_elastic``: ``job.fn`` in its
     context; the result (or the traceback) goes back through ``results``."""
+    if job.env is not None:
+        adopt_environment(job.env)
     os.environ[RESTART_ENV] = str(restart)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // (job.replicas * job.shards)))
     store = (dist.TCPStore("127.0.0.1", port, is_master=False,

@@ -53,6 +53,7 @@ from loco.runtime.context import (
     worker_comms,
 )
 from loco.runtime.elastic import Elastic, launch_elastic, run_worker
+from loco.runtime.starter import START_METHOD, adopt_environment, context
 
 LAUNCHERS = ("threads", "processes", "torchrun")
 """How the workers run: threads of this process, local processes, or ranks of torchrun."""
@@ -292,16 +293,17 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    context(getattr(fn, "__module__", None))  # what the ranks' fork server imports once
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=mesh.world_size,
         run_id=f"loco-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
         rdzv_configs={"is_host": True}, local_addr="127.0.0.1",
-        max_restarts=max_restarts, monitor_interval=0.1, start_method="spawn",
+        max_restarts=max_restarts, monitor_interval=0.1, start_method=START_METHOD,
     )
     try:
-        out = elastic_launch(config, _process_entry)(fn, args, mesh.stages, mesh.shards,
-                                                     timeout, links)
+        out = elastic_launch(config, _process_entry)(dict(os.environ), fn, args, mesh.stages,
+                                                     mesh.shards, timeout, links)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
         message = failure.message
@@ -312,7 +314,9 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
     return [out[r] for r in sorted(out)]
 
 
-def _process_entry(fn, args, stages: int, shards: int, timeout: float, links: tuple):
+def _process_entry(env: dict, fn, args, stages: int, shards: int, timeout: float,
+                   links: tuple):
+    adopt_environment(env)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
     return _run_from_env(fn, args, int(os.environ["WORLD_SIZE"]), stages, shards, timeout,
                          "processes", links)
