@@ -13,6 +13,19 @@ os.environ.setdefault("LOCO_CODEC_KERNEL", "eager")
 # single-process references from oversubscribing the cores when the machine is busy.
 torch.set_num_threads(1)
 
+# The files that take longest (measured with --durations, most first), collected first. Under
+# pytest-xdist (`make test`) each file goes whole to the next free worker in collection
+# order: the long ones, mostly waiting on worker processes, start at once, and the short ones
+# fill the cores around them instead of leaving one long file to run on alone at the end.
+SLOWEST_FIRST = ("test_elastic.py", "test_streaming.py", "test_train_worker_ranks.py",
+                 "test_worker_ranks.py", "test_netns_wan.py", "test_reliability.py",
+                 "test_cli.py", "test_harness.py", "test_outer_thread.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    order = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: order.get(item.path.name, len(order)))  # stable within a file
+
 
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory):
