@@ -79,10 +79,20 @@ def test_report_numbers_are_the_runs_summaries(compared):
         assert int(row[5].replace(",", "")) == summary["peak_sync_bytes_per_worker"]
         assert float(row[7]) == round(summary["wall_seconds"], 1)
         assert int(row[8].replace(",", "")) == round(summary["tokens_per_second"])
+        # one currency: bits a worker sent per parameter per inner step, and per token
+        sent = summary["slow_link_bytes_sent_per_worker"]
+        bits = 8 * sent / (summary["model_parameters"] * summary["inner_steps"])
+        assert entry["compare"]["bits_per_parameter_per_step"] == pytest.approx(bits, rel=1e-12)
+        assert entry["compare"]["bytes_per_token"] == pytest.approx(
+            sent * summary["workers"] / summary["tokens"], rel=1e-12)
+        assert row[9] == ("0" if sent == 0 else f"{bits:.3g}")
         if summary["bytes_sent_per_worker"]:
             ratio = ddp["bytes_sent_per_worker"] / summary["bytes_sent_per_worker"]
             assert entry["compare"]["ddp_bytes_over_bytes"] == pytest.approx(ratio)
     assert rows["Local"][6] == "∞" and numbers["local"]["bytes_sent_per_worker"] == 0
+    # DataParallel in fp32 over a ring of M = 2 sends 64 (M - 1) / M = 32 bits per parameter
+    # and step (every parameter's gradient, reduce-scatter and all-gather, one of two halves)
+    assert numbers["ddp"]["compare"]["bits_per_parameter_per_step"] == pytest.approx(32)
     # DataParallel's gradient wire format stands next to its bytes, and in compare.json.
     assert rows["DataParallel"][4].endswith(" (fp32)")
     assert rows["DataParallel"][1] == "gradients averaged every step, sent in fp32"

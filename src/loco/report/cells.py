@@ -40,6 +40,16 @@ def sent_cell(run: Run) -> str:
     return f"{sent} ({wire})" if wire else sent
 
 
+def bits_cell(bits: float | None) -> str:
+    """Bits per parameter per inner step, to three significant digits; ``–`` where not
+    recorded.
+
+    Args:
+        bits: [`Summary.bits_per_parameter_per_step`][loco.training.summary.Summary.bits_per_parameter_per_step].
+    """
+    return "–" if bits is None else "0" if bits == 0 else f"{bits:.3g}"
+
+
 def link_cell(run: Run, link: str) -> str:
     """Bytes a worker sent over one link, its ranks together; ``–`` where not recorded.
 

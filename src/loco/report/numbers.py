@@ -107,6 +107,8 @@ def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
                "run_dir": os.path.relpath(r.path, out), "eval_loss_vs_ddp_pct": None,
                "ddp_bytes_over_bytes": None, "diloco_peak_over_peak": None,
                "grad_codec": r.method.wire(s.config),
+               "bits_per_parameter_per_step": s.bits_per_parameter_per_step,
+               "bytes_per_token": s.bytes_per_token,
                "sweep": sweep[1] if sweep else None,
                "downstream": {task: dict(zip(("metric", "value"), main_metric(entry)))
                               for task, entry in (s.downstream or {}).items()

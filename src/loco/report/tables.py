@@ -3,7 +3,7 @@ the settings and the machines."""
 
 from __future__ import annotations
 
-from loco.report.cells import link_cell, pct_cell, ratio_cell, sent_cell, value_cell
+from loco.report.cells import bits_cell, link_cell, pct_cell, ratio_cell, sent_cell, value_cell
 from loco.report.numbers import baseline, main_metric
 from loco.report.runs import Run, sweep_groups, worker_ranks
 from loco.report.seeds import over_seeds
@@ -32,6 +32,7 @@ def table(runs: list[Run], numbers: dict[str, dict],
     ranks = any(worker_ranks(r) > 1 for r in runs)
     head = ["method", "setting", "final eval loss", "vs DataParallel", "sent / worker (B)",
             "peak sync / worker (B)", "DataParallel ÷ sent", "wall time (s)", "tokens/s"]
+    head.append("bits / parameter / step")
     if ranks:
         head[6:6] = ["slow link / worker (B)", "fast link / worker (B)"]
     if link:
@@ -46,7 +47,8 @@ def table(runs: list[Run], numbers: dict[str, dict],
                f"{s.peak_sync_bytes_per_worker:,}",
                "∞" if rel["eval_loss_vs_ddp_pct"] is not None and not s.bytes_sent_per_worker
                else ratio_cell(rel["ddp_bytes_over_bytes"]),
-               f"{s.wall_seconds:.1f}", f"{s.tokens_per_second:,.0f}"]
+               f"{s.wall_seconds:.1f}", f"{s.tokens_per_second:,.0f}",
+               bits_cell(s.bits_per_parameter_per_step)]
         if ranks:
             row[6:6] = [link_cell(r, "slow"), link_cell(r, "fast")]
         if link:
