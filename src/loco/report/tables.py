@@ -31,8 +31,8 @@ def table(runs: list[Run], numbers: dict[str, dict],
     link = any(r.summary.link for r in runs)
     ranks = any(worker_ranks(r) > 1 for r in runs)
     head = ["method", "setting", "final eval loss", "vs DataParallel", "sent / worker (B)",
-            "peak sync / worker (B)", "DataParallel ÷ sent", "wall time (s)", "tokens/s"]
-    head.append("bits / parameter / step")
+            "peak sync / worker (B)", "DataParallel ÷ sent", "wall time (s)", "tokens/s",
+            "bits / parameter / step"]
     if ranks:
         head[6:6] = ["slow link / worker (B)", "fast link / worker (B)"]
     if link:

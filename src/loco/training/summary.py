@@ -148,17 +148,22 @@ class Summary:
     unknown: dict[str, Any] = field(default_factory=dict)
 
     @property
+    def _sent_per_worker(self) -> int | None:
+        """A worker's slow-link bytes, its ranks together (``bytes_sent_per_worker`` for
+        runs that predate the per-worker count)."""
+        if self.slow_link_bytes_sent_per_worker is not None:
+            return self.slow_link_bytes_sent_per_worker
+        return self.bytes_sent_per_worker
+
+    @property
     def bits_per_parameter_per_step(self) -> float | None:
         """The one currency every method is compared in: the bits a worker sent to other
         workers per model parameter per inner step,
-        ``8 · sent / (model_parameters · inner_steps)``, where ``sent`` is the worker's slow
-        link bytes, its ranks together (``bytes_sent_per_worker`` for runs that predate
-        the per-worker count). DataParallel in fp32 over a ring of M workers sends
+        ``8 · sent / (model_parameters · inner_steps)``, ``sent`` the worker's slow-link
+        bytes, its ranks together. DataParallel in fp32 over a ring of M workers sends
         64 (M − 1) / M; DiLoCo in fp32 about that divided by H; Local 0. None when a part
         is not recorded."""
-        sent = (self.slow_link_bytes_sent_per_worker
-                if self.slow_link_bytes_sent_per_worker is not None
-                else self.bytes_sent_per_worker)
+        sent = self._sent_per_worker
         if sent is None or not self.model_parameters or not self.inner_steps:
             return None
         return 8 * sent / (self.model_parameters * self.inner_steps)
@@ -166,13 +171,11 @@ class Summary:
     @property
     def bytes_per_token(self) -> float | None:
         """Bytes a worker sent to other workers per token it trained:
-        ``sent · workers / tokens`` (``sent`` as for
-        [`bits_per_parameter_per_step`][loco.training.summary.Summary.bits_per_parameter_per_step]);
-        None when a part is not recorded."""
-        bits = self.bits_per_parameter_per_step
-        if bits is None or not self.tokens or not self.workers:
+        ``sent · workers / tokens``; None when a part is not recorded."""
+        sent = self._sent_per_worker
+        if sent is None or not self.tokens or not self.workers:
             return None
-        return bits / 8 * self.model_parameters * self.inner_steps * self.workers / self.tokens
+        return sent * self.workers / self.tokens
 
     @property
     def downstream(self) -> dict[str, dict[str, Any]] | None:
