@@ -33,6 +33,14 @@ class Codec:
 
     name: str
     bits: int
+    gathers: bool = False
+    """Whether every worker's encoded tensor is all-gathered whole
+    ([`Comm.all_gather_mean`][loco.comm.comm.Comm.all_gather_mean]) rather than reduced
+    chunk by chunk on the way: the formats whose kept positions differ between workers."""
+    PROBE: tuple = (1.0, -2.0, 0.5, 0.0)
+    """Values for ``get_codec``'s device check: they decode as ``PROBE_DECODED``, or as
+    themselves where that is None (values the format carries exactly)."""
+    PROBE_DECODED: tuple | None = None
     """Bits per value on the wire, scales excluded (``CODEC_BITS[name]``)."""
     kernel: str = "eager"
     """How ``encode_rows`` and ``decode_rows`` run: ``"fused"`` (``torch.compile`` of the

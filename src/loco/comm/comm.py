@@ -22,7 +22,7 @@ from torch.profiler import record_function
 
 from loco.comm.counters import RECORDS_KEPT, CommStats, Counter, OpRecord
 from loco.comm.handles import Aborted, Handle
-from loco.comm.reduce import Buffers, layout, reduce_mean
+from loco.comm.reduce import Buffers, gather_mean, layout, reduce_mean
 from loco.comm.streams import streams_for
 from loco.comm.thread import CommThread
 
@@ -242,7 +242,8 @@ class Comm:
 
     # ---------------------------------------------------------------------------- operations
     def all_reduce_mean(self, tensor: torch.Tensor, tag: str = "train",
-                        codec: Codec | None = None) -> Handle:
+                        codec: Codec | None = None, sent: torch.Tensor | None = None
+                        ) -> Handle:
         """Average ``tensor`` over all workers, in place, asynchronously.
 
         The caller must not touch ``tensor`` until ``wait()`` returns. Without a codec the
@@ -260,7 +261,11 @@ class Comm:
             tag: the tag its bytes are counted under; default ``"train"``.
             codec: wire format of the values (see
                 [`get_codec`][loco.comm.codecs.get_codec]); default None: the tensor's own
-                dtype, unencoded.
+                dtype, unencoded. A codec that ``gathers`` goes through
+                [`all_gather_mean`][loco.comm.comm.Comm.all_gather_mean] instead.
+            sent: a 1-D fp32 tensor of ``tensor.numel()`` values that receives what this
+                worker's values became on the wire (its encoded chunks, decoded), written
+                before ``wait()`` returns: the error feedback's ``D(C(x))``; default None.
 
         Returns:
             A handle whose ``wait()`` returns ``tensor``'s flat view, holding the mean.
@@ -268,6 +273,8 @@ class Comm:
         Raises:
             ValueError: ``tensor`` is not contiguous, or not fp32 with a codec.
         """
+        if codec is not None and codec.gathers:
+            return self.all_gather_mean(tensor, tag, codec, sent)
         if not tensor.is_contiguous():
             raise ValueError("all_reduce_mean needs a contiguous tensor")
         flat = tensor.view(-1)
@@ -280,13 +287,49 @@ class Comm:
         divisor = self.contributors
         # Two dependent phases (reduce-scatter, then all-gather): two latencies on a link.
         return self._submit("all_reduce_mean", tag, n * b, wire, wire,
-                            lambda: self._reduce_mean(flat, chunk, codec, m, divisor), [flat],
-                            phases=2)
+                            lambda: self._reduce_mean(flat, chunk, codec, m, divisor, sent),
+                            [flat] + ([] if sent is None else [sent]), phases=2)
 
     def _reduce_mean(self, flat: torch.Tensor, chunk: int, codec: Codec | None, m: int,
-                     divisor: int) -> torch.Tensor:
+                     divisor: int, sent: torch.Tensor | None = None) -> torch.Tensor:
         return reduce_mean(flat, chunk, codec, m, divisor, self._buffers, self._all_to_all,
-                           self._gather)
+                           self._gather, sent)
+
+    def all_gather_mean(self, tensor: torch.Tensor, tag: str = "train", codec: Codec = None,
+                        sent: torch.Tensor | None = None) -> Handle:
+        """Average ``tensor`` over all workers, in place, asynchronously, by all-gathering
+        every worker's whole encoded tensor: each worker decodes all M and sums them in fp32
+        in rank order (the same bits everywhere). For the formats whose kept positions
+        differ between workers (``codec.gathers``: SparseLoCo's chunked top-k), which a
+        reduce-scatter would have to encode twice.
+
+        Each worker sends and receives ``(M − 1) · codec.row_bytes(codec.padded(n))`` bytes:
+        unlike an all-reduce's, they grow with M.
+
+        Args:
+            tensor: the contiguous fp32 tensor to average, overwritten with the mean.
+            tag: the tag its bytes are counted under; default ``"train"``.
+            codec: the wire format (see [`get_codec`][loco.comm.codecs.get_codec]).
+            sent: as for [`all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean]: receives
+                ``D(C(tensor))``; default None.
+
+        Returns:
+            A handle whose ``wait()`` returns ``tensor``'s flat view, holding the mean.
+
+        Raises:
+            ValueError: ``tensor`` is not contiguous or not fp32, or no codec.
+        """
+        if not tensor.is_contiguous() or tensor.dtype != torch.float32 or codec is None:
+            raise ValueError("all_gather_mean needs a contiguous fp32 tensor and a codec (got "
+                             f"{tensor.dtype}, contiguous={tensor.is_contiguous()}, {codec})")
+        flat = tensor.view(-1)
+        m, n = self.size, flat.numel()
+        wire = (m - 1) * codec.row_bytes(codec.padded(n)) if n else 0
+        divisor = self.contributors
+        return self._submit("all_gather_mean", tag, n * 4, wire, wire,
+                            lambda: gather_mean(flat, codec, m, divisor, self._buffers,
+                                                self._gather, sent),
+                            [flat] + ([] if sent is None else [sent]))
 
     def _all_to_all(self, received: torch.Tensor, outgoing: torch.Tensor) -> None:
         """The group's all-to-all of two flat buffers of equal size."""

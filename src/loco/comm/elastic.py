@@ -378,7 +378,8 @@ class ElasticComm(Comm):
             handle = (reissue or handle.reissue)()
 
     def all_reduce_mean(self, tensor: torch.Tensor, tag: str = "train",
-                        codec: Codec | None = None) -> Handle:
+                        codec: Codec | None = None, sent: torch.Tensor | None = None
+                        ) -> Handle:
         """[`Comm.all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean] over the
         members, divided by the contributors; a copy of the input is kept so that a sync
         that is not committed can be issued again from it (``handle.reissue()``).
@@ -387,18 +388,33 @@ class ElasticComm(Comm):
             tensor: as for ``Comm.all_reduce_mean``; zeroed on a worker just healed.
             tag: as for ``Comm.all_reduce_mean``.
             codec: as for ``Comm.all_reduce_mean``.
+            sent: as for ``Comm.all_reduce_mean`` (rewritten by a reissue).
 
         Returns:
             The handle, with a ``reissue()`` that issues the same reduction again.
         """
+        if codec is not None and codec.gathers:
+            return self.all_gather_mean(tensor, tag, codec, sent)
+        return self._reissuable(super().all_reduce_mean, tensor, tag, codec, sent)
+
+    def all_gather_mean(self, tensor: torch.Tensor, tag: str = "train", codec: Codec = None,
+                        sent: torch.Tensor | None = None) -> Handle:
+        """[`Comm.all_gather_mean`][loco.comm.comm.Comm.all_gather_mean] over the members,
+        reissuable as ``all_reduce_mean`` is (same arguments)."""
+        return self._reissuable(super().all_gather_mean, tensor, tag, codec, sent)
+
+    def _reissuable(self, op: Callable[..., Handle], tensor: torch.Tensor, *args: Any
+                    ) -> Handle:
+        """``op(tensor, *args)`` from a kept copy of ``tensor`` (zeroed first on a worker just
+        healed), with a ``reissue()`` that restores the copy and issues it again."""
         if self.healed:
             tensor.zero_()
         saved = tensor.detach().clone()
-        handle = super().all_reduce_mean(tensor, tag, codec)
+        handle = op(tensor, *args)
 
         def reissue() -> Handle:
             tensor.copy_(saved)
-            return self.all_reduce_mean(tensor, tag, codec)
+            return self._reissuable(op, tensor, *args)
 
         handle.reissue = reissue
         return handle

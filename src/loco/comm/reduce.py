@@ -84,7 +84,8 @@ AllGather = Callable[[list, torch.Tensor], None]
 
 
 def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor: int,
-                buffers: Buffers, all_to_all: AllToAll, all_gather: AllGather) -> torch.Tensor:
+                buffers: Buffers, all_to_all: AllToAll, all_gather: AllGather,
+                sent: torch.Tensor | None = None) -> torch.Tensor:
     """Average ``flat`` over ``parts`` workers, in place, through two collectives: a
     reduce-scatter done as an all-to-all (worker j receives chunk j of every worker, decodes
     it and sums it in fp32, in rank order, so every worker gets the same bits) and an
@@ -97,6 +98,9 @@ def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor:
         parts: workers M, >= 1.
         divisor: what the sum is divided by (the workers that contribute).
         buffers: where the operation's intermediate results are kept.
+        sent: where to write what this worker's values became on the wire (its encoded
+            chunks, decoded: ``D(C(flat))``, the first ``numel`` values), for error
+            feedback; default None.
         all_to_all: ``all_to_all(received, outgoing)``: flat buffers of equal size; worker
             j's slice i of ``outgoing`` lands in worker i's slice j of ``received``.
         all_gather: ``all_gather(out, tensor)``: every worker's ``tensor`` into ``out``, a
@@ -111,11 +115,15 @@ def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor:
     rows = _rows(flat, parts * chunk, buffers).view(parts, chunk)
     if parts == 1:  # nothing to send, but the value is what the wire format can carry
         flat.copy_(codec.decode_rows(codec.encode_rows(rows), chunk)[0, :n])
+        if sent is not None:
+            sent.copy_(flat)
         return flat
     encode, decode = _coders(codec, chunk, buffers)
     # One profiler range per phase, on the calling thread: docs/profiling.md.
     with record_function("loco/encode"):
         outgoing = encode(rows, "outgoing")
+        if sent is not None:  # before the all-to-all: the kept buffers are reused below
+            sent.copy_((rows if codec is None else decode(outgoing, "echo")).view(-1)[:n])
     received = buffers("received", outgoing.shape, outgoing.dtype)
     with record_function("loco/all_to_all"):
         all_to_all(received.view(-1), outgoing.view(-1))
@@ -132,6 +140,51 @@ def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor:
             rows = decode(gathered, rows)
         if rows.data_ptr() != flat.data_ptr():
             flat.copy_(rows.view(-1)[:n])
+    return flat
+
+
+def gather_mean(flat: torch.Tensor, codec: Any, parts: int, divisor: int, buffers: Buffers,
+                all_gather: AllGather, sent: torch.Tensor | None = None) -> torch.Tensor:
+    """Average ``flat`` over ``parts`` workers, in place, through one all-gather of every
+    worker's encoded tensor: for the formats whose kept values differ between workers
+    (SparseLoCo's top-k), which a reduce-scatter would encode a second time. Every worker
+    decodes all M messages and sums them in fp32 in rank order, so all get the same bits.
+
+    Args:
+        flat: the contiguous 1-D fp32 tensor, overwritten with the mean.
+        codec: the wire format: the whole tensor is one row of ``codec.padded(numel)``
+            values (zero-padded).
+        parts: workers M, >= 1.
+        divisor: what the sum is divided by (the workers that contribute).
+        buffers: where the operation's intermediate results are kept.
+        all_gather: as for [`reduce_mean`][loco.comm.reduce.reduce_mean].
+        sent: where to write ``D(C(flat))``, what this worker's values became on the wire;
+            default None.
+
+    Returns:
+        ``flat``, holding the mean.
+    """
+    n = flat.numel()
+    if n == 0:
+        return flat
+    width = codec.padded(n)
+    row = _rows(flat, width, buffers).view(1, width)
+    with record_function("loco/encode"):
+        mine = codec.encode_rows(row)
+    decoded = buffers("decoded", (1, width), torch.float32)
+    if sent is not None:
+        sent.copy_(codec.decode_rows(mine, width).view(-1)[:n])
+    gathered = buffers("gathered", (parts, mine.shape[1]), mine.dtype)
+    with record_function("loco/all_gather"):
+        if parts == 1:
+            gathered.copy_(mine)
+        else:
+            all_gather(list(gathered.unbind(0)), mine[0])
+    with record_function("loco/decode"):
+        total = buffers("sum", (1, width), torch.float32).zero_()
+        for r in range(parts):
+            total.add_(codec.decode_rows(gathered[r:r + 1], width, out=decoded))
+        flat.copy_(total.view(-1)[:n].div_(divisor))
     return flat
 
 

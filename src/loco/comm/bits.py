@@ -1,0 +1,126 @@
+"""Fixed-width bit packing and Elias-Fano coding of sorted index sets, row by row, in torch
+ops only (no Python loop over values): the index and value codes of the sparse formats
+(SparseLoCo's top-k, DeMo's DCT coefficients).
+
+Bits are little-endian within a row: value ``j``'s bit ``b`` is bit ``j · width + b`` of the
+row, and bit ``i`` of a row is bit ``i % 8`` of byte ``i // 8``. A row of ``n`` values of
+``width`` bits takes exactly ``packed_bytes(n, width)`` bytes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loco.comm.formats import ef_bytes, ef_low_bits, packed_bytes
+
+
+def pack(values: torch.Tensor, width: int) -> torch.Tensor:
+    """Pack the rows of ``values`` (non-negative integers below ``2**width``) into
+    ``width`` bits each.
+
+    Args:
+        values: an integer tensor of shape (rows, n).
+        width: bits per value, in [0, 32]; 0 packs nothing.
+
+    Returns:
+        uint8 of shape (rows, ``packed_bytes(n, width)``).
+    """
+    rows, n = values.shape
+    if width == 0 or n == 0:
+        return torch.zeros(rows, 0, dtype=torch.uint8, device=values.device)
+    shifts = torch.arange(width, device=values.device, dtype=torch.int64)
+    bits = (values.to(torch.int64).unsqueeze(-1) >> shifts) & 1  # (rows, n, width)
+    return _bytes_of(bits.reshape(rows, n * width).to(torch.uint8))
+
+
+def unpack(buf: torch.Tensor, n: int, width: int) -> torch.Tensor:
+    """The ``n`` values of ``width`` bits per row that [`pack`][loco.comm.bits.pack] wrote.
+
+    Args:
+        buf: uint8 of shape (rows, >= ``packed_bytes(n, width)``).
+        n: values per row.
+        width: bits per value, in [0, 32].
+
+    Returns:
+        int64 of shape (rows, n).
+    """
+    rows = buf.shape[0]
+    if width == 0 or n == 0:
+        return torch.zeros(rows, n, dtype=torch.int64, device=buf.device)
+    bits = _bits_of(buf[:, :packed_bytes(n, width)], n * width).reshape(rows, n, width)
+    weights = torch.ones(width, dtype=torch.int64, device=buf.device) << torch.arange(
+        width, device=buf.device, dtype=torch.int64)
+    return (bits.to(torch.int64) * weights).sum(-1)
+
+
+def _bytes_of(bits: torch.Tensor) -> torch.Tensor:
+    """uint8 (rows, m) of 0/1 -> uint8 (rows, ceil(m / 8)), bit i of a row in byte i // 8."""
+    rows, m = bits.shape
+    pad = -m % 8
+    if pad:
+        bits = torch.cat([bits, bits.new_zeros(rows, pad)], dim=1)
+    weights = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8, device=bits.device)
+    return (bits.view(rows, (m + pad) // 8, 8) * weights).sum(-1, dtype=torch.uint8)
+
+
+def _bits_of(buf: torch.Tensor, m: int) -> torch.Tensor:
+    """The first ``m`` bits of each row of ``buf`` as uint8 0/1, shape (rows, m)."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=buf.device)
+    bits = (buf.unsqueeze(-1) >> shifts) & 1
+    return bits.reshape(buf.shape[0], -1)[:, :m]
+
+
+# ------------------------------------------------------------------------------ Elias-Fano
+def ef_encode(sorted_idx: torch.Tensor, n: int) -> torch.Tensor:
+    """Elias-Fano code of each row of ``sorted_idx`` (distinct indices below ``n``, in
+    increasing order), ``ef_bytes(n, k)`` bytes per row.
+
+    Args:
+        sorted_idx: integers of shape (rows, k), each row strictly increasing, in [0, n).
+        n: the range of the indices.
+
+    Returns:
+        uint8 of shape (rows, ``ef_bytes(n, k)``).
+    """
+    rows, k = sorted_idx.shape
+    if k == 0:
+        return torch.zeros(rows, 0, dtype=torch.uint8, device=sorted_idx.device)
+    low = ef_low_bits(n, k)
+    idx = sorted_idx.to(torch.int64)
+    width = k + ((n - 1) >> low)
+    bitmap = torch.zeros(rows, width, dtype=torch.uint8, device=idx.device)
+    bitmap.scatter_(1, (idx >> low) + torch.arange(k, device=idx.device), 1)
+    return torch.cat([pack(idx & ((1 << low) - 1), low), _bytes_of(bitmap)], dim=1)
+
+
+def ef_decode(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """The sorted indices that [`ef_encode`][loco.comm.bits.ef_encode] coded.
+
+    Args:
+        buf: uint8 of shape (rows, >= ``ef_bytes(n, k)``).
+        n: the range of the indices.
+        k: indices per row.
+
+    Returns:
+        int64 of shape (rows, k), each row increasing.
+
+    Raises:
+        ValueError: a row's bitmap does not hold exactly ``k`` set bits (corrupt input).
+    """
+    rows = buf.shape[0]
+    if k == 0:
+        return torch.zeros(rows, 0, dtype=torch.int64, device=buf.device)
+    low = ef_low_bits(n, k)
+    low_bytes = packed_bytes(k, low)
+    width = k + ((n - 1) >> low)
+    bitmap = _bits_of(buf[:, low_bytes:low_bytes + packed_bytes(width, 1)], width)
+    where = bitmap.nonzero()  # row-major: each row's set bits in increasing order
+    if where.shape[0] != rows * k:
+        raise ValueError(f"Elias-Fano rows hold {where.shape[0]} set bits, expected "
+                         f"{rows} x {k}")
+    high = where[:, 1].reshape(rows, k) - torch.arange(k, device=buf.device)
+    return (high << low) | unpack(buf[:, :low_bytes], k, low)
+
+
+__all__ = ["ef_bytes", "ef_decode", "ef_encode", "ef_low_bits", "pack", "packed_bytes",
+           "unpack"]

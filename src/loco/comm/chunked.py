@@ -1,0 +1,139 @@
+"""SparseLoCo's wire format: in every chunk of ``block`` values, the ``k`` largest magnitudes,
+each in 2 bits, with two bf16 magnitudes per chunk and the set of positions coded compactly.
+
+Workers keep different positions, so a mean cannot be formed chunk by chunk on the way (a
+reduce-scatter would encode it a second time): these codecs are all-gathered
+(``gathers``; [`Comm.all_gather_mean`][loco.comm.comm.Comm.all_gather_mean]).
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+
+import torch
+
+from loco.comm.bits import ef_decode, ef_encode, pack, unpack
+from loco.comm.codec import Codec, check_out
+from loco.comm.formats import chunk_topk_bytes, index_bits
+
+DEFAULT_CHUNK = 4096
+"""Values per chunk (SparseLoCo's and Templar's 4096)."""
+DEFAULT_CHUNK_KEEP = 1 / 64
+"""Share kept per chunk: 64 of every 4096 values (SparseLoCo's 1.56%)."""
+
+
+class ChunkTopKCodec(Codec):
+    """``topk_2bit`` (positions Elias-Fano coded) and ``topk_2bit_packed`` (positions as
+    ``ceil(log2 block)``-bit integers: 12 bits for 4096, the peers' packing).
+
+    Of each chunk of ``block`` values, the ``k = ceil(keep · block)`` largest magnitudes
+    are sent (ties: the lower position, as ``torch.topk`` orders them on one device).
+    Each kept value is 2 bits: its sign, and whether its magnitude is at least the mean
+    magnitude ``m`` of the chunk's kept values. It decodes as ``±lo`` or ``±hi``, the mean
+    magnitude of the kept values below ``m`` and of those at or above it (each rounded to
+    bf16), so each group's decoded magnitudes sum to about its true ones. A chunk is laid
+    out ``[2-bit codes][lo, hi as bf16][positions]``; a row is its chunks back to back.
+
+    A non-finite value makes its chunk's magnitudes NaN or infinite, so the decoded chunk is
+    not finite and the sync is caught as such.
+
+    Args:
+        name: ``"topk_2bit"`` or ``"topk_2bit_packed"``.
+        block: values per chunk, an integer in [2, 65536].
+        keep: the share kept per chunk, in (0, 1]; ``k`` is computed exactly from its
+            shortest decimal form.
+    """
+
+    gathers = True
+    PROBE = (1.0, -2.0, 2.0, -1.0)  # two magnitudes: exact when every value is kept
+
+    def __init__(self, name: str, block: int, keep: float):
+        super().__init__(name, block)
+        self.keep = keep
+        self.k = max(1, math.ceil(Fraction(repr(float(keep))) * block))
+        self.elias_fano = name == "topk_2bit"
+        self.chunk_bytes = chunk_topk_bytes(name, block, self.k)
+        self._value_bytes = -(-2 * self.k // 8)
+
+    def _row_bytes(self, c: int) -> int:
+        return c // self.block * self.chunk_bytes
+
+    def encode_rows(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Encode every row on its own, chunk by chunk (see the class).
+
+        Args:
+            x: fp32 ``(rows, c)``, ``c`` a multiple of ``block``.
+            out: where to copy the bytes, uint8 ``(rows, row_bytes(c))``; default None.
+
+        Returns:
+            uint8 ``(rows, row_bytes(c))`` (``out`` when given).
+        """
+        self._check_rows(x)
+        rows, c = x.shape
+        chunks = x.detach().reshape(-1, self.block)
+        idx = torch.topk(chunks.abs(), self.k, dim=1, sorted=False).indices.sort(dim=1).values
+        v = chunks.gather(1, idx)
+        mag = v.abs()
+        hi = mag >= mag.mean(dim=1, keepdim=True)
+        n_hi = hi.sum(dim=1, dtype=torch.float32)
+        sum_hi = (mag * hi).sum(dim=1)
+        s_hi = sum_hi / n_hi.clamp(min=1)
+        s_lo = (mag.sum(dim=1) - sum_hi) / (self.k - n_hi).clamp(min=1)
+        scales = torch.stack([s_lo, s_hi], dim=1).to(torch.bfloat16).view(torch.uint8)
+        codes = (v < 0).to(torch.int64) | hi.to(torch.int64) << 1
+        where = ef_encode(idx, self.block) if self.elias_fano else pack(
+            idx, index_bits(self.block))
+        enc = torch.cat([pack(codes, 2), scales, where], dim=1).view(rows, -1)
+        return enc if out is None else _into(self, out, enc)
+
+    def decode_rows(self, buf: torch.Tensor, c: int,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense fp32 rows: the kept values at their positions, zeros elsewhere.
+
+        Args:
+            buf: uint8 ``(rows, row_bytes(c))``.
+            c: values per row.
+            out: where to write them, fp32 ``(rows, c)``; default None.
+
+        Returns:
+            fp32 ``(rows, c)`` (``out`` when given).
+        """
+        self._check_buf(buf, c)
+        rows = buf.shape[0]
+        if out is None:
+            out = torch.zeros((rows, c), dtype=torch.float32, device=buf.device)
+        else:
+            check_out(self, out, (rows, c), torch.float32)
+            out.zero_()
+        if c == 0:
+            return out
+        chunks = buf.reshape(-1, self.chunk_bytes)
+        nv = self._value_bytes
+        codes = unpack(chunks[:, :nv], self.k, 2)
+        scales = chunks[:, nv:nv + 4].clone().view(torch.bfloat16).to(torch.float32)
+        where = chunks[:, nv + 4:]
+        idx = (ef_decode(where, self.block, self.k) if self.elias_fano
+               else unpack(where, self.k, index_bits(self.block)))
+        mag = torch.where(codes >= 2, scales[:, 1:2], scales[:, 0:1])
+        vals = torch.where(codes & 1 == 1, -mag, mag)
+        dense = out if out.is_contiguous() else torch.zeros_like(out)
+        dense.view(-1, self.block).scatter_(1, idx, vals)
+        return dense if dense is out else out.copy_(dense)
+
+    def _check_buf(self, buf: torch.Tensor, c: int) -> torch.Tensor:
+        if buf.dim() != 2 or buf.dtype != torch.uint8 or buf.shape[1] != self.row_bytes(c):
+            raise ValueError(f"{self}: rows of {c} values take {self.row_bytes(c)} bytes, "
+                             f"got {buf.dtype} {tuple(buf.shape)}")
+        return buf
+
+    def __repr__(self) -> str:
+        return f"Codec({self.name}, block={self.block}, k={self.k})"
+
+
+def _into(codec: Codec, out: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
+    check_out(codec, out, tuple(enc.shape), torch.uint8)
+    return out.copy_(enc)
+
+
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_CHUNK_KEEP", "ChunkTopKCodec"]
