@@ -5,6 +5,7 @@ single-process references of the algorithms' maths."""
 from __future__ import annotations
 
 import copy
+import math
 import os
 import time
 
@@ -212,8 +213,9 @@ def reference_diloco(workers, steps, sync_every, outer_lr, outer_momentum, neste
 
 def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, codec="fp32",
                         outer_lr=0.4, outer_momentum=0.9, nesterov=True, layers=4,
-                        pattern="strided", block=32, data=batch, shards=1, parallel="ddp",
-                        optimizer=make_optimizer, lost=None, rejoin=None):
+                        pattern="strided", block=None, data=batch, shards=1, parallel="ddp",
+                        optimizer=make_optimizer, lost=None, rejoin=None, error_feedback=0.0,
+                        keep=None):
     """Streaming DiLoCo as the paper's algorithm box, in one process: per-fragment
     pseudo-gradients, quantized (and the mean re-quantized) with the codec, an outer Nesterov
     step by hand, and the α-merge into each worker's moved-on parameters at t + τ_m (``overlap``
@@ -223,7 +225,13 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     sent at step s on (the mean is over the others); ``rejoin={m: (s, start)}``: it joins again
     at the sync sent at s, taking the global copy as it was before that sync's outer step at
     step ``start`` (s, or s + τ when it joined during a retry), with a fresh inner optimizer;
-    it contributes to the syncs after that one and trains from step start + 1."""
+    it contributes to the syncs after that one and trains from step start + 1.
+
+    Error feedback (``error_feedback`` β > 0): worker m keeps e_{m,p}; at a send
+    e ← β·e + Δ, it contributes D(C(e)), and keeps e − D(C(e)). A codec that ``gathers``
+    (SparseLoCo's) is applied to the whole fragment and the mean is not encoded again;
+    another one to the M rows of the all-reduce (chunk ``padded(ceil(n / M))``) and to the
+    mean's rows."""
     lost, rejoin = lost or {}, rejoin or {}
 
     def contributes(m, s):
@@ -234,8 +242,14 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     from loco.algorithms.fragments import split_fragments
     from loco.comm.codecs import get_codec
 
-    qdq = get_codec(codec, block)
-    roundtrip = lambda x: qdq.decode(qdq.encode(x), x.shape)  # noqa: E731
+    qdq = get_codec(codec, block, keep=keep)
+
+    def roundtrip(x):  # D(C(x)), laid out as the collective encodes it
+        if qdq.gathers or shards > 1:
+            return qdq.decode(qdq.encode(x), x.shape)
+        chunk = qdq.padded(math.ceil(x.numel() / workers))
+        rows = torch.nn.functional.pad(x, (0, chunk * workers - x.numel())).view(workers, chunk)
+        return qdq.decode_rows(qdq.encode_rows(rows), chunk).view(-1)[:x.numel()]
     models = [make_model(layers=layers) for _ in range(workers)]
     opts = [optimizer(m) for m in models]
     names = split_fragments(models[0], fragments, pattern)
@@ -246,6 +260,7 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     per_shard = [shard_roundtrip(roundtrip, shards, parallel, [local[0][n].shape for n in frag])
                  for frag in names]
     momentum = [torch.zeros_like(g) for g in glob]
+    errors = [[torch.zeros_like(g) for g in glob] for _ in range(workers)]
     taus = overlap if isinstance(overlap, (list, tuple)) else [overlap] * workers
     in_flight = None  # [fragment, step sent, mean pseudo-gradient, workers not merged yet]
 
@@ -276,10 +291,16 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
                 if any(r[0] == t for r in rejoin.values()):
                     before = [g.clone() for g in glob]
                 with torch.no_grad():
-                    deltas = [per_shard[p](glob[p] - torch.cat([local[m][n].reshape(-1)
-                                                                for n in names[p]]))
-                              for m in live]
-                in_flight = [p, t, per_shard[p](torch.stack(deltas).sum(0) / len(live))]
+                    deltas = []
+                    for m in live:
+                        d = glob[p] - torch.cat([local[m][n].reshape(-1) for n in names[p]])
+                        if error_feedback:
+                            d = errors[m][p].mul_(error_feedback).add_(d).clone()
+                        deltas.append(per_shard[p](d))
+                        if error_feedback:
+                            errors[m][p].sub_(deltas[-1])
+                    mean = torch.stack(deltas).sum(0) / len(live)
+                in_flight = [p, t, mean if qdq.gathers else per_shard[p](mean)]
                 outer_step(p, in_flight[2])  # the same on every worker, whenever it applies
                 in_flight.append(set(range(workers)))
         for m, (_, start) in rejoin.items():

@@ -19,15 +19,17 @@ import torch
 from torch import nn
 
 from loco.algorithms.method import Method, PaperClaim, leftover_steps
-from loco.algorithms.streaming_diloco import GlobalCopyOptions, StreamingDiLoCo, outer_kwargs
+from loco.algorithms.streaming_diloco import StreamingDiLoCo, outer_kwargs
+from loco.algorithms.wire import WireOptions, check_wire, wire_setting, wire_warnings
 from loco.comm import Comm
 
 
 class DiLoCo(StreamingDiLoCo):
     """DiLoCo outer loop around any inner optimizer.
 
-    Streaming DiLoCo with one fragment, no overlap, α = 0 and fp32 pseudo-gradients: every H
-    inner steps the whole model is synchronized, and training waits for it.
+    Streaming DiLoCo with one fragment, no overlap and α = 0: every H inner steps the whole
+    model is synchronized, and training waits for it. The pseudo-gradients travel in fp32 by
+    default (the paper's); a lossy ``codec`` may be given, with error feedback.
 
     Args:
         model: the worker's replica of the model (see
@@ -40,6 +42,13 @@ class DiLoCo(StreamingDiLoCo):
         outer_momentum: outer momentum μ, in [0, 1); default 0.9 (the paper's).
         nesterov: Nesterov momentum (default True, the paper's) or heavy-ball (False).
         offload: keep the global copy and the outer momentum in CPU memory (default False).
+        codec: wire format of the pseudo-gradients (default ``"fp32"``, the paper's); see
+            [`StreamingDiLoCo`][loco.algorithms.streaming_diloco.StreamingDiLoCo] for it,
+            ``codec_block`` and ``codec_keep``.
+        codec_block: as for ``StreamingDiLoCo``; default None (the codec's).
+        codec_keep: as for ``StreamingDiLoCo``; default None (the codec's).
+        error_feedback: β of the error feedback, in [0, 1), as for ``StreamingDiLoCo``;
+            default 0 (none).
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
             ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
             several ranks: ``ctx.inner``).
@@ -50,19 +59,23 @@ class DiLoCo(StreamingDiLoCo):
 
     name = "diloco"
     title = "DiLoCo"
-    options = GlobalCopyOptions  # none of Streaming DiLoCo's own: P = 1, τ = 0, α = 0, fp32
-    defaults = {"sync_every": 100, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True}
+    options = WireOptions  # none of Streaming DiLoCo's own: P = 1, τ = 0, α = 0
+    defaults = {"sync_every": 100, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
+                "codec": "fp32", "error_feedback": 0.0}
     claims = (PaperClaim("loss", "local", 0, text="below {ref}'s (no communication)"),
               PaperClaim("loss", "ddp", 5))
 
     @classmethod
     def check(cls, cfg, layers: int) -> None:
-        """Nothing beyond the shared options: Streaming DiLoCo's own do not apply."""
+        """The wire's options (Streaming DiLoCo's own do not apply)."""
+        check_wire(cfg)
 
     @classmethod
     def setting(cls, config: dict) -> str:
-        """H and the outer optimizer."""
-        return f"H={config['sync_every']}" + cls.outer_setting(config)
+        """H, the outer optimizer, and the wire where it is not fp32."""
+        wire = wire_setting(config)
+        return (f"H={config['sync_every']}" + cls.outer_setting(config)
+                + ("" if wire == ", fp32" else wire))
 
     @classmethod
     def checkpoint_delay(cls, cfg) -> int:
@@ -76,19 +89,21 @@ class DiLoCo(StreamingDiLoCo):
 
     @classmethod
     def warnings(cls, cfg) -> list[str]:
-        """Inner steps past the last sync."""
-        return leftover_steps(cfg)
+        """Inner steps past the last sync; the wire's warnings."""
+        return leftover_steps(cfg) + wire_warnings(cfg)
 
     @classmethod
     def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
-        """H, the outer optimizer and ``offload``."""
+        """H, the outer optimizer, ``offload`` and the wire."""
         return outer_kwargs(cfg)
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
                  sync_every: int = 500,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
-                 offload: bool = False, **kwargs: Any):
+                 offload: bool = False, codec: str = "fp32", codec_block: int | None = None,
+                 codec_keep: float | None = None, error_feedback: float = 0.0, **kwargs: Any):
         super().__init__(model, inner_optimizer, comm, sync_every=sync_every, fragments=1,
-                         overlap=0, alpha=0.0, codec="fp32", outer_lr=outer_lr,
-                         outer_momentum=outer_momentum, nesterov=nesterov, offload=offload,
-                         **kwargs)
+                         overlap=0, alpha=0.0, codec=codec, codec_block=codec_block,
+                         codec_keep=codec_keep, error_feedback=error_feedback,
+                         outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+                         offload=offload, **kwargs)

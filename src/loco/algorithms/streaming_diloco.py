@@ -32,25 +32,15 @@ from loco.algorithms.method import OUTER, PaperClaim
 from loco.algorithms.outer_thread import OuterThread, momentum_of
 from loco.algorithms.sharding import Share, flatten_fp32, unflatten_views
 from loco.comm import Comm, Handle
-from loco.comm.codecs import CODEC_NAMES, get_codec
+from loco.comm.codecs import get_codec
+from loco.algorithms.wire import (GlobalCopyOptions, WireOptions, check_wire, wire_setting,
+                                  wire_warnings)
 from loco.options import ConfigError, need, opt
 
 
 @dataclass
-class GlobalCopyOptions:
-    """The options of a method that keeps a global copy apart from the replicas (DiLoCo)."""
-
-    eval_replicas: bool = opt(False, "diloco, streaming: at the end also evaluate every "
-                              "replica and the replicas' average, next to the global model "
-                              "(the Streaming DiLoCo paper's Table 3); every worker evaluates "
-                              "(noloco and local always do)")
-    offload: bool = opt(False, "keep the global copy and outer optimizer state in CPU memory "
-                        "(diloco, streaming)")
-
-
-@dataclass
-class StreamingOptions(GlobalCopyOptions):
-    """Streaming DiLoCo's own options: P, the pattern, τ, α and the wire format."""
+class StreamingOptions(WireOptions):
+    """Streaming DiLoCo's own options: P, the pattern, τ and α."""
 
     fragments: int = opt(2, "P (streaming): fragments the model's blocks are split into, each "
                          "synced once every H steps: fragment p at step floor((p + 1) H / P) of "
@@ -66,13 +56,6 @@ class StreamingOptions(GlobalCopyOptions):
     mixing: float = opt(0.5, "mixing factor alpha (streaming): share of the local parameters "
                         "kept when a synced fragment is merged back, in [0, 1]; 0 replaces "
                         "them (old name: --alpha)")
-    codec: str = opt("fp4_e3m0", "wire format of the pseudo-gradients (streaming); the "
-                     "reduction itself is fp32", CODEC_NAMES)
-    codec_keep: float | None = opt(None, "share of the values the sparse codecs (topk, "
-                                   "dare, random_drop) send, in (0, 1] (default: 1/8, the "
-                                   "bytes of 4 bits per value)")
-    codec_block: int = opt(32, "values per power-of-two scale of the 8- and 4-bit codecs; "
-                           "larger blocks send fewer scale bytes but clip less evenly")
 
 
 def overlaps(cfg) -> list[int]:
@@ -98,10 +81,12 @@ def overlaps(cfg) -> list[int]:
 
 
 def outer_kwargs(cfg) -> dict[str, Any]:
-    """H, the outer optimizer and ``offload``, as a method with a global copy takes them."""
+    """H, the outer optimizer, ``offload`` and the wire (codec, its block and keep, error
+    feedback), as a method with a global copy takes them."""
     return {"sync_every": cfg.sync_every, "outer_lr": cfg.outer_lr,
             "outer_momentum": cfg.outer_momentum, "nesterov": cfg.nesterov,
-            "offload": cfg.offload}
+            "offload": cfg.offload, "codec": cfg.codec, "codec_block": cfg.codec_block,
+            "codec_keep": cfg.codec_keep, "error_feedback": cfg.error_feedback or 0.0}
 
 
 def _fragment_spec(cfg, model: nn.Module, tied: bool) -> int | list:
@@ -129,6 +114,7 @@ class Fragment:
     delta: torch.Tensor  # Δ_{m,p} then Δ̄_p (this rank's share), fp32, on the wire's device
     grad: torch.Tensor  # Δ̄_p where the outer optimizer reads it (delta itself unless offloaded)
     outer_optimizer: torch.optim.Optimizer
+    error: torch.Tensor | None = None  # e_{m,p}: what the codec has not sent yet (this share)
     syncs: int = 0
     stats: dict = field(default_factory=lambda: dict(raw_bytes=0, bytes_sent=0,
                                                      bytes_received=0, peak_bytes=0))
@@ -195,10 +181,18 @@ class StreamingDiLoCo(Algorithm):
         codec: wire format of the pseudo-gradients, one of
             [`CODEC_NAMES`][loco.comm.formats.CODEC_NAMES]; default ``"fp4_e3m0"`` (4-bit, the
             paper's). The reduction itself is fp32.
-        codec_block: values per power-of-two scale of the 8- and 4-bit codecs, an integer in
-            [2, 65536] (even for the 4-bit ones); default 32; ignored for fp32 and bf16.
-        codec_keep: share of the values the sparse codecs (``topk``, ``dare``,
-            ``random_drop``) send, in (0, 1]; default None (their 1/8); ignored by the others.
+        codec_block: values per power-of-two scale of the 8-, 4- and 2-bit codecs, an
+            integer in [2, 65536] (even for the 4-bit ones, a multiple of 4 for ``int2``), or
+            values per chunk of ``topk_2bit``; default None: 32, or 4096 for ``topk_2bit``;
+            ignored for fp32 and bf16.
+        codec_keep: share of the values the sparse codecs send, in (0, 1]; default None
+            (their own: 1/8 for ``topk``, ``dare``, ``random_drop``, 1/64 per chunk for
+            ``topk_2bit``); ignored by the others.
+        error_feedback: β of the error feedback, in [0, 1); default 0 (none). Each worker
+            keeps, per fragment, what its codec has not sent yet: before a send
+            ``e ← β·e + Δ``, the codec sends ``C(e)`` and the worker keeps
+            ``e ← e − D(C(e))``, where ``D(C(e))`` is exactly what its own chunks became on
+            the wire (the mean's second encoding, shared by all, is not fed back).
         outer_lr: learning rate of the outer SGD, > 0; default 0.4 (the paper's).
         outer_momentum: momentum of the outer SGD, in [0, 1); default 0.9 (the paper's).
         nesterov: Nesterov momentum (default True, the paper's) or heavy-ball (False);
@@ -229,7 +223,8 @@ class StreamingDiLoCo(Algorithm):
     title = "Streaming DiLoCo"
     options = StreamingOptions
     shared = OUTER
-    defaults = {"sync_every": 100, "outer_lr": 0.4, "outer_momentum": 0.9, "nesterov": True}
+    defaults = {"sync_every": 100, "outer_lr": 0.4, "outer_momentum": 0.9, "nesterov": True,
+                "codec": "fp4_e3m0", "error_feedback": 0.0}
     global_copy = True
     claims = (
         PaperClaim("loss", "twin", 1, want={"codec": "fp32"}, free=("codec_block", "codec_keep")),
@@ -253,36 +248,32 @@ class StreamingDiLoCo(Algorithm):
              f"every value must be in [0, floor(H/P)) = [0, {gap}), the smallest gap between "
              f"two sends, with --sync-every {cfg.sync_every} and --fragments {cfg.fragments}")
         need(cfg, 0 <= cfg.mixing <= 1, "mixing", "must be in [0, 1]")
-        if cfg.codec_keep is not None:
-            need(cfg, 0 < cfg.codec_keep <= 1, "codec_keep", "must be in (0, 1]")
-        need(cfg, 2 <= cfg.codec_block <= 65536 and cfg.codec_block % 2 == 0, "codec_block",
-             "must be an even integer in [2, 65536]")
+        check_wire(cfg)
 
     @classmethod
     def warnings(cls, cfg) -> list[str]:
-        """Fewer inner steps than H: some fragments never sync."""
+        """Fewer inner steps than H: some fragments never sync; the wire's warnings."""
         if cfg.steps < cfg.sync_every:
             return [f"--steps {cfg.steps} is less than --sync-every {cfg.sync_every}: some "
-                    "fragments never sync"]
-        return []
+                    "fragments never sync"] + wire_warnings(cfg)
+        return wire_warnings(cfg)
 
     @classmethod
     def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
-        """H, the outer optimizer, P (with a tied embedding's copies in fragment 0), the
-        pattern, this replica's τ, α and the codec."""
+        """H, the outer optimizer, the wire, P (with a tied embedding's copies in fragment
+        0), the pattern, this replica's τ and α."""
         tied = pipeline is not None and pipeline.module.tied is not None
         return {**outer_kwargs(cfg), "fragments": _fragment_spec(cfg, model, tied),
                 "pattern": cfg.fragment_pattern,
                 "overlap": overlaps(cfg)[comm.rank],  # the outer Comm's rank: the replica
-                "alpha": cfg.mixing, "codec": cfg.codec, "codec_block": cfg.codec_block,
-                "codec_keep": cfg.codec_keep}
+                "alpha": cfg.mixing}
 
     @classmethod
     def setting(cls, config: dict) -> str:
         """H, the outer optimizer, P, τ, α and the codec."""
         mixing = config.get("mixing", config.get("alpha"))  # runs saved before the rename
         return (super().setting(config) + f", P={config['fragments']}, "
-                f"τ={config['overlap']}, α={mixing}, {config['codec']}")
+                f"τ={config['overlap']}, α={mixing}" + wire_setting(config))
 
     @classmethod
     def checkpoint_delay(cls, cfg) -> int:
@@ -297,8 +288,8 @@ class StreamingDiLoCo(Algorithm):
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
                  sync_every: int = 100,
                  fragments: int | Sequence = 1, pattern: str = "strided", overlap: int = 1,
-                 alpha: float = 0.5, codec: str = "fp4_e3m0", codec_block: int = 32,
-                 codec_keep: float | None = None,
+                 alpha: float = 0.5, codec: str = "fp4_e3m0", codec_block: int | None = None,
+                 codec_keep: float | None = None, error_feedback: float = 0.0,
                  outer_lr: float = 0.4, outer_momentum: float = 0.9, nesterov: bool = True,
                  offload: bool = False, outer_thread: bool | None = None, **kwargs: Any):
         if not isinstance(sync_every, int) or sync_every < 1:
@@ -307,6 +298,9 @@ class StreamingDiLoCo(Algorithm):
         count = len(names)
         _check_arguments(sync_every, count, overlap, alpha, outer_lr, outer_momentum,
                          outer_thread, comm.elastic)
+        if not 0 <= error_feedback < 1:
+            raise ValueError(f"error_feedback (beta) must be in [0, 1) (got {error_feedback!r})")
+        self.error_feedback = error_feedback
         self.codec = get_codec(codec, codec_block, device=comm.device, keep=codec_keep)
         super().__init__(model, inner_optimizer, comm, **kwargs)
         self.sync_every, self.overlap, self.alpha = sync_every, overlap, alpha
@@ -327,6 +321,12 @@ class StreamingDiLoCo(Algorithm):
                               for p, frag_names in enumerate(names)]
         for fragment in self.fragment_list:  # compiled now, not inside the first syncs
             self.codec.prepare(fragment.delta.numel(), comm.size, comm.device)
+            if error_feedback:
+                fragment.error = torch.zeros_like(fragment.delta)
+        # What this worker's pseudo-gradient became on the wire, D(C(e)), for the fragment in
+        # flight (one at a time): subtracted from its error once the sync is applied.
+        self._sent = torch.zeros(max(f.delta.numel() for f in self.fragment_list)
+                                 if error_feedback else 0, device=comm.device)
         if outer_thread is None:  # it pays where the CPU is idle while the device computes
             outer_thread = (offload and self.params[0].device.type != "cpu" and overlap > 0
                             and not comm.elastic)
@@ -396,7 +396,13 @@ class StreamingDiLoCo(Algorithm):
         # outer_step and merge in _apply.
         with record_function("loco/pseudo_gradient"):
             _pseudo_gradient(fragment)
-        handle = self.comm.all_reduce_mean(fragment.delta, tag="train", codec=self.codec)
+        sent = None
+        if fragment.error is not None:  # e ← β·e + Δ; what is sent is C(e)
+            fragment.error.mul_(self.error_feedback).add_(fragment.delta)
+            fragment.delta.copy_(fragment.error)
+            sent = self._sent[:fragment.delta.numel()]
+        handle = self.comm.all_reduce_mean(fragment.delta, tag="train", codec=self.codec,
+                                           sent=sent)
         self._in_flight = _InFlight(fragment, handle, t)
         if self._outer is not None:
             self._in_flight.stepped = self._outer.start(fragment, handle)
@@ -416,6 +422,10 @@ class StreamingDiLoCo(Algorithm):
         worker contributes zeros) and apply it if it is due now, as that worker does."""
         index, sent_at = self._syncing
         self._issue(self.fragment_list[index], sent_at)
+        for fragment in self.fragment_list:  # a peer's errors are its own: this one has none
+            if fragment.error is not None:
+                fragment.error.zero_()
+        self._sent.zero_()
         if sent_at + self.overlap == self.inner_steps:
             self._apply()
 
@@ -438,6 +448,7 @@ class StreamingDiLoCo(Algorithm):
         what = f"pseudo-gradient (fragment {fragment.index})"
         if flight.stepped is not None:  # stepped on the OuterThread: swap the result in
             stepped = self._outer.wait(flight.stepped, flight.handle)
+            self._feed_back(fragment)
             if not self.finite(fragment.grad, what, verdict=stepped.finite):
                 return self._skip(fragment, flight)
             self._outer.commit(fragment, stepped)
@@ -447,6 +458,7 @@ class StreamingDiLoCo(Algorithm):
                 healed = self.comm.settle(flight.handle) is None
             if healed:
                 return self._resume()  # elastic: healed during a retry, go on from that state
+        self._feed_back(fragment)
         if not self.finite(fragment.delta, what):
             return self._skip(fragment, flight)
         with record_function("loco/outer_step"):
@@ -455,8 +467,16 @@ class StreamingDiLoCo(Algorithm):
             fragment.outer_optimizer.step()
         self._merged(fragment, flight)
 
+    def _feed_back(self, fragment: Fragment) -> None:
+        """e ← e − D(C(e)): keep what the codec did not send (error feedback)."""
+        if fragment.error is not None:
+            fragment.error.sub_(self._sent[:fragment.error.numel()])
+
     def _skip(self, fragment: Fragment, flight: _InFlight) -> None:
-        """A non-finite Δ̄_p: the global fragment stays; the replicas restart from it."""
+        """A non-finite Δ̄_p: the global fragment stays; the replicas restart from it, and
+        its error feedback starts over (it may hold the non-finite values)."""
+        if fragment.error is not None:
+            fragment.error.zero_()
         self._restart(fragment)
         self.outer_steps += 1
         self._log(fragment, flight)
@@ -517,7 +537,8 @@ class StreamingDiLoCo(Algorithm):
         """This rank's share of every fragment's global copy and outer momentum."""
         return [t for f in self.fragment_list for t in (
             f.global_flat, *(s["momentum_buffer"] for s in f.outer_optimizer.state.values()
-                             if s.get("momentum_buffer") is not None))]
+                             if s.get("momentum_buffer") is not None),
+            *([] if f.error is None else [f.error]))] + [self._sent]
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """The global copy θ^g of every synced parameter, on the parameters' device, by name
@@ -554,11 +575,15 @@ class StreamingDiLoCo(Algorithm):
                                                           "recv_bytes", "seconds", "waited")}}
             if tensors:
                 in_flight["delta"] = flight.fragment.delta.clone()
+                if flight.fragment.error is not None:
+                    in_flight["sent"] = self._sent[:flight.fragment.delta.numel()].clone()
         fragments = [{"syncs": f.syncs, "stats": dict(f.stats)} for f in self.fragment_list]
         for f, s in zip(self.fragment_list, fragments):
             if tensors:
                 s.update(global_params=f.global_flat.clone(),
                          outer_optimizer=f.outer_optimizer.state_dict())
+                if f.error is not None:
+                    s["error"] = f.error.clone()
             else:
                 s["momentum"] = momentum_of(f) is not None
         return {**super().state_dict(tensors), "outer_steps": self.outer_steps,
@@ -587,6 +612,8 @@ class StreamingDiLoCo(Algorithm):
             elif s.get("momentum"):  # its values come with load_outer_state
                 f.outer_optimizer.state[f.global_flat]["momentum_buffer"] = torch.zeros_like(
                     f.global_flat)
+            if "error" in s and f.error is not None:
+                f.error.copy_(s["error"])
             f.syncs = int(s["syncs"])
             f.stats.update({k: int(v) for k, v in s.get("stats", {}).items()})
         self._in_flight = None
@@ -594,6 +621,8 @@ class StreamingDiLoCo(Algorithm):
             fragment = self.fragment_list[state["in_flight"]["fragment"]]
             if "delta" in state["in_flight"]:
                 fragment.delta.copy_(state["in_flight"]["delta"])
+            if "sent" in state["in_flight"]:
+                self._sent[:fragment.delta.numel()].copy_(state["in_flight"]["sent"])
             self._in_flight = _InFlight(fragment, None, int(state["in_flight"]["sent_at"]),
                                         state["in_flight"].get("record"))
 
@@ -607,9 +636,13 @@ class StreamingDiLoCo(Algorithm):
             momentum = momentum_of(f)
             if momentum is not None:
                 state[f"fragment{f.index}.momentum"] = (f.share, momentum)
+            if f.error is not None:
+                state[f"fragment{f.index}.error"] = (f.share, f.error)
         if self._in_flight is not None:
-            state["in_flight.delta"] = (self._in_flight.fragment.share,
-                                        self._in_flight.fragment.delta)
+            flight = self._in_flight.fragment
+            state["in_flight.delta"] = (flight.share, flight.delta)
+            if flight.error is not None:
+                state["in_flight.sent"] = (flight.share, self._sent[:flight.delta.numel()])
         return state
 
     def load_outer_state(self, values: dict[str, torch.Tensor]) -> None:
@@ -681,4 +714,5 @@ def _flat_outer_state(state: dict) -> dict:
     return {"state": merged, "param_groups": [{**state["param_groups"][0], "params": [0]}]}
 
 
-__all__ = ["PATTERNS", "GlobalCopyOptions", "StreamingDiLoCo", "StreamingOptions", "overlaps"]
+__all__ = ["PATTERNS", "GlobalCopyOptions", "StreamingDiLoCo", "StreamingOptions", "WireOptions",
+           "check_wire", "overlaps", "wire_setting", "wire_warnings"]

@@ -340,13 +340,13 @@ def get_codec(name: str, block: int | None = None, device: torch.device | str | 
     if name not in CODEC_NAMES:
         raise ValueError(f"unknown codec {name!r}; expected one of {', '.join(CODEC_NAMES)}")
     sparse = name in SPARSE_CODEC_NAMES + CHUNK_TOPK_CODEC_NAMES
-    codec = _make(name, block, keep, seed)
+    codec = _make(name, block, keep, seed) if sparse else _make(name, block)
     choose_kernel(codec, kernel, device)
     if device is not None:
         try:
             x = torch.tensor(codec.PROBE, device=device).repeat(codec.align)
             # the probe runs the eager reference: compiling a shape no run uses costs seconds
-            exact = _make(name, block, 1.0 if sparse else keep, seed)
+            exact = _make(name, block, 1.0, seed) if sparse else _make(name, block)
             want = torch.tensor(codec.PROBE_DECODED or codec.PROBE, device=device).repeat(
                 codec.align)
             if not torch.equal(exact.decode(exact.encode(x), x.shape), want):

@@ -339,9 +339,9 @@ def validate(cfg: TrainConfig) -> None:
     """
     for f in TrainConfig.fields():
         allowed = choices(f)
-        if allowed:
-            need(cfg, getattr(cfg, f.name) in allowed, f.name,
-                 f"must be one of {', '.join(allowed)}")
+        value = getattr(cfg, f.name)
+        if allowed and not (value is None and f.default is None):  # None: the method's
+            need(cfg, value in allowed, f.name, f"must be one of {', '.join(allowed)}")
     for section in SECTIONS:
         section.check(cfg)
     cfg = resolve(cfg)
