@@ -77,7 +77,7 @@ BAD_INPUTS = [
     (["--mixing", "1.5"], "--mixing", "[0, 1]"),
     (["--alpha", "1.5"], "--mixing", "[0, 1]"),  # the old name still works
     (["--codec", "fp5"], "--codec", "fp4_e3m0"),
-    (["--codec-block", "3"], "--codec-block", "even integer"),
+    (["--codec-block", "3"], "--codec-block", "multiple of 2 with --codec fp4_e3m0"),
     (["--fragment-pattern", "random"], "--fragment-pattern", "strided"),
     (["--outer-lr", "0"], "--outer-lr", "> 0"),
     (["--algorithm", "noloco", "--group-size", "3"], "--group-size", "divides --workers (4)"),
@@ -434,7 +434,8 @@ def test_old_option_names_are_read_as_the_new_ones(tmp_path):
 
 
 @pytest.mark.parametrize("algorithm,h", [("streaming", 100), ("diloco", 100), ("noloco", 50),
-                                         ("ddp", 50)])
+                                         ("ddp", 50), ("sparseloco", 30),
+                                         ("sparta_diloco", 200)])
 def test_per_method_defaults_are_the_papers_and_help_says_so(algorithm, h, capsys):
     from loco.config import resolve
 
@@ -444,7 +445,8 @@ def test_per_method_defaults_are_the_papers_and_help_says_so(algorithm, h, capsy
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert "the papers': ddp 50, diloco 100, streaming 100, noloco 50, local 50)" in text
+    assert ("the papers': ddp 50, diloco 100, streaming 100, sparseloco 30, noloco 50, demo 50, "
+            "sparta 50, sparta_diloco 200, local 50)") in text
     assert f"{algorithm} {h}" in text
 
 

@@ -193,6 +193,8 @@ def test_report_knows_every_codecs_compression(codec, block):
     codecs' own, bytes per value against fp32's 4 (the dropping codecs' 8-byte seed per row
     aside)."""
     n = 4096
+    if codec == "int2" and block % 4:
+        return  # four 2-bit values share a byte: no such block
     exact = 4 * n / get_codec(codec, block).encoded_nbytes(n)
     if codec in ("dare", "random_drop"):
         assert codec_compression(codec, block) == pytest.approx(exact, rel=0.005)
@@ -284,7 +286,9 @@ def test_presets_give_every_method_the_same_job(preset, monkeypatch):
     monkeypatch.setattr("torch.cuda.is_available", lambda: True)
     plan = compare.plan({}, preset=preset)
     algorithms = [m.algorithm for m in plan.methods]
-    assert sorted(set(algorithms)) == sorted(compare.algorithm_names())
+    assert set(algorithms) <= set(compare.algorithm_names())
+    if preset == "frontier":  # every method, on one job
+        assert sorted(set(algorithms)) == sorted(compare.algorithm_names())
     for option in compare.SHARED:
         if option not in ("out",) and not (option == "seed" and plan.seeds):
             assert len({getattr(c, option) for c in plan.configs}) == 1, option
@@ -300,7 +304,7 @@ def test_presets_give_every_method_the_same_job(preset, monkeypatch):
 
 def test_quick_preset_runs_the_five_methods(monkeypatch):
     plan = compare.plan({}, preset="quick")
-    assert [m.label for m in plan.methods] == list(compare.algorithm_names())
+    assert [m.label for m in plan.methods] == ["ddp", "diloco", "streaming", "noloco", "local"]
     assert {c.sync_every for c in plan.configs if c.algorithm != "ddp"
             and c.algorithm != "local"} == {30}
 

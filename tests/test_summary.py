@@ -30,6 +30,11 @@ def test_a_runs_summary_is_the_record_and_back(run):
     assert summary.final_eval_loss == content["final_eval_loss"]
     assert list(summary.to_dict()) == list(content)
     assert json.dumps(summary.to_dict(), indent=2) == text
+    # the one currency is in the file too: 8 · bytes / (parameters · steps), bytes / token
+    sent = content["bytes_sent_per_worker"]
+    assert sent > 0 and content["bits_per_parameter_per_step"] == pytest.approx(
+        8 * sent / (content["model_parameters"] * 8), rel=1e-12)
+    assert content["bytes_per_token"] == pytest.approx(sent * 2 / content["tokens"], rel=1e-12)
 
 
 def test_an_older_summary_reads_with_its_missing_keys_none_and_others_kept(run):

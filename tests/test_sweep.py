@@ -73,7 +73,7 @@ BAD_SWEEPS = [
     (["--sweep", "mixing=0", "--sweep", "mixing=0.5"], "mixing is given twice"),
     (["--sweep", "mixing=0,0.0"], "the value 0.0 is listed twice"),
     (["--sweep", "fragments=1,two"], "fragments=two: --fragments: expected int"),
-    (["--sweep", "codec=fp32,fp99"], "method 'streaming[codec=fp99]': --codec: must be one of"),
+    (["--sweep", "codec=fp32,fp99"], "method 'diloco[codec=fp99]': --codec: must be one of"),
     (["--sweep", "codec=fp32,a/b"], "may hold only letters"),
     (["--sweep", "sync_every=8,6"], "method 'streaming[sync_every=6]': --overlap"),
 ]

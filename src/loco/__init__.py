@@ -11,7 +11,9 @@ __version__ = "0.1.0"
 _EXPORTS = {
     "Algorithm": "loco.algorithms", "DataParallel": "loco.algorithms",
     "DiLoCo": "loco.algorithms", "Local": "loco.algorithms", "NoLoCo": "loco.algorithms",
-    "StreamingDiLoCo": "loco.algorithms", "Comm": "loco.comm", "Elastic": "loco.runtime", "Mesh": "loco.runtime",
+    "StreamingDiLoCo": "loco.algorithms", "SparseLoCo": "loco.algorithms",
+    "DeMo": "loco.algorithms", "Sparta": "loco.algorithms", "SpartaDiLoCo": "loco.algorithms",
+    "Comm": "loco.comm", "Elastic": "loco.runtime", "Mesh": "loco.runtime",
     "WorkerContext": "loco.runtime", "WorkerError": "loco.runtime", "launch": "loco.runtime",
 }
 

@@ -63,7 +63,12 @@ class DiLoCo(StreamingDiLoCo):
     defaults = {"sync_every": 100, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
                 "codec": "fp32", "error_feedback": 0.0}
     claims = (PaperClaim("loss", "local", 0, text="below {ref}'s (no communication)"),
-              PaperClaim("loss", "ddp", 5))
+              PaperClaim("loss", "ddp", 5),
+              PaperClaim("loss", "twin", 0, want={"error_feedback": 0.0},
+                         text="at least as good as without error feedback ({ref})"),
+              PaperClaim("loss", "twin", 0, want={"inner_optimizer": "adamw"},
+                         free=("codec", "codec_block", "codec_keep", "error_feedback", "lr"),
+                         text="with Muon inside at least as good as {ref} (AdamW inside)"))
 
     @classmethod
     def check(cls, cfg, layers: int) -> None:

@@ -29,10 +29,20 @@ class SparseLoCo(DiLoCo):
     as the chunked top-k in 2 bits, averaged after an all-gather, applied with outer lr 1 and
     no momentum.
 
-    Takes [`DiLoCo`][loco.algorithms.diloco.DiLoCo]'s arguments, with the paper's defaults:
-    ``codec="topk_2bit"`` (64 of every 4096 values, 2 bits each, positions Elias-Fano coded;
-    ``"topk_2bit_packed"`` packs them in 12 bits as the peers do), ``error_feedback=0.95``,
-    ``outer_lr=1.0``, ``outer_momentum=0.0``, ``sync_every=30``.
+    Takes [`DiLoCo`][loco.algorithms.diloco.DiLoCo]'s arguments, with the paper's defaults.
+
+    Args:
+        *args: ``model``, ``inner_optimizer``, ``comm``, as for ``DiLoCo``.
+        sync_every: H, inner steps between syncs, >= 1; default 30 (the paper's range is
+            15-100).
+        outer_lr: the outer step's learning rate α, > 0; default 1 (the paper's).
+        outer_momentum: default 0 (the paper's: the error feedback stands in for it).
+        codec: the wire format; default ``"topk_2bit"`` (64 of every 4096 values, 2 bits
+            each, positions Elias-Fano coded); ``"topk_2bit_packed"`` packs the positions in
+            12 bits as the peers do; any other codec of ``DiLoCo`` is allowed.
+        error_feedback: β, in [0, 1); default 0.95 (the paper's).
+        **kwargs: the rest of ``DiLoCo``'s arguments (``codec_block``, ``codec_keep``,
+            ``nesterov``, ``offload``, ``max_grad_norm``, ...).
     """
 
     name = "sparseloco"

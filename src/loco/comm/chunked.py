@@ -8,19 +8,12 @@ reduce-scatter would encode it a second time): these codecs are all-gathered
 
 from __future__ import annotations
 
-import math
-from fractions import Fraction
-
 import torch
 
 from loco.comm.bits import ef_decode, ef_encode, pack, unpack
 from loco.comm.codec import Codec, check_out
-from loco.comm.formats import chunk_topk_bytes, index_bits
-
-DEFAULT_CHUNK = 4096
-"""Values per chunk (SparseLoCo's and Templar's 4096)."""
-DEFAULT_CHUNK_KEEP = 1 / 64
-"""Share kept per chunk: 64 of every 4096 values (SparseLoCo's 1.56%)."""
+from loco.comm.formats import (DEFAULT_CHUNK, DEFAULT_CHUNK_KEEP, chunk_kept, chunk_topk_bytes,
+                               index_bits)
 
 
 class ChunkTopKCodec(Codec):
@@ -35,8 +28,9 @@ class ChunkTopKCodec(Codec):
     bf16), so each group's decoded magnitudes sum to about its true ones. A chunk is laid
     out ``[2-bit codes][lo, hi as bf16][positions]``; a row is its chunks back to back.
 
-    A non-finite value makes its chunk's magnitudes NaN or infinite, so the decoded chunk is
-    not finite and the sync is caught as such.
+    A non-finite value makes its chunk's magnitudes NaN or infinite, and such a chunk decodes
+    as NaN throughout (as a scaled codec's block does): every worker sees it, and the sync is
+    skipped or stopped alike.
 
     Args:
         name: ``"topk_2bit"`` or ``"topk_2bit_packed"``.
@@ -51,7 +45,7 @@ class ChunkTopKCodec(Codec):
     def __init__(self, name: str, block: int, keep: float):
         super().__init__(name, block)
         self.keep = keep
-        self.k = max(1, math.ceil(Fraction(repr(float(keep))) * block))
+        self.k = chunk_kept(block, keep)
         self.elias_fano = name == "topk_2bit"
         self.chunk_bytes = chunk_topk_bytes(name, block, self.k)
         self._value_bytes = -(-2 * self.k // 8)
@@ -74,13 +68,15 @@ class ChunkTopKCodec(Codec):
         chunks = x.detach().reshape(-1, self.block)
         idx = torch.topk(chunks.abs(), self.k, dim=1, sorted=False).indices.sort(dim=1).values
         v = chunks.gather(1, idx)
-        mag = v.abs()
+        mag = v.abs().double()  # sums of fp32 magnitudes near fp32's max must not overflow
         hi = mag >= mag.mean(dim=1, keepdim=True)
-        n_hi = hi.sum(dim=1, dtype=torch.float32)
+        n_hi = hi.sum(dim=1, dtype=torch.float64)
         sum_hi = (mag * hi).sum(dim=1)
         s_hi = sum_hi / n_hi.clamp(min=1)
         s_lo = (mag.sum(dim=1) - sum_hi) / (self.k - n_hi).clamp(min=1)
-        scales = torch.stack([s_lo, s_hi], dim=1).to(torch.bfloat16).view(torch.uint8)
+        s = torch.stack([s_lo, s_hi], dim=1).float()
+        s = torch.where(torch.isfinite(s), s.clamp(max=BF16_MAX), s)  # bf16's max < fp32's
+        scales = s.to(torch.bfloat16).view(torch.uint8)
         codes = (v < 0).to(torch.int64) | hi.to(torch.int64) << 1
         where = ef_encode(idx, self.block) if self.elias_fano else pack(
             idx, index_bits(self.block))
@@ -119,6 +115,9 @@ class ChunkTopKCodec(Codec):
         vals = torch.where(codes & 1 == 1, -mag, mag)
         dense = out if out.is_contiguous() else torch.zeros_like(out)
         dense.view(-1, self.block).scatter_(1, idx, vals)
+        bad = ~torch.isfinite(scales).all(dim=1)  # a chunk that held a NaN or an infinity
+        if bool(bad.any()):
+            dense.view(-1, self.block)[bad] = float("nan")
         return dense if dense is out else out.copy_(dense)
 
     def _check_buf(self, buf: torch.Tensor, c: int) -> torch.Tensor:
@@ -129,6 +128,9 @@ class ChunkTopKCodec(Codec):
 
     def __repr__(self) -> str:
         return f"Codec({self.name}, block={self.block}, k={self.k})"
+
+
+BF16_MAX = torch.finfo(torch.bfloat16).max
 
 
 def _into(codec: Codec, out: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:

@@ -3,6 +3,7 @@ and the reports need to know of the codecs (``loco.comm.codecs``); importing thi
 does not import torch."""
 
 import math
+from fractions import Fraction
 
 CAST_CODEC_NAMES = ("fp32", "bf16")
 """The plain casts: the values' own bytes in fp32 or bf16, no scales."""
@@ -69,6 +70,18 @@ def ef_bytes(n: int, k: int) -> int:
         return 0
     low = ef_low_bits(n, k)
     return packed_bytes(k, low) + packed_bytes(k + ((n - 1) >> low), 1)
+
+
+DEFAULT_CHUNK = 4096
+"""Values per chunk of the chunked top-k codecs (SparseLoCo's and Templar's 4096)."""
+DEFAULT_CHUNK_KEEP = 1 / 64
+"""Share kept per chunk: 64 of every 4096 values (SparseLoCo's 1.56%)."""
+
+
+def chunk_kept(chunk: int, keep: float) -> int:
+    """Values a chunked top-k codec keeps of a chunk: ``ceil(keep · chunk)``, at least 1,
+    computed exactly from ``keep``'s shortest decimal form."""
+    return max(1, math.ceil(Fraction(repr(float(keep))) * chunk))
 
 
 def chunk_topk_bytes(name: str, chunk: int, k: int) -> int:

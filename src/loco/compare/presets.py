@@ -48,7 +48,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "about": "the small model (1.3M parameters) on Shakespeare, 4 workers of 4 x 128 "
                  "tokens, 300 steps, H = 30 (10 outer steps), the outer optimizer the "
                  "sweeps chose for so few outer steps (lr 1, no momentum: docs/claims.md): "
-                 "all five methods in about 8 minutes on a 2-core CPU",
+                 "the papers' five methods in about 8 minutes on a 2-core CPU",
+        "algorithms": "ddp,diloco,streaming,noloco,local",
         "shared": {"model": "small", "workers": 4, "steps": 300, "batch_size": 4,
                    "seq_len": 128, "warmup": 30, "eval_every": 50, "eval_batches": 8,
                    "final_eval_batches": 50, "log_every": 10},
@@ -79,6 +80,34 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "noloco": {"sync_every": 30, "spread_every": 10, **FEW_OUTER_STEPS},
                     "noloco-pp": {"stages": 2},
                     "noloco-routed": {"stages": 2, "routing": "random"},
+                    "local": {"spread_every": 10}},
+    },
+    "frontier": {
+        "about": "the compression frontier over 3 seeds in about 45 minutes on a 2-core CPU: "
+                 "the tiny model on Shakespeare, 4 workers of 4 x 128 tokens, 600 steps; "
+                 "DataParallel, DiLoCo, Streaming DiLoCo FP4, DiLoCo FP4 with and without error "
+                 "feedback, SparseLoCo, DeMo, SPARTA alone and inside DiLoCo, NoLoCo, MuLoCo "
+                 "(DiLoCo with Muon inside, "
+                 "2-bit pseudo-gradients and error feedback), DiLoCo 2-bit without error "
+                 "feedback, and Local; H = 30 for every method that has one, the outer "
+                 "optimizer the sweeps chose (docs/frontier.md)",
+        "algorithms": "ddp,diloco,streaming,diloco-fp4=diloco,diloco-fp4-ef=diloco,sparseloco,"
+                      "demo,sparta,sparta_diloco,noloco,diloco-2bit=diloco,muloco=diloco,local",
+        "seeds": [0, 1, 2],
+        "shared": {"model": "tiny", "workers": 4, "steps": 600, "batch_size": 4,
+                   "seq_len": 128, "warmup": 30, "eval_every": 100, "eval_batches": 8,
+                   "final_eval_batches": 50, "log_every": 20},
+        "methods": {"diloco": {"sync_every": 30, **FEW_OUTER_STEPS},
+                    "streaming": {"sync_every": 30, "fragments": 2, "overlap": "1",
+                                  "mixing": 0.5, "codec": "fp4_e3m0", **FEW_OUTER_STEPS},
+                    "diloco-fp4": {"codec": "fp4_e3m0"},
+                    "diloco-fp4-ef": {"codec": "fp4_e3m0", "error_feedback": 0.95},
+                    "sparseloco": {"sync_every": 30},
+                    "sparta_diloco": {"sync_every": 30, **FEW_OUTER_STEPS},
+                    "noloco": {"sync_every": 30, "spread_every": 10, **FEW_OUTER_STEPS},
+                    "diloco-2bit": {"codec": "int2"},
+                    "muloco": {"codec": "int2", "error_feedback": 0.95,
+                               "inner_optimizer": "muon"},
                     "local": {"spread_every": 10}},
     },
     "paper": {

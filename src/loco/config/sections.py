@@ -31,6 +31,8 @@ RESUMABLE = ("launcher", "progress", "comm_timeout", "checkpoint_every", "max_re
              "on_nonfinite", "resume", "out", "tensorboard", "wandb", "wandb_project",
              "wandb_run_name", "wandb_mode", "profile")
 DTYPES = ("fp32", "bf16")
+INNER_OPTIMIZERS = ("adamw", "muon")
+"""``inner_optimizer``: AdamW everywhere, or MuLoCo's Muon on the hidden matrices."""
 
 
 def algorithm_names() -> tuple[str, ...]:
@@ -74,6 +76,20 @@ def betas(cfg) -> tuple[float, float]:
         raise ConfigError("adam_betas", f"expected two numbers in [0, 1) such as 0.9,0.95 "
                           f"(got {cfg.adam_betas!r})")
     return b1, b2
+
+
+def check_inner_optimizer(cfg) -> None:
+    """``inner_optimizer`` muon not with FSDP2 workers: Muon orthogonalises each weight
+    matrix whole (Newton-Schulz), and ``worker_parallel`` fsdp shards them over the ranks.
+
+    Raises:
+        ConfigError: naming ``inner_optimizer``.
+    """
+    if cfg.inner_optimizer == "muon" and getattr(cfg, "worker_parallel", "ddp") == "fsdp":
+        raise ConfigError("inner_optimizer", "muon orthogonalises each weight matrix whole "
+                          "and --worker-parallel fsdp shards them over the worker's ranks: "
+                          "use --worker-parallel ddp or --inner-optimizer adamw (got muon "
+                          "with fsdp)")
 
 
 def check_worker_layout(cfg) -> None:
@@ -167,7 +183,8 @@ class MethodOptions:
 
 @dataclass
 class TrainingOptions:
-    """The inner optimization: budget, batch, learning-rate schedule, AdamW, clipping, seed and evaluation."""
+    """The inner optimization: budget, batch, learning-rate schedule, optimizer (AdamW or
+    Muon), clipping, seed and evaluation."""
 
     steps: int | None = opt(None, "inner steps per worker (total tokens = steps x workers x "
                             f"batch-size x seq-len) (default: {DEFAULT_STEPS}, or what "
@@ -177,11 +194,22 @@ class TrainingOptions:
                              "rounded up to whole batches of all workers")
     batch_size: int = opt(8, "sequences per worker per inner step")
     seq_len: int = opt(128, "tokens per sequence (context length)")
-    lr: float = opt(3e-3, "peak inner AdamW learning rate")
+    lr: float = opt(3e-3, "peak inner learning rate (AdamW's, and Muon's with "
+                    "--inner-optimizer muon)")
     min_lr_ratio: float = opt(0.1, "cosine decay ends at lr x this ratio")
     warmup: int = opt(50, "linear warm-up steps of the inner learning rate")
-    weight_decay: float = opt(0.1, "AdamW weight decay (the NoLoCo paper: 0)")
+    weight_decay: float = opt(0.1, "inner weight decay, decoupled: AdamW's (and Muon's with "
+                              "--inner-optimizer muon) (the NoLoCo paper: 0)")
     adam_betas: str = opt("0.9,0.95", "inner AdamW betas b1,b2 (the NoLoCo paper: 0.9,0.999)")
+    inner_optimizer: str = opt(
+        "adamw", "the inner optimizer of every method: adamw on every parameter; or muon "
+        "(MuLoCo): torch.optim.Muon on the 2-D weight matrices of the transformer blocks "
+        "(attention and MLP projections), AdamW on the embeddings, the output head (tied or "
+        "not), norms, biases and anything not 2-D. Muon: momentum 0.95, Nesterov, 5 "
+        "Newton-Schulz steps, its update scaled to AdamW's RMS (match_rms_adamw) so that --lr "
+        "and its schedule serve both; --weight-decay on Muon's matrices and AdamW's 2-D "
+        "weights. Not with --worker-parallel fsdp (Muon needs each matrix whole)",
+        INNER_OPTIMIZERS)
     grad_clip: float = opt(1.0, "clip the (averaged) gradient norm to this; 0 disables")
     seed: int = opt(0, "seed for weights, data order and everything random")
     eval_every: int = opt(100, "evaluate the global model every this many inner steps "
@@ -201,6 +229,7 @@ class TrainingOptions:
         need(self, self.weight_decay >= 0, "weight_decay", "must be >= 0")
         need(self, self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
         betas(self)
+        check_inner_optimizer(self)
 
 
 @dataclass

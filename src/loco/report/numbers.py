@@ -5,13 +5,14 @@ from __future__ import annotations
 import os
 
 from loco.algorithms import methods
-from loco.comm.formats import CODEC_BITS, DEFAULT_KEEP
+from loco.comm.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_BITS, DEFAULT_CHUNK,
+                               DEFAULT_CHUNK_KEEP, DEFAULT_KEEP, chunk_kept, chunk_topk_bytes)
 from loco.comm.formats import SPARSE_CODEC_NAMES as SPARSE_CODECS
 from loco.report.runs import Run
 from loco.report.seeds import over_seeds, seed_groups
 
 
-def codec_compression(codec: str, block: int = 32, keep: float | None = None) -> float:
+def codec_compression(codec: str, block: int | None = 32, keep: float | None = None) -> float:
     """How many times fewer bytes than fp32 a wire format sends per value, its scales
     included: ``32 / (bits + 8 / block)`` (1 for fp32, 2 for bf16, 7.53 for FP4 at block 32).
 
@@ -23,10 +24,11 @@ def codec_compression(codec: str, block: int = 32, keep: float | None = None) ->
 
     Args:
         codec: a codec name, a key of ``CODEC_BITS``.
-        block: values per scale byte of the 8- and 4-bit codecs, >= 1; default 32; ignored
+        block: values per scale byte of the 8-, 4- and 2-bit codecs, >= 1, or per chunk of
+            the chunked top-k codecs; default 32 (None: the codec's own, 32 or 4096); ignored
             for the others.
-        keep: the share of values the dropping codecs send, in (0, 1]; default None: 1/8;
-            ignored for the others.
+        keep: the share of values the dropping codecs send, in (0, 1]; default None: 1/8
+            (1/64 of each chunk for the chunked top-k); ignored for the others.
 
     Returns:
         The compression factor against fp32 (below 1 only for a dropping codec keeping
@@ -36,6 +38,11 @@ def codec_compression(codec: str, block: int = 32, keep: float | None = None) ->
         KeyError: an unknown codec.
     """
     bits = CODEC_BITS[codec]
+    if codec in CHUNK_TOPK_CODEC_NAMES:
+        chunk = DEFAULT_CHUNK if block is None else block
+        k = chunk_kept(chunk, DEFAULT_CHUNK_KEEP if keep is None else keep)
+        return 32 * chunk / (8 * chunk_topk_bytes(codec, chunk, k))
+    block = 32 if block is None else block
     if codec in SPARSE_CODECS:
         keep = DEFAULT_KEEP if keep is None else keep
         where = min(1.0, 16 * keep) if codec == "topk" else 0.0

@@ -20,6 +20,7 @@ from loco.runtime import WorkerContext
 from loco.runtime.elastic import restart_count
 from loco.runtime.faults import Fault
 from loco.runtime.pipeline import PipelineStage
+from loco.training.optimizers import inner_optimizer
 from loco.training.runlog import RunLog
 from loco.training.state import resume_state, restore, restore_elastic, seek
 from loco.training.worker import SAVED_LOOP, Loop, Worker
@@ -37,11 +38,22 @@ def lr_lambda(cfg: TrainConfig):
 
 def adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with ``--adam-betas``, weight decay on matrices only (not on norms' gains)."""
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    no_decay = [p for p in model.parameters() if p.dim() < 2]
-    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=cfg.lr, betas=betas(cfg))
+    return inner_optimizer(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay,
+                           betas=betas(cfg))
+
+
+def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+    """The inner optimizer of ``--inner-optimizer`` over ``model``'s parameters: AdamW
+    (`adamw`), or MuLoCo's Muon on the hidden matrices and AdamW
+    on the rest (see `inner_optimizer`), with
+    ``--lr``, ``--weight-decay`` and ``--adam-betas``.
+
+    Args:
+        model: the module to train (a whole model or a pipeline stage's part).
+        cfg: the run's configuration.
+    """
+    return inner_optimizer(model, cfg.inner_optimizer, lr=cfg.lr,
+                           weight_decay=cfg.weight_decay, betas=betas(cfg))
 
 
 def make_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
@@ -98,7 +110,7 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     pipeline = (PipelineStage(model, ctx, cfg.batch_size, cfg.seq_len, routing=cfg.routing,
                               seed=cfg.seed, autocast=autocast) if ctx.stages > 1 else None)
     trained = model if pipeline is None else pipeline.module
-    optimizer = adamw(trained, cfg)
+    optimizer = make_optimizer(trained, cfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
     algo = cfg.method.from_config(cfg, trained, optimizer, ctx.comm, pipeline, ctx.inner)
     loader = make_loader(cfg, ctx, corpus)

@@ -184,11 +184,12 @@ class Summary:
         return self.unknown.get("downstream")
 
     def to_dict(self) -> dict[str, Any]:
-        """The content of ``summary.json``: every known key in the record's order, then the
+        """The content of ``summary.json``: every known key in the record's order, the
+        currency (``DERIVED``: computed from them, for readers of the file), then the
         ``unknown`` ones."""
         known = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
                  if f.name != "unknown"}
-        return {**known, **self.unknown}
+        return {**known, **{k: getattr(self, k) for k in DERIVED}, **self.unknown}
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Summary:
@@ -200,7 +201,12 @@ class Summary:
         """
         names = {f.name for f in dataclasses.fields(cls)} - {"unknown"}
         return cls(**{k: v for k, v in d.items() if k in names},
-                   unknown={k: v for k, v in d.items() if k not in names})
+                   unknown={k: v for k, v in d.items() if k not in names and k not in DERIVED})
+
+
+DERIVED = ("bits_per_parameter_per_step", "bytes_per_token")
+"""Keys of ``summary.json`` computed from the others (properties of the record): written for
+whoever reads the file, recomputed when it is read back."""
 
 
 def human_bytes(n: float) -> str:

@@ -1,0 +1,417 @@
+"""DeMo, Decoupled Momentum optimization (Peng, Quesnelle, Kingma 2024, arXiv 2411.19870).
+
+DeMo replaces the inner optimizer: every inner step each worker m, for every parameter p
+(lr and weight decay wd from the inner optimizer's parameter group, so a learning-rate
+schedule still applies; the inner optimizer itself is never stepped):
+
+1. ``p ← p · (1 − lr·wd)``;
+2. ``m_m ← β·m_m + lr·g_m`` (its own momentum, its own clipped gradient);
+3. the orthonormal DCT-II of ``m_m`` chunk by chunk (n1 × n2 chunks of a matrix);
+4. keeps the top-k coefficients of each chunk by magnitude: its message;
+5. ``m_m ← m_m − IDCT(kept)`` (what is sent leaves the momentum);
+6. all-gathers every worker's message (one all-gather per step, the whole model's packed
+   bytes), sums the coefficients per index in rank order and takes the IDCT;
+7. ``p ← p − lr · sign(that)`` (sign-SGD).
+
+Every worker applies the same update from the same gathered bytes, so the replicas stay
+identical. The reference code is bloc97/DeMo ``demo.py``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import record_function
+
+from loco.algorithms.base import Algorithm, all_finite
+from loco.algorithms.method import PaperClaim
+from loco.algorithms.sharding import Share, unflatten_views
+from loco.comm import Comm
+from loco.comm.bits import pack, packed_bytes, unpack
+from loco.options import ConfigError, need, opt
+
+VALUE_FORMATS = ("sign", "bf16", "fp32")
+"""Wire formats of the kept coefficients' values: 1 bit (the sign), bf16 or fp32."""
+
+
+@dataclass
+class DeMoOptions:
+    """DeMo's own options: the momentum's decay, the top-k, the DCT chunk and the values'
+    wire format."""
+
+    demo_decay: float = opt(0.999, "beta (demo): decay of each worker's own momentum, in "
+                            "[0, 1] (the paper: 0.999)")
+    demo_topk: int = opt(32, "k (demo): DCT coefficients of largest magnitude each chunk "
+                         "sends per step, >= 1, clamped to the chunk's size (the paper: 32)")
+    demo_chunk: int = opt(64, "demo: the DCT chunk's side; a matrix is cut into n1 x n2 "
+                          "chunks, n1 (n2) the largest divisor of its rows (columns) <= this "
+                          "(the paper: 64)")
+    demo_values: str = opt("bf16", "demo: wire format of the kept coefficients' values: sign "
+                           "(1 bit, a majority vote), bf16 or fp32", VALUE_FORMATS)
+
+
+def largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of ``n`` (>= 1) that is at most ``at_most`` (>= 1)."""
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
+def dct_matrix(n: int, device: torch.device | None = None) -> torch.Tensor:
+    """The orthonormal DCT-II matrix of size ``n``, fp32: row k is
+    ``s_k · cos(π (2i + 1) k / (2n))`` over i, ``s_0 = √(1/n)``, ``s_k = √(2/n)`` otherwise
+    (built in fp64, rounded once). Its transpose is its inverse (the DCT-III).
+
+    Args:
+        n: the size, >= 1.
+        device: where it lives; default the CPU.
+    """
+    i = torch.arange(n, dtype=torch.float64)
+    c = torch.cos(math.pi * (2 * i[None, :] + 1) * i[:, None] / (2 * n)) * math.sqrt(2 / n)
+    c[0] /= math.sqrt(2)
+    return c.to(torch.float32).to(device)
+
+
+@dataclass
+class Plan:
+    """How one parameter is chunked and where its message lies in the step's payload.
+
+    A parameter of ``numel`` values is viewed as a (rows, cols) matrix: a matrix as it is, a
+    vector or scalar as one row, a tensor of more dimensions as (its first, the rest).
+
+    Attributes:
+        rows, cols: the matrix it is viewed as.
+        n1, n2: the chunk's sides (largest divisors <= the chunk option).
+        chunks: n1 × n2 chunks in the matrix, numbered row-major over the chunk grid.
+        k: coefficients kept per chunk (the top-k, clamped to n1 · n2).
+        bits: bits per in-chunk index, ``ceil(log2(n1 · n2))``.
+        index_bytes, value_bytes: bytes per chunk of its indices and of its values.
+        offset: where this parameter's bytes start in the payload: all its chunks' index
+            rows, then all its chunks' value rows.
+    """
+
+    rows: int
+    cols: int
+    n1: int
+    n2: int
+    k: int
+    bits: int
+    index_bytes: int
+    value_bytes: int
+    offset: int
+
+    @property
+    def chunks(self) -> int:
+        return (self.rows // self.n1) * (self.cols // self.n2)
+
+    @property
+    def nbytes(self) -> int:
+        """This parameter's bytes of the payload."""
+        return self.chunks * (self.index_bytes + self.value_bytes)
+
+
+def value_bytes(k: int, values: str) -> int:
+    """Bytes of one chunk's ``k`` values in the format ``values`` (1 bit, 2 or 4 bytes each,
+    a chunk's sign bits rounded up to whole bytes)."""
+    return packed_bytes(k, 1) if values == "sign" else k * (2 if values == "bf16" else 4)
+
+
+def make_plan(shape: torch.Size, chunk: int, topk: int, values: str, offset: int) -> Plan:
+    """The [`Plan`][loco.algorithms.demo.Plan] of a parameter of ``shape``.
+
+    Args:
+        shape: the parameter's shape.
+        chunk: the DCT chunk's largest side, >= 1.
+        topk: coefficients kept per chunk before clamping, >= 1.
+        values: the values' wire format, one of ``VALUE_FORMATS``.
+        offset: where its bytes start in the payload.
+    """
+    numel = math.prod(shape)
+    rows = shape[0] if len(shape) >= 2 else 1
+    cols = numel // rows
+    n1, n2 = largest_divisor(rows, chunk), largest_divisor(cols, chunk)
+    k = min(topk, n1 * n2)
+    bits = math.ceil(math.log2(n1 * n2))
+    return Plan(rows, cols, n1, n2, k, bits, packed_bytes(k, bits), value_bytes(k, values),
+                offset)
+
+
+def payload_bytes(shapes, chunk: int = 64, topk: int = 32, values: str = "bf16") -> int:
+    """Bytes of one worker's message per step: Σ over parameters of
+    ``chunks · (packed_bytes(k, bits) + value bytes of k)``; each worker sends (M − 1) times
+    this per step (an all-gather).
+
+    Args:
+        shapes: the trained parameters' shapes.
+        chunk, topk, values: as for [`DeMo`][loco.algorithms.demo.DeMo].
+    """
+    plans = [make_plan(torch.Size(s), chunk, topk, values, 0) for s in shapes]
+    return sum(p.nbytes for p in plans)
+
+
+def dct_chunks(x: torch.Tensor, plan: Plan, c1: torch.Tensor, c2: torch.Tensor
+               ) -> torch.Tensor:
+    """The chunked 2-D DCT-II of ``x`` (``rows · cols`` values): ``C1 · X · C2ᵀ`` of each
+    n1 × n2 chunk X, as (chunks, n1 · n2), each row the chunk's coefficients row-major."""
+    a, b = plan.rows // plan.n1, plan.cols // plan.n2
+    blocks = x.reshape(a, plan.n1, b, plan.n2).permute(0, 2, 1, 3)
+    return (c1 @ blocks @ c2.T).reshape(a * b, plan.n1 * plan.n2)
+
+
+def idct_chunks(coef: torch.Tensor, plan: Plan, c1: torch.Tensor, c2: torch.Tensor
+                ) -> torch.Tensor:
+    """The inverse of [`dct_chunks`][loco.algorithms.demo.dct_chunks]: ``C1ᵀ · Y · C2`` of
+    each chunk, back as a (rows, cols) matrix."""
+    a, b = plan.rows // plan.n1, plan.cols // plan.n2
+    blocks = c1.T @ coef.reshape(a, b, plan.n1, plan.n2) @ c2
+    return blocks.permute(0, 2, 1, 3).reshape(plan.rows, plan.cols)
+
+
+def encode_values(vals: torch.Tensor, values: str) -> torch.Tensor:
+    """The values (chunks, k) as uint8 rows: sign bits (1 for negative, so 0 reads +1), or
+    bf16 or fp32 bytes."""
+    if values == "sign":
+        return pack((vals < 0).to(torch.int64), 1)
+    dtype = torch.bfloat16 if values == "bf16" else torch.float32
+    return vals.to(dtype).contiguous().view(torch.uint8)
+
+
+def decode_values(buf: torch.Tensor, k: int, values: str) -> torch.Tensor:
+    """The (chunks, k) fp32 values that [`encode_values`][loco.algorithms.demo.encode_values]
+    wrote into the uint8 rows ``buf``: ±1 for signs."""
+    if values == "sign":
+        return 1.0 - 2.0 * unpack(buf, k, 1).to(torch.float32)
+    dtype = torch.bfloat16 if values == "bf16" else torch.float32
+    return buf.contiguous().view(dtype).to(torch.float32)
+
+
+class DeMo(Algorithm):
+    """DeMo: sign-SGD on the sum of every worker's top-k DCT coefficients of its own
+    momentum, one all-gather per step (see the module's description for the update).
+
+    The inner optimizer is not stepped: it only holds the parameter groups, whose ``lr`` and
+    ``weight_decay`` DeMo reads every step (a scheduler on it still schedules DeMo's lr).
+    The replicas stay identical (``replicas_identical``).
+
+    Args:
+        model: the worker's replica of the model (see
+            [`Algorithm`][loco.algorithms.base.Algorithm]).
+        inner_optimizer: an optimizer over ``model``'s parameters (e.g. AdamW), never
+            stepped: its groups give lr and weight decay.
+        comm: the communication among the M workers (``ctx.comm``); not elastic.
+        decay: β, the momentum's decay, in [0, 1]; default 0.999 (the paper's).
+        topk: k, coefficients kept per chunk, >= 1 (clamped to the chunk's size); default 32.
+        chunk: the chunk's largest side, >= 1; default 64.
+        values: the kept values' wire format, ``"sign"``, ``"bf16"`` (default) or ``"fp32"``.
+        **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
+            ``max_grad_norm`` (the local gradient is clipped before it enters the momentum),
+            ``init_sync``, ``on_nonfinite`` (a non-finite local gradient is, with
+            ``"skip"``, replaced by zeros for that step: the worker still takes part in the
+            all-gather), ``inner`` (must be None or one rank).
+
+    Raises:
+        ValueError: an argument outside the ranges above, an elastic ``comm``, a worker of
+            several ranks or an FSDP2-sharded model.
+    """
+
+    name = "demo"
+    title = "DeMo"
+    options = DeMoOptions
+    claims = (PaperClaim("loss", "ddp", 5),
+              PaperClaim("bytes", "ddp", 10))
+
+    @classmethod
+    def check(cls, cfg, layers: int) -> None:
+        """β in [0, 1], k >= 1, chunk >= 1; one rank per worker, no pipeline stages, not
+        elastic, the AdamW inner optimizer (DeMo replaces it)."""
+        need(cfg, 0 <= cfg.demo_decay <= 1, "demo_decay", "must be in [0, 1]")
+        need(cfg, cfg.demo_topk >= 1, "demo_topk", "must be an integer >= 1")
+        need(cfg, cfg.demo_chunk >= 1, "demo_chunk", "must be an integer >= 1")
+        inner = getattr(cfg, "inner_optimizer", "adamw")
+        if inner != "adamw":
+            raise ConfigError("inner_optimizer", f"DeMo is its own optimizer: leave it at "
+                              f"adamw with --algorithm demo (got {inner!r})")
+        for name, ok in (("worker_ranks", cfg.worker_ranks == 1), ("stages", cfg.stages == 1)):
+            need(cfg, ok, name, "must be 1 with --algorithm demo (not supported yet)")
+        need(cfg, not cfg.elastic, "elastic", "is not supported with --algorithm demo")
+
+    @classmethod
+    def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
+        """β, k, the chunk and the values' wire format."""
+        return {"decay": cfg.demo_decay, "topk": cfg.demo_topk, "chunk": cfg.demo_chunk,
+                "values": cfg.demo_values}
+
+    @classmethod
+    def setting(cls, config: dict) -> str:
+        """β, k of each chunk and the values' wire format."""
+        return (f"β={config['demo_decay']:g}, top-{config['demo_topk']} of "
+                f"{config['demo_chunk']}×{config['demo_chunk']} DCT chunks, sign-SGD")
+
+    @classmethod
+    def wire(cls, config: dict) -> str | None:
+        """The kept coefficients: their values' format and packed indices."""
+        return f"top-k DCT, {config.get('demo_values', 'bf16')} values + packed indices"
+
+    def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
+                 decay: float = 0.999, topk: int = 32, chunk: int = 64, values: str = "bf16",
+                 **kwargs: Any):
+        if not 0 <= decay <= 1:
+            raise ValueError(f"decay (β) must be in [0, 1] (got {decay!r})")
+        for name, v in (("topk", topk), ("chunk", chunk)):
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"{name} must be an integer >= 1 (got {v!r})")
+        if values not in VALUE_FORMATS:
+            raise ValueError(f"values must be one of {', '.join(VALUE_FORMATS)} (got "
+                             f"{values!r})")
+        if comm.elastic:
+            raise ValueError("DeMo does not support an elastic Comm yet")
+        inner = kwargs.get("inner")
+        if inner is not None and inner.size > 1:
+            raise ValueError("DeMo does not support workers of several ranks yet")
+        super().__init__(model, inner_optimizer, comm, **kwargs)
+        if self.sharded:
+            raise ValueError("DeMo does not support FSDP2-sharded models yet")
+        self.decay, self.topk, self.chunk, self.values = decay, topk, chunk, values
+        self.share = Share(self.params, None)
+        self.momentum = torch.zeros(self.share.numel, device=self.params[0].device)
+        """Every parameter's momentum m (this worker's own), as one fp32 vector."""
+        self.moms = unflatten_views(self.momentum, self.params)
+        self.plans, offset = [], 0
+        for p in self.params:
+            self.plans.append(make_plan(p.shape, chunk, topk, values, offset))
+            offset += self.plans[-1].nbytes
+        self.payload_bytes = offset
+        """Bytes of this worker's message every step (``payload_bytes``)."""
+        self._dct: dict[int, torch.Tensor] = {}
+        # Each parameter's group by index: load_state_dict replaces the group dicts.
+        self._groups = {p: i for i, g in enumerate(inner_optimizer.param_groups)
+                        for p in g["params"]}
+        if any(p not in self._groups for p in self.params):
+            raise ValueError("DeMo reads lr and weight decay from the inner optimizer's "
+                             "groups: every trained parameter must be in one")
+
+    def _c(self, n: int) -> torch.Tensor:
+        if n not in self._dct:
+            self._dct[n] = dct_matrix(n, self.momentum.device)
+        return self._dct[n]
+
+    def _lr_wd(self, p: torch.Tensor) -> tuple[float, float]:
+        group = self.inner_optimizer.param_groups[self._groups[p]]
+        return float(group["lr"]), float(group.get("weight_decay", 0.0))
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """One DeMo step (replaces ``optimizer.step()``): clip, momentum, encode, one
+        all-gather of every worker's message, decode and sign-SGD. Collective: every worker
+        calls it at every step."""
+        with record_function("loco/inner_step"):
+            self._accumulate()
+        with record_function("loco/encode"):
+            payload = self._encode()
+        handle = self.comm.all_gather(payload, tag="train")
+        with record_function("loco/wait"):
+            gathered = self.comm.settle(handle)
+        with record_function("loco/decode"):
+            totals = self._decode(gathered)
+        self.inner_steps += 1
+        # The inner optimizer is never stepped: tell a learning-rate scheduler on it that a
+        # step was taken (torch's flag), so that it does not warn about the order.
+        self.inner_optimizer._opt_called = True
+        verdict = all(all_finite(t) for t in totals)  # the same bytes: every worker agrees
+        if self.finite(totals[0], "DeMo update", verdict):
+            with record_function("loco/outer_step"):
+                self._apply(totals)
+
+    def _accumulate(self) -> None:
+        """``m ← β·m + lr·g`` with the clipped local gradient (zeros for a parameter without
+        one); a non-finite gradient raises, or with ``skip`` counts and adds nothing."""
+        norm = self.clip_gradients()
+        finite = bool(torch.isfinite(norm))
+        if not finite:
+            self.nonfinite("gradient", "inner_steps", self.inner_steps + 1)
+        for p, m in zip(self.params, self.moms):
+            m.mul_(self.decay)
+            if finite and p.grad is not None:
+                m.add_(p.grad.to(m.dtype), alpha=self._lr_wd(p)[0])
+
+    def _encode(self) -> torch.Tensor:
+        """This worker's message: every parameter's kept coefficients (indices packed at
+        ``bits`` each, values in their format), chunk rows laid out as ``Plan`` says; the
+        kept coefficients (at full precision) leave the momentum."""
+        payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=self.momentum.device)
+        for plan, m in zip(self.plans, self.moms):
+            c1, c2 = self._c(plan.n1), self._c(plan.n2)
+            coef = dct_chunks(m, plan, c1, c2)
+            idx = coef.abs().topk(plan.k, dim=1, sorted=False).indices
+            vals = coef.gather(1, idx)
+            n_idx = plan.chunks * plan.index_bytes
+            out = payload[plan.offset:plan.offset + plan.nbytes]
+            out[:n_idx] = pack(idx, plan.bits).reshape(-1)
+            out[n_idx:] = encode_values(vals, self.values).reshape(-1)
+            sent = torch.zeros_like(coef).scatter_(1, idx, vals)
+            m.sub_(idct_chunks(sent, plan, c1, c2).view_as(m))
+        return payload
+
+    def _decode(self, gathered: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Every parameter's coefficients summed over the workers' messages, per index in
+        rank order, as (chunks, n1 · n2) fp32."""
+        totals = []
+        for plan in self.plans:
+            total = torch.zeros(plan.chunks, plan.n1 * plan.n2, device=self.momentum.device)
+            n_idx = plan.chunks * plan.index_bytes
+            for buf in gathered:
+                mine = buf[plan.offset:plan.offset + plan.nbytes]
+                idx = unpack(mine[:n_idx].view(plan.chunks, -1), plan.k, plan.bits)
+                vals = decode_values(mine[n_idx:].view(plan.chunks, -1), plan.k, self.values)
+                total.scatter_add_(1, idx, vals)
+            totals.append(total)
+        return totals
+
+    def _apply(self, totals: list[torch.Tensor]) -> None:
+        """``p ← p · (1 − lr·wd) − lr · sign(IDCT(total))`` for every parameter."""
+        for p, plan, total in zip(self.params, self.plans, totals):
+            lr, wd = self._lr_wd(p)
+            direction = idct_chunks(total, plan, self._c(plan.n1), self._c(plan.n2)).sign_()
+            if wd:
+                p.mul_(1 - lr * wd)
+            p.sub_(direction.view(p.shape).to(p.dtype), alpha=lr)
+
+    # ------------------------------------------------------------------------- state
+    def outer_tensors(self) -> list[torch.Tensor]:
+        """This worker's momenta (one fp32 vector)."""
+        return [self.momentum]
+
+    def outer_state(self) -> dict:
+        """The momenta (see
+        [`Algorithm.outer_state`][loco.algorithms.base.Algorithm.outer_state])."""
+        return {"momentum": (self.share, self.momentum)}
+
+    def state_dict(self, tensors: bool = True) -> dict:
+        """The base state plus the momenta, so a resumed run continues bit for bit.
+
+        Args:
+            tensors: include the tensors (default True); False: the counters only (see
+                [`Algorithm.state_dict`][loco.algorithms.base.Algorithm.state_dict]).
+
+        Returns:
+            A dict for ``torch.save``.
+        """
+        state = super().state_dict(tensors)
+        if tensors:
+            state["momentum"] = self.momentum.clone()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore what [`state_dict`][loco.algorithms.demo.DeMo.state_dict] saved.
+
+        Args:
+            state: a dict from ``state_dict()`` of a DeMo built the same way.
+        """
+        super().load_state_dict(state)
+        if "momentum" in state:
+            self.momentum.copy_(state["momentum"])
+
+
+__all__ = ["VALUE_FORMATS", "DeMo", "DeMoOptions", "dct_matrix", "payload_bytes"]
