@@ -16,7 +16,8 @@ from loco.report import CODEC_BITS, Run, codec_compression, targets
 
 METHODS = {name: cls.title for name, cls in methods().items()}
 
-PLOTS = ("loss_vs_tokens.png", "loss_vs_bytes.png", "bytes_vs_time.png", "spread.png")
+PLOTS = ("frontier.png", "loss_vs_tokens.png", "loss_vs_bytes.png", "bytes_vs_time.png",
+         "spread.png")
 
 
 def job(corpus, out, *extra):
@@ -36,6 +37,14 @@ def compared(corpus, tmp_path_factory):
                "--set", "local.spread-every=4")
     assert main(argv) == 0
     return out
+
+
+def test_pareto_frontier_keeps_what_nothing_beats_on_both_axes():
+    from loco.plot import pareto
+
+    points = [(2.0, 4.0), (1.0, 5.0), (3.0, 4.5), (0.5, 6.0), (48.0, 3.9), (1.5, 5.5)]
+    assert pareto(points) == [(0.5, 6.0), (1.0, 5.0), (2.0, 4.0), (48.0, 3.9)]
+    assert pareto([]) == []
 
 
 def table_rows(report: str) -> dict[str, list[str]]:

@@ -72,12 +72,32 @@ def test_gathered_bytes_are_exact():
 @pytest.mark.parametrize("algo,extra", [
     ("streaming", dict(fragments=2, overlap=1, alpha=0.5, codec="fp4_e3m0", error_feedback=0.9)),
     ("diloco", dict(codec="int2", error_feedback=0.9)),
+    ("sparseloco", dict(codec_block=64, codec_keep=0.25)),
 ])
 def test_error_feedback_resumes_bit_for_bit(algo, extra):
     """The error buffers and what was sent of the fragment in flight are checkpointed."""
     out = loco.launch(resume_worker, 2, args=(3 * H, H + 1, H, algo), kwargs=extra)
     for straight, resumed in out:
         assert max_diff(straight, resumed) == 0
+
+
+def test_sparseloco_matches_the_papers_box():
+    """SparseLoCo itself (outer lr 1, no momentum, β = 0.95, all-gathered 2-bit top-k)
+    against the reference, bit for bit, with 3 workers."""
+    from workers import make_model, make_optimizer, params_of, train_steps
+
+    def worker(ctx):
+        model = make_model(layers=4)
+        opt = make_optimizer(model)
+        algo = loco.SparseLoCo(model, opt, ctx.comm, sync_every=H, codec_block=64,
+                               codec_keep=0.25)
+        train_steps(model, opt, ctx.rank, range(3 * H), lambda: (algo.step(), algo.zero_grad()))
+        return params_of(algo.global_parameters())
+
+    out = loco.launch(worker, 3)
+    ref = reference_streaming(3, 3 * H, H, 1, 0, 0.0, codec="topk_2bit", outer_lr=1.0,
+                              outer_momentum=0.0, error_feedback=0.95, block=64, keep=0.25)
+    assert all(max_diff(r, ref) == 0 for r in out)
 
 
 def test_sparseloco_is_diloco_with_its_wire_and_outer_rule():

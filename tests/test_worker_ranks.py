@@ -110,6 +110,25 @@ def test_streaming_fp4_with_ranks_per_worker_encodes_each_rank_s_shard():
     assert share_beyond(out[0]["params"], whole, TOL) > 1e-2
 
 
+def test_error_feedback_with_ranks_per_worker_is_sharded_like_the_outer_state():
+    """Each rank keeps the error of its own 1/R of the fragment and feeds back what its own
+    range became on the wire: the reference's error feedback applied range by range (FSDP2:
+    ``test_fsdp_error_feedback_keeps_each_rank_s_local_shards``)."""
+    steps, parallel = 2 * H + 1, "ddp"
+    kw = dict(sync_every=H, fragments=2, overlap=1, alpha=0.5, codec="fp4_e3m0", layers=4,
+              error_feedback=0.9)
+    out = loco.launch(sharded_worker, replicas=2, shards=2, args=(steps, "streaming"),
+                      kwargs=dict(kw, **SMOOTH))
+    data = worker_batches(2)
+    ref = reference_streaming(2, steps, H, 2, 1, 0.5, "fp4_e3m0", data=data, shards=2,
+                              parallel=parallel, error_feedback=0.9, **SMOOTH)
+    without = reference_streaming(2, steps, H, 2, 1, 0.5, "fp4_e3m0", data=data, shards=2,
+                                  parallel=parallel, **SMOOTH)
+    for o in out:
+        assert max_diff(o["params"], ref) < TOL
+    assert max_diff(out[0]["params"], without) > 10 * TOL
+
+
 def share_beyond(a: dict, b: dict, tol: float) -> float:
     """The share of values of ``a`` more than ``tol`` from ``b``'s."""
     over = sum(int(((a[n] - b[n]).abs() > tol).sum()) for n in b)
@@ -142,6 +161,8 @@ FSDP_CASES = {
                   dict(STREAMING, codec="fp32", **SMOOTH)),
     "streaming_fp4": (sharded_worker, (FSDP_STEPS, "streaming"),
                       dict(STREAMING, codec="fp4_e3m0", **SMOOTH)),
+    "streaming_fp4_ef": (sharded_worker, (FSDP_STEPS, "streaming"),
+                         dict(STREAMING, codec="fp4_e3m0", error_feedback=0.9, **SMOOTH)),
     "noloco": (sharded_worker, (FSDP_STEPS, "noloco"), dict(NOLOCO, **SMOOTH)),
     "ddp": (sharded_worker, (FSDP_STEPS, "ddp"), SMOOTH),
     # a checkpoint taken while fragment 0's sync is in flight (sent at step 6, tau = 1),
@@ -184,6 +205,17 @@ def test_fsdp_inside_a_worker_matches_the_reference(fsdp_runs, case, reference):
     assert abs(runs[0]["slow"] - runs[1]["slow"]) <= 0.2 * runs[0]["slow"]  # each ~1/R
     sizes = [o["outer_bytes"] for o in runs]
     assert max(sizes) - min(sizes) <= 0.2 * max(sizes)  # ~1/R each (dim-0 chunks)
+
+
+def test_fsdp_error_feedback_keeps_each_rank_s_local_shards(fsdp_runs):
+    """Error feedback under FSDP2: each rank's error is of its own dim-0 chunks, fed back with
+    what those became on the wire; the reference does the same chunk by chunk."""
+    ref = reference_streaming(2, FSDP_STEPS, H, 2, 1, 0.5, "fp4_e3m0", data=worker_batches(2),
+                              shards=2, parallel="fsdp", error_feedback=0.9, **SMOOTH)
+    for r in fsdp_runs[:2]:
+        assert max_diff(r["streaming_fp4_ef"]["params"], ref) < TOL
+    assert max_diff(fsdp_runs[0]["streaming_fp4_ef"]["params"],
+                    fsdp_runs[0]["streaming_fp4"]["params"]) > 10 * TOL
 
 
 def test_fsdp_with_fp4_encodes_each_rank_s_local_shards(fsdp_runs):

@@ -144,7 +144,7 @@ def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, parallel="
             shard_worker(model, ctx)
         opt = make_optimizer(model)
         kw = ({"sync_every": sync_every, **extra}
-              if algo_name in ("diloco", "streaming", "noloco") else {})
+              if algo_name in ("diloco", "streaming", "noloco", "sparseloco") else {})
         return model, opt, method(algo_name)(model, opt, ctx.comm, inner=ctx.inner, **kw)
 
     dcp, mesh = ctx.checkpoint_group is not None, shard_mesh(ctx)

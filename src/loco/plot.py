@@ -163,3 +163,55 @@ def plot_sweep(path: str, option: str, ticks: list[tuple[float, str]],
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def plot_frontier(path: str, methods: list[tuple[str, float, list[float]]]) -> None:
+    """The compression frontier: each method's final eval loss against the bits a worker
+    sent per parameter per inner step (log axis), the mean over its seeds as a point and
+    their range as a bar, and the Pareto frontier (no other method both sends fewer bits and
+    reaches a lower loss) as a step line. A method that sends nothing (Local) cannot sit on
+    a log axis: it is a dotted line across.
+
+    Args:
+        path: the PNG file to write.
+        methods: (name, bits per parameter per step, final eval loss of each seed), one per
+            method, in report order.
+    """
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    points = []
+    for i, (name, bits, losses) in enumerate(methods):
+        mean = sum(losses) / len(losses)
+        if bits <= 0:
+            ax.axhline(mean, ls=":", c="grey", lw=1.2, label=f"{name} (0 bits)")
+            continue
+        err = [[mean - min(losses)], [max(losses) - mean]]
+        ax.errorbar([bits], [mean], yerr=err, fmt="o", ms=5, capsize=3, color=f"C{i % 10}",
+                    label=name)
+        points.append((bits, mean))
+    frontier = pareto(points)
+    if len(frontier) > 1:
+        ax.plot(*zip(*frontier), drawstyle="steps-post", c="black", lw=1, alpha=0.6,
+                label="Pareto frontier")
+    ax.set_xscale("log")
+    ax.set_xlabel("bits sent per parameter per inner step, per worker (log)")
+    ax.set_ylabel("final eval loss (nats/token)")
+    ax.set_title("the compression frontier (bars: the seeds' range)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def pareto(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats in both coordinates (fewer bits and a lower loss),
+    by increasing bits.
+
+    Args:
+        points: (bits, loss) pairs.
+    """
+    out: list[tuple[float, float]] = []
+    for bits, loss in sorted(points):
+        if not out or loss < out[-1][1]:
+            out.append((bits, loss))
+    return out

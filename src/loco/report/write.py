@@ -27,7 +27,8 @@ def write_report(runs: list[Run], out: str) -> dict[str, dict]:
 
     os.makedirs(out, exist_ok=True)
     numbers = comparison(runs, out)
-    plots = plot_comparison(runs, out) + sweep_plots(seed_means(runs), out)
+    plots = (frontier_plot(runs, out) + plot_comparison(runs, out)
+             + sweep_plots(seed_means(runs), out))
     _write(os.path.join(out, "compare.json"), json.dumps(numbers, indent=2) + "\n")
     _write(os.path.join(out, "report.md"), render_markdown(runs, numbers, plots))
     return numbers
@@ -37,6 +38,33 @@ def _write(path: str, text: str) -> None:
     with open(path + ".tmp", "w") as f:
         f.write(text)
     os.replace(path + ".tmp", path)
+
+
+def frontier_plot(runs: list[Run], out: str) -> list[str]:
+    """``frontier.png``: final eval loss against bits per parameter per step, one point per
+    method (its seeds' mean and range), with the Pareto frontier; written when at least three
+    methods have both numbers.
+
+    Args:
+        runs: the runs, in report order.
+        out: the directory to write into.
+
+    Returns:
+        ``["frontier.png"]``, or ``[]`` when not written.
+    """
+    from loco.plot import plot_frontier
+
+    groups: dict[str, list[Run]] = {}
+    for r in runs:
+        s = r.summary
+        if s.final_eval_loss is not None and s.bits_per_parameter_per_step is not None:
+            groups.setdefault(r.group_name, []).append(r)
+    if len(groups) < 3:
+        return []
+    methods = [(name, members[0].summary.bits_per_parameter_per_step,
+                [m.summary.final_eval_loss for m in members]) for name, members in groups.items()]
+    plot_frontier(os.path.join(out, "frontier.png"), methods)
+    return ["frontier.png"]
 
 
 def sweep_plots(runs: list[Run], out: str) -> list[str]:
