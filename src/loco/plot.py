@@ -185,8 +185,8 @@ def plot_frontier(path: str, methods: list[tuple[str, float, list[float]]]) -> N
             ax.axhline(mean, ls=":", c="grey", lw=1.2, label=f"{name} (0 bits)")
             continue
         err = [[mean - min(losses)], [max(losses) - mean]]
-        ax.errorbar([bits], [mean], yerr=err, fmt="o", ms=5, capsize=3, color=f"C{i % 10}",
-                    label=name)
+        ax.errorbar([bits], [mean], yerr=err, fmt="o", ms=5, capsize=3,
+                    color=plt.cm.tab20(i % 20), label=name)
         points.append((bits, mean))
     frontier = pareto(points)
     if len(frontier) > 1:

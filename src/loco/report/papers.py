@@ -179,8 +179,9 @@ def routing_claim(runs: list[Run]) -> list[Claim]:
 
 def claims(runs: list[Run]) -> list[Claim]:
     """The papers' claims checked on the runs of one seed (or of no seed): every method's
-    declared claims (``Method.claims``) on its [`baseline`][loco.report.numbers.baseline] run, each
-    against its [`reference`][loco.report.papers.reference], then random routing against fixed
+    declared claims (``Method.claims``) on its [`baseline`][loco.report.numbers.baseline] run
+    (a claim against a ``"twin"``: on each of its runs that has one), each against its
+    [`reference`][loco.report.papers.reference], then random routing against fixed
     ([`routing_claim`][loco.report.papers.routing_claim]).
 
     Args:
@@ -193,9 +194,14 @@ def claims(runs: list[Run]) -> list[Claim]:
     rows = []
     for run in by.values():
         for claim in run.method.claims:
-            ref = reference(runs, run, claim, by)
-            if ref is not None:
-                rows.append(CHECKS[claim.kind](run, ref, claim))
+            # A twin claim holds of every run of the method that has a twin (DiLoCo FP4 with
+            # error feedback, MuLoCo: labelled DiLoCo runs); another of its baseline run.
+            subjects = ([r for r in runs if r.method is run.method and not r.sweep]
+                        if claim.against == "twin" else [run])
+            for subject in subjects:
+                ref = reference(runs, subject, claim, by)
+                if ref is not None:
+                    rows.append(CHECKS[claim.kind](subject, ref, claim))
     return rows + routing_claim(runs)
 
 
