@@ -120,12 +120,6 @@ class ChunkTopKCodec(Codec):
             dense.view(-1, self.block)[bad] = float("nan")
         return dense if dense is out else out.copy_(dense)
 
-    def _check_buf(self, buf: torch.Tensor, c: int) -> torch.Tensor:
-        if buf.dim() != 2 or buf.dtype != torch.uint8 or buf.shape[1] != self.row_bytes(c):
-            raise ValueError(f"{self}: rows of {c} values take {self.row_bytes(c)} bytes, "
-                             f"got {buf.dtype} {tuple(buf.shape)}")
-        return buf
-
     def __repr__(self) -> str:
         return f"Codec({self.name}, block={self.block}, k={self.k})"
 
