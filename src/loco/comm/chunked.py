@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from loco.comm.bits import ef_decode, ef_encode, pack, unpack
-from loco.comm.codec import Codec, check_out
+from loco.comm.codec import Codec, check_out, zeroed_rows
 from loco.comm.formats import (DEFAULT_CHUNK, DEFAULT_CHUNK_KEEP, chunk_kept, chunk_topk_bytes,
                                index_bits)
 
@@ -95,13 +95,7 @@ class ChunkTopKCodec(Codec):
         Returns:
             fp32 ``(rows, c)`` (``out`` when given).
         """
-        self._check_buf(buf, c)
-        rows = buf.shape[0]
-        if out is None:
-            out = torch.zeros((rows, c), dtype=torch.float32, device=buf.device)
-        else:
-            check_out(self, out, (rows, c), torch.float32)
-            out.zero_()
+        out = zeroed_rows(self, buf, c, out)
         if c == 0:
             return out
         chunks = buf.reshape(-1, self.chunk_bytes)

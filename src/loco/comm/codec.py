@@ -270,3 +270,14 @@ def check_out(codec: Codec, out: torch.Tensor, shape: tuple, dtype: torch.dtype)
     if tuple(out.shape) != tuple(shape) or out.dtype != dtype:
         raise ValueError(f"{codec}: out must be {dtype} {tuple(shape)}, got {out.dtype} "
                          f"{tuple(out.shape)}")
+
+
+def zeroed_rows(codec: Codec, buf: torch.Tensor, c: int, out: torch.Tensor | None
+                ) -> torch.Tensor:
+    """Check ``buf`` for rows of ``c`` values; the fp32 ``(rows, c)`` tensor a dropping codec
+    decodes into: ``out`` (checked) zeroed, or new zeros."""
+    codec._check_buf(buf, c)
+    if out is None:
+        return torch.zeros((buf.shape[0], c), dtype=torch.float32, device=buf.device)
+    check_out(codec, out, (buf.shape[0], c), torch.float32)
+    return out.zero_()

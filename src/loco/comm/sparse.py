@@ -9,7 +9,7 @@ from fractions import Fraction
 
 import torch
 
-from loco.comm.codec import F32_MAX, Codec, check_out
+from loco.comm.codec import F32_MAX, Codec, check_out, zeroed_rows
 
 
 def _view_as(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -88,15 +88,10 @@ class SparseCodec(Codec):
         Returns:
             An fp32 tensor of shape ``(rows, c)`` (``out`` when given).
         """
-        self._check_buf(buf, c)
-        rows = buf.shape[0]
-        if out is None:
-            out = torch.zeros((rows, c), dtype=torch.float32, device=buf.device)
-        else:
-            check_out(self, out, (rows, c), torch.float32)
-            if not out.is_contiguous():
-                return out.copy_(self.decode_rows(buf, c))
-            out.zero_()
+        if out is not None and not out.is_contiguous():
+            check_out(self, out, (buf.shape[0], c), torch.float32)
+            return out.copy_(self.decode_rows(buf, c))
+        out = zeroed_rows(self, buf, c, out)
         if c == 0:
             return out
         k = self.kept(c)
