@@ -12,8 +12,13 @@ import torch
 
 from loco.comm.bits import ef_decode, ef_encode, pack, unpack
 from loco.comm.codec import Codec, check_out, zeroed_rows
-from loco.comm.formats import (DEFAULT_CHUNK, DEFAULT_CHUNK_KEEP, chunk_kept, chunk_topk_bytes,
-                               index_bits)
+from loco.comm.formats import (
+    DEFAULT_CHUNK,
+    DEFAULT_CHUNK_KEEP,
+    chunk_kept,
+    chunk_topk_bytes,
+    index_bits,
+)
 
 
 class ChunkTopKCodec(Codec):
@@ -64,7 +69,7 @@ class ChunkTopKCodec(Codec):
             uint8 ``(rows, row_bytes(c))`` (``out`` when given).
         """
         self._check_rows(x)
-        rows, c = x.shape
+        rows = x.shape[0]
         chunks = x.detach().reshape(-1, self.block)
         idx = torch.topk(chunks.abs(), self.k, dim=1, sorted=False).indices.sort(dim=1).values
         v = chunks.gather(1, idx)
