@@ -29,7 +29,7 @@ from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm, all_finite
 from loco.algorithms.method import PaperClaim
-from loco.algorithms.sharding import Share, unflatten_views
+from loco.algorithms.sharding import Share
 from loco.comm import Comm
 from loco.comm.bits import pack, packed_bytes, unpack
 from loco.options import ConfigError, need, opt
@@ -149,6 +149,67 @@ def payload_bytes(shapes, chunk: int = 64, topk: int = 32, values: str = "bf16")
     """
     plans = [make_plan(torch.Size(s), chunk, topk, values, 0) for s in shapes]
     return sum(p.nbytes for p in plans)
+
+
+@dataclass
+class Group:
+    """Parameters of one shape, chunking and optimizer group, computed as one matrix: their
+    momenta lie one after another in the momentum vector, so ``mom`` is a (G · rows, cols)
+    view of them and ``plan`` chunks it as each member's own plan would (the chunks never
+    straddle two members). The wire layout stays per parameter: ``index_at`` and
+    ``value_at`` are where the group's index and value bytes go in the payload, member by
+    member.
+
+    Attributes:
+        members: the members' positions in the parameter list.
+        plan: the members' plan with ``rows`` times G.
+        mom: the members' momenta as one matrix.
+        opt_group: the index of the inner optimizer's parameter group they are in.
+        index_at, value_at: payload positions (int64) of the group's packed index rows and
+            value rows, flattened.
+    """
+
+    members: list[int]
+    plan: Plan
+    mom: torch.Tensor
+    opt_group: int
+    index_at: torch.Tensor
+    value_at: torch.Tensor
+
+
+def group_by_plan(params: list[torch.Tensor], plans: list[Plan], opt_groups: list[int],
+                  momentum: torch.Tensor) -> tuple[list[Group], list[torch.Tensor]]:
+    """Group the parameters whose plans and optimizer groups agree, and lay their momenta
+    out in ``momentum`` group by group.
+
+    Returns:
+        The groups, and every parameter's momentum view in the parameters' order.
+    """
+    keys: dict[tuple, list[int]] = {}
+    for i, (p, plan) in enumerate(zip(params, plans)):
+        key = (plan.rows, plan.cols, plan.n1, plan.n2, plan.k, opt_groups[i], p.dtype)
+        keys.setdefault(key, []).append(i)
+    groups, moms, at = [], [None] * len(params), 0
+    for members in keys.values():
+        one = plans[members[0]]
+        size = one.rows * one.cols
+        mom = momentum[at:at + size * len(members)].view(one.rows * len(members), one.cols)
+        for j, i in enumerate(members):
+            moms[i] = mom[j * one.rows:(j + 1) * one.rows].view(params[i].shape)
+        at += size * len(members)
+
+        def positions(start: int, width: int) -> torch.Tensor:
+            return torch.cat([torch.arange(plans[i].offset + start,
+                                           plans[i].offset + start + plans[i].chunks * width)
+                              for i in members]).to(momentum.device)
+
+        n_idx = one.chunks * one.index_bytes
+        groups.append(Group(members, Plan(one.rows * len(members), one.cols, one.n1, one.n2,
+                                          one.k, one.bits, one.index_bytes, one.value_bytes,
+                                          -1),
+                            mom, opt_groups[members[0]], positions(0, one.index_bytes),
+                            positions(n_idx, one.value_bytes)))
+    return groups, moms
 
 
 def dct_chunks(x: torch.Tensor, plan: Plan, c1: torch.Tensor, c2: torch.Tensor
@@ -274,32 +335,36 @@ class DeMo(Algorithm):
         if self.sharded:
             raise ValueError("DeMo does not support FSDP2-sharded models yet")
         self.decay, self.topk, self.chunk, self.values = decay, topk, chunk, values
-        self.share = Share(self.params, None)
-        self.momentum = torch.zeros(self.share.numel, device=self.params[0].device)
-        """Every parameter's momentum m (this worker's own), as one fp32 vector."""
-        self.moms = unflatten_views(self.momentum, self.params)
+        # Each parameter's group by index: load_state_dict replaces the group dicts.
+        opt_group = {p: i for i, g in enumerate(inner_optimizer.param_groups)
+                     for p in g["params"]}
+        if any(p not in opt_group for p in self.params):
+            raise ValueError("DeMo reads lr and weight decay from the inner optimizer's "
+                             "groups: every trained parameter must be in one")
         self.plans, offset = [], 0
         for p in self.params:
             self.plans.append(make_plan(p.shape, chunk, topk, values, offset))
             offset += self.plans[-1].nbytes
         self.payload_bytes = offset
         """Bytes of this worker's message every step (``payload_bytes``)."""
+        self.momentum = torch.zeros(sum(p.numel() for p in self.params),
+                                    device=self.params[0].device)
+        """Every parameter's momentum m (this worker's own), as one fp32 vector, laid out
+        group by group (``groups``)."""
+        self.groups, self.moms = group_by_plan(self.params, self.plans,
+                                               [opt_group[p] for p in self.params],
+                                               self.momentum)
+        self.share = Share([self.params[i] for g in self.groups for i in g.members], None)
         self._dct: dict[int, torch.Tensor] = {}
-        # Each parameter's group by index: load_state_dict replaces the group dicts.
-        self._groups = {p: i for i, g in enumerate(inner_optimizer.param_groups)
-                        for p in g["params"]}
-        if any(p not in self._groups for p in self.params):
-            raise ValueError("DeMo reads lr and weight decay from the inner optimizer's "
-                             "groups: every trained parameter must be in one")
 
     def _c(self, n: int) -> torch.Tensor:
         if n not in self._dct:
             self._dct[n] = dct_matrix(n, self.momentum.device)
         return self._dct[n]
 
-    def _lr_wd(self, p: torch.Tensor) -> tuple[float, float]:
-        group = self.inner_optimizer.param_groups[self._groups[p]]
-        return float(group["lr"]), float(group.get("weight_decay", 0.0))
+    def _lr_wd(self, group: Group) -> tuple[float, float]:
+        opt = self.inner_optimizer.param_groups[group.opt_group]
+        return float(opt["lr"]), float(opt.get("weight_decay", 0.0))
 
     @torch.no_grad()
     def step(self) -> None:
@@ -331,52 +396,59 @@ class DeMo(Algorithm):
         finite = bool(torch.isfinite(norm))
         if not finite:
             self.nonfinite("gradient", "inner_steps", self.inner_steps + 1)
-        for p, m in zip(self.params, self.moms):
-            m.mul_(self.decay)
-            if finite and p.grad is not None:
-                m.add_(p.grad.to(m.dtype), alpha=self._lr_wd(p)[0])
+        self.momentum.mul_(self.decay)
+        for group in self.groups if finite else ():
+            lr = self._lr_wd(group)[0]
+            for i in group.members:
+                if self.params[i].grad is not None:
+                    self.moms[i].add_(self.params[i].grad.to(self.momentum.dtype), alpha=lr)
 
     def _encode(self) -> torch.Tensor:
         """This worker's message: every parameter's kept coefficients (indices packed at
         ``bits`` each, values in their format), chunk rows laid out as ``Plan`` says; the
-        kept coefficients (at full precision) leave the momentum."""
+        kept coefficients (at full precision) leave the momentum. Computed group by group."""
         payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=self.momentum.device)
-        for plan, m in zip(self.plans, self.moms):
-            c1, c2 = self._c(plan.n1), self._c(plan.n2)
-            coef = dct_chunks(m, plan, c1, c2)
+        for g in self.groups:
+            plan, c1, c2 = g.plan, self._c(g.plan.n1), self._c(g.plan.n2)
+            coef = dct_chunks(g.mom, plan, c1, c2)
             idx = coef.abs().topk(plan.k, dim=1, sorted=False).indices
             vals = coef.gather(1, idx)
-            n_idx = plan.chunks * plan.index_bytes
-            out = payload[plan.offset:plan.offset + plan.nbytes]
-            out[:n_idx] = pack(idx, plan.bits).reshape(-1)
-            out[n_idx:] = encode_values(vals, self.values).reshape(-1)
+            payload[g.index_at] = pack(idx, plan.bits).reshape(-1)
+            payload[g.value_at] = encode_values(vals, self.values).reshape(-1)
             sent = torch.zeros_like(coef).scatter_(1, idx, vals)
-            m.sub_(idct_chunks(sent, plan, c1, c2).view_as(m))
+            g.mom.sub_(idct_chunks(sent, plan, c1, c2))
         return payload
 
     def _decode(self, gathered: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every parameter's coefficients summed over the workers' messages, per index in
-        rank order, as (chunks, n1 · n2) fp32."""
-        totals = []
-        for plan in self.plans:
+        """Every group's coefficients summed over the workers' messages, per index in rank
+        order, as (chunks, n1 · n2) fp32: all M messages decoded at once, worker m's
+        coefficients in the columns after worker m − 1's, so that one ``scatter_add_``
+        (which adds a row's columns in order on the CPU) sums them in rank order."""
+        stacked = torch.stack(gathered)
+        totals, m = [], len(gathered)
+        for g in self.groups:
+            plan = g.plan
+            idx = unpack(stacked[:, g.index_at].view(m * plan.chunks, -1), plan.k, plan.bits)
+            vals = decode_values(stacked[:, g.value_at].view(m * plan.chunks, -1), plan.k,
+                                 self.values)
+            by_chunk = [t.view(m, plan.chunks, plan.k).transpose(0, 1).reshape(plan.chunks, -1)
+                        for t in (idx, vals)]
             total = torch.zeros(plan.chunks, plan.n1 * plan.n2, device=self.momentum.device)
-            n_idx = plan.chunks * plan.index_bytes
-            for buf in gathered:
-                mine = buf[plan.offset:plan.offset + plan.nbytes]
-                idx = unpack(mine[:n_idx].view(plan.chunks, -1), plan.k, plan.bits)
-                vals = decode_values(mine[n_idx:].view(plan.chunks, -1), plan.k, self.values)
-                total.scatter_add_(1, idx, vals)
-            totals.append(total)
+            totals.append(total.scatter_add_(1, *by_chunk))
         return totals
 
     def _apply(self, totals: list[torch.Tensor]) -> None:
         """``p ← p · (1 − lr·wd) − lr · sign(IDCT(total))`` for every parameter."""
-        for p, plan, total in zip(self.params, self.plans, totals):
-            lr, wd = self._lr_wd(p)
+        for g, total in zip(self.groups, totals):
+            lr, wd = self._lr_wd(g)
+            plan = g.plan
             direction = idct_chunks(total, plan, self._c(plan.n1), self._c(plan.n2)).sign_()
-            if wd:
-                p.mul_(1 - lr * wd)
-            p.sub_(direction.view(p.shape).to(p.dtype), alpha=lr)
+            rows = plan.rows // len(g.members)
+            for j, i in enumerate(g.members):
+                p = self.params[i]
+                if wd:
+                    p.mul_(1 - lr * wd)
+                p.sub_(direction[j * rows:(j + 1) * rows].view(p.shape).to(p.dtype), alpha=lr)
 
     # ------------------------------------------------------------------------- state
     def outer_tensors(self) -> list[torch.Tensor]:

@@ -9,14 +9,31 @@ row, and bit ``i`` of a row is bit ``i % 8`` of byte ``i // 8``. A row of ``n`` 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from loco.comm.formats import ef_bytes, ef_low_bits, packed_bytes
 
 
+@functools.lru_cache(maxsize=64)
+def _spans(n: int, width: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where each of ``n`` values of ``width`` bits lies in a packed row: the byte of its
+    first bit plus 0, 1, ... (as many as a value can touch, (n, touch)) and its first bit's
+    position in that byte (n, 1). Cached: a codec packs rows of the same shape every sync."""
+    start = torch.arange(n, device=device, dtype=torch.int64) * width
+    touch = (width + 7 + 7) // 8  # a value of width bits starting at bit 7 of a byte
+    where = (start // 8).unsqueeze(1) + torch.arange(touch, device=device, dtype=torch.int64)
+    return where, (start % 8).unsqueeze(1)
+
+
 def pack(values: torch.Tensor, width: int) -> torch.Tensor:
     """Pack the rows of ``values`` (non-negative integers below ``2**width``) into
     ``width`` bits each.
+
+    Each value is shifted to its first bit's place in its first byte and cut into the bytes
+    it touches; the pieces of different values occupy different bits, so adding them into
+    the row is the same as or-ing them.
 
     Args:
         values: an integer tensor of shape (rows, n).
@@ -26,11 +43,15 @@ def pack(values: torch.Tensor, width: int) -> torch.Tensor:
         uint8 of shape (rows, ``packed_bytes(n, width)``).
     """
     rows, n = values.shape
-    if width == 0 or n == 0:
-        return torch.zeros(rows, 0, dtype=torch.uint8, device=values.device)
-    shifts = torch.arange(width, device=values.device, dtype=torch.int64)
-    bits = (values.to(torch.int64).unsqueeze(-1) >> shifts) & 1  # (rows, n, width)
-    return _bytes_of(bits.reshape(rows, n * width).to(torch.uint8))
+    nbytes = packed_bytes(n, width)
+    if width == 0 or n == 0 or rows == 0:
+        return torch.zeros(rows, nbytes, dtype=torch.uint8, device=values.device)
+    where, shift = _spans(n, width, values.device)
+    shifted = (values.to(torch.int64) << shift.T).unsqueeze(-1)  # (rows, n, 1)
+    pieces = (shifted >> (8 * torch.arange(where.shape[1], device=values.device))) & 0xFF
+    out = torch.zeros(rows, nbytes + where.shape[1], dtype=torch.int64, device=values.device)
+    out.scatter_add_(1, where.reshape(1, -1).expand(rows, -1), pieces.reshape(rows, -1))
+    return out[:, :nbytes].to(torch.uint8)
 
 
 def unpack(buf: torch.Tensor, n: int, width: int) -> torch.Tensor:
@@ -44,13 +65,15 @@ def unpack(buf: torch.Tensor, n: int, width: int) -> torch.Tensor:
     Returns:
         int64 of shape (rows, n).
     """
-    rows = buf.shape[0]
-    if width == 0 or n == 0:
+    rows, nbytes = buf.shape[0], packed_bytes(n, width)
+    if width == 0 or n == 0 or rows == 0:
         return torch.zeros(rows, n, dtype=torch.int64, device=buf.device)
-    bits = _bits_of(buf[:, :packed_bytes(n, width)], n * width).reshape(rows, n, width)
-    weights = torch.ones(width, dtype=torch.int64, device=buf.device) << torch.arange(
-        width, device=buf.device, dtype=torch.int64)
-    return (bits.to(torch.int64) * weights).sum(-1)
+    where, shift = _spans(n, width, buf.device)
+    # A value's last bytes may lie past the row's end: read the row's last byte there
+    # instead; its bits land above the value's and are masked off.
+    pieces = buf[:, :nbytes][:, where.clamp(max=nbytes - 1)].to(torch.int64)  # (rows, n, t)
+    word = (pieces << (8 * torch.arange(where.shape[1], device=buf.device))).sum(-1)
+    return (word >> shift.T) & ((1 << width) - 1)
 
 
 def _bytes_of(bits: torch.Tensor) -> torch.Tensor:
