@@ -17,9 +17,10 @@ torch.set_num_threads(1)
 # pytest-xdist (`make test`) each file goes whole to the next free worker in collection
 # order: the long ones, mostly waiting on worker processes, start at once, and the short ones
 # fill the cores around them instead of leaving one long file to run on alone at the end.
-SLOWEST_FIRST = ("test_elastic.py", "test_streaming.py", "test_train_worker_ranks.py",
-                 "test_worker_ranks.py", "test_netns_wan.py", "test_reliability.py",
-                 "test_cli.py", "test_harness.py", "test_outer_thread.py")
+SLOWEST_FIRST = ("test_elastic_cli.py", "test_elastic.py", "test_train_worker_ranks.py",
+                 "test_streaming.py", "test_netns_wan.py", "test_reliability.py",
+                 "test_worker_ranks.py", "test_cli.py", "test_outer_thread.py",
+                 "test_compression.py", "test_harness.py", "test_hf_models.py")
 
 
 def pytest_collection_modifyitems(config, items):

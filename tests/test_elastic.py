@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from workers import (
+    elastic_worker,
+    max_diff,
+    reference_big_batch,
+    reference_streaming,
+    smooth_optimizer,
+    worker_batches,
+)
 
 import loco
-from workers import (elastic_worker, max_diff, reference_big_batch, reference_streaming,
-                     smooth_optimizer, worker_batches)
-
 
 M, STEPS, H, P, TAU, ALPHA = 4, 40, 8, 2, 1, 0.5
 ALGO = dict(sync_every=H, fragments=P, overlap=TAU, alpha=ALPHA, codec="fp32")
@@ -182,155 +187,6 @@ def test_elastic_options_are_checked_before_any_worker_starts():
         loco.launch(elastic_worker, replicas=4, launcher="threads", elastic=loco.Elastic())
 
 
-def test_loco_train_elastic_survives_a_killed_worker(corpus, tmp_path, monkeypatch):
-    """The CLI: 4 workers, worker 3 killed (SIGKILL) before step 10 and not restarted; the
-    others finish, and the run's records say who took part in every sync."""
-    import json
-
-    from loco.cli import main
-    from test_cli import small_run
-
-    monkeypatch.setenv("LOCO_FAULT", "3:10:kill")
-    out = tmp_path / "run"
-    assert main(small_run(corpus, out, "--workers", "4", "--steps", "16", "--elastic",
-                          "--launcher", "processes", "--max-restarts", "0",
-                          "--checkpoint-every", "0", "--final-eval-batches", "2")) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    elastic = summary["elastic"]
-    assert elastic["min_workers"] == 3  # a majority of 4
-    # streaming, H = 4, P = 2: a fragment sent every 2 steps; those sent at 2, 4, 6 and 8
-    # (applied at 9) with all four, those from step 10 on with three
-    assert elastic["syncs_by_participants"] == {"4": 4, "3": 4}
-    assert [loss["left"] for loss in elastic["losses"]] == [[3]]
-    assert elastic["losses"][0]["to_next_sync"] > 0
-    assert elastic["losses"][0]["to_full_strength"] is None
-    # steps x members x batch x seq: the members of the latest sync count each step, so
-    # step 10, after whose inner step the first sync without worker 3 began, counts three
-    assert summary["tokens"] == (9 * 4 + 7 * 3) * 4 * 32
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    syncs = [r for r in records if r.get("event") == "elastic_sync"]
-    assert [len(r["participants"]) for r in syncs] == [4] * 4 + [3] * 4
-    assert [r["left"] for r in records if r.get("event") == "membership" and r["left"]] == [[3]]
-    # loco compare plots the participants of the syncs of elastic runs
-    from loco.report import load_run, write_report
-
-    write_report([load_run(str(out))], str(tmp_path / "compared"))
-    assert (tmp_path / "compared" / "participants.png").exists()
-
-
-# One case: 2 jobs of 2 ranks (a restarted job is R processes that rejoin rank by rank); jobs
-# of one rank are the same path with R = 1, and the processes launcher's tests cover M = 3.
-@pytest.mark.parametrize("workers,ranks", [(2, 2)])
-def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_path, workers,
-                                                                 ranks):
-    """One torchrun job per worker (the multi-machine setting), of R processes each, all
-    joined by one Lighthouse: the last worker's last rank is killed at step 30; torchrun
-    restarts the job (all R ranks, --max-restarts 1) and the worker rejoins from a live one
-    while the others go on (with 3 workers; with 2, --min-workers 2 makes the other wait
-    for it)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    from loco.comm.elastic import start_lighthouse
-    from loco.data import prepare_corpus
-    from test_cli import small_run
-
-    text, cache = corpus
-    prepare_corpus(text, 300, 0.05, cache)  # once, before the processes read it
-    lighthouse = start_lighthouse(min_workers=2)
-    out = tmp_path / "run"
-    # slowed by an emulated 20 ms link, so that the restart (~5 s) comes well before the end
-    args = small_run(corpus, out, "--workers", str(workers), "--worker-ranks", str(ranks),
-                     "--steps", "400", "--elastic", "--min-workers", "2",
-                     "--link-latency", "20ms", "--log-every", "50", "--eval-every", "0",
-                     "--lighthouse", lighthouse.address(), "--checkpoint-every", "0",
-                     "--final-eval-batches", "2")
-    victim = workers - 1
-    env = {**os.environ, "LOCO_FAULT": f"{victim * ranks + ranks - 1}:30:kill",
-           "OMP_NUM_THREADS": "1"}
-    try:
-        jobs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                  "--nproc-per-node", str(ranks), "--max-restarts", "1", "-m",
-                                  "loco", *args, "--worker-index", str(w)], env=env,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                for w in range(workers)]
-        logs = [job.communicate(timeout=120)[0] for job in jobs]
-    finally:
-        lighthouse.shutdown()
-    assert [job.returncode for job in jobs] == [0] * workers, logs[victim][-3000:]
-    summary = json.loads((out / "summary.json").read_text())
-    elastic = summary["elastic"]
-    assert [loss["left"] for loss in elastic["losses"]] == [[victim]]
-    assert elastic["losses"][0]["to_full_strength"] is not None  # the victim came back
-    assert set(elastic["syncs_by_participants"]) == {str(n) for n in (workers - 1, workers)
-                                                     if n >= 2}
-    joined = [e for e in elastic["events"]
-              if e["event"] == "membership" and e["joined"] == [victim]]
-    assert joined and joined[-1]["members"] == list(range(workers))
-
-
-def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_path):
-    """Scaling up: a job of M = 3 whose workers 0 and 1 start alone (--min-workers 2: they
-    wait --comm-timeout for worker 2, then begin); worker 2, started by hand once they are
-    past step 50, joins at their next sync from a live worker, and the syncs from then on
-    count three. Worker 1 starts 5 s after worker 0: their waits end together all the same
-    (each used to end on its own clock, and worker 0 then broadcast the start to a worker 1
-    still asking for a quorum, until gloo's time-out)."""
-    import json
-    import os
-    import subprocess
-    import sys
-    import time
-
-    from loco.comm.elastic import start_lighthouse
-    from loco.data import prepare_corpus
-    from test_cli import small_run
-
-    text, cache = corpus
-    prepare_corpus(text, 300, 0.05, cache)
-    lighthouse = start_lighthouse(min_workers=2)
-    out = tmp_path / "run"
-    # --comm-timeout is also gloo's and the quorum's: 8 s was seen to expire in the first
-    # broadcast on a 2-core machine loaded with other jobs, and 15 s in the first quorum or
-    # broadcast when the whole file ran (workers 0 and 1 reach them seconds apart); 30 s
-    # costs 15 s more of the initial wait.
-    args = small_run(corpus, out, "--workers", "3", "--steps", "300", "--elastic",
-                     "--min-workers", "2", "--comm-timeout", "30", "--link-latency", "20ms",
-                     "--log-every", "10", "--eval-every", "0", "--checkpoint-every", "0",
-                     "--lighthouse", lighthouse.address(), "--final-eval-batches", "2")
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-
-    def start(w):
-        return subprocess.Popen([sys.executable, "-m", "loco", *args, "--worker-index", str(w)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-    try:
-        jobs = [start(0)]
-        time.sleep(5)
-        jobs.append(start(1))
-        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 90
-        while not (metrics.exists() and '"step": 50,' in metrics.read_text()):
-            if jobs[0].poll() is not None or time.monotonic() > deadline:
-                pytest.fail("worker 0 ended or stalled before step 50:\n"
-                            + jobs[0].communicate(timeout=30)[0][-3000:])
-            time.sleep(0.2)
-        jobs.append(start(2))
-        logs = [job.communicate(timeout=120)[0] for job in jobs]
-    finally:
-        lighthouse.shutdown()
-    assert [job.returncode for job in jobs] == [0, 0, 0], logs[2][-3000:]
-    elastic = json.loads((out / "summary.json").read_text())["elastic"]
-    assert set(elastic["syncs_by_participants"]) == {"2", "3"} and elastic["losses"] == []
-    joins = [e for e in elastic["events"] if e["event"] == "membership" and e["joined"]]
-    assert [e["members"] for e in joins] == [[0, 1], [0, 1, 2]]
-    records = [json.loads(line) for line in metrics.read_text().splitlines()]
-    first_three = min(r["step"] for r in records if r.get("event") == "elastic_sync"
-                      and len(r["participants"]) == 3)
-    assert first_three > 50  # it joined the running job, after the step it was started at
-
-
 @pytest.mark.parametrize("algo_name,kw", [
     ("streaming", dict(sync_every=4, fragments=2, overlap=0, alpha=0.5, codec="fp4_e3m0")),
     ("dp", {}),
@@ -350,55 +206,3 @@ def test_heal_state_carries_the_global_model_exactly(algo_name, kw):
             assert torch.equal(r["fresh_global"][name], value), name
             assert torch.equal(r["fresh_replica"][name], value), name
         assert (r["optimizer_state"] > 0) == (algo_name == "dp")
-
-
-# Workers of 2 ranks: the lead's checkpoint is a file per rank, each read by its own rank;
-# workers of one rank are the case R = 1 of the same code (the suite's time budget keeps one).
-@pytest.mark.parametrize("workers,ranks", [(2, 2)])
-def test_an_elastic_run_that_lost_every_worker_resumes_from_its_lead_checkpoint(
-        corpus, tmp_path, workers, ranks):
-    """The lead (worker 0) writes the checkpoint, one file per rank (its share); every
-    process of the run is killed; --resume continues all workers from it, rank r of each
-    from file r."""
-    import json
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    from loco import checkpoint
-    from loco.cli import main
-    from test_cli import small_run
-
-    out = tmp_path / "run"
-    args = small_run(corpus, out, "--workers", str(workers), "--worker-ranks", str(ranks),
-                     "--steps", "100", "--elastic",
-                     "--launcher", "processes", "--checkpoint-every", "2",
-                     "--link-latency", "20ms", "--eval-every", "0", "--log-every", "10",
-                     "--final-eval-batches", "2")
-    job = subprocess.Popen([sys.executable, "-m", "loco", *args], start_new_session=True,
-                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 120
-        while (checkpoint.latest(str(out)) or {}).get("step", 0) < 9:
-            assert job.poll() is None and time.monotonic() < deadline
-            time.sleep(0.1)
-    finally:
-        os.killpg(job.pid, signal.SIGKILL)  # the launcher and every worker at once
-        job.wait()
-    meta = checkpoint.latest(str(out))
-    step = int(meta["step"])
-    assert meta["elastic"] and step < 100 and (step - 1) % 8 == 0  # every 2 rounds, + tau
-    assert sorted(os.listdir(out / "checkpoints" / f"step{step:08d}")) == [
-        f"rank{r:04d}.pt" for r in range(ranks)]
-    assert main(["train", "--resume", str(out), "--no-progress"]) == 0
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["resumed_from_step"] == step and summary["inner_steps"] == 100
-    assert summary["elastic"]["syncs_by_participants"] == {
-        str(workers): (100 - step) // 2 + 1}
-    assert summary["tokens"] == 100 * workers * ranks * 4 * 32
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    logged = [r["step"] for r in records if "train_loss" in r]
-    assert logged == sorted(set(logged)) and logged[-1] == 100  # cut at the checkpoint
-    assert checkpoint.latest(str(out))["step"] == 100
