@@ -24,11 +24,12 @@ demo: install
 
 # The test files are spread over JOBS pytest-xdist workers (JOBS=0: all in this process), each
 # file whole on one worker so its shared set-up (trained runs, compiled kernels) is built once,
-# the slowest files first (tests/conftest.py). Much of the suite waits on worker processes,
-# time-outs and emulated links rather than computing, so on 2 cores 3 workers keep the CPU
-# busier than 2 (measured in docs/testing.md).
+# the slowest files first (tests/conftest.py; --no-loadscope-reorder keeps that order, which
+# xdist would otherwise replace by the number of tests per file). Much of the suite waits on
+# worker processes, time-outs and emulated links rather than computing, so on 2 cores 3
+# workers keep the CPU busier than 2 or 4 (measured in docs/testing.md).
 JOBS   ?= 3
-PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile
+PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
 test: install
 	$(PYTEST)
