@@ -154,3 +154,73 @@ def noloco_worker(ctx):
     algo = loco.NoLoCo(model, torch.optim.AdamW(model.parameters()), ctx.comm, sync_every=4,
                        group_size=2, codec="int8", warn=False)
     return algo.slow.numel()
+
+
+# ----------------------------------------------- the GPU path, as far as a CPU can show it
+def test_adamw_is_fused_on_a_gpu_and_then_skips_on_the_device(monkeypatch):
+    """``loco train``'s AdamW is fused on a GPU (so ``skip_on_device`` holds and no step
+    reads the gradient norm on the host), torch's default elsewhere. A CPU cannot hold a
+    GPU's parameters: the choice is asked of a stand-in module, and the fused optimizer
+    built on the CPU (whose fused AdamW exists) as the GPU run would build it."""
+    from types import SimpleNamespace
+
+    from loco.training import optimizers
+
+    class OnGpu(torch.nn.Module):
+        def parameters(self, recurse=True):
+            return iter([SimpleNamespace(device=torch.device("cuda", 0))])
+
+    model = make_model()
+    assert optimizers.wants_fused(OnGpu()) is True
+    assert optimizers.wants_fused(model) is None
+    assert not optimizers.inner_optimizer(model, "adamw", lr=1e-3, weight_decay=0.1,
+                                        betas=(0.9, 0.95)).defaults[
+        "fused"]
+    monkeypatch.setattr(optimizers, "wants_fused", lambda m: True)
+    fused = optimizers.inner_optimizer(model, "adamw", lr=1e-3, weight_decay=0.1,
+                                        betas=(0.9, 0.95))
+    assert fused.defaults["fused"] and fused._step_supports_amp_scaling  # takes found_inf
+
+
+def test_batches_go_to_a_gpu_from_pinned_memory_without_blocking(monkeypatch):
+    """Each batch is copied to a GPU once, from page-locked memory, ``non_blocking``; on the
+    CPU nothing is pinned. Pinning and the copy are recorded by stand-ins (no GPU here)."""
+    import numpy as np
+
+    from loco.data.loader import _gather
+
+    calls = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory",
+                        lambda self: calls.append("pin") or self.clone())
+    real_to = torch.Tensor.to
+
+    def to(self, *args, **kwargs):
+        if args and str(args[0]).startswith("cuda"):
+            calls.append(("to", str(args[0]), kwargs.get("non_blocking", False)))
+            return self
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", to)
+    tokens, windows = np.arange(100), np.array([0, 3])
+    x, y = _gather(tokens, windows, 8, "cpu")
+    assert calls == [] and torch.equal(y, x + 1)
+    gx, gy = _gather(tokens, windows, 8, "cuda:0")
+    assert calls == ["pin", ("to", "cuda:0", True)]  # one copy for inputs and targets
+    assert torch.equal(gx, x) and torch.equal(gy, y) and gx.is_contiguous()
+
+
+def test_every_rank_torchrun_starts_gets_its_share_of_the_cores(monkeypatch):
+    """torchrun sets OMP_NUM_THREADS=1 in every rank: loco gives each rank the machine's
+    cores divided by the ranks on it (as its own processes launcher does)."""
+    import importlib
+    import os
+
+    launch = importlib.import_module("loco.runtime.launch")  # the module, not its function
+
+    threads = []
+    monkeypatch.setattr(torch, "set_num_threads", threads.append)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    for ranks, want in (("1", 16), ("4", 4), ("32", 1)):
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
+        launch.share_cores()
+        assert threads[-1] == want

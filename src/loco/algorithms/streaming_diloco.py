@@ -344,12 +344,12 @@ class StreamingDiLoCo(Algorithm):
         share = Share(params, self.inner)
         global_flat = share.read().to(outer_device)
         if self.offload:
-            global_flat = _pinned(global_flat)
+            global_flat = _pinned(global_flat, self.params[0].device)
         global_params = unflatten_views(global_flat, share.views)
         delta = torch.zeros(share.numel, dtype=torch.float32, device=self.comm.device)
         # The outer optimizer reads Δ̄ as the gradient of the global copy.
         grad = delta if delta.device == outer_device else _pinned(torch.zeros_like(
-            global_flat))  # offloaded: Δ̄ lands here, one copy per fragment
+            global_flat), self.params[0].device)  # offloaded: Δ̄ lands here, one per fragment
         global_flat.grad = grad
         # One flat tensor: one fused kernel per outer step, no loop over parameters.
         optimizer = torch.optim.SGD([global_flat], **sgd,
@@ -696,10 +696,11 @@ def _pseudo_gradient(f: Fragment) -> None:
     torch.sub(f.global_flat.to(f.delta.device, non_blocking=True), f.delta, out=f.delta)
 
 
-def _pinned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` in page-locked memory where a GPU is there to copy from it asynchronously
-    (a CPU tensor), else ``t``."""
-    return t.pin_memory() if t.device.type == "cpu" and torch.cuda.is_available() else t
+def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a CPU tensor) in page-locked memory when the run trains on a GPU (``device``,
+    the model's), which then copies from it asynchronously; else ``t`` itself. A CPU run on
+    a machine that has a GPU pins nothing and opens no CUDA context."""
+    return t.pin_memory() if t.device.type == "cpu" and device.type == "cuda" else t
 
 
 def _flat_outer_state(state: dict) -> dict:

@@ -141,6 +141,7 @@ def launch(fn: Callable[..., Any], workers: int | None = None, launcher: str = "
         raise ValueError("launcher 'torchrun' needs a process started by torchrun "
                          "(its RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID are missing)")
     if under_torchrun():
+        share_cores()
         return [_run_from_env(fn, args, world if launcher != "torchrun" else None, stages,
                               shards, timeout, "torchrun", links)]
     if launcher == "threads":
@@ -314,10 +315,19 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
     return [out[r] for r in sorted(out)]
 
 
+def share_cores() -> None:
+    """Give this process its share of the machine's cores for torch's CPU threads: the cores
+    divided by the ranks started on this machine (``LOCAL_WORLD_SIZE``), at least one.
+    torchrun sets ``OMP_NUM_THREADS=1`` in every rank it starts, which would leave an
+    offloaded outer step or a codec on the CPU to one core whatever the machine has."""
+    torch.set_num_threads(max(1, (os.cpu_count() or 1)
+                              // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+
+
 def _process_entry(env: dict, fn, args, stages: int, shards: int, timeout: float,
                    links: tuple):
     adopt_environment(env)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["LOCAL_WORLD_SIZE"])))
+    share_cores()
     return _run_from_env(fn, args, int(os.environ["WORLD_SIZE"]), stages, shards, timeout,
                          "processes", links)
 

@@ -161,7 +161,7 @@ def inner_optimizer(model: nn.Module, kind: str, *, lr: float, weight_decay: flo
     """The inner optimizer over ``model``'s parameters.
 
     ``adamw``: ``torch.optim.AdamW`` with weight decay on the parameters of 2 or more
-    dimensions only (not on norms' gains or biases). ``muon``: a
+    dimensions only (not on norms' gains or biases), fused on a GPU (`wants_fused`). ``muon``: a
     `MuonAdamW`: Muon (momentum 0.95, Nesterov, 5
     Newton-Schulz steps, its update matched to AdamW's RMS) with ``weight_decay`` on the
     hidden matrices (`split_muon`), and the same AdamW
@@ -183,5 +183,15 @@ def inner_optimizer(model: nn.Module, kind: str, *, lr: float, weight_decay: flo
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     if kind == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas)
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=wants_fused(model))
     return MuonAdamW(hidden, groups, lr=lr, weight_decay=weight_decay, betas=betas)
+
+
+def wants_fused(model: torch.nn.Module) -> bool | None:
+    """``fused=True`` for AdamW on a model on a GPU: one kernel for every parameter, and an
+    optimizer that takes ``found_inf``, so that a non-finite step is skipped on the device
+    without the host reading the gradient norm every step (``Algorithm.skip_on_device``).
+    None (torch's default, foreach) elsewhere: on a CPU the fused kernel would change the
+    last bits of every run's numbers for no sync to save."""
+    first = next(model.parameters(), None)
+    return True if first is not None and first.device.type == "cuda" else None
