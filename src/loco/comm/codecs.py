@@ -62,6 +62,13 @@ class CastCodec(Codec):
         return out.copy_(buf.view(-1).view(self.dtype).view(buf.shape[0], c))
 
 
+def _branch_free(t: torch.Tensor) -> bool:
+    """Whether to mask non-finite blocks unconditionally rather than after reading on the
+    host whether there are any: in a fused kernel (no data-dependent branch) and off the CPU
+    (where the read is a device synchronisation)."""
+    return torch.compiler.is_compiling() or t.device.type != "cpu"
+
+
 def _pow2(byte: torch.Tensor) -> torch.Tensor:
     # an E8M0 byte shifted into the fp32 exponent field is exactly 2^(byte - 127), with no
     # exp2 rounding and no denormal to flush (bytes are in [1, 254]; NONFINITE_SCALE gives inf)
@@ -83,10 +90,11 @@ class ScaledCodec(Codec):
         xb = x.reshape(rows, c // self.block, self.block)
         amax = xb.abs().amax(dim=-1)
         bad = ~torch.isfinite(amax)  # NaN propagates through amax: one check per block
-        # Eager skips the masking when no block is bad (rare: such blocks are sent as zeros
-        # under the NaN scale byte); a fused kernel always masks, which changes no bit when
-        # nothing is bad, and has no data-dependent branch.
-        nonfinite = torch.compiler.is_compiling() or bool(bad.any())
+        # Eager on the CPU skips the masking when no block is bad (rare: such blocks are sent
+        # as zeros under the NaN scale byte); a fused kernel, and any accelerator, always
+        # masks, which changes no bit when nothing is bad, and has no data-dependent branch
+        # (a host read of ``bad`` would stall the communication thread every encode).
+        nonfinite = _branch_free(x) or bool(bad.any())
         if nonfinite:
             xb = xb.masked_fill(bad.unsqueeze(-1), 0.0)
             amax = amax.masked_fill(bad, 0.0)
@@ -120,7 +128,7 @@ class ScaledCodec(Codec):
         nan_codes = self._nan_codes(buf[:, :nv])  # fp8's NaN codes (never encoded) likewise
         if nan_codes is not None:
             bad = bad | nan_codes.view(rows, c // self.block, self.block)
-        if torch.compiler.is_compiling() or bool(bad.any()):
+        if _branch_free(out) or bool(bad.any()):
             out = out.masked_fill_(bad, math.nan)
         return out.view(rows, c)
 
