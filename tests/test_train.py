@@ -2,7 +2,9 @@
 and off in-flight syncs, the spread diagnostic apart, communication tensors on the Comm's
 device."""
 
+import importlib
 import json
+import math
 import threading
 from types import SimpleNamespace
 
@@ -228,3 +230,33 @@ def test_evaluate_leaves_a_training_model_in_training_mode_when_it_fails():
     with pytest.raises(RuntimeError, match="the batches failed"):
         loco.training.evaluate(model, {}, batches(), None)
     assert model.training
+
+
+def spread_worker(ctx, bucket):
+    """The spread of two different replicas, reduced ``bucket`` values at a time; this
+    worker's parameters; the largest buffer the Comm kept."""
+    from workers import make_model
+
+    loop = importlib.import_module("loco.training.loop")
+    loop.SPREAD_BUCKET = bucket  # each thread sets the same value
+    model = make_model(seed=ctx.rank)
+    algo = SimpleNamespace(params=list(model.parameters()))
+    spread = loop.replica_spread(algo, ctx.comm)
+    kept = max(b.numel() for b in ctx.comm._buffers.values())
+    return spread, [p.detach().clone() for p in model.parameters()], kept
+
+
+def test_spread_is_the_rms_distance_to_the_mean_in_buckets_of_bounded_memory():
+    """The replicas' spread equals its direct computation (fp64) whether the model is
+    reduced in one piece or in buckets that cut parameters apart, and the Comm keeps no
+    buffer larger than a bucket's share of the message."""
+    whole = loco.launch(spread_worker, 2, args=(1 << 24,))
+    cut = loco.launch(spread_worker, 2, args=(1000,))
+    a, b = (torch.cat([p.reshape(-1) for p in r[1]]).double() for r in whole)
+    mean = (a + b) / 2
+    want = math.sqrt(float(((a - mean) ** 2).sum() + ((b - mean) ** 2).sum()) / (2 * a.numel()))
+    for runs in (whole, cut):
+        for spread, _, _ in runs:
+            assert spread == pytest.approx(want, rel=1e-6)  # fp32 means: 1e-6 is ~10 ulps
+    assert a.numel() > 10_000 and all(kept <= 1000 for _, _, kept in cut)
+    assert all(kept >= a.numel() // 2 for _, _, kept in whole)  # one piece: half each

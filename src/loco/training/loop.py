@@ -12,7 +12,7 @@ from torch.profiler import record_function
 from tqdm import tqdm
 
 from loco.algorithms import Algorithm
-from loco.algorithms.sharding import Share
+from loco.algorithms.sharding import Share, flatten_fp32
 from loco.comm.comm import Comm
 from loco.comm.handles import Aborted
 from loco.config import profile_steps
@@ -112,29 +112,59 @@ def spread_diagnostic(w: Worker, loop: Loop, step: int) -> float | None:
     return spread
 
 
+SPREAD_BUCKET = 1 << 24
+"""Values (fp32, 64 MiB) the spread diagnostic reduces at a time: its buffers, and the
+Comm's it reduces through, stay this size whatever the model's (a whole 1B model's would
+be 4 GB of each, kept by the Comm for the rest of the run)."""
+
+
 @torch.no_grad()
 def replica_spread(algo: Algorithm, comm: Comm, pipeline: PipelineStage | None = None,
                    inner: Comm | None = None) -> float:
     """RMS over all parameters of each replica's distance to the replicas' mean.
 
-    A diagnostic, not part of any algorithm: an all-worker all-reduce of the full model (of
-    each stage's part, with pipeline stages) and one of two numbers, tagged ``diagnostic``,
-    outside the training bytes and blocked time. With pipeline stages every stage measures
-    its own parameters and the sums are combined over all ranks. With workers of R ranks
-    every rank measures its share (a ``Share``: its FSDP2 shards, or its 1/R range) with
-    the same rank of the other workers, and the sums are combined over the worker's ranks
-    (``inner``)."""
+    A diagnostic, not part of any algorithm: all-worker all-reduces of the model (of each
+    stage's part, with pipeline stages), ``SPREAD_BUCKET`` values at a time, and one of two
+    numbers, tagged ``diagnostic``, outside the training bytes and blocked time. With
+    pipeline stages every stage measures its own parameters and the sums are combined over
+    all ranks. With workers of R ranks every rank measures its share (a ``Share``: its FSDP2
+    shards, or its 1/R range) with the same rank of the other workers, and the sums are
+    combined over the worker's ranks (``inner``)."""
     params = algo.params if pipeline is None else pipeline.owned_parameters()
-    flat = Share(params, inner).read()
-    mean = flat.clone()
-    comm.all_reduce_mean(mean, tag="diagnostic").wait()
-    stats = torch.tensor([(flat - mean).double().pow(2).sum().item(), flat.numel()],
-                         dtype=torch.float64, device=comm.device)
+    share = Share(params, inner)
+    size = max(1, min(share.numel, SPREAD_BUCKET))
+    mine, mean = (torch.empty(size, device=comm.device) for _ in range(2))
+    squares = torch.zeros((), dtype=torch.float64, device=comm.device)
+    for bucket in buckets(share.views, size):
+        n = sum(t.numel() for t in bucket)
+        flatten_fp32(bucket, out=mine[:n])
+        mean[:n].copy_(mine[:n])
+        comm.all_reduce_mean(mean[:n], tag="diagnostic").wait()
+        squares += (mine[:n] - mean[:n]).double().pow(2).sum()
+    stats = torch.stack([squares, torch.tensor(float(share.numel), dtype=torch.float64,
+                                               device=comm.device)])
     sums = [pipeline.pipe] if pipeline is not None else [comm, inner]
     for c in sums:  # means over ranks: the ratio of the two is that of the sums
         if c is not None:
             c.all_reduce_mean(stats, tag="diagnostic").wait()
     return math.sqrt(stats[0].item() / stats[1].item())
+
+
+def buckets(tensors: list[torch.Tensor], size: int):
+    """The tensors' values in order, as lists of 1-D views of at most ``size`` values in
+    all (a tensor may be cut between two lists); every list but the last holds ``size``."""
+    batch, room = [], size
+    for t in tensors:
+        flat, at = t.detach().reshape(-1), 0
+        while at < flat.numel():
+            take = min(room, flat.numel() - at)
+            batch.append(flat[at:at + take])
+            at, room = at + take, room - take
+            if room == 0:
+                yield batch
+                batch, room = [], size
+    if batch:
+        yield batch
 
 
 def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[dict],
