@@ -397,3 +397,26 @@ def test_noloco_over_stages_with_random_routing_has_no_collective():
                                    for op, p in out["pipe"])
     for r in range(M):  # the tied copies follow the same groups on both stages
         assert torch.equal(res[(r, 0)]["embed"], res[(r, S - 1)]["embed"])
+
+
+def test_routing_indices_reach_the_device_in_one_copy_and_are_reused(monkeypatch):
+    """A routing plan's per-peer sample indices: right, built once per plan (fixed routing
+    copies nothing after the first step), and on a GPU one pinned, non-blocking copy for all
+    peers (the copy is recorded by stand-ins: no GPU here)."""
+    from types import SimpleNamespace
+
+    from loco.runtime.pipeline import PipelineStage
+
+    stage = SimpleNamespace(_group_cache={}, device=torch.device("cpu"))
+    groups = PipelineStage._groups(stage, [2, 0, 2, 1])
+    assert {p: t.tolist() for p, t in groups.items()} == {0: [1], 1: [3], 2: [0, 2]}
+    assert PipelineStage._groups(stage, [2, 0, 2, 1]) is groups  # the same plan: no copy
+    copies = []
+    monkeypatch.setattr(torch.Tensor, "pin_memory", lambda self: self)
+    real_to = torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: (
+        copies.append((str(a[0]), k.get("non_blocking"))) or self) if a and
+        str(a[0]).startswith("cuda") else real_to(self, *a, **k))
+    gpu = SimpleNamespace(_group_cache={}, device=torch.device("cuda", 0))
+    assert [t.tolist() for t in PipelineStage._groups(gpu, [1, 0, 1]).values()] == [[1], [0, 2]]
+    assert copies == [("cuda:0", True)]

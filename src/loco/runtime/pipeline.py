@@ -183,6 +183,7 @@ class PipelineStage:
         self.pipe = ctx.pipe
         # Every tensor that travels between stages lives on the transport's device.
         self.device = ctx.pipe.device if ctx.pipe is not None else ctx.device
+        self._group_cache: dict[tuple[int, ...], dict[int, torch.Tensor]] = {}
         self.module = stage_part(model, self.stage, self.stages)
         self.batch_size, self.seq_len = batch_size, seq_len
         self.routing, self.seed = routing, seed
@@ -273,11 +274,22 @@ class PipelineStage:
                 for s in range(self.batch_size)]
 
     def _groups(self, peers: list[int]) -> dict[int, torch.Tensor]:
-        out: dict[int, list[int]] = {}
-        for s, p in enumerate(peers):
-            out.setdefault(p, []).append(s)
-        return {p: torch.tensor(idx, dtype=torch.long, device=self.device)
-                for p, idx in sorted(out.items())}
+        """The samples going to (or coming from) each peer, as index tensors on the device,
+        by peer. One host-to-device copy for all of them (pinned, not blocking the host, on
+        a GPU), and none for a plan seen lately (fixed routing: every step's)."""
+        key = tuple(peers)
+        if key not in self._group_cache:
+            out: dict[int, list[int]] = {}
+            for s, p in enumerate(peers):
+                out.setdefault(p, []).append(s)
+            order = sorted(out)
+            flat = torch.tensor([s for p in order for s in out[p]], dtype=torch.long)
+            if self.device.type == "cuda":
+                flat = flat.pin_memory().to(self.device, non_blocking=True)
+            if len(self._group_cache) >= 64:  # random routing: a new plan most steps
+                self._group_cache.pop(next(iter(self._group_cache)))
+            self._group_cache[key] = dict(zip(order, flat.split([len(out[p]) for p in order])))
+        return self._group_cache[key]
 
     # ------------------------------------------------------------------------ transport
     def _send(self, tensors: list[tuple[torch.Tensor, int]], peers: list[int], stage: int,
