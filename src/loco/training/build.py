@@ -75,7 +75,8 @@ def make_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
 
 def build_model(cfg: TrainConfig, ctx: WorkerContext, vocab_size: int) -> torch.nn.Module:
     """The model (:func:`make_model`) on this rank's device; with ``--worker-parallel fsdp``,
-    sharded over the worker's ranks by FSDP2 (before any optimizer sees its parameters).
+    sharded over the worker's ranks by FSDP2 (before any optimizer sees its parameters),
+    in bf16 with ``--dtype bf16`` (`mixed_precision`).
     Every rank builds the same weights from the seed; the algorithm still broadcasts worker
     0's and verifies checksums.
 
@@ -88,8 +89,20 @@ def build_model(cfg: TrainConfig, ctx: WorkerContext, vocab_size: int) -> torch.
     if cfg.worker_parallel == "fsdp":
         from loco.runtime.fsdp import shard_worker
 
-        model = shard_worker(model, ctx)
+        model = shard_worker(model, ctx, mixed_precision(cfg))
     return model
+
+
+def mixed_precision(cfg: TrainConfig):
+    """FSDP2's ``MixedPrecisionPolicy`` for ``--dtype``: with bf16 the parameters are
+    gathered and computed in bf16 (half the worker's fast-link bytes of fp32) and the
+    gradients reduced in fp32, the sharded master weights and optimizer staying fp32; None
+    (FSDP2's default: everything in fp32) with fp32."""
+    if cfg.dtype != "bf16":
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[Worker, Loop]:
