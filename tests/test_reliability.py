@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -375,3 +376,45 @@ def _set_event() -> threading.Event:
     e = threading.Event()
     e.set()
     return e
+
+
+def test_vitals_say_where_a_rank_died_and_stop_a_third_run_at_the_same_step(tmp_path):
+    """Each run of a rank notes its step and memory; a restarted rank whose last two runs
+    both ended at the same step is refused (it would die there again), one that got further
+    is not; SIGKILL reads "out of memory?" with the last step and memory."""
+    from loco.runtime.vitals import RepeatedDeath, Vitals, death_note, read_vitals
+
+    d = str(tmp_path)
+    first = Vitals(d, 3)
+    first.check_restart(0)
+    for step in range(1, 8):
+        first.note(step)  # dies in step 7
+    record = read_vitals(d, 3)
+    assert record["step"] == 7 and record["previous_end"] is None and record["rss_bytes"] > 0
+    second = Vitals(d, 3)
+    second.check_restart(1)  # one death at step 7: restarted
+    second.note(7)  # resumed, and died in step 7 again
+    with pytest.raises(RepeatedDeath, match=r"rank 3 died at step 7 in each of its last two "
+                                            r"runs, with \d+\.\d GB resident.*out of memory"):
+        Vitals(d, 3).check_restart(2)
+    further = Vitals(d, 4)
+    further.note(7)
+    Vitals(d, 4).note(9)
+    Vitals(d, 4).check_restart(2)  # 7, then 9: it got further, so it is tried again
+    assert death_note(-9, record) == (
+        f"killed by SIGKILL at step 7 with {record['rss_bytes'] / 1e9:.1f} GB resident (last "
+        "seen): out of memory? (the kernel's out-of-memory killer sends SIGKILL; `dmesg` "
+        "names its victims)")
+    assert death_note(1, record) == "" and "at step" not in death_note(-9, None)
+    assert Vitals(None, 0).path is None and read_vitals(None, 0) is None
+
+
+def test_a_killed_worker_that_is_not_restarted_is_reported_with_its_step_and_memory(
+        corpus, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "run"
+    monkeypatch.setenv("LOCO_FAULT", "1:10:kill")  # SIGKILL worker 1 at step 10
+    argv = job(corpus, out, "--algorithm", "diloco")
+    assert main(argv + ["--launcher", "processes", "--max-restarts", "0"]) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"worker 1 failed \(exit code -9\): killed by SIGKILL at step 10 with "
+                     r"\d+\.\d GB resident \(last seen\): out of memory\?", err), err[-2000:]

@@ -37,6 +37,7 @@ from loco.runtime.context import (
     worker_comms,
 )
 from loco.runtime.starter import adopt_environment, context
+from loco.runtime.vitals import DIR_ENV, death_note, read_vitals
 
 
 log = logging.getLogger("loco.elastic")
@@ -199,6 +200,7 @@ class _Job:
         self.done: dict[tuple[int, int], Any] = {}
         self.raised: dict[tuple[int, int], str] = {}  # not restarted: it would raise again
         self.lost: dict[int, str] = {}
+        self.deaths: dict[int, int] = {}  # the step each worker last died at (by SIGKILL)
 
     def start(self, worker: int, restart: int) -> None:
         port = None
@@ -270,12 +272,24 @@ class _Job:
             self.done.pop((worker, r), None)
             self.raised.pop((worker, r), None)
         code = silent[0].exitcode
-        if self.restarts[worker] < restarts:
-            log.warning("elastic: worker %d died (exit code %s); restart %d of %d", worker,
-                        code, self.restarts[worker] + 1, restarts)
+        record = read_vitals(os.environ.get(DIR_ENV),
+                             worker * self.shards + self.procs[worker].index(silent[0]))
+        died = death_note(code, record)
+        again = died and record is not None and self.deaths.get(worker) == record["step"]
+        if died and record is not None:
+            self.deaths[worker] = record["step"]
+        if self.restarts[worker] < restarts and not again:
+            log.warning("elastic: worker %d died (exit code %s%s); restart %d of %d", worker,
+                        code, f", {died}" if died else "", self.restarts[worker] + 1,
+                        restarts)
             self.start(worker, self.restarts[worker] + 1)
+        elif again:
+            self.lost[worker] = (f"died twice in a row at step {record['step']}, {died}; not "
+                                 "restarted again")
+            log.warning("elastic: worker %d %s", worker, self.lost[worker])
         else:
-            self.lost[worker] = f"died {self.restarts[worker] + 1} times (exit code {code})"
+            self.lost[worker] = (f"died {self.restarts[worker] + 1} times (exit code {code}"
+                                 f"{', ' + died if died else ''})")
 
     def stop(self) -> None:
         for procs in self.procs.values():

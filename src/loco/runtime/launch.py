@@ -54,6 +54,7 @@ from loco.runtime.context import (
 )
 from loco.runtime.elastic import Elastic, launch_elastic, run_worker
 from loco.runtime.starter import START_METHOD, adopt_environment, context
+from loco.runtime.vitals import DIR_ENV, death_note, read_vitals
 
 LAUNCHERS = ("threads", "processes", "torchrun")
 """How the workers run: threads of this process, local processes, or ranks of torchrun."""
@@ -310,8 +311,9 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
         message = failure.message
         if isinstance(message, dict):  # torch elastic's error file: the exception's text
             message = message.get("message")
+        died = death_note(failure.exitcode, read_vitals(os.environ.get(DIR_ENV), rank))
         raise WorkerError(f"worker {rank} failed (exit code {failure.exitcode}): "
-                          f"{message or 'see its output above'}") from None
+                          f"{died or message or 'see its output above'}") from None
     return [out[r] for r in sorted(out)]
 
 

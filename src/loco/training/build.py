@@ -20,6 +20,7 @@ from loco.runtime import WorkerContext
 from loco.runtime.elastic import restart_count
 from loco.runtime.faults import Fault
 from loco.runtime.pipeline import PipelineStage
+from loco.runtime.vitals import Vitals
 from loco.training.optimizers import inner_optimizer
 from loco.training.runlog import RunLog
 from loco.training.state import resume_state, restore, restore_elastic, seek
@@ -116,6 +117,10 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
         corpus: the tokenized corpus.
     """
     start = time.perf_counter()
+    vitals = Vitals(os.path.join(cfg.out, "vitals"), ctx.rank)
+    if not ctx.comm.elastic:  # (the elastic supervisor decides on its own workers)
+        vitals.check_restart(restart_count())
+    vitals.note(0)
     autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16"
                 else nullcontext())
     model = build_model(cfg, ctx, corpus.vocab_size)
@@ -144,7 +149,7 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
         cfg, ctx, corpus, model, trained, pipeline, schedule, algo, loader, autocast, main,
         log=open_log(cfg, state, joined, loop) if main else None, bar=bar, writer=writer,
         fault=Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None,
-        resumed_from=resumed_from, start=start)
+        resumed_from=resumed_from, start=start, vitals=vitals)
     if resumed_from is not None:  # a checkpoint counts its tokens; a joiner estimates them
         nominal = resumed_from * ctx.mesh.replicas * ctx.mesh.shards * cfg.batch_size * cfg.seq_len
         worker.resumed_tokens = int(state["loop"].get("tokens", nominal)) if state else nominal

@@ -24,6 +24,7 @@ from loco.data import (Corpus, CorpusError, EvalCorpusError, TokenizerError, pre
                        prepare_eval_tokens)
 from loco.hf import is_hf
 from loco.runtime import Elastic, WorkerContext, launch, under_torchrun
+from loco.runtime.vitals import DIR_ENV
 from loco.training.build import setup_worker
 from loco.training.finish import finish_worker
 from loco.training.loop import train_loop
@@ -93,6 +94,9 @@ def prepare_data(cfg: TrainConfig) -> Corpus:
 
 def launch_training(cfg: TrainConfig, corpus: Corpus) -> dict:
     """Train a prepared config on every rank; return the lead rank's summary."""
+    # Where the ranks note their step and memory (setup_worker): the launchers read it when
+    # one dies without a word.
+    os.environ[DIR_ENV] = os.path.join(cfg.out, "vitals")
     results = launch(train_worker, replicas=cfg.workers, stages=cfg.stages,
                      shards=cfg.worker_ranks, launcher=cfg.launcher, args=(cfg, corpus),
                      timeout=cfg.comm_timeout, max_restarts=cfg.max_restarts,

@@ -33,6 +33,8 @@ def train_loop(w: Worker, loop: Loop) -> None:
     loop.start()
     try:
         for step in range(w.first, w.cfg.steps + 1):
+            if w.vitals is not None:
+                w.vitals.note(step)
             with profiler.step(step):
                 loss = train_step(w, step)
                 syncs = _drain(w.algo)

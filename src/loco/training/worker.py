@@ -16,6 +16,7 @@ from loco.data import Corpus, TokenLoader
 from loco.runtime import WorkerContext
 from loco.runtime.faults import Fault
 from loco.runtime.pipeline import PipelineStage
+from loco.runtime.vitals import Vitals
 from loco.training.runlog import RunLog
 
 
@@ -43,6 +44,8 @@ class Worker:
         start: ``time.perf_counter()`` when the worker started.
         resumed_tokens: the training tokens of the steps before ``resumed_from`` (workers
             of another R trained them at another rate); default 0.
+        vitals: this rank's vitals file (its step and memory, for a death's report); None
+            writes nothing.
     """
 
     cfg: TrainConfig
@@ -66,6 +69,7 @@ class Worker:
     elastic_logged: tuple[int, int] = (0, 0)  # syncs and events of an ElasticComm logged
     lead: int = 0  # the worker that evaluates and reports (elastic: the lowest live one)
     elastic_tokens: int = 0  # elastic: tokens the live workers trained, counted as they go
+    vitals: Vitals | None = None
 
     def tokens_at(self, step: int) -> int:
         """Training tokens of the whole run after ``step``, every rank together (elastic:

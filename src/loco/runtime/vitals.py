@@ -1,0 +1,125 @@
+"""A rank's vital signs on disk: the step it is at and its resident memory, written as it
+trains. A process killed without a word (the kernel's out-of-memory
+killer sends SIGKILL) leaves nothing else behind: the launchers read these files to say at
+which step and with how much memory it died, and a rank whose last two runs both ended at
+the same step is not trained a third time (it would most likely die there again).
+
+A record is written as each step begins (a small file, replaced atomically: well under a
+millisecond), so that the step two deaths are compared by is exact. The files live in
+``$LOCO_VITALS_DIR`` (``loco train`` sets it to ``<out>/vitals``), one per
+global rank, each replaced atomically; without the variable nothing is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import signal
+import time
+
+DIR_ENV = "LOCO_VITALS_DIR"
+"""Environment variable naming the directory of the vitals files."""
+
+
+class RepeatedDeath(RuntimeError):
+    """A rank's last two runs both ended at the same step: it is not trained again."""
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now, in bytes (``/proc/self/statm``; where there is
+    none, the peak from ``getrusage``)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def vitals_path(directory: str | None, rank: int) -> str | None:
+    """The vitals file of global rank ``rank`` in ``directory`` (None: none)."""
+    return None if not directory else os.path.join(directory, f"rank{rank:05d}.json")
+
+
+def read_vitals(directory: str | None, rank: int) -> dict | None:
+    """The last record rank ``rank`` wrote in ``directory``, or None (none, or unreadable)."""
+    path = vitals_path(directory, rank)
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (TypeError, OSError, ValueError):
+        return None
+
+
+class Vitals:
+    """What one rank writes: its step and resident memory, and the step its previous run
+    ended at (read when it starts).
+
+    Args:
+        directory: where the files are (None: write nothing).
+        rank: this process's global rank.
+        interval: the least time between two writes, in seconds; default 0 (every note).
+    """
+
+    def __init__(self, directory: str | None, rank: int, interval: float = 0.0):
+        self.path, self.rank, self.interval = vitals_path(directory, rank), rank, interval
+        self.before = read_vitals(directory, rank) if directory else None
+        """The record the previous run of this rank left (None on a first run)."""
+        self._last = -float("inf")
+
+    def check_restart(self, restarts: int) -> None:
+        """Refuse to train a restarted rank whose last two runs ended at the same step.
+
+        Args:
+            restarts: how many times this rank's process was restarted.
+
+        Raises:
+            RepeatedDeath: saying the step and the memory it held.
+        """
+        before = self.before
+        if restarts > 0 and before is not None and before.get("previous_end") == before["step"]:
+            raise RepeatedDeath(
+                f"rank {self.rank} died at step {before['step']} in each of its last two "
+                f"runs, with {before['rss_bytes'] / 1e9:.1f} GB resident the last time: out "
+                "of memory? Not restarted again (fewer workers per machine, a smaller "
+                "--batch-size or --offload need less)")
+
+    def note(self, step: int, force: bool = False) -> None:
+        """Record ``step`` and the memory now, unless the last record is younger than
+        ``interval`` (``force``: regardless).
+
+        Args:
+            step: the step this rank is at (0 before the first).
+            force: write even if a record was written less than ``interval`` ago.
+        """
+        now = time.monotonic()
+        if self.path is None or (not force and now - self._last < self.interval):
+            return
+        self._last = now
+        record = {"step": step, "rss_bytes": resident_bytes(), "pid": os.getpid(),
+                  "previous_end": None if self.before is None else self.before["step"]}
+        tmp = f"{self.path}.tmp"
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        with open(tmp, "w") as f:
+            json.dump(record, f)
+        os.replace(tmp, self.path)
+
+
+def death_note(exitcode: int | None, record: dict | None) -> str:
+    """What a rank's exit code and last vitals say about its death, for an error message:
+    for SIGKILL, its last known step and memory and "out of memory?"; else ''.
+
+    Args:
+        exitcode: the process's exit code (negative: the signal that killed it).
+        record: its last vitals record, or None.
+    """
+    if exitcode != -signal.SIGKILL:
+        return ""
+    where = ("" if record is None else f" at step {record['step']} with "
+             f"{record['rss_bytes'] / 1e9:.1f} GB resident (last seen)")
+    return (f"killed by SIGKILL{where}: out of memory? (the kernel's out-of-memory killer "
+            "sends SIGKILL; `dmesg` names its victims)")
+
+
+__all__ = ["DIR_ENV", "RepeatedDeath", "Vitals", "death_note", "read_vitals",
+           "resident_bytes", "vitals_path"]
