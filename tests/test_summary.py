@@ -28,6 +28,7 @@ def test_a_runs_summary_is_the_record_and_back(run):
     assert summary.unknown == {}  # the record knows every key the job writes
     assert summary.inner_steps == 8 and summary.workers == 2
     assert summary.final_eval_loss == content["final_eval_loss"]
+    assert content["final_model"] == "the global model"  # Streaming DiLoCo's global copy
     assert list(summary.to_dict()) == list(content)
     assert json.dumps(summary.to_dict(), indent=2) == text
     # the one currency is in the file too: 8 · bytes / (parameters · steps), bytes / token
@@ -62,3 +63,20 @@ def test_the_summary_imports_without_torch():
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                             text=True)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_final_eval_loss_says_which_model_it_is_of():
+    """The global copy (DiLoCo's family), the one model (replicas that stay identical), or
+    worker 0's replica and the replicas' average (replicas that differ)."""
+    from types import SimpleNamespace
+
+    from loco.algorithms.registry import method
+    from loco.training.finish import final_model
+
+    def of(name, average=False):
+        return final_model(SimpleNamespace(method=method(name), final_average=average))
+
+    assert of("diloco") == of("streaming") == of("sparseloco") == "the global model"
+    assert of("ddp") == of("demo") == "the model"
+    assert of("noloco") == of("local") == "worker 0's replica"
+    assert of("noloco", True) == "the replicas' average"

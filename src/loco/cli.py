@@ -309,8 +309,10 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     summary = Summary.from_dict(summary)
     out = summary.config["out"]
-    print(f"final eval loss {summary.final_eval_loss:.3f} nats/token "
-          f"(unigram entropy of the corpus: {summary.unigram_entropy:.3f})")
+    print(f"final eval loss {summary.final_eval_loss:.3f} nats/token of "
+          f"{summary.final_model or 'the final model'} on the validation split (unigram "
+          f"entropy of the corpus: {summary.unigram_entropy:.3f}); the progress bar's loss "
+          "was the replicas' own, on their training batches")
     print(f"{summary.tokens:,} tokens in {summary.wall_seconds:.1f} s "
           f"({summary.tokens_per_second:,.0f} tokens/s); sent per "
           f"{'worker' if (summary.worker_ranks or 1) == 1 else 'rank'} "

@@ -86,6 +86,7 @@ def make_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float |
         routing=cfg.routing if ctx.stages > 1 else None, launcher=ctx.launcher,
         worker_ranks=ctx.mesh.shards, worker_parallel=cfg.worker_parallel,
         inner_steps=cfg.steps, tokens=tokens, final_eval_loss=final_eval,
+        final_model=final_model(cfg),
         final_eval_loss_extra=extra, unigram_entropy=corpus.unigram_entropy,
         model_parameters=w.model.num_parameters(), **summarize_counters(ctx, workers),
         resumed_from_step=w.resumed_from, restarts=restart_count(),
@@ -144,3 +145,13 @@ def machine_info(device: torch.device) -> dict:
             "accelerator": (torch.cuda.get_device_name(device) if device.type == "cuda"
                             else None),
             "python": platform.python_version(), "torch": torch.__version__}
+
+
+def final_model(cfg) -> str:
+    """Which model the final eval loss is of (``Summary.final_model``)."""
+    method = cfg.method
+    if method.global_copy:
+        return "the global model"
+    if method.replicas_identical:
+        return "the model"
+    return "the replicas' average" if cfg.final_average else "worker 0's replica"

@@ -32,6 +32,10 @@ class Summary:
         tokens: training tokens of the whole run, every rank together.
         final_eval_loss: the final model's mean token loss on the validation split, in nats
             per token.
+        final_model: which model ``final_eval_loss`` is of, in words: "the global model"
+            (a method with a global copy: DiLoCo, Streaming DiLoCo, SparseLoCo), "the model"
+            (every replica holds it: DataParallel, DeMo), "worker 0's replica" or "the
+            replicas' average" (NoLoCo, Local, SPARTA; ``--final-average``).
         final_eval_loss_extra: the final model's loss on ``--eval-corpus``, in nats per
             token; None without one.
         unigram_entropy: the training split's unigram entropy, in nats per token (a
@@ -108,6 +112,7 @@ class Summary:
     inner_steps: int | None = None
     tokens: int | None = None
     final_eval_loss: float | None = None
+    final_model: str | None = None
     final_eval_loss_extra: float | None = None
     unigram_entropy: float | None = None
     model_parameters: int | None = None
