@@ -418,3 +418,29 @@ def test_a_killed_worker_that_is_not_restarted_is_reported_with_its_step_and_mem
     err = capsys.readouterr().err
     assert re.search(r"worker 1 failed \(exit code -9\): killed by SIGKILL at step 10 with "
                      r"\d+\.\d GB resident \(last seen\): out of memory\?", err), err[-2000:]
+
+
+def test_a_checkpoint_is_copied_only_once_the_previous_one_is_written(corpus, tmp_path,
+                                                                      monkeypatch, caplog):
+    """Never two copies of the state in flight: with a disk slower than the checkpoints
+    are due, each rank waits for its previous write before it copies the next state, and
+    the lead says so."""
+    import logging
+
+    import loco.training.state as state
+
+    slow_save, copy = checkpoint.save_rank, state.checkpoint_state
+    monkeypatch.setattr(checkpoint, "save_rank",
+                        lambda *a, **k: time.sleep(1.5) or slow_save(*a, **k))
+    busy = []
+
+    def watched(w, *a, **k):
+        thread = w.writer._thread
+        busy.append(thread is not None and thread.is_alive())
+        return copy(w, *a, **k)
+
+    monkeypatch.setattr(state, "checkpoint_state", watched)
+    with caplog.at_level(logging.WARNING, logger="loco"):
+        assert main(job(corpus, tmp_path / "run", "--eval-every", "0")) == 0
+    assert len(busy) == 2 * 4 and not any(busy)  # 2 ranks x checkpoints at 4, 8, 12, 16
+    assert "waited" in caplog.text and "for the previous one to be written" in caplog.text

@@ -4,6 +4,9 @@ that joins an elastic run at the others' step."""
 
 from __future__ import annotations
 
+import logging
+import time
+
 import torch
 
 from loco import checkpoint
@@ -15,6 +18,8 @@ from loco.runtime import WorkerContext
 from loco.runtime.elastic import restart_count
 from loco.training.errors import failure
 from loco.training.worker import Loop, Worker
+
+log = logging.getLogger("loco")
 
 
 def resume_state(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> dict | None:
@@ -177,12 +182,20 @@ def checkpoint_if_due(w: Worker, loop: Loop, step: int) -> None:
     (Streaming DiLoCo: worker m applies the fragment sent at the round's end τ_m steps
     later, and sends the next one floor(H/P) > max τ steps after it, so max τ steps later),
     and at the last step. The state is copied on this thread; the writer saves it in the
-    background."""
+    background. The previous checkpoint is written before the next is copied, so that one
+    copy of the state at most is held besides the training state (a warning says when that
+    wait took long)."""
     cfg = w.cfg
     every = cfg.checkpoint_every * cfg.sync_every
     delay = cfg.method.checkpoint_delay(cfg)
     if step == cfg.steps or (every and step > delay and (step - delay) % every == 0):
         assert step == cfg.steps or not w.algo.sync_in_flight, "a sync is in flight"
+        t0 = time.perf_counter()
+        w.writer.wait(w.ctx.comm.check_aborted)
+        if time.perf_counter() - t0 > 1 and w.main:
+            log.warning("checkpoint at step %d waited %.1f s for the previous one to be "
+                        "written: they are due faster than the disk takes them (raise "
+                        "--checkpoint-every)", step, time.perf_counter() - t0)
         if w.ctx.comm.elastic:
             if w.ctx.replica == min(w.ctx.comm.members):  # the lead writes the one file
                 w.writer.save(step, elastic_checkpoint_state(w, loop, step),
