@@ -444,3 +444,13 @@ def test_a_checkpoint_is_copied_only_once_the_previous_one_is_written(corpus, tm
         assert main(job(corpus, tmp_path / "run", "--eval-every", "0")) == 0
     assert len(busy) == 2 * 4 and not any(busy)  # 2 ranks x checkpoints at 4, 8, 12, 16
     assert "waited" in caplog.text and "for the previous one to be written" in caplog.text
+
+
+def test_keep_checkpoints_keeps_the_newest_k_and_is_checked(corpus, tmp_path, capsys):
+    for keep, left in ((1, [16]), (3, [9, 13, 16])):  # streaming, tau = 1: 5, 9, 13, 16
+        out = tmp_path / f"keep{keep}"
+        assert main(job(corpus, out, "--eval-every", "0", "--keep-checkpoints", str(keep))) == 0
+        assert sorted(int(d.name[4:]) for d in (out / "checkpoints").iterdir()
+                      if d.name.startswith("step")) == left
+    assert main(job(corpus, tmp_path / "bad", "--keep-checkpoints", "0")) == 2
+    assert "--keep-checkpoints: must be an integer >= 1" in capsys.readouterr().err

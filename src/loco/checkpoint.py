@@ -308,12 +308,13 @@ class Writer:
             None.
         group: the process group over the worker's ranks for DCP (``ctx.checkpoint_group``),
             used on the writer's thread only; default None.
+        keep: how many of the newest committed checkpoints the lead keeps, >= 1; default 1.
     """
 
     def __init__(self, out: str, rank: int, world_size: int, commit_meta: dict | None = None,
                  timeout: float = 300.0, worker: int | None = None,
-                 group: ProcessGroup | None = None):
-        self.out, self.rank, self.world_size = out, rank, world_size
+                 group: ProcessGroup | None = None, keep: int = 1):
+        self.out, self.rank, self.world_size, self.keep = out, rank, world_size, keep
         self.commit_meta, self.timeout = commit_meta, timeout
         self.worker, self.group = worker, group
         self.last_step: int | None = None
@@ -353,7 +354,7 @@ class Writer:
             save_rank(self.out, step, self.rank, state)
             if self.commit_meta is not None and wait_for_ranks(
                     self.out, step, self.world_size, self.timeout, self._stop):
-                commit(self.out, step, self.commit_meta)
+                commit(self.out, step, self.commit_meta, self.keep)
         except BaseException as e:  # noqa: BLE001 - raised on the training thread
             self._error = e
 

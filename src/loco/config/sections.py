@@ -27,7 +27,8 @@ whole model and their gradients are averaged) or fsdp (FSDP2 shards the model ov
 #: checkpoint reshards (``loco.config.resume.check_layout``).
 LAYOUT = ("worker_ranks", "worker_parallel")
 #: Options a resumed run may change: how it runs, not what it computes.
-RESUMABLE = ("launcher", "progress", "comm_timeout", "checkpoint_every", "max_restarts",
+RESUMABLE = ("launcher", "progress", "comm_timeout", "checkpoint_every", "keep_checkpoints",
+             "max_restarts",
              "on_nonfinite", "resume", "out", "tensorboard", "wandb", "wandb_project",
              "wandb_run_name", "wandb_mode", "profile")
 DTYPES = ("fp32", "bf16")
@@ -363,6 +364,9 @@ class RuntimeOptions:
                                 "flight (streaming: tau steps after the round's end), and at "
                                 "the end; 0: only at the end. Each rank writes its own file "
                                 "atomically in the background, with no collective")
+    keep_checkpoints: int = opt(1, "how many of the newest complete checkpoints to keep on "
+                                "disk, >= 1 (older ones are removed once a newer one is "
+                                "committed)")
     resume: str | None = opt(None, "continue the run in this directory from its last "
                              "checkpoint, exactly; its options are reused, and only "
                              f"{resumable_flags()}"
@@ -396,11 +400,12 @@ class RuntimeOptions:
                             NONFINITE)
 
     def check(self) -> None:
-        """M and R >= 1; checkpoints every >= 0 rounds; restarts in [0, 100]; the worker
+        """M and R >= 1; checkpoints every >= 0 rounds, >= 1 kept; restarts in [0, 100]; the worker
         layout and elastic membership (``check_layout_options``, ``check_elastic``)."""
         at_least_one(self, "workers", "worker_ranks")
         need(self, self.checkpoint_every >= 0, "checkpoint_every", "must be an integer >= 0 "
              "(0: only at the end)")
+        need(self, self.keep_checkpoints >= 1, "keep_checkpoints", "must be an integer >= 1")
         need(self, 0 <= self.max_restarts <= 100, "max_restarts", "must be in [0, 100]")
         check_worker_layout(self)
         check_elastic(self)

@@ -211,7 +211,8 @@ def make_writer(cfg: TrainConfig, ctx: WorkerContext, main: bool) -> checkpoint.
                              timeout=cfg.comm_timeout,
                              commit_meta=meta if main or elastic and ctx.shard == 0 else None,
                              worker=ctx.replica if dcp else None,
-                             group=ctx.checkpoint_group if dcp else None)
+                             group=ctx.checkpoint_group if dcp else None,
+                             keep=cfg.keep_checkpoints)
 
 
 def open_log(cfg: TrainConfig, state: dict | None, joined: bool, loop: Loop) -> RunLog:
