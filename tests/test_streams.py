@@ -4,6 +4,8 @@ It checks the protocol PyTorch documents (events and ``record_stream``, never a 
 synchronise); it cannot show NCCL's behaviour, which needs a GPU (see docs/gpu.md)."""
 
 import contextlib
+import threading
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -51,19 +53,23 @@ class FakeTensor:
 
 @pytest.fixture
 def fake_cuda(monkeypatch):
-    log, current = [], {}
+    """A recording ``torch.cuda``; the current stream is per thread, as CUDA's is (every
+    thread starts on the training stream)."""
+    log, current = [], threading.local()
     training = FakeStream("training", log)
-    current["stream"] = training
+
+    def now():
+        return getattr(current, "stream", training)
 
     @contextlib.contextmanager
     def use_stream(stream):
-        before = current["stream"]
-        current["stream"] = stream
+        before = now()
+        current.stream = stream
         log.append(("enter_stream", stream.name))
         try:
             yield
         finally:
-            current["stream"] = before
+            current.stream = before
 
     @contextlib.contextmanager
     def use_device(device):
@@ -75,7 +81,7 @@ def fake_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: FakeStream("comm", log))
     monkeypatch.setattr(torch.cuda, "Event", lambda: FakeEvent(log))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current["stream"])
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: now())
     monkeypatch.setattr(torch.cuda, "stream", use_stream)
     monkeypatch.setattr(torch.cuda, "device", use_device)
     monkeypatch.setattr(torch.cuda, "synchronize", forbidden)
@@ -115,3 +121,46 @@ def test_cuda_hand_over_uses_events_and_record_stream_only(fake_cuda):
                         ("record_stream", "out", "training")]
     s.synchronize(done)  # only with an emulated link: this thread waits for this event
     assert log[-1] == ("event_synchronize", done.name)
+
+
+def test_an_offloaded_outer_step_waits_on_the_helpers_stream_and_on_events_only(fake_cuda):
+    """Offloaded (global copies on the CPU, the model on a GPU): the helper thread has its own
+    stream, on which the all-reduce's hand-over waits and Δ̄ is copied to the host; the
+    host waits for that copy's event alone; the training stream waits only at the commit,
+    for the helper's last event; a spare shadow is written only after the training
+    stream's event recorded when it was swapped out (an earlier merge may still read it)."""
+    from loco.algorithms.outer_thread import OuterThread
+
+    log = fake_cuda
+    outer = OuterThread(torch.device("cpu"), torch.device("cuda", 0))
+    global_flat = torch.zeros(4)
+    f = SimpleNamespace(delta=torch.arange(4.0), grad=torch.zeros(4), global_flat=global_flat,
+                        share=SimpleNamespace(views=[torch.zeros(4)]),
+                        outer_optimizer=torch.optim.SGD([global_flat], lr=0.5, momentum=0.9,
+                                                        nesterov=True))
+
+    class Handle:  # the all-reduce: its hand-over makes the current stream wait for it
+        def wait(self, count=True):
+            torch.cuda.current_stream().wait_event(SimpleNamespace(name="allreduce"))
+
+        def count_wait(self, seconds):
+            pass
+
+    def step():
+        handle = Handle()
+        stepped = OuterThread.wait(outer.start(f, handle), handle)
+        assert stepped.finite and stepped.ready.recorded_on == "comm"
+        return stepped
+
+    stepped = step()
+    assert ("wait_event", "comm", "allreduce") in log  # the helper's stream, not training's
+    assert not [e for e in log if e[:2] == ("wait_event", "training")]
+    copied = [e for e in log if e[0] == "record" and e[2] == "comm"][0][1]
+    assert log.index(("event_synchronize", copied)) > log.index(("record", copied, "comm"))
+    assert torch.equal(f.grad, f.delta)  # Δ̄ came over
+    outer.commit(f, stepped)
+    assert ("wait_event", "training", stepped.ready.name) in log
+    free = [e for e in log if e[0] == "record" and e[2] == "training"][-1][1]
+    assert ("event_synchronize", free) not in log
+    step()  # the next sync of this size writes into the swapped-out shadow
+    assert ("event_synchronize", free) in log

@@ -40,14 +40,25 @@ class Stepped:
 class OuterThread:
     """Outer steps computed on a helper thread, committed on the training thread.
 
+    On a GPU the helper has a CUDA stream of its own on the model's device, also when the
+    global copies are offloaded to the CPU: the all-reduce's hand-over and the copy of Δ̄ to
+    the host wait on that stream, never on the training stream, and the host waits for that
+    copy alone (an event). Two buffers are shared with the training stream and ordered by
+    events: Δ̄'s device buffer, which the merge reuses after the helper copied from it (the
+    training stream waits for the helper's last event at ``commit``), and the spare shadows,
+    which an earlier merge may still be copying to the device (the helper waits, on the
+    host, for the training stream's event recorded when the shadow was swapped out).
+
     Args:
         device: the device of the global copies (CPU when offloaded).
+        compute: the model's device, where Δ̄ lives; default ``device``.
     """
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self._spares: dict[int, tuple[torch.Tensor, torch.Tensor | None]] = {}
-        self._stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    def __init__(self, device: torch.device, compute: torch.device | None = None):
+        self.device, self.compute = device, compute or device
+        self._spares: dict[int, tuple[torch.Tensor, torch.Tensor | None, Any]] = {}
+        self._stream = (torch.cuda.Stream(self.compute) if self.compute.type == "cuda"
+                        else None)
 
     def start(self, fragment: Any, handle: Handle) -> Future:
         """Start the outer step of ``fragment`` once ``handle`` (its all-reduce) is done.
@@ -93,7 +104,8 @@ class OuterThread:
             handle.wait(count=False)  # the training thread counts its own wait
             with record_function("loco/outer_step"):
                 if f.grad is not f.delta:  # offloaded: Δ̄ comes over in one copy
-                    f.grad.copy_(f.delta)
+                    f.grad.copy_(f.delta, non_blocking=True)
+                    self._host_waits_for(self._record())  # that copy alone, not the device
                 if not all_finite(f.grad):
                     return Stepped(False)
                 global_flat, momentum = self._shadows(f)
@@ -108,7 +120,9 @@ class OuterThread:
     def _shadows(self, f: Any) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Spare buffers holding copies of ``f``'s global copy and momentum (None before
         the first outer step: the step creates it, as the optimizer's own does)."""
-        spare_global, spare_momentum = self._spares.pop(f.global_flat.numel(), (None, None))
+        spare_global, spare_momentum, free = self._spares.pop(f.global_flat.numel(),
+                                                              (None, None, None))
+        self._host_waits_for(free)  # a merge's copy to the device may still read it
         if spare_global is None:
             spare_global = _like(f.global_flat)
         spare_global.copy_(f.global_flat)
@@ -129,20 +143,24 @@ class OuterThread:
             stepped: the helper's finite result for it.
         """
         if stepped.ready is not None:  # CUDA: the merge reads what the helper wrote
-            torch.cuda.current_stream(self.device).wait_event(stepped.ready)
+            torch.cuda.current_stream(self.compute).wait_event(stepped.ready)
         old_global, old_momentum = f.global_flat.detach(), momentum_of(f)
+        free = None
+        if self._stream is not None:  # after every use the training stream made of the old
+            free = torch.cuda.Event()
+            free.record(torch.cuda.current_stream(self.compute))
         f.global_flat.set_(stepped.global_flat)  # same tensor object: the optimizer's key
         f.global_params = unflatten_views(f.global_flat, f.share.views)
         if stepped.momentum is not None:
             f.outer_optimizer.state[f.global_flat]["momentum_buffer"] = stepped.momentum
-        self._spares[f.global_flat.numel()] = (old_global, old_momentum)
+        self._spares[f.global_flat.numel()] = (old_global, old_momentum, free)
 
     def _on_stream(self) -> contextlib.AbstractContextManager:
         """CUDA: the helper's own stream (and device) for its copies and kernels."""
         if self._stream is None:
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
-        stack.enter_context(torch.cuda.device(self.device))
+        stack.enter_context(torch.cuda.device(self.compute))
         stack.enter_context(torch.cuda.stream(self._stream))
         return stack
 
@@ -152,6 +170,12 @@ class OuterThread:
         event = torch.cuda.Event()
         event.record(self._stream)
         return event
+
+    @staticmethod
+    def _host_waits_for(event: Any) -> None:
+        """Block this (helper) thread until ``event`` (None: nothing to wait for)."""
+        if event is not None:
+            event.synchronize()
 
 
 def momentum_of(f: Any) -> torch.Tensor | None:

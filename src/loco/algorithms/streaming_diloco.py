@@ -330,7 +330,7 @@ class StreamingDiLoCo(Algorithm):
         if outer_thread is None:  # it pays where the CPU is idle while the device computes
             outer_thread = (offload and self.params[0].device.type != "cpu" and overlap > 0
                             and not comm.elastic)
-        self._outer = OuterThread(outer_device) if outer_thread else None
+        self._outer = OuterThread(outer_device, self.params[0].device) if outer_thread else None
         # Every worker derives the schedule from the same step counter, so the same fragment
         # is reduced everywhere without a word.
         self._due = dict(zip(send_offsets(sync_every, count), self.fragment_list))
