@@ -20,6 +20,8 @@ topk_2bit --error-feedback 0.95``).
 
 from __future__ import annotations
 
+from typing import Any
+
 from loco.algorithms.diloco import DiLoCo
 from loco.algorithms.method import PaperClaim
 
@@ -53,9 +55,9 @@ class SparseLoCo(DiLoCo):
               PaperClaim("bytes", "streaming", 8,
                          text="at least 8x fewer bytes per worker than {ref}'s (FP4)"))
 
-    def __init__(self, *args, sync_every: int = 30, outer_lr: float = 1.0,
+    def __init__(self, *args: Any, sync_every: int = 30, outer_lr: float = 1.0,
                  outer_momentum: float = 0.0, codec: str = "topk_2bit",
-                 error_feedback: float = 0.95, **kwargs):
+                 error_feedback: float = 0.95, **kwargs: Any):
         super().__init__(*args, sync_every=sync_every, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, codec=codec,
                          error_feedback=error_feedback, **kwargs)

@@ -42,7 +42,12 @@ def vitals_path(directory: str | None, rank: int) -> str | None:
 
 
 def read_vitals(directory: str | None, rank: int) -> dict | None:
-    """The last record rank ``rank`` wrote in ``directory``, or None (none, or unreadable)."""
+    """The last record a rank wrote, or None (none, or unreadable).
+
+    Args:
+        directory: the vitals directory (None: none).
+        rank: the rank's global rank.
+    """
     path = vitals_path(directory, rank)
     try:
         with open(path) as f:
