@@ -29,6 +29,8 @@ def test_a_runs_summary_is_the_record_and_back(run):
     assert summary.inner_steps == 8 and summary.workers == 2
     assert summary.final_eval_loss == content["final_eval_loss"]
     assert content["final_model"] == "the global model"  # Streaming DiLoCo's global copy
+    # H = 4 (small_run), 8 steps, tau = 1: checkpoints at steps 5 and 8; each blocked a while
+    assert content["checkpoints"] == 2 and 0 < content["checkpoint_seconds"] < 60
     assert list(summary.to_dict()) == list(content)
     assert json.dumps(summary.to_dict(), indent=2) == text
     # the one currency is in the file too: 8 · bytes / (parameters · steps), bytes / token

@@ -189,23 +189,32 @@ def checkpoint_if_due(w: Worker, loop: Loop, step: int) -> None:
     every = cfg.checkpoint_every * cfg.sync_every
     delay = cfg.method.checkpoint_delay(cfg)
     if step == cfg.steps or (every and step > delay and (step - delay) % every == 0):
-        assert step == cfg.steps or not w.algo.sync_in_flight, "a sync is in flight"
         t0 = time.perf_counter()
-        w.writer.wait(w.ctx.comm.check_aborted)
-        if time.perf_counter() - t0 > 1 and w.main:
-            log.warning("checkpoint at step %d waited %.1f s for the previous one to be "
-                        "written: they are due faster than the disk takes them (raise "
-                        "--checkpoint-every)", step, time.perf_counter() - t0)
-        if w.ctx.comm.elastic:
-            if w.ctx.replica == min(w.ctx.comm.members):  # the lead writes the one file
-                w.writer.save(step, elastic_checkpoint_state(w, loop, step),
-                              w.ctx.comm.check_aborted)
-            return
-        dcp = w.ctx.checkpoint_group is not None  # the tensors go through DCP
-        w.writer.save(step, checkpoint_state(w, loop, step, tensors=not dcp),
-                      w.ctx.comm.check_aborted,
-                      tensors=checkpoint.snapshot(w.algo.checkpoint_tensors(shard_mesh(w.ctx)))
-                      if dcp else None)
+        _checkpoint(w, loop, step)
+        loop.checkpoints += 1
+        loop.checkpoint_seconds += time.perf_counter() - t0
+
+
+def _checkpoint(w: Worker, loop: Loop, step: int) -> None:
+    """Wait for the previous write, copy the state and hand it to the writer."""
+    cfg = w.cfg
+    assert step == cfg.steps or not w.algo.sync_in_flight, "a sync is in flight"
+    t0 = time.perf_counter()
+    w.writer.wait(w.ctx.comm.check_aborted)
+    if time.perf_counter() - t0 > 1 and w.main:
+        log.warning("checkpoint at step %d waited %.1f s for the previous one to be "
+                    "written: they are due faster than the disk takes them (raise "
+                    "--checkpoint-every)", step, time.perf_counter() - t0)
+    if w.ctx.comm.elastic:
+        if w.ctx.replica == min(w.ctx.comm.members):  # the lead writes the one file
+            w.writer.save(step, elastic_checkpoint_state(w, loop, step),
+                          w.ctx.comm.check_aborted)
+        return
+    dcp = w.ctx.checkpoint_group is not None  # the tensors go through DCP
+    w.writer.save(step, checkpoint_state(w, loop, step, tensors=not dcp),
+                  w.ctx.comm.check_aborted,
+                  tensors=checkpoint.snapshot(w.algo.checkpoint_tensors(shard_mesh(w.ctx)))
+                  if dcp else None)
 
 
 def shard_mesh(ctx: WorkerContext):

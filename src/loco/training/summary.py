@@ -84,6 +84,9 @@ class Summary:
             the spread diagnostic.
         eval_seconds: seconds of the periodic evaluations.
         diagnostic_seconds: seconds of the replicas' spread diagnostic.
+        checkpoints: checkpoints the lead rank took in this run (not one it resumed from).
+        checkpoint_seconds: the time its training thread was blocked by them (waiting for
+            the previous write and copying the state; the writing is in the background).
         tokens_per_second: ``tokens / train_seconds``.
         per_worker: every rank's counters, in rank order.
         fragments: per fragment (Streaming DiLoCo, DiLoCo): tensors, elements, syncs and
@@ -141,6 +144,8 @@ class Summary:
     train_seconds: float | None = None
     eval_seconds: float | None = None
     diagnostic_seconds: float | None = None
+    checkpoints: int | None = None
+    checkpoint_seconds: float | None = None
     tokens_per_second: float | None = None
     per_worker: list[dict[str, Any]] | None = None
     fragments: list[dict[str, Any]] | None = None

@@ -132,6 +132,9 @@ class Loop:
         train_seconds: training-loop time at the checkpoint this run resumed from (0: fresh).
         metrics_bytes: length of ``metrics.jsonl`` at that checkpoint.
         origin: ``time.perf_counter()`` at which the whole run's loop would have started.
+        checkpoints: checkpoints this run (not one it resumed from) took.
+        checkpoint_seconds: time the training thread spent on them (waiting for the previous
+            write, copying the state), this run.
     """
 
     loss_sum: float = 0.0
@@ -145,6 +148,8 @@ class Loop:
     train_seconds: float = 0.0
     metrics_bytes: int = 0
     origin: float = 0.0
+    checkpoints: int = 0
+    checkpoint_seconds: float = 0.0
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """Keep a step's loss without reading it from the device (no synchronisation)."""
