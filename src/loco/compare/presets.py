@@ -83,7 +83,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "local": {"spread_every": 10}},
     },
     "frontier": {
-        "about": "the compression frontier over 3 seeds in about 55 minutes on a 2-core CPU: "
+        "about": "the compression frontier over 3 seeds in about 50 minutes on a 2-core CPU: "
                  "the tiny model on Shakespeare, 4 workers of 4 x 128 tokens, 600 steps; "
                  "DataParallel, DiLoCo, Streaming DiLoCo FP4, DiLoCo FP4 with and without error "
                  "feedback, SparseLoCo, DeMo, SPARTA alone and inside DiLoCo, NoLoCo, MuLoCo "
