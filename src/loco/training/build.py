@@ -117,7 +117,7 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
         corpus: the tokenized corpus.
     """
     start = time.perf_counter()
-    vitals = Vitals(os.path.join(cfg.out, "vitals"), ctx.rank)
+    vitals = Vitals(None if cfg.out is None else os.path.join(cfg.out, "vitals"), ctx.rank)
     if not ctx.comm.elastic:  # (the elastic supervisor decides on its own workers)
         vitals.check_restart(restart_count())
     vitals.note(0)

@@ -96,7 +96,8 @@ def launch_training(cfg: TrainConfig, corpus: Corpus) -> dict:
     """Train a prepared config on every rank; return the lead rank's summary."""
     # Where the ranks note their step and memory (setup_worker): the launchers read it when
     # one dies without a word.
-    os.environ[DIR_ENV] = os.path.join(cfg.out, "vitals")
+    if cfg.out is not None:
+        os.environ[DIR_ENV] = os.path.join(cfg.out, "vitals")
     results = launch(train_worker, replicas=cfg.workers, stages=cfg.stages,
                      shards=cfg.worker_ranks, launcher=cfg.launcher, args=(cfg, corpus),
                      timeout=cfg.comm_timeout, max_restarts=cfg.max_restarts,
