@@ -28,6 +28,7 @@ from __future__ import annotations
 import datetime
 import functools
 import os
+import signal
 import socket
 import sys
 import threading
@@ -308,6 +309,10 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
                                                      mesh.shards, timeout, links)
     except ChildFailedError as e:
         rank, failure = e.get_first_failure()
+        # A worker killed without a word is the cause; the others' errors (their peer gone)
+        # may be recorded first.
+        rank, failure = next(((r, f) for r, f in sorted(e.failures.items())
+                              if f.exitcode == -signal.SIGKILL), (rank, failure))
         message = failure.message
         if isinstance(message, dict):  # torch elastic's error file: the exception's text
             message = message.get("message")

@@ -16,7 +16,6 @@ import json
 import os
 import resource
 import signal
-import time
 
 DIR_ENV = "LOCO_VITALS_DIR"
 """Environment variable naming the directory of the vitals files."""
@@ -63,14 +62,12 @@ class Vitals:
     Args:
         directory: where the files are (None: write nothing).
         rank: this process's global rank.
-        interval: the least time between two writes, in seconds; default 0 (every note).
     """
 
-    def __init__(self, directory: str | None, rank: int, interval: float = 0.0):
-        self.path, self.rank, self.interval = vitals_path(directory, rank), rank, interval
+    def __init__(self, directory: str | None, rank: int):
+        self.path, self.rank = vitals_path(directory, rank), rank
         self.before = read_vitals(directory, rank) if directory else None
         """The record the previous run of this rank left (None on a first run)."""
-        self._last = -float("inf")
 
     def check_restart(self, restarts: int) -> None:
         """Refuse to train a restarted rank whose last two runs ended at the same step.
@@ -89,18 +86,14 @@ class Vitals:
                 "of memory? Not restarted again (fewer workers per machine, a smaller "
                 "--batch-size or --offload need less)")
 
-    def note(self, step: int, force: bool = False) -> None:
-        """Record ``step`` and the memory now, unless the last record is younger than
-        ``interval`` (``force``: regardless).
+    def note(self, step: int) -> None:
+        """Record ``step`` and the memory now (nothing without a directory).
 
         Args:
-            step: the step this rank is at (0 before the first).
-            force: write even if a record was written less than ``interval`` ago.
+            step: the step this rank begins (0 before the first).
         """
-        now = time.monotonic()
-        if self.path is None or (not force and now - self._last < self.interval):
+        if self.path is None:
             return
-        self._last = now
         record = {"step": step, "rss_bytes": resident_bytes(), "pid": os.getpid(),
                   "previous_end": None if self.before is None else self.before["step"]}
         tmp = f"{self.path}.tmp"
