@@ -60,9 +60,9 @@ BAD_INPUTS = [
     (["--fragments", "3", "--sync-every", "2", "--model", "medium"], "--fragments",
      "<= --sync-every (2)"),
     (["--fragments", "8"], "--fragments", "[1, 4]"),
-    (["--overlap", "50"], "--overlap", "[0, 50)"),
-    (["--overlap", "-1"], "--overlap", "[0, 50)"),
-    (["--fragments", "3", "--overlap", "33"], "--overlap", "[0, 33), the smallest gap"),
+    (["--overlap", "25"], "--overlap", "[0, 25)"),  # the default H = 50, P = 2
+    (["--overlap", "-1"], "--overlap", "[0, 25)"),
+    (["--fragments", "3", "--overlap", "16"], "--overlap", "[0, 16), the smallest gap"),
     (["--overlap", "1,2"], "--overlap", "gives 2 values but there are 4 workers"),
     (["--overlap", "1,x,2,3"], "--overlap", "one per worker such as 1,1,2,5"),
     (["--sync-every", "0"], "--sync-every", ">= 1"),
@@ -433,7 +433,7 @@ def test_old_option_names_are_read_as_the_new_ones(tmp_path):
     assert build_parser().parse_args(["train", "--alpha", "0.3"]).mixing == 0.3
 
 
-@pytest.mark.parametrize("algorithm,h", [("streaming", 100), ("diloco", 100), ("noloco", 50),
+@pytest.mark.parametrize("algorithm,h", [("streaming", 50), ("diloco", 100), ("noloco", 50),
                                          ("ddp", 50), ("sparseloco", 30),
                                          ("sparta_diloco", 200)])
 def test_per_method_defaults_are_the_papers_and_help_says_so(algorithm, h, capsys):
@@ -445,7 +445,8 @@ def test_per_method_defaults_are_the_papers_and_help_says_so(algorithm, h, capsy
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert ("the papers': ddp 50, diloco 100, streaming 100, sparseloco 30, noloco 50, demo 50, "
+    assert ("the papers' but for streaming, whose paper uses 100 for runs of thousands of "
+            "steps: ddp 50, diloco 100, streaming 50, sparseloco 30, noloco 50, demo 50, "
             "sparta 50, sparta_diloco 200, local 50)") in text
     assert f"{algorithm} {h}" in text
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import loco
+from loco.comm.codecs import get_codec
 
 
 def reduce_worker(ctx, sizes):
@@ -37,6 +38,48 @@ def test_mean_all_reduce_values_and_exact_bytes(workers):
     # every worker ends with bit-identical results
     for (out, _) in results[1:]:
         assert all(torch.equal(a[0], b[0]) for a, b in zip(out, results[0][0]))
+
+
+def pieces_worker(ctx, piece_bytes, codecs, n):
+    """Each codec's mean of a worker-dependent tensor of n values, with error feedback's echo,
+    the bytes counted and the largest buffer the Comm kept."""
+    import loco.comm.reduce as reduce
+
+    if piece_bytes is not None:
+        reduce.PIECE_BYTES = piece_bytes  # (threads: every rank sets the same value)
+    g = torch.Generator().manual_seed(ctx.rank)
+    out = {}
+    for name in codecs:
+        codec = None if name is None else get_codec(name)
+        t = torch.randn(n, generator=g) * 10.0 ** torch.randint(-3, 3, (n,), generator=g)
+        sent = torch.zeros(n)
+        handle = ctx.comm.all_reduce_mean(t, codec=codec, sent=sent)
+        handle.wait()
+        out[name] = (t, sent, handle.record.sent_bytes)
+    kept = max(b.numel() * b.element_size() for b in ctx.comm._buffers.values())
+    return out, kept
+
+
+@pytest.mark.parametrize("workers", [2, 3])
+def test_a_large_all_reduce_in_pieces_is_bit_identical_with_bounded_buffers(workers,
+                                                                            monkeypatch):
+    """Cut into pieces of at most 4 KiB (a 20,011-value tensor: tens of pieces, the last
+    chunk short), the mean, what each worker sent (the echo error feedback reads) and the
+    bytes are those of the tensor in one piece, for the unencoded path, a cast and the
+    scaled codecs; the buffers the Comm keeps stay within a piece."""
+    import loco.comm.reduce as reduce
+
+    codecs, n = [None, "bf16", "fp4_e3m0", "int8", "int2"], 20011
+    whole, _ = zip(*loco.launch(pieces_worker, replicas=workers, args=(None, codecs, n)))
+    monkeypatch.setattr(reduce, "PIECE_BYTES", 4096)
+    pieces, kept = zip(*loco.launch(pieces_worker, replicas=workers, args=(4096, codecs, n)))
+    for a, b in zip(whole, pieces):
+        for name in codecs:
+            assert torch.equal(a[name][0], b[name][0]), name  # the mean
+            assert torch.equal(a[name][1], b[name][1]), name  # the echo
+            assert a[name][2] == b[name][2] > 0, name  # the bytes
+    assert max(kept) <= 4096 * 2  # per role: a piece of fp32 rows (the sum: one row)
+    assert reduce.piece_width(10**6, 2, get_codec("topk", keep=0.1), 4) == 10**6
 
 
 def test_broadcast_bytes_are_exact():

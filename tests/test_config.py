@@ -57,7 +57,7 @@ def test_resume_help_and_error_name_every_option_a_resumed_run_may_change(tmp_pa
     help_text = " ".join(next(a for a in train._actions if a.dest == "resume").help.split())
     for name in RESUMABLE + LAYOUT:
         assert flag(name) in help_text
-    assert len(RESUMABLE + LAYOUT) == 17
+    assert len(RESUMABLE + LAYOUT) == 18
 
 
 def test_resume_refuses_a_changed_option_naming_all_that_may_change(tmp_path):

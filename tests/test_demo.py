@@ -54,7 +54,7 @@ def optimizer(model):
     mats = [p for p in model.parameters() if p.dim() >= 2]
     vecs = [p for p in model.parameters() if p.dim() < 2]
     return torch.optim.AdamW([{"params": mats, "weight_decay": 0.1},
-                              {"params": vecs, "weight_decay": 0.0}], lr=BASE_LR)
+                              {"params": vecs, "weight_decay": 0.0}], lr=BASE_LR, fused=True)
 
 
 def demo_worker(ctx, steps, **kw):

@@ -110,7 +110,7 @@ def reference(model):
     adam = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2],
                                "weight_decay": CFG["weight_decay"]},
                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
-                             lr=CFG["lr"], betas=CFG["betas"])
+                             lr=CFG["lr"], betas=CFG["betas"], fused=True)
     return muon, adam
 
 
@@ -141,7 +141,7 @@ def test_adamw_default_is_the_plain_adamw():
     before = torch.optim.AdamW(
         [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
          {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95))
+        lr=cfg.lr, betas=(0.9, 0.95), fused=True)
     for a, b in zip(opt.param_groups, before.param_groups, strict=True):
         assert a.keys() == b.keys() and all(x is y for x, y in zip(a["params"], b["params"],
                                                                    strict=True))

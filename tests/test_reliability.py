@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import loco.training.job
+import loco.training.state
 from loco import checkpoint
 from loco.cli import main
 
@@ -286,6 +287,86 @@ def test_checkpoint_writes_go_one_at_a_time_off_the_calling_thread(tmp_path, mon
     assert checkpoint.latest(str(tmp_path))["step"] == 8
 
 
+def test_an_in_place_write_is_done_when_save_returns_and_commits_in_the_background(
+        tmp_path, monkeypatch):
+    """A model on the CPU: the training thread writes its live state (no copy of it), and
+    only the commit, which waits for the other ranks' files, is left to the writer."""
+    out = str(tmp_path)
+    written = []
+    save_rank = checkpoint.save_rank
+    monkeypatch.setattr(checkpoint, "save_rank", lambda *a: (
+        written.append(threading.current_thread().name), save_rank(*a))[1])
+    lead = checkpoint.Writer(out, 0, 2, commit_meta={"world_size": 2}, timeout=30)
+    live = torch.arange(4.0)
+    lead.save(4, {"step": 4, "x": live}, in_place=True)
+    assert written == [threading.current_thread().name]
+    assert os.path.exists(checkpoint.rank_file(out, 4, 0)) and checkpoint.latest(out) is None
+    live.add_(1)  # the file already holds the values at the save
+    other = checkpoint.Writer(out, 1, 2, timeout=30)
+    other.save(4, {"step": 4}, in_place=True)
+    lead.close()
+    assert checkpoint.latest(out)["step"] == 4
+    assert torch.equal(checkpoint.load_rank(out, 4, 0)["x"], torch.arange(4.0))
+
+
+def test_a_failed_write_names_the_file_and_the_space_left_and_leaves_no_partial_file(
+        tmp_path, monkeypatch):
+    """torch.save reports a full disk as "unexpected pos": the error says what it likely is."""
+    def full(state, path):
+        open(path, "wb").write(b"half")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 8")
+
+    monkeypatch.setattr(torch, "save", full)
+    with pytest.raises(checkpoint.CheckpointError,
+                       match=r"rank0000\.pt failed \(.*unexpected pos 64 vs 8\); [\d.]+ GB left "
+                             r"on its disk: is it full\? \(a checkpoint of this rank takes "
+                             r"about 0\.0 GB\)"):
+        checkpoint.save_rank(str(tmp_path), 4, 0, {"x": torch.zeros(3)})
+    assert os.listdir(checkpoint.step_dir(str(tmp_path), 4)) == []
+
+
+def test_compact_keeps_whole_tensors_and_copies_views_of_larger_storages():
+    flat = torch.arange(10.0)
+    whole, view = torch.ones(3), flat[2:5]
+    out = checkpoint.compact({"a": whole, "b": [view, 7]})
+    assert out["a"] is not None and out["a"].data_ptr() == whole.data_ptr()
+    assert out["b"][0].data_ptr() != view.data_ptr() and torch.equal(out["b"][0], view)
+    assert out["b"][0].untyped_storage().nbytes() == 3 * 4 and out["b"][1] == 7
+
+
+def test_staging_buffers_are_allocated_once_and_hold_the_state_at_the_stage():
+    stager = checkpoint.Stager()
+    model = torch.nn.Linear(3, 2)
+    first = stager.stage({"model": model.state_dict(), "step": 1})
+    pointers = [t.data_ptr() for t in first["model"].values()]
+    assert stager.nbytes == (6 + 2) * 4 and stager.ready is None  # nothing queued on a CPU
+    with torch.no_grad():
+        model.weight.add_(1)
+    assert not torch.equal(first["model"]["weight"], model.weight)  # a copy, not the live one
+    second = stager.stage({"model": model.state_dict(), "step": 2})
+    assert [t.data_ptr() for t in second["model"].values()] == pointers  # the same buffers
+    assert torch.equal(second["model"]["weight"], model.weight)
+    assert second["model"]._metadata == model.state_dict()._metadata
+    third = stager.stage({"model": {"weight": torch.zeros(5)}, "step": 3})  # a new shape
+    assert third["model"]["weight"].shape == (5,) and stager.nbytes == (5 + 2) * 4
+
+
+@pytest.mark.parametrize("interval, expected", [("0.001s", [4, 8, 12, 16]), ("1h", [16])])
+def test_checkpoint_interval_adds_checkpoints_by_time_at_round_ends(
+        corpus, tmp_path, monkeypatch, interval, expected):
+    """With --checkpoint-every 0 (only at the end), a tiny interval checkpoints at every
+    round's end (H = 4, DiLoCo: no sync in flight), an hour at the end only."""
+    steps = []
+    hand_over = loco.training.state._hand_over
+    monkeypatch.setattr(loco.training.state, "_hand_over",
+                        lambda w, step, *a: (steps.append(step), hand_over(w, step, *a))[1])
+    out = tmp_path / "run"
+    assert main(job(corpus, out, "--algorithm", "diloco", "--checkpoint-every", "0",
+                    "--checkpoint-interval", interval)) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["checkpoints"] == len(expected) and sorted(set(steps)) == expected
+
+
 def test_a_snapshot_is_a_cpu_copy_that_training_cannot_change():
     model = torch.nn.Linear(2, 2)
     state = {"model": model.state_dict(), "steps": [torch.zeros(1), 3], "name": "x"}
@@ -308,6 +389,8 @@ def finished(uninterrupted, tmp_path_factory):
 def bad_inputs(out):
     return [
         (["--checkpoint-every", "-1"], "--checkpoint-every", ">= 0"),
+        (["--checkpoint-interval", "soon"], "--checkpoint-interval", "positive duration"),
+        (["--checkpoint-interval", "0m"], "--checkpoint-interval", "positive duration"),
         (["--max-restarts", "-1"], "--max-restarts", "[0, 100]"),
         (["--on-nonfinite", "ignore"], "--on-nonfinite", "invalid choice"),
         (["--resume", str(out.parent / "nowhere")], "--resume", "no such directory"),
@@ -377,6 +460,26 @@ def _set_event() -> threading.Event:
     return e
 
 
+def test_large_models_return_freed_memory_to_the_kernel(corpus, tmp_path, monkeypatch):
+    """glibc's fixed mmap threshold is set for a model of LARGE_MODEL_BYTES or more of
+    parameters (here the bar is lowered to the tiny model's size), not for a smaller one;
+    on glibc mallopt accepts it."""
+    import sys
+
+    import loco.training.build as build
+
+    if sys.platform.startswith("linux"):  # in a process of its own: it lasts for the process
+        code = "from loco.runtime.vitals import return_freed_memory as r; assert r() is True"
+        assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+    calls = []
+    monkeypatch.setattr(build, "return_freed_memory", lambda: calls.append(1) or True)
+    argv = job(corpus, tmp_path / "a", "--steps", "4", "--checkpoint-every", "0")
+    assert main(argv) == 0 and calls == []  # the tiny model: glibc's default kept
+    monkeypatch.setattr(build, "LARGE_MODEL_BYTES", 1)
+    assert main(job(corpus, tmp_path / "b", "--steps", "4", "--checkpoint-every", "0")) == 0
+    assert len(calls) == 2  # once per rank (2 workers)
+
+
 def test_vitals_say_where_a_rank_died_and_stop_a_third_run_at_the_same_step(tmp_path):
     """Each run of a rank notes its step and memory; a restarted rank whose last two runs
     both ended at the same step is refused (it would die there again), one that got further
@@ -412,12 +515,14 @@ def test_vitals_say_where_a_rank_died_and_stop_a_third_run_at_the_same_step(tmp_
 def test_a_checkpoint_is_copied_only_once_the_previous_one_is_written(corpus, tmp_path,
                                                                       monkeypatch, caplog):
     """Never two copies of the state in flight: with a disk slower than the checkpoints
-    are due, each rank waits for its previous write before it copies the next state, and
-    the lead says so."""
+    are due, each rank waits for its previous write before it copies the next state into
+    its staging buffers (a model on a GPU; forced here on the CPU), and the lead says so."""
     import logging
 
+    import loco.training.build as build
     import loco.training.state as state
 
+    monkeypatch.setattr(build, "make_stager", lambda ctx: checkpoint.Stager())
     slow_save, copy = checkpoint.save_rank, state.checkpoint_state
     monkeypatch.setattr(checkpoint, "save_rank",
                         lambda *a, **k: time.sleep(1.2) or slow_save(*a, **k))
@@ -433,6 +538,24 @@ def test_a_checkpoint_is_copied_only_once_the_previous_one_is_written(corpus, tm
         assert main(job(corpus, tmp_path / "run", "--eval-every", "0")) == 0
     assert len(busy) == 2 * 4 and not any(busy)  # 2 ranks x checkpoints at 4, 8, 12, 16
     assert "waited" in caplog.text and "for the previous one to be written" in caplog.text
+
+
+def test_in_place_checkpoints_block_the_training_thread_for_the_write(corpus, tmp_path,
+                                                                     monkeypatch, caplog):
+    """A model on the CPU: no copy of the state; the training thread writes each checkpoint
+    itself, so a slow disk shows in checkpoint_seconds, and there is never a previous write
+    to wait for (no warning)."""
+    import logging
+
+    slow_save = checkpoint.save_rank
+    monkeypatch.setattr(checkpoint, "save_rank",
+                        lambda *a, **k: time.sleep(0.5) or slow_save(*a, **k))
+    out = tmp_path / "run"
+    with caplog.at_level(logging.WARNING, logger="loco"):
+        assert main(job(corpus, out, "--eval-every", "0", "--algorithm", "diloco")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["checkpoints"] == 4 and summary["checkpoint_seconds"] >= 4 * 0.5
+    assert "for the previous one to be written" not in caplog.text
 
 
 def test_keep_checkpoints_keeps_the_newest_k_and_is_checked(corpus, tmp_path, capsys):

@@ -2,7 +2,6 @@
 determinism of the random draws, non-finite values, parameters, and the quantized all-reduce
 through real workers (bit-identical results, exact wire bytes)."""
 
-import hashlib
 import math
 
 import pytest
@@ -154,11 +153,10 @@ def test_random_codecs_keep_k_values(name, keep, c):
         assert where.numel() == k
         scale = c / k if name == "dare" else 1.0
         assert torch.equal(dec[where], row[where] * scale)
-        # the positions are the first k of randperm under the row's hash, sent in the row
-        seed = hashlib.blake2b(row.numpy(), digest_size=8, key=bytes(8)).digest()
-        assert b[4 * k:].tolist() == list(seed)
-        expect = torch.randperm(c, generator=torch.Generator().manual_seed(
-            int.from_bytes(seed, "little")))[:k]
+        # the positions are the k smallest keys under the row's seed, sent in the row
+        seed = codec.row_seeds(row.view(1, -1))
+        assert b[4 * k:].tolist() == list(seed.numpy().tobytes())
+        expect = RandomDropCodec.positions(seed, c, k)[0]
         assert torch.equal(where, expect.sort().values)
         assert torch.equal(b[:4 * k].view(torch.float32), row[expect])
     if keep == 1.0:
@@ -345,7 +343,27 @@ def test_device_probe(name, monkeypatch):
         get_codec(name, device="cpu")
 
 
-def test_positions_helper_matches_randperm():
-    seed = bytes(range(8))
-    g = torch.Generator().manual_seed(int.from_bytes(seed, "little"))
-    assert torch.equal(RandomDropCodec.positions(seed, 50, 7), torch.randperm(50, generator=g)[:7])
+def test_positions_are_distinct_in_range_and_a_pure_function_of_the_seed():
+    top = 2**31 - 2  # a seed is two residues mod 2^31 - 1 (row_seeds)
+    seeds = torch.tensor([0, 1, top * 2**31 + top, 123456789 * 2**31 + 42])
+    where = RandomDropCodec.positions(seeds, 50, 7)
+    assert where.shape == (4, 7) and where.min() >= 0 and where.max() < 50
+    assert all(len(set(row.tolist())) == 7 for row in where)
+    assert torch.equal(where, RandomDropCodec.positions(seeds.clone(), 50, 7))
+    assert len({tuple(row.tolist()) for row in where}) == 4  # other seeds, other draws
+    # every position comes up about as often as the others (k/c = 1/4 over 2000 seeds:
+    # 500 expected each, a binomial's standard deviation 19; 6 of them allow 114)
+    counts = torch.bincount(RandomDropCodec.positions(torch.arange(2000) * 7919, 40, 10)
+                            .view(-1), minlength=40)
+    assert (counts - 500).abs().max() < 114
+
+
+@pytest.mark.parametrize("name", RANDOM)
+def test_random_codecs_read_nothing_back_to_the_host(name):
+    """Seeds, positions and the non-finite mask are computed on the row's device: on
+    ``meta`` (no values at all) any read to the host would raise."""
+    codec = get_codec(name, keep=0.25)
+    x = torch.empty(3, 64, device="meta")
+    buf = codec.encode_rows(x)
+    assert buf.shape == (3, codec.row_bytes(64)) and buf.device.type == "meta"
+    assert codec.decode_rows(buf, 64).shape == (3, 64)

@@ -31,6 +31,13 @@ def test_a_runs_summary_is_the_record_and_back(run):
     assert content["final_model"] == "the global model"  # Streaming DiLoCo's global copy
     # H = 4 (small_run), 8 steps, tau = 1: checkpoints at steps 5 and 8; each blocked a while
     assert content["checkpoints"] == 2 and 0 < content["checkpoint_seconds"] < 60
+    memory = content["memory_bytes_per_rank"]
+    assert set(memory) == {"model", "gradients", "inner_optimizer", "outer"}
+    assert memory["gradients"] == memory["model"] == 4 * content["model_parameters"]
+    peak = content["memory_peak_over_state"]  # the threads launcher: 2 ranks in one process
+    assert peak["peak_of"] == "resident" and peak["state_bytes"] == sum(memory.values())
+    assert peak["ratio"] == pytest.approx(peak["peak_bytes"] / peak["state_bytes"], abs=1e-3)
+    assert peak["peak_bytes"] == content["max_rss_bytes"] // 2
     assert list(summary.to_dict()) == list(content)
     assert json.dumps(summary.to_dict(), indent=2) == text
     # the one currency is in the file too: 8 · bytes / (parameters · steps), bytes / token

@@ -157,29 +157,29 @@ def noloco_worker(ctx):
 
 
 # ----------------------------------------------- the GPU path, as far as a CPU can show it
-def test_adamw_is_fused_on_a_gpu_and_then_skips_on_the_device(monkeypatch):
+def test_adamw_is_fused_on_a_gpu_and_a_cpu_and_skips_on_the_device_only_on_a_gpu():
     """``loco train``'s AdamW is fused on a GPU (so ``skip_on_device`` holds and no step
-    reads the gradient norm on the host), torch's default elsewhere. A CPU cannot hold a
-    GPU's parameters: the choice is asked of a stand-in module, and the fused optimizer
-    built on the CPU (whose fused AdamW exists) as the GPU run would build it."""
+    reads the gradient norm on the host) and on a CPU (no whole-model temporaries), torch's
+    default elsewhere. A CPU cannot hold a GPU's parameters: the choice is asked of stand-in
+    modules."""
     from types import SimpleNamespace
 
     from loco.training import optimizers
 
-    class OnGpu(torch.nn.Module):
-        def parameters(self, recurse=True):
-            return iter([SimpleNamespace(device=torch.device("cuda", 0))])
+    def on(device):
+        class Stand(torch.nn.Module):
+            def parameters(self, recurse=True):
+                return iter([SimpleNamespace(device=torch.device(device))])
+        return Stand()
 
     model = make_model()
-    assert optimizers.wants_fused(OnGpu()) is True
-    assert optimizers.wants_fused(model) is None
-    assert not optimizers.inner_optimizer(model, "adamw", lr=1e-3, weight_decay=0.1,
-                                        betas=(0.9, 0.95)).defaults[
-        "fused"]
-    monkeypatch.setattr(optimizers, "wants_fused", lambda m: True)
+    assert optimizers.wants_fused(on("cuda")) is True
+    assert optimizers.wants_fused(on("meta")) is None
     fused = optimizers.inner_optimizer(model, "adamw", lr=1e-3, weight_decay=0.1,
-                                        betas=(0.9, 0.95))
+                                       betas=(0.9, 0.95))
     assert fused.defaults["fused"] and fused._step_supports_amp_scaling  # takes found_inf
+    algo = loco.DiLoCo(model, fused, loco.Comm(None, 0, 1), sync_every=4)
+    assert not algo.skip_on_device  # a CPU reads the norm for free
 
 
 def test_batches_go_to_a_gpu_from_pinned_memory_without_blocking(monkeypatch):

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import loco.training
+import loco.training.build
 import loco.training.evaluation
 import loco.training.finish
 from loco import checkpoint
@@ -64,12 +65,16 @@ def test_spread_diagnostic_is_not_blocked_time():
     assert loco.training.blocked_seconds(SimpleNamespace(comm=comm, pipe=None, inner=comm)) == 2.0
 
 
+@pytest.mark.parametrize("staged", [False, True])
 def test_streaming_checkpoints_wait_for_the_sync_in_flight_and_write_in_the_background(
-        corpus, tmp_path, monkeypatch):
+        corpus, tmp_path, monkeypatch, staged):
     """H = 4, P = 2, τ = 1: the second fragment is sent at steps 4, 8 and 12, and applied a
     step later. The rounds' checkpoints are taken at 5 and 9, with nothing in flight (so
     the training thread never waits for a sync to save), and at the end (12, after the
-    flush); the files are written by each rank's checkpoint thread."""
+    flush). A model on the CPU: each rank's training thread writes its files in place; with
+    staging buffers (a model on a GPU; here forced on the CPU), its checkpoint thread."""
+    if staged:
+        monkeypatch.setattr(loco.training.build, "make_stager", lambda ctx: checkpoint.Stager())
     saves = []
     save_rank = checkpoint.save_rank
 
@@ -86,7 +91,7 @@ def test_streaming_checkpoints_wait_for_the_sync_in_flight_and_write_in_the_back
         mine = [s for s in saves if s[0] == rank]
         assert [step for _, step, _, _ in mine] == [5, 9, 12]
         assert all(flight is None for _, _, flight, _ in mine)
-        assert all(name == f"loco-checkpoint-{rank}" for _, _, _, name in mine)
+        assert all((name == f"loco-checkpoint-{rank}") == staged for _, _, _, name in mine)
     assert checkpoint.latest(str(out))["step"] == 12
 
 

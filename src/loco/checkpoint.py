@@ -16,6 +16,7 @@ checkpoints removed. :class:`Writer` writes on a background thread. docs/reliabi
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -120,15 +121,36 @@ def read_worker(path: str) -> dict:
 
 
 def save_rank(out: str, step: int, rank: int, state: dict) -> str:
-    """Write this rank's state for ``step`` atomically; return the file's path."""
+    """Write this rank's state for ``step`` atomically; return the file's path.
+
+    Raises:
+        CheckpointError: the write failed (the partial file is removed), naming the file,
+            the error and the space left on its disk.
+    """
     path = rank_file(out, step, rank)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    try:
+        torch.save(state, tmp)
+        with open(tmp, "rb") as f:
+            os.fsync(f.fileno())
+    except (OSError, RuntimeError) as e:  # torch.save reports a full disk as a RuntimeError
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        free = shutil.disk_usage(os.path.dirname(path)).free
+        raise CheckpointError(f"writing {path} failed ({str(e).strip().splitlines()[0][:200]}"
+                              f"); {free / 1e9:.1f} GB left on its disk: is it full? (a "
+                              "checkpoint of this rank takes about "
+                              f"{_nbytes(state) / 1e9:.1f} GB)") from None
     os.replace(tmp, path)
     return path
+
+
+def _nbytes(state: Any) -> int:
+    """Bytes of the tensors in ``state`` (nested dicts, lists and tuples)."""
+    sizes: list[int] = []
+    map_tensors(state, lambda t, path: sizes.append(t.numel() * t.element_size()))
+    return sum(sizes)
 
 
 def commit(out: str, step: int, meta: dict, keep: int = 1) -> None:
@@ -235,18 +257,94 @@ def snapshot(state: Any) -> Any:
     Returns:
         The copy, with the same structure (an ``OrderedDict`` keeps its ``_metadata``).
     """
+    return map_tensors(state, lambda t, path: t.detach().to("cpu", copy=True))
+
+
+def map_tensors(state: Any, leaf: Callable[[torch.Tensor, str], Any], path: str = "") -> Any:
+    """``state`` rebuilt with ``leaf(tensor, path)`` in place of each tensor: every dict,
+    list and tuple rebuilt (an ``OrderedDict`` keeps a module state_dict's ``_metadata``, its
+    version information), other values kept. ``path`` names a tensor's place, e.g.
+    ``/model/weight``.
+
+    Args:
+        state: tensors, numbers, strings, None, and dicts, lists and tuples of them.
+        leaf: what a tensor becomes.
+        path: the place of ``state`` itself; default "".
+    """
     if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
+        return leaf(state, path)
     if isinstance(state, OrderedDict):
-        out = OrderedDict((k, snapshot(v)) for k, v in state.items())
-        if hasattr(state, "_metadata"):  # a module's state_dict: its version information
-            out._metadata = snapshot(state._metadata)
+        out = OrderedDict((k, map_tensors(v, leaf, f"{path}/{k}")) for k, v in state.items())
+        if hasattr(state, "_metadata"):
+            out._metadata = map_tensors(state._metadata, leaf)
         return out
     if isinstance(state, dict):
-        return {k: snapshot(v) for k, v in state.items()}
+        return {k: map_tensors(v, leaf, f"{path}/{k}") for k, v in state.items()}
     if isinstance(state, (list, tuple)):
-        return type(state)(snapshot(v) for v in state)
+        return type(state)(map_tensors(v, leaf, f"{path}/{i}") for i, v in enumerate(state))
     return state
+
+
+class Stager:
+    """Copies of a state's tensors in host buffers allocated once and reused by every
+    checkpoint: page-locked for tensors on a GPU, whose copies are queued without blocking
+    the host (the writer waits for one event before it reads them), so the background writer
+    reads a fixed copy while training goes on. A tensor whose shape or dtype changed gets a new buffer; a
+    ``DTensor`` (FSDP2's shards) is copied as :func:`snapshot` copies it.
+
+    Args:
+        pinned: page-lock the buffers of tensors that are on a GPU (default True).
+    """
+
+    def __init__(self, pinned: bool = True):
+        self.pinned = pinned
+        self._buffers: dict[str, torch.Tensor] = {}
+        self.ready: Any = None
+        """The CUDA event after the last ``stage``'s copies (None: nothing to wait for)."""
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the staging buffers held."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def stage(self, state: Any) -> Any:
+        """``state`` with every tensor copied into its buffer (see :func:`snapshot` for the
+        structures kept). Copies from a GPU are queued on the current stream, behind the
+        work that wrote the tensors and ahead of any that changes them, so the caller goes
+        on at once; ``ready`` is then an event the reader of the buffers waits for (pass
+        it to ``Writer.save``), else None."""
+        cuda: list = []
+        out = map_tensors(state, lambda t, path: self._copy(t, path, cuda))
+        self.ready = None
+        if cuda:
+            self.ready = torch.cuda.Event()
+            self.ready.record()
+        return out
+
+    def _copy(self, tensor: torch.Tensor, path: str, cuda: list) -> torch.Tensor:
+        t = tensor.detach()
+        if type(t) is not torch.Tensor:  # a DTensor: its own copy, with its placements
+            return snapshot(t)
+        buf = self._buffers.get(path)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._buffers[path] = torch.empty(t.shape, dtype=t.dtype,
+                                                    pin_memory=self.pinned and t.is_cuda)
+        buf.copy_(t, non_blocking=t.is_cuda)
+        if t.is_cuda:
+            cuda.append(t)
+        return buf
+
+
+def compact(state: Any) -> Any:
+    """``state`` (as for :func:`snapshot`) with the live tensors themselves, except those
+    that view part of a larger storage (saved alone they would carry all of it) or are not
+    on the CPU: copied. What an in-place write saves."""
+    def leaf(tensor: torch.Tensor, path: str) -> torch.Tensor:
+        t = tensor.detach()
+        whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        return t if t.device.type == "cpu" and (whole or type(t) is not torch.Tensor) \
+            else t.to("cpu", copy=True)
+    return map_tensors(state, leaf)
 
 
 def wait_for_ranks(out: str, step: int, world_size: int, timeout: float,
@@ -324,34 +422,51 @@ class Writer:
         self._stop = threading.Event()
 
     def save(self, step: int, state: dict, check: Callable[[], None] | None = None,
-             tensors: dict | None = None) -> None:
-        """Write ``state`` as this rank's checkpoint of ``step``, in the background, once
-        the previous write is done.
+             tensors: dict | None = None, in_place: bool = False, ready: Any = None) -> None:
+        """Write ``state`` as this rank's checkpoint of ``step``, once the previous write is
+        done: in the background, or (``in_place``) on the calling thread, only the commit
+        left to the background.
 
         Args:
             step: the checkpoint's step, >= 0.
-            state: what to save; it must not change afterwards (pass a :func:`snapshot`).
+            state: what to save; in the background, it must not change afterwards (pass a
+                :func:`snapshot` or :meth:`Stager.stage`'s copy); in place, the live state.
             check: called while waiting for the previous write (it may raise to stop
                 waiting, e.g. ``Comm.check_aborted``); default None.
             tensors: the worker's tensors to save through DCP first (a writer built with
-                ``worker``; every rank of the worker passes its view); a :func:`snapshot`;
-                default None.
+                ``worker``; every rank of the worker passes its view), copied as ``state``
+                is; default None.
+            in_place: write the files before returning (no copy of the state is needed:
+                the caller's memory stays the training state's); default False.
+            ready: an event (``Stager.ready``) the writer waits for before it reads
+                ``state``; default None.
 
         Raises:
             CheckpointError: the previous write failed (or its commit timed out).
-            OSError: the previous write failed.
+            OSError: the previous write failed, or (in place) this one.
         """
         self.wait(check)
         self.last_step = step
-        self._thread = threading.Thread(target=self._write, args=(step, state, tensors),
+        if in_place:
+            self._write_files(step, state, tensors)
+            state = tensors = None
+        self._thread = threading.Thread(target=self._write,
+                                        args=(step, state, tensors, not in_place, ready),
                                         daemon=True, name=f"loco-checkpoint-{self.rank}")
         self._thread.start()
 
-    def _write(self, step: int, state: dict, tensors: dict | None) -> None:
+    def _write_files(self, step: int, state: dict, tensors: dict | None) -> None:
+        if tensors is not None:  # the rank file, written after, says that it is whole
+            save_worker(worker_dir(self.out, step, self.worker), tensors, self.group)
+        save_rank(self.out, step, self.rank, state)
+
+    def _write(self, step: int, state: dict | None, tensors: dict | None, files: bool,
+               ready: Any = None) -> None:
         try:
-            if tensors is not None:  # the rank file, written after, says that it is whole
-                save_worker(worker_dir(self.out, step, self.worker), tensors, self.group)
-            save_rank(self.out, step, self.rank, state)
+            if ready is not None:  # the staged copies have landed
+                ready.synchronize()
+            if files:
+                self._write_files(step, state, tensors)
             if self.commit_meta is not None and wait_for_ranks(
                     self.out, step, self.world_size, self.timeout, self._stop):
                 commit(self.out, step, self.commit_meta, self.keep)

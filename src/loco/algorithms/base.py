@@ -400,18 +400,21 @@ class Algorithm(Method):
 
     def memory_bytes(self) -> dict[str, int]:
         """Bytes of the tensors this rank holds: ``model`` (parameters and buffers, its
-        shards under FSDP2), ``inner_optimizer`` (its state) and ``outer`` (the outer
-        algorithm's state; 0 here)."""
+        shards under FSDP2), ``gradients`` (one per trained parameter, held from the
+        backward pass to the inner step), ``inner_optimizer`` (its state) and ``outer``
+        (the outer algorithm's state and sync buffers, ``outer_tensors``; none here)."""
         def size(tensors) -> int:
             return sum(local(t).numel() * t.element_size() for t in tensors)
         model = size(t for t in self.model.state_dict().values() if isinstance(t, torch.Tensor))
         inner = size(v for s in self.inner_optimizer.state.values() for v in s.values()
                      if isinstance(v, torch.Tensor) and v.dim() > 0)
-        return {"model": model, "inner_optimizer": inner, "outer": size(self.outer_tensors())}
+        grads = size(p for p in self.model.parameters() if p.requires_grad)
+        return {"model": model, "gradients": grads, "inner_optimizer": inner,
+                "outer": size(self.outer_tensors())}
 
     def outer_tensors(self) -> list[torch.Tensor]:
-        """The tensors of the outer algorithm's state this rank holds (for
-        ``memory_bytes``); none here."""
+        """The tensors of the outer algorithm's state this rank holds, its sync buffers
+        included (for ``memory_bytes``); none here."""
         return []
 
     def nonfinite(self, what: str, counter: str, step: int) -> None:

@@ -468,11 +468,11 @@ class DeMo(Algorithm):
                 [`Algorithm.state_dict`][loco.algorithms.base.Algorithm.state_dict]).
 
         Returns:
-            A dict for ``torch.save``.
+            A dict for ``torch.save``, of the live tensors (copy it to keep it).
         """
         state = super().state_dict(tensors)
         if tensors:
-            state["momentum"] = self.momentum.clone()
+            state["momentum"] = self.momentum
         return state
 
     def load_state_dict(self, state: dict) -> None:

@@ -273,11 +273,11 @@ class NoLoCo(Algorithm):
                 [`Algorithm.state_dict`][loco.algorithms.base.Algorithm.state_dict]).
 
         Returns:
-            A dict for ``torch.save``.
+            A dict for ``torch.save``, of the live tensors (copy it to keep it).
         """
         state = {**super().state_dict(tensors), "outer_steps": self.outer_steps}
         if tensors:
-            state.update(slow=self.slow.clone(), momentum=self.momentum.clone())
+            state.update(slow=self.slow, momentum=self.momentum)
         return state
 
     def load_state_dict(self, state: dict) -> None:

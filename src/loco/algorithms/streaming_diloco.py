@@ -223,7 +223,10 @@ class StreamingDiLoCo(Algorithm):
     title = "Streaming DiLoCo"
     options = StreamingOptions
     shared = OUTER
-    defaults = {"sync_every": 100, "outer_lr": 0.4, "outer_momentum": 0.9, "nesterov": True,
+    # H = 50, not the paper's 100, for loco train: its default job (400 steps) then has 8
+    # rounds, where its loss is within 2% of DiLoCo's (docs/getting-started.md); the class's
+    # own default stays the paper's.
+    defaults = {"sync_every": 50, "outer_lr": 0.4, "outer_momentum": 0.9, "nesterov": True,
                 "codec": "fp4_e3m0", "error_feedback": 0.0}
     global_copy = True
     claims = (
@@ -534,11 +537,13 @@ class StreamingDiLoCo(Algorithm):
                  "syncs": f.syncs, **f.stats} for f in self.fragment_list]
 
     def outer_tensors(self) -> list[torch.Tensor]:
-        """This rank's share of every fragment's global copy and outer momentum."""
+        """This rank's share of every fragment's global copy, outer momentum, error feedback
+        and pseudo-gradient buffer (and, offloaded, Δ̄'s host buffer)."""
         return [t for f in self.fragment_list for t in (
             f.global_flat, *(s["momentum_buffer"] for s in f.outer_optimizer.state.values()
                              if s.get("momentum_buffer") is not None),
-            *([] if f.error is None else [f.error]))] + [self._sent]
+            *([] if f.error is None else [f.error]), f.delta,
+            *([] if f.grad is f.delta else [f.grad]))] + [self._sent]
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """The global copy θ^g of every synced parameter, on the parameters' device, by name
@@ -562,7 +567,7 @@ class StreamingDiLoCo(Algorithm):
                 [`Algorithm.state_dict`][loco.algorithms.base.Algorithm.state_dict]).
 
         Returns:
-            A dict for ``torch.save``.
+            A dict for ``torch.save``, of the live tensors (copy it to keep it).
         """
         in_flight = None
         if self._in_flight is not None:  # its result is fixed once sent: store it
@@ -574,16 +579,16 @@ class StreamingDiLoCo(Algorithm):
                              k: getattr(rec, k) for k in ("raw_bytes", "sent_bytes",
                                                           "recv_bytes", "seconds", "waited")}}
             if tensors:
-                in_flight["delta"] = flight.fragment.delta.clone()
+                in_flight["delta"] = flight.fragment.delta
                 if flight.fragment.error is not None:
-                    in_flight["sent"] = self._sent[:flight.fragment.delta.numel()].clone()
+                    in_flight["sent"] = self._sent[:flight.fragment.delta.numel()]
         fragments = [{"syncs": f.syncs, "stats": dict(f.stats)} for f in self.fragment_list]
         for f, s in zip(self.fragment_list, fragments):
             if tensors:
-                s.update(global_params=f.global_flat.clone(),
+                s.update(global_params=f.global_flat,
                          outer_optimizer=f.outer_optimizer.state_dict())
                 if f.error is not None:
-                    s["error"] = f.error.clone()
+                    s["error"] = f.error
             else:
                 s["momentum"] = momentum_of(f) is not None
         return {**super().state_dict(tensors), "outer_steps": self.outer_steps,

@@ -37,6 +37,11 @@ class Codec:
     """Whether every worker's encoded tensor is all-gathered whole
     ([`Comm.all_gather_mean`][loco.comm.comm.Comm.all_gather_mean]) rather than reduced
     chunk by chunk on the way: the formats whose kept positions differ between workers."""
+    blockwise: bool = False
+    """Whether each block of ``align`` values is encoded on its own, whatever else the row
+    holds (the casts and the scaled codecs, not the dropping ones): a row cut at block
+    boundaries then encodes into the same values and bytes, so a large all-reduce can go
+    in pieces ([`reduce_mean`][loco.comm.reduce.reduce_mean])."""
     PROBE: tuple = (1.0, -2.0, 0.5, 0.0)
     """Values for ``get_codec``'s device check: they decode as ``PROBE_DECODED``, or as
     themselves where that is None (values the format carries exactly)."""

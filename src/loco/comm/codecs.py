@@ -36,6 +36,8 @@ NONFINITE_SCALE = 255
 class CastCodec(Codec):
     """fp32 / bf16: the values' own bytes, no scales."""
 
+    blockwise = True
+
     def __init__(self, name: str, dtype: torch.dtype):
         super().__init__(name)
         self.dtype = dtype
@@ -79,6 +81,7 @@ class ScaledCodec(Codec):
     """Blocks of values scaled by 2^e (one E8M0 byte each), then rounded to a small format."""
 
     fmt_max: float
+    blockwise = True
 
     def __init__(self, name: str, block: int):
         super().__init__(name, block)

@@ -83,6 +83,30 @@ AllToAll = Callable[[torch.Tensor, torch.Tensor], None]
 AllGather = Callable[[list, torch.Tensor], None]
 
 
+#: The most bytes of fp32 values one piece of a large all-reduce holds, all workers' rows
+#: together: the bound on the buffers it keeps (``reduce_mean``).
+PIECE_BYTES = 64 << 20
+
+
+def piece_width(chunk: int, parts: int, codec: Any, itemsize: int) -> int:
+    """Values per row of one piece of a mean all-reduce of ``parts`` chunks of ``chunk``:
+    ``chunk`` itself (one piece) for a small one or a codec whose blocks are not encoded on
+    their own (``codec.blockwise``); else whole blocks, at most ``PIECE_BYTES`` of the
+    ``parts`` rows together.
+
+    Args:
+        chunk: values per chunk, from [`layout`][loco.comm.reduce.layout].
+        parts: workers M, >= 1.
+        codec: the wire format, or None.
+        itemsize: bytes per value (4 under a codec, which reduces in fp32).
+    """
+    if codec is not None and not codec.blockwise:
+        return chunk
+    align = codec.align if codec is not None else 1
+    width = max(align, PIECE_BYTES // (parts * max(itemsize, 4)) // align * align)
+    return min(chunk, width)
+
+
 def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor: int,
                 buffers: Buffers, all_to_all: AllToAll, all_gather: AllGather,
                 sent: torch.Tensor | None = None) -> torch.Tensor:
@@ -90,6 +114,11 @@ def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor:
     reduce-scatter done as an all-to-all (worker j receives chunk j of every worker, decodes
     it and sums it in fp32, in rank order, so every worker gets the same bits) and an
     all-gather of the encoded means, which every worker decodes.
+
+    A large tensor goes in pieces (`piece_width`): piece k holds values [k·w, (k+1)·w) of
+    every chunk, so the buffers kept stay under ``PIECE_BYTES`` whatever the tensor; the
+    values, the bytes and who reduces what are those of one piece (blocks are encoded on
+    their own), at the cost of two collectives per piece.
 
     Args:
         flat: the contiguous 1-D tensor, overwritten with the mean; fp32 with a codec.
@@ -112,35 +141,75 @@ def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor:
     n = flat.numel()
     if n == 0 or (parts == 1 and codec is None):
         return flat
-    rows = _rows(flat, parts * chunk, buffers).view(parts, chunk)
-    if parts == 1:  # nothing to send, but the value is what the wire format can carry
-        flat.copy_(codec.decode_rows(codec.encode_rows(rows), chunk)[0, :n])
-        if sent is not None:
-            sent.copy_(flat)
+    ops = (codec, parts, divisor, buffers, all_to_all, all_gather)
+    width = piece_width(chunk, parts, codec, flat.element_size())
+    if width == chunk:
+        rows = _rows(flat, parts * chunk, buffers).view(parts, chunk)
+        echo = None if sent is None else (lambda e: sent.copy_(e.reshape(-1)[:n]))
+        rows = _reduce_rows(rows, *ops, echo)
+        if rows.data_ptr() != flat.data_ptr():
+            flat.copy_(rows.reshape(-1)[:n])
         return flat
-    encode, decode = _coders(codec, chunk, buffers)
+    for start in range(0, chunk, width):
+        w = min(width, chunk - start)
+        rows = _piece(flat, buffers("piece", (parts, w), flat.dtype), chunk, start)
+        echo = None if sent is None else (lambda e, s=start: _put(e, sent, chunk, s))
+        _put(_reduce_rows(rows, *ops, echo), flat, chunk, start)
+    return flat
+
+
+def _reduce_rows(rows: torch.Tensor, codec: Any, parts: int, divisor: int, buffers: Buffers,
+                 all_to_all: AllToAll, all_gather: AllGather,
+                 echo: Callable[[torch.Tensor], Any] | None) -> torch.Tensor:
+    """The mean of ``rows`` (parts, c), row j reduced by worker j: in ``rows`` or a new
+    tensor (returned). ``echo`` receives what this worker's rows became on the wire."""
+    width = rows.shape[1]
+    if parts == 1:  # nothing to send, but the value is what the wire format can carry
+        rows = codec.decode_rows(codec.encode_rows(rows), width)
+        if echo is not None:
+            echo(rows)
+        return rows
+    encode, decode = _coders(codec, width, buffers)
     # One profiler range per phase, on the calling thread: docs/profiling.md.
     with record_function("loco/encode"):
         outgoing = encode(rows, "outgoing")
-        if sent is not None:  # before the all-to-all: the kept buffers are reused below
-            sent.copy_((rows if codec is None else decode(outgoing, "echo")).view(-1)[:n])
+        if echo is not None:  # before the all-to-all: the kept buffers are reused below
+            echo(rows if codec is None else decode(outgoing, "echo"))
     received = buffers("received", outgoing.shape, outgoing.dtype)
     with record_function("loco/all_to_all"):
         all_to_all(received.view(-1), outgoing.view(-1))
     with record_function("loco/reduce"):
         decoded = decode(received, "decoded")
         mine = encode(_sum_rows(decoded, buffers).div_(divisor), "mine")
-    # Everyone decodes the same gathered bytes into ``rows``: into ``flat`` itself when it
-    # needed no padding. Unencoded, they land there.
+    # Everyone decodes the same gathered bytes into ``rows``. Unencoded, they land there.
     gathered = rows if codec is None else buffers("gathered", (parts, mine.shape[1]), mine.dtype)
     with record_function("loco/all_gather"):
         all_gather(list(gathered.unbind(0)), mine[0])
     with record_function("loco/decode"):
         if gathered.data_ptr() != rows.data_ptr():
             rows = decode(gathered, rows)
-        if rows.data_ptr() != flat.data_ptr():
-            flat.copy_(rows.view(-1)[:n])
-    return flat
+    return rows
+
+
+def _piece(flat: torch.Tensor, rows: torch.Tensor, chunk: int, start: int) -> torch.Tensor:
+    """Into ``rows`` (parts, w): values [start, start + w) of each chunk of ``flat``, zero
+    past its end."""
+    n, w = flat.numel(), rows.shape[1]
+    for j, row in enumerate(rows):
+        lo = min(n, j * chunk + start)
+        hi = min(n, lo + w)
+        row[:hi - lo].copy_(flat[lo:hi])
+        row[hi - lo:].zero_()
+    return rows
+
+
+def _put(rows: torch.Tensor, flat: torch.Tensor, chunk: int, start: int) -> None:
+    """Write ``rows`` (parts, w) back where `_piece` took them from (within ``flat``)."""
+    n, w = flat.numel(), rows.shape[1]
+    for j, row in enumerate(rows):
+        lo = min(n, j * chunk + start)
+        hi = min(n, lo + w)
+        flat[lo:hi].copy_(row[:hi - lo])
 
 
 def gather_mean(flat: torch.Tensor, codec: Any, parts: int, divisor: int, buffers: Buffers,

@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 from fractions import Fraction
 
@@ -171,19 +170,34 @@ class TopKCodec(SparseCodec):
         return out
 
 
+#: The prime the random codecs hash modulo (2^31 − 1): every product of two residues fits
+#: in int64, so the arithmetic is exact on any device, with no overflow.
+_P = 2**31 - 1
+
+
+def _mix(x: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    """A round of mixing of residues mod ``_P`` (int64 in [0, _P)): affine mod _P, then the
+    high bits folded into the low ones, then affine again."""
+    x = (x * a + b) % _P
+    x = x ^ (x >> 13)
+    return (x * 1_103_515_245 + 12_345) % _P
+
+
 class RandomDropCodec(SparseCodec):
     """``random_drop`` (FedDropout-style) and ``dare``: k positions of each row drawn at
     random, the values there in fp32, and the 8-byte seed they were drawn from.
 
-    A row costs ``4k + 8`` bytes (0 for an empty row). The seed is a BLAKE2b hash (8 bytes)
-    of the row's fp32 bytes, keyed by the codec's ``seed``; the positions are the first k of
-    ``torch.randperm(c)`` under a CPU generator seeded with it, on encoding and decoding
-    alike. So encoding is a pure function of the row: the same row gives the same bytes on
-    every worker, thread and call, and different rows (the workers' chunks, the owner's mean)
-    get independent draws. ``dare`` multiplies the kept values by ``c / k`` on decoding
-    (DARE's 1 / (1 − p), exact in expectation), the result clamped to ±fp32 max;
-    ``random_drop`` sends them unscaled. A row that holds a NaN or an infinity is sent with
-    all k values NaN, so it cannot be dropped silently.
+    A row costs ``4k + 8`` bytes (0 for an empty row). The seed is a hash of the row's fp32
+    bits keyed by the codec's ``seed`` (two independent 31-bit sums, mod 2^31 − 1, of a mix
+    of each value's bits with its position); the positions are the k smallest of a keyed
+    hash of every position (`positions`). Everything is integer arithmetic without overflow
+    on the row's own device, so a GPU's encoding and decoding read nothing back to the host,
+    and every device gives the same bits. So encoding is a pure function of the row: the
+    same row gives the same bytes on every worker, thread, device and call, and different
+    rows (the workers' chunks, the owner's mean) get independent draws. ``dare`` multiplies
+    the kept values by ``c / k`` on decoding (DARE's 1 / (1 − p), exact in expectation), the
+    result clamped to ±fp32 max; ``random_drop`` sends them unscaled. A row that holds a NaN
+    or an infinity is sent with all k values NaN, so it cannot be dropped silently.
 
     Args:
         name: ``"random_drop"`` or ``"dare"``.
@@ -196,50 +210,57 @@ class RandomDropCodec(SparseCodec):
     def __init__(self, name: str, keep: float, seed: int = 0):
         super().__init__(name, keep)
         self.seed, self.rescale = seed, name == "dare"
-        self._key = seed.to_bytes(8, "little")
+        self._keys = (seed % _P, (seed >> 31) % _P, (seed >> 62) + 7)
 
     def _where_bytes(self, c):
         return self.SEED_BYTES
 
-    def row_seed(self, row: torch.Tensor) -> bytes:
-        """The 8 seed bytes of one row: BLAKE2b of its fp32 bytes, keyed by ``seed``.
+    def row_seeds(self, x: torch.Tensor) -> torch.Tensor:
+        """The seed of each row of ``x`` (rows, c), int64 in [0, 2^62), on ``x``'s device.
 
         Args:
-            row: a 1-D fp32 tensor.
+            x: an fp32 tensor of shape ``(rows, c)``.
         """
-        data = row.detach().to("cpu", torch.float32).contiguous().numpy()
-        return hashlib.blake2b(data, digest_size=self.SEED_BYTES, key=self._key).digest()
+        bits = x.contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+        at = torch.arange(x.shape[1], device=x.device, dtype=torch.int64)
+        halves = []
+        for lane, key in enumerate(self._keys[:2]):
+            t = _mix(at + key, 48_271 + lane, self._keys[2])  # the position, keyed
+            t = _mix((t * 65_536 + (bits & 0xFFFF)) % _P, 69_621 + lane, lane)
+            t = _mix((t * 65_536 + (bits >> 16)) % _P, 16_807 + lane, lane)
+            halves.append(_mix(t.sum(dim=1) % _P, 39_373 + lane, lane))  # sum < c · 2^31
+        return halves[0] * 2**31 + halves[1]
 
     @staticmethod
-    def positions(seed: bytes, c: int, k: int) -> torch.Tensor:
-        """The k positions (int64, CPU) a row of ``c`` values keeps under ``seed``.
+    def positions(seeds: torch.Tensor, c: int, k: int) -> torch.Tensor:
+        """The k positions (int64, on ``seeds``' device) each row keeps under its seed: the
+        k smallest of a hash of every position keyed by the seed, made distinct by the
+        position in the low bits (so no tie, and any device picks the same).
 
         Args:
-            seed: the row's 8 seed bytes.
-            c: values in the row.
-            k: values kept.
+            seeds: int64 ``(rows,)`` in [0, 2^62), from `row_seeds`.
+            c: values in the row, < 2^32.
+            k: values kept, in [1, c].
         """
-        g = torch.Generator().manual_seed(int.from_bytes(seed, "little"))
-        return torch.randperm(c, generator=g)[:k]
+        at = torch.arange(c, device=seeds.device, dtype=torch.int64)
+        hi, lo = (seeds // 2**31).unsqueeze(1), (seeds % 2**31).unsqueeze(1)
+        key = _mix(_mix(at + lo % _P, 48_271, 11) ^ hi % _P, 69_621, 13) ^ lo % _P
+        key = _mix(key % _P, 16_807, 17) * 2 ** max(1, c.bit_length()) + at
+        return key.topk(k, dim=1, largest=False, sorted=True).indices
 
     def _encode(self, x: torch.Tensor, k: int) -> torch.Tensor:
-        rows, c = x.shape
-        seeds = [self.row_seed(x[r]) for r in range(rows)]
-        idx = torch.stack([self.positions(s, c, k) for s in seeds]).to(x.device)
-        values = x.gather(1, idx)  # a new tensor: never aliases x
-        bad = ~torch.isfinite(x).all(dim=1)
-        if bool(bad.any()):  # rare: such rows send NaN throughout
-            values.masked_fill_(bad.unsqueeze(1), math.nan)
-        seed_bytes = torch.tensor([list(s) for s in seeds], dtype=torch.uint8)
-        return torch.cat([values.view(torch.uint8), seed_bytes.to(x.device)], dim=1)
+        seeds = self.row_seeds(x)
+        values = x.gather(1, self.positions(seeds, x.shape[1], k))  # new: never aliases x
+        bad = ~torch.isfinite(x).all(dim=1, keepdim=True)  # rare: such rows send NaN
+        values = torch.where(bad, torch.full_like(values, math.nan), values)
+        return torch.cat([values.view(torch.uint8), seeds.view(-1, 1).view(torch.uint8)], dim=1)
 
     def _decode(self, buf: torch.Tensor, c: int, k: int, values: torch.Tensor,
                 out: torch.Tensor) -> torch.Tensor:
-        seeds = buf[:, 4 * k:].cpu().tolist()
-        idx = torch.stack([self.positions(bytes(s), c, k) for s in seeds]).to(buf.device)
+        seeds = _view_as(buf[:, 4 * k:], torch.int64).view(-1)
         if self.rescale:
             values = (values * (c / k)).clamp_(-F32_MAX, F32_MAX)  # clamp keeps NaN
-        return out.scatter_(1, idx, values)
+        return out.scatter_(1, self.positions(seeds, c, k), values)
 
     def __repr__(self) -> str:
         return f"Codec({self.name}, keep={self.keep}, seed={self.seed})"

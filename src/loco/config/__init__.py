@@ -30,11 +30,12 @@ from loco.config.sections import (
     WORKER_PARALLEL,
     algorithm_names,
     betas,
+    duration_seconds,
 )
 from loco.options import ConfigError
 
 __all__ = ["ConfigError", "DEFAULT_STEPS", "DTYPES", "LAUNCHER_NAMES", "LAYOUT", "NONFINITE",
            "RENAMED", "RESUMABLE", "ROUTINGS", "SECTIONS", "TrainConfig", "WORKER_PARALLEL",
            "algorithm_names", "betas", "build_config", "canonical", "check_layout", "choices",
-           "coerce", "load_yaml", "model_dims", "profile_steps", "resolve", "resume_config",
+           "coerce", "duration_seconds", "load_yaml", "model_dims", "profile_steps", "resolve", "resume_config",
            "steps_for_tokens", "validate", "validate_model", "warnings_for"]

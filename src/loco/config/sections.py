@@ -27,7 +27,8 @@ whole model and their gradients are averaged) or fsdp (FSDP2 shards the model ov
 #: checkpoint reshards (``loco.config.resume.check_layout``).
 LAYOUT = ("worker_ranks", "worker_parallel")
 #: Options a resumed run may change: how it runs, not what it computes.
-RESUMABLE = ("launcher", "progress", "comm_timeout", "checkpoint_every", "keep_checkpoints",
+RESUMABLE = ("launcher", "progress", "comm_timeout", "checkpoint_every", "checkpoint_interval",
+             "keep_checkpoints",
              "max_restarts",
              "on_nonfinite", "resume", "out", "tensorboard", "wandb", "wandb_project",
              "wandb_run_name", "wandb_mode", "profile")
@@ -51,6 +52,23 @@ def method_defaults(option: str) -> str:
 def resumable_flags() -> str:
     """The flags a resumed run may change, for help texts and errors."""
     return ", ".join("--" + o.replace("_", "-") for o in RESUMABLE + LAYOUT)
+
+
+def duration_seconds(text: str) -> float | None:
+    """Seconds in a duration such as ``90s``, ``30m``, ``1.5h`` (a bare number: seconds);
+    None when ``text`` is not one.
+
+    Args:
+        text: the duration.
+    """
+    units = {"s": 1, "m": 60, "h": 3600}
+    text = text.strip().lower()
+    scale = units.get(text[-1:], None)
+    try:
+        value = float(text[:-1] if scale else text)
+    except ValueError:
+        return None
+    return value * (scale or 1) if value == value and value != float("inf") else None
 
 
 def at_least_one(cfg, *names: str) -> None:
@@ -152,7 +170,9 @@ class MethodOptions:
     sync_every: int | None = opt(None, "H: inner steps between two syncs of the same "
                                  "parameters; larger H sends fewer bytes but lets workers "
                                  "drift further apart; for methods without syncs, the steps "
-                                 "per checkpoint round (default: the method's, the papers': "
+                                 "per checkpoint round (default: the method's, the papers' "
+                                 "but for streaming, whose paper uses 100 for runs of "
+                                 "thousands of steps: "
                                  f"{method_defaults('sync_every')})")
     outer_lr: float | None = opt(None, "outer learning rate (NoLoCo's beta) (default: the "
                                  f"method's, the papers': {method_defaults('outer_lr')})")
@@ -364,6 +384,12 @@ class RuntimeOptions:
                                 "flight (streaming: tau steps after the round's end), and at "
                                 "the end; 0: only at the end. Each rank writes its own file "
                                 "atomically in the background, with no collective")
+    checkpoint_interval: str | None = opt(None, "also save a checkpoint at the first round "
+                                          "end at which this much training time has "
+                                          "passed since the last one (or the start), e.g. "
+                                          "90s, 30m, 2h; every rank agrees on it with one "
+                                          "tiny collective per round (default: by rounds "
+                                          "only)")
     keep_checkpoints: int = opt(1, "how many of the newest complete checkpoints to keep on "
                                 "disk, >= 1 (older ones are removed once a newer one is "
                                 "committed)")
@@ -406,6 +432,10 @@ class RuntimeOptions:
         need(self, self.checkpoint_every >= 0, "checkpoint_every", "must be an integer >= 0 "
              "(0: only at the end)")
         need(self, self.keep_checkpoints >= 1, "keep_checkpoints", "must be an integer >= 1")
+        if self.checkpoint_interval is not None:
+            need(self, (duration_seconds(self.checkpoint_interval) or 0) > 0,
+                 "checkpoint_interval", "must be a positive duration: a number with s, m or "
+                 f"h (e.g. 90s, 30m, 2h; got {self.checkpoint_interval!r})")
         need(self, 0 <= self.max_restarts <= 100, "max_restarts", "must be in [0, 100]")
         check_worker_layout(self)
         check_elastic(self)

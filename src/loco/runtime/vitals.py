@@ -35,6 +35,42 @@ def resident_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+#: Allocations at least this large get pages of their own from the kernel (glibc's mmap
+#: threshold), which go back to it when the tensor is freed.
+MMAP_THRESHOLD = 1 << 20
+#: Parameters of at least this many bytes make a model large (:func:`return_freed_memory`).
+LARGE_MODEL_BYTES = 256 << 20
+
+
+def return_freed_memory() -> bool:
+    """Make freed tensors' memory go back to the kernel (glibc; elsewhere nothing is done).
+
+    glibc serves a block from its heap, where a freed block stays resident, unless it is
+    above the mmap threshold; by default that threshold rises to the size of any mmapped
+    block freed, up to 32 MiB, so that after the first step a large model's per-layer
+    tensors (gradients, temporaries, activations) come from the heap, and their freed pages
+    stay resident and fragment it (0.6 GB more at ``--model 300m``, docs/memory.md). A fixed
+    threshold of ``MMAP_THRESHOLD`` keeps every large tensor in pages of its own; the cost
+    is a page fault for each page of each new tensor, which a small model's fast steps feel
+    (15% slower at ``--model small``) and a large model's do not (5%): call it only for
+    models of at least ``LARGE_MODEL_BYTES`` of parameters, before their gradients and
+    optimizer state are allocated. Idempotent.
+
+    Returns:
+        Whether the threshold was set (False off glibc).
+    """
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_mmap_threshold = -3  # <malloc.h>; setting it also turns the dynamic threshold off
+    return bool(mallopt(m_mmap_threshold, MMAP_THRESHOLD))
+
+
 def vitals_path(directory: str | None, rank: int) -> str | None:
     """The vitals file of global rank ``rank`` in ``directory`` (None: none)."""
     return None if not directory else os.path.join(directory, f"rank{rank:05d}.json")
@@ -119,5 +155,5 @@ def death_note(exitcode: int | None, record: dict | None) -> str:
             "sends SIGKILL; `dmesg` names its victims)")
 
 
-__all__ = ["DIR_ENV", "RepeatedDeath", "Vitals", "death_note", "read_vitals",
-           "resident_bytes", "vitals_path"]
+__all__ = ["DIR_ENV", "LARGE_MODEL_BYTES", "MMAP_THRESHOLD", "RepeatedDeath", "Vitals", "death_note",
+           "read_vitals", "resident_bytes", "return_freed_memory", "vitals_path"]

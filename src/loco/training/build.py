@@ -20,7 +20,7 @@ from loco.runtime import WorkerContext
 from loco.runtime.elastic import restart_count
 from loco.runtime.faults import Fault
 from loco.runtime.pipeline import PipelineStage
-from loco.runtime.vitals import Vitals
+from loco.runtime.vitals import LARGE_MODEL_BYTES, Vitals, return_freed_memory
 from loco.training.optimizers import inner_optimizer
 from loco.training.runlog import RunLog
 from loco.training.state import resume_state, restore, restore_elastic, seek
@@ -124,6 +124,8 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16"
                 else nullcontext())
     model = build_model(cfg, ctx, corpus.vocab_size)
+    if sum(p.numel() * p.element_size() for p in model.parameters()) >= LARGE_MODEL_BYTES:
+        return_freed_memory()  # before the gradients and the optimizers' state exist
     # With pipeline stages each rank trains and syncs only its stage's part of the model.
     pipeline = (PipelineStage(model, ctx, cfg.batch_size, cfg.seq_len, routing=cfg.routing,
                               seed=cfg.seed, autocast=autocast) if ctx.stages > 1 else None)
@@ -149,12 +151,20 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
         cfg, ctx, corpus, model, trained, pipeline, schedule, algo, loader, autocast, main,
         log=open_log(cfg, state, joined, loop) if main else None, bar=bar, writer=writer,
         fault=Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None,
-        resumed_from=resumed_from, start=start, vitals=vitals)
+        resumed_from=resumed_from, start=start, vitals=vitals,
+        stager=make_stager(ctx))
     if resumed_from is not None:  # a checkpoint counts its tokens; a joiner estimates them
         nominal = resumed_from * ctx.mesh.replicas * ctx.mesh.shards * cfg.batch_size * cfg.seq_len
         worker.resumed_tokens = int(state["loop"].get("tokens", nominal)) if state else nominal
     worker.elastic_tokens = worker.resumed_tokens
     return worker, loop
+
+
+def make_stager(ctx: WorkerContext) -> checkpoint.Stager | None:
+    """Host buffers for a checkpoint of a model on a GPU (written in the background); None
+    for a model on the CPU, whose checkpoints are written in place (a copy would double the
+    process's memory: docs/memory.md)."""
+    return checkpoint.Stager() if ctx.device.type != "cpu" else None
 
 
 def make_loader(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> TokenLoader | None:

@@ -18,9 +18,9 @@ from loco.training.worker import Worker
 COUNTERS = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
             "comm_seconds", "comm_wait_seconds", "train_seconds", "pipeline_bytes_sent",
             "blocked_seconds", "skipped_inner_steps", "skipped_syncs", "fast_link_bytes_sent",
-            "max_rss_bytes")
+            "max_rss_bytes", "peak_device_bytes")
 #: The parts of a rank's memory that ``algo.memory_bytes()`` reports, after ``COUNTERS``.
-MEMORY_PARTS = ("model", "inner_optimizer", "outer")
+MEMORY_PARTS = ("model", "gradients", "inner_optimizer", "outer")
 
 
 def gather_counters(w: Worker, train_seconds: float) -> list[dict]:
@@ -38,7 +38,7 @@ def gather_counters(w: Worker, train_seconds: float) -> list[dict]:
                            ctx.comm.peak_sent_bytes("train"), mine.ops, mine.seconds, mine.waited,
                            train_seconds, piped, blocked_seconds(ctx),
                            algo.skipped["inner_steps"], algo.skipped["syncs"], fast,
-                           max_rss_bytes(),
+                           max_rss_bytes(), peak_device_bytes(ctx.device),
                            *(memory[k] if memory else -1 for k in MEMORY_PARTS)],
                           dtype=torch.float64, device=ctx.comm.device)
     return [counters_of(t.tolist()) for t in w.gather_all(report)]
@@ -57,7 +57,7 @@ def counters_of(values: list[float]) -> dict:
     c["compute_utilization"] = 1 - c["blocked_seconds"] / c["train_seconds"]
     for k in ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
               "pipeline_bytes_sent", "skipped_inner_steps", "skipped_syncs",
-              "fast_link_bytes_sent", "max_rss_bytes"):
+              "fast_link_bytes_sent", "max_rss_bytes", "peak_device_bytes"):
         c[k] = int(c[k])
     held = values[len(COUNTERS):]
     c["memory_bytes"] = (None if min(held) < 0
@@ -88,6 +88,35 @@ def max_rss_bytes() -> int:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024  # Linux counts kilobytes
+
+
+def peak_device_bytes(device: torch.device) -> int:
+    """The most memory this rank's GPU had allocated by tensors (``max_memory_allocated``);
+    -1 on the CPU."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else -1
+
+
+def peak_over_state(counters: list[dict], ranks_per_process: int) -> dict | None:
+    """The state a rank must hold (the sum of its ``memory_bytes`` parts), its peak memory
+    (resident, or the GPU's) and their ratio, for the rank where the ratio is largest; None
+    when a rank does not report its state.
+
+    Args:
+        counters: every rank's counters (:func:`gather_counters`).
+        ranks_per_process: ranks that share one process's resident memory (the threads
+            launcher: all of them; else 1).
+    """
+    if any(c["memory_bytes"] is None for c in counters):
+        return None
+    rows = []
+    for c in counters:
+        state = sum(c["memory_bytes"].values())
+        on_gpu = c["peak_device_bytes"] >= 0
+        peak = c["peak_device_bytes"] if on_gpu else c["max_rss_bytes"] / ranks_per_process
+        rows.append({"state_bytes": state, "peak_bytes": int(peak),
+                     "peak_of": "device" if on_gpu else "resident",
+                     "ratio": round(peak / state, 3) if state else None})
+    return max(rows, key=lambda r: r["ratio"] or 0)
 
 
 def link_bytes(mesh, counters: list[dict]) -> dict[str, int]:
@@ -139,6 +168,8 @@ def summarize_counters(ctx: WorkerContext, counters: list[dict]) -> dict:
         **link_bytes(ctx.mesh, counters),
         "memory_bytes_per_rank": memory_per_rank(counters),
         "max_rss_bytes": most["max_rss_bytes"],
+        "memory_peak_over_state": peak_over_state(
+            counters, len(counters) if ctx.launcher == "threads" else 1),
         "syncs": counters[0]["syncs"],
         "comm_seconds": counters[0]["comm_seconds"],
         "comm_wait_seconds": most["blocked_seconds"],

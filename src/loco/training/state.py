@@ -12,7 +12,7 @@ import torch
 from loco import checkpoint
 from loco.algorithms import Algorithm
 from loco.comm.handles import Aborted
-from loco.config import TrainConfig
+from loco.config import TrainConfig, duration_seconds
 from loco.data import Corpus, TokenLoader
 from loco.runtime import WorkerContext
 from loco.runtime.elastic import restart_count
@@ -181,22 +181,43 @@ def checkpoint_if_due(w: Worker, loop: Loop, step: int) -> None:
     rank: the first one after the round's end at which no worker has a sync in flight
     (Streaming DiLoCo: worker m applies the fragment sent at the round's end τ_m steps
     later, and sends the next one floor(H/P) > max τ steps after it, so max τ steps later),
-    and at the last step. The state is copied on this thread; the writer saves it in the
-    background. The previous checkpoint is written before the next is copied, so that one
-    copy of the state at most is held besides the training state (a warning says when that
-    wait took long)."""
+    at the first such step of any round once --checkpoint-interval has passed since the
+    last one, and at the last step. A model on a GPU: the state is copied into host buffers allocated
+    once (``Worker.stager``) and the writer saves it in the background; on the CPU, where a
+    copy would double the memory, the training thread writes it in place (the commit is
+    left to the background). The previous checkpoint is written before the next begins, so
+    that one copy of the state at most is held besides the training state (a warning says
+    when that wait took long)."""
     cfg = w.cfg
     every = cfg.checkpoint_every * cfg.sync_every
     delay = cfg.method.checkpoint_delay(cfg)
-    if step == cfg.steps or (every and step > delay and (step - delay) % every == 0):
+    round_end = step > delay and (step - delay) % cfg.sync_every == 0
+    due = step == cfg.steps or (every and round_end and (step - delay) % every == 0)
+    if not due and round_end and cfg.checkpoint_interval is not None:
+        due = _time_is_up(w, loop)
+    if due:
         t0 = time.perf_counter()
         _checkpoint(w, loop, step)
         loop.checkpoints += 1
         loop.checkpoint_seconds += time.perf_counter() - t0
+        loop.last_checkpoint = time.perf_counter()
+
+
+def _time_is_up(w: Worker, loop: Loop) -> bool:
+    """Whether --checkpoint-interval has passed since the last checkpoint (or the start):
+    on any rank (a one-number gather over every rank, outside the training bytes), or, in
+    an elastic run, where only the lead writes, on this one."""
+    up = time.perf_counter() - (loop.last_checkpoint or loop.origin) \
+        >= duration_seconds(w.cfg.checkpoint_interval)
+    if w.ctx.comm.elastic:
+        return up
+    flags = w.gather_all(torch.tensor([float(up)], device=w.ctx.comm.device))
+    return any(bool(f.item()) for f in flags)
 
 
 def _checkpoint(w: Worker, loop: Loop, step: int) -> None:
-    """Wait for the previous write, copy the state and hand it to the writer."""
+    """Wait for the previous write, then hand the state to the writer: copied into the
+    stager's buffers (a model on a GPU) for the background writer, or written in place."""
     cfg = w.cfg
     assert step == cfg.steps or not w.algo.sync_in_flight, "a sync is in flight"
     t0 = time.perf_counter()
@@ -207,14 +228,23 @@ def _checkpoint(w: Worker, loop: Loop, step: int) -> None:
                     "--checkpoint-every)", step, time.perf_counter() - t0)
     if w.ctx.comm.elastic:
         if w.ctx.replica == min(w.ctx.comm.members):  # the lead writes the one file
-            w.writer.save(step, elastic_checkpoint_state(w, loop, step),
-                          w.ctx.comm.check_aborted)
+            _hand_over(w, step, elastic_checkpoint_state(w, loop, step))
         return
     dcp = w.ctx.checkpoint_group is not None  # the tensors go through DCP
-    w.writer.save(step, checkpoint_state(w, loop, step, tensors=not dcp),
-                  w.ctx.comm.check_aborted,
-                  tensors=checkpoint.snapshot(w.algo.checkpoint_tensors(shard_mesh(w.ctx)))
-                  if dcp else None)
+    _hand_over(w, step, checkpoint_state(w, loop, step, tensors=not dcp),
+               w.algo.checkpoint_tensors(shard_mesh(w.ctx)) if dcp else None)
+
+
+def _hand_over(w: Worker, step: int, state: dict, tensors: dict | None = None) -> None:
+    """Give the writer ``state`` (and DCP's ``tensors``), live: staged, or written in place."""
+    if w.stager is None:
+        w.writer.save(step, checkpoint.compact(state), w.ctx.comm.check_aborted,
+                      tensors=None if tensors is None else checkpoint.compact(tensors),
+                      in_place=True)
+        return
+    staged = w.stager.stage({"state": state, "dcp": tensors})
+    w.writer.save(step, staged["state"], w.ctx.comm.check_aborted, tensors=staged["dcp"],
+                  ready=w.stager.ready)
 
 
 def shard_mesh(ctx: WorkerContext):
@@ -224,17 +254,18 @@ def shard_mesh(ctx: WorkerContext):
 
 
 def checkpoint_state(w: Worker, loop: Loop, step: int, tensors: bool = True) -> dict:
-    """Everything this rank needs to continue after ``step``, copied to CPU memory (without
-    the algorithm's tensors when ``tensors`` is False: DCP saves them)."""
+    """Everything this rank needs to continue after ``step``, live (the caller copies it or
+    writes it at once), without the algorithm's tensors when ``tensors`` is False (DCP
+    saves them)."""
     ctx = w.ctx
-    return checkpoint.snapshot({
+    return {
         "step": step, "algorithm": w.algo.state_dict(tensors),
         "schedule": w.schedule.state_dict(),
         "loader": w.loader.state_dict() if w.loader is not None else None,
         "rng": torch.get_rng_state(), "comm": ctx.comm.state_dict(),
         "pipe": ctx.pipe.state_dict() if ctx.pipe is not None else None,
         "inner": ctx.inner.state_dict() if ctx.inner is not None else None,
-        "loop": loop_state(w, loop, step)})
+        "loop": loop_state(w, loop, step)}
 
 
 def loop_state(w: Worker, loop: Loop, step: int) -> dict:
@@ -253,8 +284,8 @@ def elastic_checkpoint_state(w: Worker, loop: Loop, step: int) -> dict:
     """What an elastic run's lead saves after ``step``: the state a joining worker receives
     (``Algorithm.heal_state``), with its tensors, and the loop's running values (the
     length of metrics.jsonl only when the lead writes it)."""
-    return checkpoint.snapshot({"step": step, "elastic": True, "heal": w.algo.heal_state(),
-                                "loop": loop_state(w, loop, step)})
+    return {"step": step, "elastic": True, "heal": w.algo.heal_state(),
+            "loop": loop_state(w, loop, step)}
 
 
 def last_checkpoint(w: Worker) -> None:

@@ -58,10 +58,15 @@ class Summary:
         fast_link_bytes_sent_per_worker: bytes sent over the fast link, the busiest worker's
             (its ranks summed).
         memory_bytes_per_rank: bytes of the tensors a rank holds by part (``model``,
-            ``inner_optimizer``, ``outer``), the largest of any rank; None when the
-            algorithm does not report them.
+            ``gradients``, ``inner_optimizer``, ``outer``: its state and sync buffers), the
+            largest of any rank; None when the algorithm does not report them.
         max_rss_bytes: peak resident memory of the largest process, in bytes (threads: all
             ranks').
+        memory_peak_over_state: for the rank where it is largest, ``state_bytes`` (the sum
+            of its ``memory_bytes``), ``peak_bytes`` (on the CPU its process's peak
+            resident memory, shared by the ranks of the threads launcher; on a GPU the
+            device's peak allocated), ``peak_of`` (``resident`` or ``device``) and
+            ``ratio``; None when the state is not reported.
         syncs: synchronizations worker 0 took part in.
         comm_seconds: seconds worker 0 had operations in flight.
         comm_wait_seconds: the longest time any rank was blocked on training communication,
@@ -130,6 +135,7 @@ class Summary:
     fast_link_bytes_sent_per_worker: int | None = None
     memory_bytes_per_rank: dict[str, int] | None = None
     max_rss_bytes: int | None = None
+    memory_peak_over_state: dict[str, Any] | None = None
     syncs: int | None = None
     comm_seconds: float | None = None
     comm_wait_seconds: float | None = None

@@ -46,6 +46,9 @@ class Worker:
             of another R trained them at another rate); default 0.
         vitals: this rank's vitals file (its step and memory, for a death's report); None
             writes nothing.
+        stager: the host buffers a checkpoint of a model on a GPU is copied into, for the
+            background writer; None (a model on the CPU): checkpoints are written in place
+            by the training thread, with no copy of the state.
     """
 
     cfg: TrainConfig
@@ -70,6 +73,7 @@ class Worker:
     lead: int = 0  # the worker that evaluates and reports (elastic: the lowest live one)
     elastic_tokens: int = 0  # elastic: tokens the live workers trained, counted as they go
     vitals: Vitals | None = None
+    stager: checkpoint.Stager | None = None
 
     def tokens_at(self, step: int) -> int:
         """Training tokens of the whole run after ``step``, every rank together (elastic:
@@ -150,6 +154,9 @@ class Loop:
     origin: float = 0.0
     checkpoints: int = 0
     checkpoint_seconds: float = 0.0
+    last_checkpoint: float | None = None
+    """``time.perf_counter()`` when this run's last checkpoint was handed over (None: none
+    yet; ``--checkpoint-interval`` counts from the loop's start)."""
 
     def add_loss(self, loss: torch.Tensor) -> None:
         """Keep a step's loss without reading it from the device (no synchronisation)."""
