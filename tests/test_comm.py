@@ -82,6 +82,27 @@ def test_a_large_all_reduce_in_pieces_is_bit_identical_with_bounded_buffers(work
     assert reduce.piece_width(10**6, 2, get_codec("topk", keep=0.1), 4) == 10**6
 
 
+def in_order_worker(ctx, in_order):
+    """How long all_reduce_mean takes to return when the communication thread takes 0.3 s
+    to issue the operation."""
+    ctx.comm.issue_in_order = in_order
+    run = ctx.comm._streams.run
+    ctx.comm._streams.run = lambda ready, fn: (time.sleep(0.3), run(ready, fn))[1]
+    t0 = time.perf_counter()
+    handle = ctx.comm.all_reduce_mean(torch.ones(4))
+    returned = time.perf_counter() - t0
+    handle.wait()
+    return returned
+
+
+def test_issue_in_order_returns_once_the_operation_is_issued():
+    """With FSDP2 on a GPU (another library's collectives issued from the training thread),
+    a submission returns only once the communication thread has issued it, so every rank
+    issues its NCCL calls in the training thread's order; otherwise at once."""
+    assert all(t >= 0.3 for t in loco.launch(in_order_worker, replicas=2, args=(True,)))
+    assert all(t < 0.15 for t in loco.launch(in_order_worker, replicas=2, args=(False,)))
+
+
 def test_broadcast_bytes_are_exact():
     def fn(ctx):
         t = torch.full((250,), float(ctx.rank))

@@ -96,6 +96,12 @@ class Comm:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._buffers = Buffers(self.device)  # kept between all-reduces
+        self.issue_in_order = False
+        """Whether submitting an operation returns only once the communication thread has
+        issued it (on CUDA: enqueued its NCCL calls, which does not wait for the GPU). Set
+        where another library issues collectives on other communicators from the training
+        thread (FSDP2 inside a worker): every rank then issues its NCCL operations in one
+        order, the training thread's, as NCCL asks of communicators used concurrently."""
         self.name = name
         self.stats = CommStats()
         """Totals by tag, of completed operations."""
@@ -173,9 +179,13 @@ class Comm:
             self._issued[tag] += sent
         ready = self._streams.issue(tensors)  # the caller's work so far comes first
         future: Future = Future()
+        issued = threading.Event()
 
         def run():
-            result, done = self._streams.run(ready, fn)
+            try:
+                result, done = self._streams.run(ready, fn)
+            finally:
+                issued.set()
             if isinstance(result, _Posted):
                 threading.Thread(target=self._await_posted, args=(result, rec, future, phases),
                                  name=f"loco-p2p-{self.name}-{self.rank}", daemon=True).start()
@@ -183,6 +193,8 @@ class Comm:
                 self._complete(rec, future, result, done, phases)
 
         self._thread.submit(future, run)
+        while self.issue_in_order and not issued.wait(0.05) and not future.done():
+            self.check_aborted()
         return Handle(future, rec, self)
 
     def _await_posted(self, posted: _Posted, rec: OpRecord, future: Future, phases: int):

@@ -132,6 +132,9 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     trained = model if pipeline is None else pipeline.module
     optimizer = make_optimizer(trained, cfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
+    if cfg.worker_parallel == "fsdp" and ctx.device.type == "cuda":
+        for comm in (ctx.comm, ctx.inner):  # FSDP2 issues NCCL calls of its own meanwhile
+            comm.issue_in_order = True
     algo = cfg.method.from_config(cfg, trained, optimizer, ctx.comm, pipeline, ctx.inner)
     loader = make_loader(cfg, ctx, corpus)
     main = ctx.rank == ctx.mesh.rank_of(0, ctx.stages - 1)  # replica 0's last stage, shard 0
