@@ -49,10 +49,11 @@ def run_method(name: str, extra: list[str], args, root: str) -> dict:
     cmd = [sys.executable, "-m", "loco", "train", *extra, *common(args), "--workers",
            str(args.workers), "--launcher", "processes", "--out", out]
     t0 = time.perf_counter()
-    done = subprocess.run(cmd, capture_output=True, text=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if done.returncode:
         raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
-    s = json.load(open(os.path.join(out, "summary.json")))
+    with open(os.path.join(out, "summary.json")) as f:
+        s = json.load(f)
     return {"memory": s["memory_bytes_per_rank"], "peak": s["memory_peak_over_state"],
             "seconds": time.perf_counter() - t0,
             "checkpoint": s["checkpoint_seconds"] / max(1, s["checkpoints"])}
@@ -94,12 +95,10 @@ def _reset_peak() -> None:
 
 def phases(args) -> None:
     """One worker in this process, each phase wrapped to record its memory."""
-    import loco.algorithms.base as base
     import loco.algorithms.streaming_diloco as streaming
-    import loco.training.build as build
-    import loco.training.evaluation as evaluation
-    import loco.training.state as state
+    from loco.algorithms import base
     from loco.cli import main
+    from loco.training import build, evaluation, state
 
     rows: dict = collections.OrderedDict()
 
@@ -133,7 +132,8 @@ def phases(args) -> None:
         argv = ["train", *METHODS["streaming (FP4)"], *common(args), "--workers", "1",
                 "--launcher", "threads", "--out", os.path.join(root, "run")]
         main(argv)
-        summary = json.load(open(os.path.join(root, "run", "summary.json")))
+        with open(os.path.join(root, "run", "summary.json")) as f:
+            summary = json.load(f)
     peak = summary["memory_peak_over_state"]
     print(f"\nStreaming DiLoCo, --model {args.model}, one worker; state "
           f"{peak['state_bytes'] / 1e9:.2f} GB ({summary['memory_bytes_per_rank']})")

@@ -23,7 +23,7 @@ from loco.runtime.pipeline import PipelineStage
 from loco.runtime.vitals import LARGE_MODEL_BYTES, Vitals, return_freed_memory
 from loco.training.optimizers import inner_optimizer
 from loco.training.runlog import RunLog
-from loco.training.state import resume_state, restore, restore_elastic, seek
+from loco.training.state import restore, restore_elastic, resume_state, seek
 from loco.training.worker import SAVED_LOOP, Loop, Worker
 
 

@@ -13,7 +13,6 @@ from loco.algorithms import Algorithm
 from loco.runtime import WorkerContext
 from loco.training.worker import Worker
 
-
 #: The counters every rank reports at the end, in the order of its report tensor.
 COUNTERS = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
             "comm_seconds", "comm_wait_seconds", "train_seconds", "pipeline_bytes_sent",

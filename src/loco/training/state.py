@@ -182,10 +182,10 @@ def checkpoint_if_due(w: Worker, loop: Loop, step: int) -> None:
     (Streaming DiLoCo: worker m applies the fragment sent at the round's end τ_m steps
     later, and sends the next one floor(H/P) > max τ steps after it, so max τ steps later),
     at the first such step of any round once --checkpoint-interval has passed since the
-    last one, and at the last step. A model on a GPU: the state is copied into host buffers allocated
-    once (``Worker.stager``) and the writer saves it in the background; on the CPU, where a
-    copy would double the memory, the training thread writes it in place (the commit is
-    left to the background). The previous checkpoint is written before the next begins, so
+    last one, and at the last step. A model on a GPU: the state is copied into host buffers
+    allocated once (``Worker.stager``) and the writer saves it in the background; on the
+    CPU, where a copy would double the memory, the training thread writes it in place (the
+    commit is left to the background). The previous checkpoint is written before the next begins, so
     that one copy of the state at most is held besides the training state (a warning says
     when that wait took long)."""
     cfg = w.cfg
