@@ -289,8 +289,8 @@ class Stager:
     """Copies of a state's tensors in host buffers allocated once and reused by every
     checkpoint: page-locked for tensors on a GPU, whose copies are queued without blocking
     the host (the writer waits for one event before it reads them), so the background writer
-    reads a fixed copy while training goes on. A tensor whose shape or dtype changed gets a new buffer; a
-    ``DTensor`` (FSDP2's shards) is copied as :func:`snapshot` copies it.
+    reads a fixed copy while training goes on. A tensor whose shape or dtype changed gets a
+    new buffer; a ``DTensor`` (FSDP2's shards) is copied as :func:`snapshot` copies it.
 
     Args:
         pinned: page-lock the buffers of tensors that are on a GPU (default True).

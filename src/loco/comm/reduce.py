@@ -191,13 +191,19 @@ def _reduce_rows(rows: torch.Tensor, codec: Any, parts: int, divisor: int, buffe
     return rows
 
 
+def _spans(rows: torch.Tensor, n: int, chunk: int, start: int):
+    """Each row of a piece (parts, w) with the range [lo, hi) of the flat tensor of ``n``
+    values it holds: values [start, start + w) of its chunk, cut at ``n``."""
+    w = rows.shape[1]
+    for j, row in enumerate(rows):
+        lo = min(n, j * chunk + start)
+        yield row, lo, min(n, lo + w)
+
+
 def _piece(flat: torch.Tensor, rows: torch.Tensor, chunk: int, start: int) -> torch.Tensor:
     """Into ``rows`` (parts, w): values [start, start + w) of each chunk of ``flat``, zero
     past its end."""
-    n, w = flat.numel(), rows.shape[1]
-    for j, row in enumerate(rows):
-        lo = min(n, j * chunk + start)
-        hi = min(n, lo + w)
+    for row, lo, hi in _spans(rows, flat.numel(), chunk, start):
         row[:hi - lo].copy_(flat[lo:hi])
         row[hi - lo:].zero_()
     return rows
@@ -205,10 +211,7 @@ def _piece(flat: torch.Tensor, rows: torch.Tensor, chunk: int, start: int) -> to
 
 def _put(rows: torch.Tensor, flat: torch.Tensor, chunk: int, start: int) -> None:
     """Write ``rows`` (parts, w) back where `_piece` took them from (within ``flat``)."""
-    n, w = flat.numel(), rows.shape[1]
-    for j, row in enumerate(rows):
-        lo = min(n, j * chunk + start)
-        hi = min(n, lo + w)
+    for row, lo, hi in _spans(rows, flat.numel(), chunk, start):
         flat[lo:hi].copy_(row[:hi - lo])
 
 

@@ -155,5 +155,6 @@ def death_note(exitcode: int | None, record: dict | None) -> str:
             "sends SIGKILL; `dmesg` names its victims)")
 
 
-__all__ = ["DIR_ENV", "LARGE_MODEL_BYTES", "MMAP_THRESHOLD", "RepeatedDeath", "Vitals", "death_note",
-           "read_vitals", "resident_bytes", "return_freed_memory", "vitals_path"]
+__all__ = ["DIR_ENV", "LARGE_MODEL_BYTES", "MMAP_THRESHOLD", "RepeatedDeath", "Vitals",
+           "death_note", "read_vitals", "resident_bytes", "return_freed_memory",
+           "vitals_path"]
