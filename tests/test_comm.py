@@ -183,6 +183,64 @@ def test_every_operation_refuses_a_tensor_on_another_device():
         assert ops == 1 and issued == 2 * 4 * 4
 
 
+def staged_worker(ctx, stage):
+    """Every operation once, its tensors staged through host copies (``stage``: the CPU
+    stands in for the model's GPU) or not; what reached the transport, by storage."""
+    comm = ctx.comm
+    comm.stage_from = torch.device("cpu") if stage else None
+    handed = set()  # the storage of every tensor handed to the transport
+    check = comm._check_devices
+
+    def spy(op, tensors):
+        handed.update(t.untyped_storage().data_ptr() for t in tensors)
+        check(op, tensors)
+    comm._check_devices = spy
+    g, peer = torch.Generator().manual_seed(ctx.rank), 1 - ctx.rank
+    x, y = torch.randn(1000, generator=g), torch.randn(5000, generator=g)
+    sx, sy = torch.zeros(1000), torch.zeros(5000)
+    b, e = torch.full((7,), float(ctx.rank)), torch.full((3,), float(ctx.rank + 1))
+    s, r = torch.full((4,), 2.0 * ctx.rank), torch.zeros(4)
+    fx = comm.all_reduce_mean(x, codec=get_codec("fp4_e3m0"), sent=sx).wait()
+    fy = comm.all_reduce_mean(y, codec=get_codec("topk_2bit"), sent=sy).wait()  # gathers
+    fb = comm.broadcast(b, src=1).wait()
+    gathered = comm.all_gather(torch.tensor([ctx.rank, 10 * ctx.rank])).wait()
+    swapped = comm.exchange(e, [0, 1]).wait()
+    received = comm.sendrecv([(s, peer)], [(r, peer)]).wait()
+    callers = {t.untyped_storage().data_ptr() for t in (x, y, sx, sy, b, e, s, r)}
+    return {"values": [x, sx, y, sy, b, *gathered, *swapped, r],
+            "same": [fx.data_ptr() == x.data_ptr(), fy.data_ptr() == y.data_ptr(), fb is b,
+                     swapped[ctx.rank] is e, received[0] is r],
+            "handed_callers": bool(handed & callers), "sent": comm.totals("train").sent_bytes}
+
+
+def test_a_staging_comm_hands_the_transport_host_copies_and_gives_back_the_callers():
+    """``stage_from``: every operation's tensors reach the transport as host copies (never
+    the caller's), the caller's tensors get the results, bit for bit an unstaged run's, and
+    the same bytes are counted (an elastic worker on a GPU; here the CPU stands in)."""
+    plain = loco.launch(staged_worker, replicas=2, args=(False,))
+    staged = loco.launch(staged_worker, replicas=2, args=(True,))
+    for p, q in zip(plain, staged):
+        assert all(torch.equal(a, b) for a, b in zip(p["values"], q["values"]))
+        assert all(q["same"]) and q["sent"] == p["sent"] > 0
+        assert p["handed_callers"] and not q["handed_callers"]
+
+
+def test_a_staged_handle_copies_back_once_and_through_a_reissue():
+    """``Handle.then``: the copy back runs once however often ``wait()`` is called, and an
+    elastic ``reissue()`` carries it to the new handle."""
+    def fn(ctx):
+        calls, t = [], torch.ones(4)
+        handle = ctx.comm.all_reduce_mean(t)
+        handle.reissue = lambda: ctx.comm.all_reduce_mean(t)
+        handle.then(lambda value: calls.append("then") or value * 2)
+        first, second = handle.wait(), handle.wait()
+        again = handle.reissue().wait()
+        return calls, first, second, again
+    calls, first, second, again = loco.launch(fn, replicas=1)[0]
+    assert calls == ["then", "then"] and first is second
+    assert torch.equal(first, torch.full((4,), 2.0)) and torch.equal(again, first)
+
+
 def spy_p2p_worker(ctx):
     """NoLoCo-style exchange and a send/receive pair to the same peer, under a process
     group: both must go through one batch_isend_irecv call each (one NCCL group)."""

@@ -39,18 +39,29 @@ def assert_same_bits(results):
         assert all(torch.equal(r["params"][n], first[n]) for n in first)
 
 
+def assert_transport_saw(results, stage: bool):
+    """Staged (the CPU standing in for a GPU): the transport got host copies only, never a
+    tensor on the "GPU" (the model's, its optimizer's, the algorithm's, the payloads it
+    builds); not staged, it got those."""
+    for r in results:
+        assert not r["handed"] if stage else r["handed"], sorted(set(r["handed"]))
+
+
 @pytest.mark.numerics
-@pytest.mark.parametrize("where,kill_step,lost_from", [
-    ("step", 13, 12),       # dies before step 13: the sync sent at 12 (applied at 13) is
-                            # in flight and never committed by it
-    ("reduction", 20, 20),  # dies inside the reduction of the sync sent at 20, between
-                            # its reduce-scatter and its all-gather
+@pytest.mark.parametrize("where,kill_step,lost_from,stage", [
+    ("step", 13, 12, False),       # dies before step 13: the sync sent at 12 (applied at
+                                   # 13) is in flight and never committed by it
+    ("reduction", 20, 20, False),  # dies inside the reduction of the sync sent at 20,
+                                   # between its reduce-scatter and its all-gather
+    ("reduction", 20, 20, True),   # the same, every tensor staged through host copies (an
+                                   # elastic worker on a GPU): retried from the host copy
 ])
-def test_survivors_finish_without_the_lost_worker(where, kill_step, lost_from):
-    out = run((3, kill_step, where))
+def test_survivors_finish_without_the_lost_worker(where, kill_step, lost_from, stage):
+    out = run((3, kill_step, where), stage=stage)
     assert out[3] is None  # lost for good (no restart)
     survivors = out[:3]
     assert_same_bits(survivors)
+    assert_transport_saw(survivors, stage)
     ref = reference_streaming(M, STEPS, H, P, TAU, ALPHA, lost={3: lost_from})
     assert max_diff(survivors[0]["params"], ref) < TOL
     # and it is not the run without the loss
@@ -136,11 +147,13 @@ def test_a_worker_of_two_ranks_is_lost_whole_and_rejoins_rank_by_rank():
 
 
 @pytest.mark.numerics
-def test_data_parallel_retries_the_step_without_the_lost_worker():
-    out = run((3, 13, "step"), algo={"algo_name": "dp", "smooth": True})
+@pytest.mark.parametrize("stage", [False, True])
+def test_data_parallel_retries_the_step_without_the_lost_worker(stage):
+    out = run((3, 13, "step"), algo={"algo_name": "dp", "smooth": True}, stage=stage)
     survivors = out[:3]
     assert out[3] is None
     assert_same_bits(survivors)
+    assert_transport_saw(survivors, stage)
     # A mean of the workers' means sums the same terms as the big batch's one mean, in
     # another order (ulps); AdamW with eps = 1e-3 passes such differences on smoothly
     # (see smooth_optimizer), so after 40 steps they stay far inside 1e-5.
@@ -154,10 +167,13 @@ def test_data_parallel_retries_the_step_without_the_lost_worker():
     assert [s["contributors"] for s in syncs] == [4] * 12 + [3] * (STEPS - 12)
 
 
-def test_noloco_goes_on_when_a_partner_is_lost():
-    out = run((3, 13, "step"), algo=dict(algo_name="noloco", sync_every=4, group_size=2))
+@pytest.mark.parametrize("stage", [False, True])
+def test_noloco_goes_on_when_a_partner_is_lost(stage):
+    out = run((3, 13, "step"), algo=dict(algo_name="noloco", sync_every=4, group_size=2),
+              stage=stage)
     survivors = out[:3]
     assert out[3] is None
+    assert_transport_saw(survivors, stage)
     groups = survivors[0]["groups"]
     assert len(groups) == STEPS // 4
     for r in survivors[1:]:  # the same groups on every live worker, without a word
@@ -206,3 +222,35 @@ def test_heal_state_carries_the_global_model_exactly(algo_name, kw):
             assert torch.equal(r["fresh_global"][name], value), name
             assert torch.equal(r["fresh_replica"][name], value), name
         assert (r["optimizer_state"] > 0) == (algo_name == "dp")
+
+
+@pytest.mark.parametrize("launcher,device,staged", [
+    ("torchrun", torch.device("cuda", 1), True),   # its GPU; the sync staged to gloo
+    ("processes", torch.device("cpu"), False),     # the local supervisor's: the CPU
+])
+def test_an_elastic_worker_trains_on_its_gpu_under_torchrun(monkeypatch, launcher, device,
+                                                            staged):
+    """Under torchrun with CUDA present an elastic worker's model lives on the GPU of its
+    LOCAL_RANK (made current) and its gloo ElasticComm stages that GPU's tensors; the
+    processes launcher stays on the CPU, as a fixed run's does (CUDA and torchft's Comm
+    are stand-ins here)."""
+    import loco.comm.elastic as comm_module
+    from loco.runtime import elastic as runtime
+
+    made = {}
+
+    class Comm:  # records how the worker's Comm is built
+        def __init__(self, *args, **kwargs):
+            made.update(kwargs)
+
+        def close(self):
+            pass
+    monkeypatch.setattr(comm_module, "ElasticComm", Comm)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: made.update(current=d))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    job = runtime._RankSpec(lambda ctx: ctx.device, (), 2, 1, "http://lighthouse", 1, 5.0,
+                            (None, None), "host")
+    assert runtime._run(job, (0, 0), None, launcher) == device
+    assert made["stage_from"] == (device if staged else None)
+    assert made.get("current") == (device if staged else None)

@@ -164,3 +164,29 @@ def test_an_offloaded_outer_step_waits_on_the_helpers_stream_and_on_events_only(
     assert ("event_synchronize", free) not in log
     step()  # the next sync of this size writes into the swapped-out shadow
     assert ("event_synchronize", free) in log
+
+
+def test_staging_records_its_copies_on_the_callers_stream_and_the_comm_thread_waits(
+        fake_cuda, monkeypatch):
+    """A Comm that stages from a GPU (an elastic worker's): the host copies are queued on
+    the caller's current stream and an event recorded after them; the Comm's thread, not
+    the caller, waits for that event (not for the device) before the transport runs. The
+    copies themselves need a GPU (CPU tensors stand in, staged as they are)."""
+    import loco
+
+    log = fake_cuda
+    waiters = []
+    monkeypatch.setattr(FakeEvent, "synchronize", lambda self: waiters.append(
+        (self.name, threading.current_thread().name)))
+    once = iter([True])  # the caller's tensor, not the copies handed on
+    monkeypatch.setattr(streams.HostStaging, "wants", lambda self, ts: next(once, False))
+
+    def fn(ctx):
+        ctx.comm.stage_from = torch.device("cuda", 0)
+        t = torch.ones(3)
+        return ctx.comm.all_reduce_mean(t).wait(), t
+    value, t = loco.launch(fn, replicas=1)[0]
+    assert value.data_ptr() == t.data_ptr()
+    (ready,) = [e for e in log if e[0] == "record"]
+    assert ready[2] == "training"  # on the caller's stream, after its copies
+    assert waiters == [(ready[1], "loco-comm-replicas-0")]

@@ -536,6 +536,7 @@ def elastic_worker(ctx, steps, kill=None, **kw):
     from loco.runtime.fsdp import shard_worker
 
     pause = kw.pop("step_seconds", 0.0)  # slower steps: a restarted worker can catch up
+    kw_stage = kw.pop("stage", False)
     name = kw.pop("algo_name", "streaming")
     model = make_model(layers=kw.pop("layers", 4 if name == "streaming" else 2))
     if kw.pop("parallel", "ddp") == "fsdp":
@@ -543,6 +544,9 @@ def elastic_worker(ctx, steps, kill=None, **kw):
     opt = (smooth_optimizer if kw.pop("smooth", False) else make_optimizer)(model)
     algo = {"streaming": loco.StreamingDiLoCo, "dp": loco.DataParallel,
             "noloco": loco.NoLoCo}[name](model, opt, ctx.comm, inner=ctx.inner, **kw)
+    if kw_stage:  # the CPU stands in for the model's GPU
+        ctx.comm.stage_from = torch.device("cpu")
+    handed = watch_transport(ctx.comm)
     groups = {}  # NoLoCo: outer step -> its groups, in workers' indexes
     data_id = ctx.replica * ctx.mesh.shards + ctx.shard
     victim = (kill is not None and kill[0] == ctx.replica and os.environ[RESTART_ENV] == "0"
@@ -575,8 +579,46 @@ def elastic_worker(ctx, steps, kill=None, **kw):
     algo.flush()
     return {"params": params_of(algo.global_parameters()), "joined": joined, "start": start,
             "after_join": after_join, "join_sync": join_sync,
-            "sent": sent, "groups": groups, "syncs": list(ctx.comm.syncs),
+            "sent": sent, "groups": groups, "syncs": list(ctx.comm.syncs), "handed": handed,
             "events": list(ctx.comm.events), "sync_log": list(getattr(algo, "sync_log", []))}
+
+
+def watch_transport(comm) -> list[str]:
+    """The operations of ``comm`` that handed the transport (checked at issue) storage of a
+    tensor its caller handed to the Comm, filled in as the run goes. With the CPU standing in
+    for the model's GPU (``stage_from="cpu"``) the caller's tensors are the "GPU" tensors:
+    none may reach gloo, only the host copies the Comm makes of them."""
+    from loco.comm.streams import STAGED
+
+    handed, callers = [], []  # callers: a stack of storage sets, one per operation called
+
+    def tensors(value):
+        if isinstance(value, torch.Tensor):
+            return [] if hasattr(value, STAGED) else [value]  # (the Comm's own host copy)
+        if isinstance(value, (list, tuple)):
+            return [t for v in value for t in tensors(v)]
+        return []
+
+    def watched(op):
+        def call(*args, **kwargs):
+            callers.append({t.untyped_storage().data_ptr()
+                            for t in tensors([*args, *kwargs.values()])})
+            try:
+                return op(*args, **kwargs)
+            finally:
+                callers.pop()
+        return call
+    for name in ("all_reduce_mean", "all_gather_mean", "broadcast", "all_gather", "exchange",
+                 "sendrecv"):
+        setattr(comm, name, watched(getattr(comm, name)))
+    check = comm._check_devices
+
+    def spy(op, ts):
+        mine = set().union(*callers)
+        handed.extend(op for t in ts if t.untyped_storage().data_ptr() in mine)
+        check(op, ts)
+    comm._check_devices = spy
+    return handed
 
 
 def heal_roundtrip_worker(ctx, algo_name, steps, **kw):

@@ -198,10 +198,10 @@ class Algorithm(Method):
         while they broadcast the start."""
         if len(self.comm.members) == self.comm.workers:
             return True
-        over = torch.tensor([int(my_wait_over)], dtype=torch.int64, device=self.comm.device)
-        for comm in (self.inner, self.comm):
+        over = torch.tensor([int(my_wait_over)], dtype=torch.int64)
+        for comm in (self.inner, self.comm):  # (on a GPU: the inner Comm's device differs)
             if comm is not None:
-                over = max(comm.all_gather(over, tag="setup").wait())
+                over = max(comm.all_gather(over.to(comm.device), tag="setup").wait())
         return bool(over)
 
     def heal_state(self) -> dict:

@@ -30,7 +30,7 @@ from loco.algorithms.base import Algorithm
 from loco.algorithms.fragments import PATTERNS, split_fragments
 from loco.algorithms.method import OUTER, PaperClaim
 from loco.algorithms.outer_thread import OuterThread, momentum_of
-from loco.algorithms.sharding import Share, flatten_fp32, unflatten_views
+from loco.algorithms.sharding import Share, flatten_fp32, local, unflatten_views
 from loco.comm import Comm, Handle
 from loco.comm.codecs import get_codec
 from loco.algorithms.wire import (GlobalCopyOptions, WireOptions, check_wire, wire_setting,
@@ -329,7 +329,8 @@ class StreamingDiLoCo(Algorithm):
         # What this worker's pseudo-gradient became on the wire, D(C(e)), for the fragment in
         # flight (one at a time): subtracted from its error once the sync is applied.
         self._sent = torch.zeros(max(f.delta.numel() for f in self.fragment_list)
-                                 if error_feedback else 0, device=comm.device)
+                                 if error_feedback else 0,
+                                 device=self.fragment_list[0].delta.device)
         if outer_thread is None:  # it pays where the CPU is idle while the device computes
             outer_thread = (offload and self.params[0].device.type != "cpu" and overlap > 0
                             and not comm.elastic)
@@ -349,7 +350,10 @@ class StreamingDiLoCo(Algorithm):
         if self.offload:
             global_flat = _pinned(global_flat, self.params[0].device)
         global_params = unflatten_views(global_flat, share.views)
-        delta = torch.zeros(share.numel, dtype=torch.float32, device=self.comm.device)
+        # Δ lives where the Comm takes it: its device, or the global copy's when the Comm
+        # stages (an elastic worker's gloo group, its model on a GPU).
+        wire = outer_device if self.comm.stage_from is not None else self.comm.device
+        delta = torch.zeros(share.numel, dtype=torch.float32, device=wire)
         # The outer optimizer reads Δ̄ as the gradient of the global copy.
         grad = delta if delta.device == outer_device else _pinned(torch.zeros_like(
             global_flat), self.params[0].device)  # offloaded: Δ̄ lands here, one per fragment
@@ -552,7 +556,8 @@ class StreamingDiLoCo(Algorithm):
         every rank of the worker calls it at once (its bytes count as ``"report"``, not
         training); under FSDP2 the values are DTensors."""
         by_id = {id(p): g for f in self.fragment_list for p, g in
-                 zip(f.params, f.share.full(f.global_flat.to(f.delta.device), tag="report"))}
+                 zip(f.params, f.share.full(f.global_flat.to(local(f.params[0]).device),
+                                            tag="report"))}
         return {n: by_id[id(p)].to(p.device) if id(p) in by_id else p
                 for n, p in self.model.named_parameters()}
 

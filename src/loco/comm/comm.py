@@ -23,7 +23,7 @@ from torch.profiler import record_function
 from loco.comm.counters import RECORDS_KEPT, CommStats, Counter, OpRecord
 from loco.comm.handles import Aborted, Handle
 from loco.comm.reduce import Buffers, gather_mean, layout, reduce_mean
-from loco.comm.streams import streams_for
+from loco.comm.streams import HostStaging, streams_for
 from loco.comm.thread import CommThread
 
 if TYPE_CHECKING:
@@ -52,7 +52,8 @@ class Comm:
     [`Handle`][loco.comm.handles.Handle] at once; every worker of the group must issue the
     same collectives in the same order. [`launch`][loco.runtime.launch.launch] builds the
     Comms of a run (``ctx.comm``, ``ctx.pipe``); build one yourself only around your own
-    process group. Every tensor handed to it must live on its ``device``.
+    process group. Every tensor handed to it must live on its ``device`` (or on
+    ``stage_from``, which it stages).
 
     Args:
         group: a ``torch.distributed`` process group (or backend) object; its methods are
@@ -76,12 +77,18 @@ class Comm:
             (the transport's own speed).
         thread: the [`CommThread`][loco.comm.thread.CommThread] to issue through, shared
             with other Comms of this worker; default None (a thread of its own).
+        stage_from: a second device whose tensors the Comm takes and stages through host
+            memory ([`HostStaging`][loco.comm.streams.HostStaging]): the model's GPU, for
+            a Comm on the CPU (an elastic worker's gloo group); ``wait()`` returns the
+            caller's tensors, written on that device. Default None: every tensor on
+            ``device``.
     """
 
     def __init__(self, group: Any, rank: int, size: int, device: torch.device | str = "cpu",
                  name: str = "replicas", keep_records: bool = True,
                  abort_event: threading.Event | None = None,
-                 link: EmulatedLink | None = None, thread: CommThread | None = None):
+                 link: EmulatedLink | None = None, thread: CommThread | None = None,
+                 stage_from: torch.device | str | None = None):
         self.group = group
         self.rank = rank
         self.size = size
@@ -96,6 +103,8 @@ class Comm:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self._buffers = Buffers(self.device)  # kept between all-reduces
+        self.stage_from = None if stage_from is None else torch.device(stage_from)
+        """The device whose tensors this Comm stages through host memory, or None."""
         self.issue_in_order = False
         """Whether submitting an operation returns only once the communication thread has
         issued it (on CUDA: enqueued its NCCL calls, which does not wait for the GPU). Set
@@ -156,10 +165,42 @@ class Comm:
             if t.device != self.device:
                 raise ValueError(
                     f"{op}: a tensor on {t.device} was handed to the {self.name} Comm, whose "
-                    f"tensors live on {self.device}; create communication buffers with "
-                    f"device=comm.device")
+                    f"tensors live on {self.device}"
+                    + (f" (or on {self.stage_from}, staged)" if self.stage_from else "")
+                    + "; create communication buffers with device=comm.device")
 
     # ----------------------------------------------------------------------------- plumbing
+    @property
+    def _staging(self) -> HostStaging | None:
+        return None if self.stage_from is None else HostStaging(self.stage_from)
+
+    def _staged(self, tensors: Sequence[torch.Tensor | None], issue: Callable[..., Handle],
+                result: Callable[[Any, list], Any], back: Sequence[int] = ()
+                ) -> Handle | None:
+        """An operation on host copies, when some of ``tensors`` live on ``stage_from``
+        (see [`HostStaging`][loco.comm.streams.HostStaging]); None otherwise.
+
+        Args:
+            tensors: the operation's tensors (None for an absent one).
+            issue: issues the operation on their host copies, given in the same order.
+            result: makes ``wait()``'s value from the operation's and the host copies.
+            back: the positions in ``tensors`` the operation writes: copied back.
+        """
+        staging = self._staging
+        if staging is None or not staging.wants(tensors):
+            return None
+        hosts, ready = staging.to_host(tensors)
+        if ready is not None:  # the transport reads the copies once they are made
+            self._thread.submit(Future(), ready.synchronize)
+        handle = issue(*hosts)
+        pairs = [(tensors[i], hosts[i]) for i in back if tensors[i] is not hosts[i]]
+
+        def finish(value: Any) -> Any:
+            staging.back(pairs)
+            return result(value, hosts)
+
+        return handle.then(finish)
+
     def _submit(self, op: str, tag: str, raw: int, sent: int, recv: int, fn,
                 tensors: Sequence[torch.Tensor], participants: tuple[int, ...] | None = None,
                 phases: int = 1) -> Handle:
@@ -287,6 +328,10 @@ class Comm:
         """
         if codec is not None and codec.gathers:
             return self.all_gather_mean(tensor, tag, codec, sent)
+        staged = self._staged((tensor, sent), lambda t, s: self.all_reduce_mean(
+            t, tag, codec, s), lambda _, h: tensor.view(-1), back=(0, 1))
+        if staged is not None:
+            return staged
         if not tensor.is_contiguous():
             raise ValueError("all_reduce_mean needs a contiguous tensor")
         flat = tensor.view(-1)
@@ -331,6 +376,10 @@ class Comm:
         Raises:
             ValueError: ``tensor`` is not contiguous or not fp32, or no codec.
         """
+        staged = self._staged((tensor, sent), lambda t, s: self.all_gather_mean(
+            t, tag, codec, s), lambda _, h: tensor.view(-1), back=(0, 1))
+        if staged is not None:
+            return staged
         if not tensor.is_contiguous() or tensor.dtype != torch.float32 or codec is None:
             raise ValueError("all_gather_mean needs a contiguous fp32 tensor and a codec (got "
                              f"{tensor.dtype}, contiguous={tensor.is_contiguous()}, {codec})")
@@ -362,6 +411,10 @@ class Comm:
         Returns:
             A handle whose ``wait()`` returns ``tensor``.
         """
+        staged = self._staged((tensor,), lambda t: self.broadcast(t, src, tag),
+                              lambda _, h: tensor, back=(0,))
+        if staged is not None:
+            return staged
         m, nbytes = self.size, tensor.numel() * tensor.element_size()
         sent = (m - 1) * nbytes if self.rank == src else 0
         recv = 0 if self.rank == src else nbytes
@@ -387,6 +440,10 @@ class Comm:
         Returns:
             A handle whose ``wait()`` returns M new tensors, in rank order.
         """
+        staged = self._staged((tensor,), lambda t: self.all_gather(t, tag),
+                              lambda out, h: [self._staging.to_device(o) for o in out])
+        if staged is not None:
+            return staged
         m, nbytes = self.size, tensor.numel() * tensor.element_size()
 
         def run():
@@ -429,6 +486,11 @@ class Comm:
                 tensor not on this Comm's device.
         """
         members = tuple(sorted(members))
+        staged = self._staged((tensor,), lambda t: self.exchange(t, members, tag),
+                              lambda out, h: [tensor if o is h[0] else self._staging.to_device(o)
+                                              for o in out])
+        if staged is not None:
+            return staged
         if self.rank not in members:
             raise ValueError(f"{self.name} rank {self.rank} is not in the group {members}")
         peers = [r for r in members if r != self.rank]
@@ -501,6 +563,12 @@ class Comm:
             ValueError: a peer out of range or this worker itself, a non-contiguous tensor,
                 or one not on this Comm's device.
         """
+        staged = self._staged([t for t, *_ in (*sends, *recvs)], lambda *h: self.sendrecv(
+            [(t, *rest) for t, (_, *rest) in zip(h, sends)],
+            [(t, *rest) for t, (_, *rest) in zip(h[len(sends):], recvs)], tag),
+            lambda out, h: [t for t, *_ in recvs], back=range(len(sends), len(sends) + len(recvs)))
+        if staged is not None:
+            return staged
         op = "sendrecv" if sends and recvs else ("send" if sends else "recv")
         raw = sum(t.numel() * t.element_size() for t, *_ in sends)
         return self._p2p(op, tag, raw, sends, recvs, [t for t, *_ in recvs])

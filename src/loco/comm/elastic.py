@@ -406,7 +406,10 @@ class ElasticComm(Comm):
     def _reissuable(self, op: Callable[..., Handle], tensor: torch.Tensor, *args: Any
                     ) -> Handle:
         """``op(tensor, *args)`` from a kept copy of ``tensor`` (zeroed first on a worker just
-        healed), with a ``reissue()`` that restores the copy and issues it again."""
+        healed), with a ``reissue()`` that restores the copy and issues it again. A tensor
+        the Comm stages keeps its copy on the host: the staged operation comes back here."""
+        if self._staging is not None and self._staging.wants((tensor,)):
+            return op(tensor, *args)
         if self.healed:
             tensor.zero_()
         saved = tensor.detach().clone()

@@ -39,6 +39,8 @@ class Handle:
         """The operation's [`OpRecord`][loco.comm.counters.OpRecord]: its bytes at once,
         its times once it is done."""
         self._comm = comm
+        self._then: Any = None  # what wait() makes of the result (a staged operation's)
+        self._final: tuple | None = None
 
     def done(self) -> bool:
         """Whether the operation has completed (successfully or not), without blocking."""
@@ -74,9 +76,29 @@ class Handle:
             except FutureTimeout:
                 self._comm.check_aborted()
         self._comm._streams.hand_over(done, result)
+        if self._then is not None:  # once: later waits return the same
+            self._final = self._final or (self._then(result),)
+            result = self._final[0]
         if count:
             self.count_wait(time.perf_counter() - t0)
         return result
+
+    def then(self, fn: Any) -> Handle:
+        """Make ``wait()`` return ``fn(result)``, computed once, on the waiting thread, after
+        the hand-over (a staged operation's copies back to the caller's device). A
+        ``reissue`` (an elastic retry) carries ``fn`` over to the new handle.
+
+        Args:
+            fn: takes the operation's result, returns what ``wait()`` returns.
+
+        Returns:
+            This handle.
+        """
+        self._then = fn
+        reissue = getattr(self, "reissue", None)
+        if reissue is not None:
+            self.reissue = lambda: reissue().then(fn)
+        return self
 
     def count_wait(self, seconds: float) -> None:
         """Add ``seconds`` of waiting for this operation to its record and to its tag's

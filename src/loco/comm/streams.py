@@ -162,6 +162,90 @@ class CudaStreams(HostSync):
             t.record_stream(caller)
 
 
+STAGED = "_loco_staged"
+"""The attribute that marks a host copy made by [`HostStaging`][loco.comm.streams.HostStaging]
+(it is not staged again)."""
+
+
+class HostStaging:
+    """Tensors of a model on ``device`` handed to a Comm on the CPU (a gloo group): copied
+    through host memory, so that the transport never sees a device tensor.
+
+    An elastic worker that trains on a GPU syncs over torchft's reconfigurable gloo group:
+    its Comm lives on the CPU and stages (``Comm(stage_from=device)``). At issue, on the
+    caller's thread, each tensor on ``device`` is copied into a new host buffer, page-locked
+    for a GPU, by a non-blocking copy queued on the caller's current stream, and an event is
+    recorded after it; the Comm's thread waits for that event (only that thread, only that
+    event) before the transport reads the buffers. When the operation is waited for, what it
+    wrote is copied back into the caller's tensors by non-blocking copies on the caller's
+    stream, so later kernels on it see the result and the CPU does not wait. Page-locked
+    buffers come from PyTorch's caching host allocator, which does not hand a freed buffer
+    out again before the copies queued on it have run.
+
+    Args:
+        device: where the callers' tensors live (the model's device).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def wants(self, tensors: Iterable[torch.Tensor | None]) -> bool:
+        """Whether any of ``tensors`` lives on ``device`` (and is not a staged copy)."""
+        return any(t is not None and t.device == self.device and not hasattr(t, STAGED)
+                   for t in tensors)
+
+    def to_host(self, tensors: Iterable[torch.Tensor | None]) -> tuple[list, Any]:
+        """On the caller's thread, at issue: a host copy of each tensor on ``device`` (the
+        others as they are), queued on the caller's stream.
+
+        Args:
+            tensors: the operation's tensors (None for an absent one).
+
+        Returns:
+            The host tensors, in order, and the event the transport must wait for (None
+                off CUDA, where the copies are done when this returns).
+
+        Raises:
+            ValueError: a tensor to stage is not contiguous.
+        """
+        hosts = []
+        for t in tensors:
+            if t is None or t.device != self.device or hasattr(t, STAGED):
+                hosts.append(t)
+                continue
+            if not t.is_contiguous():
+                raise ValueError("a tensor the Comm stages through host memory must be "
+                                 "contiguous")
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            host.copy_(t, non_blocking=True)
+            setattr(host, STAGED, True)
+            hosts.append(host)
+        if self.device.type != "cuda":
+            return hosts, None
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(self.device))
+        return hosts, ready
+
+    @staticmethod
+    def back(pairs: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """On the waiting thread: copy each host result into its caller's tensor, queued on
+        the caller's stream (from page-locked memory: without blocking the CPU).
+
+        Args:
+            pairs: ``(caller's tensor, host tensor)`` items.
+        """
+        for t, host in pairs:
+            t.copy_(host, non_blocking=True)
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A new tensor on ``device`` holding ``host`` (an operation's new result).
+
+        Args:
+            host: a host tensor the transport wrote.
+        """
+        return host.to(self.device, non_blocking=True)
+
+
 def streams_for(device: torch.device) -> HostSync:
     """The hand-over for a Comm on ``device``: CUDA streams and events on a CUDA device,
     nothing to do elsewhere.

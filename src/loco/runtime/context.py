@@ -235,6 +235,20 @@ def _worker_group(mesh: Mesh, rank: int, backend: str | None = None):
     return mine
 
 
+def rank_device(launcher: str) -> torch.device:
+    """This rank's device: under torchrun with CUDA present, the GPU of ``LOCAL_RANK`` (made
+    the current device); otherwise the CPU (the threads and processes launchers).
+
+    Args:
+        launcher: ``"threads"``, ``"processes"`` or ``"torchrun"``.
+    """
+    if launcher != "torchrun" or not torch.cuda.is_available():
+        return torch.device("cpu")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    torch.cuda.set_device(device)
+    return device
+
+
 def worker_comms(mesh: Mesh, rank: int, device: torch.device, fast_link: LinkSpec | None,
                  thread: CommThread | None = None) -> tuple:
     """The fast-link Comm over this rank's worker (its R ranks) and a gloo group of the same
@@ -257,4 +271,4 @@ def worker_comms(mesh: Mesh, rank: int, device: torch.device, fast_link: LinkSpe
 
 
 __all__ = ["MESH_DIMS", "Mesh", "WorkerContext", "WorkerError", "attempt_store", "emulated",
-           "worker_comms"]
+           "rank_device", "worker_comms"]

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from loco.comm.thread import CommThread
 from loco.runtime.context import (
     MESH_DIMS,
     Mesh,
@@ -34,6 +35,7 @@ from loco.runtime.context import (
     WorkerError,
     attempt_store,
     emulated,
+    rank_device,
     worker_comms,
 )
 from loco.runtime.starter import adopt_environment, context
@@ -376,26 +378,26 @@ def _alone(comm, polls: int = 3) -> None:
 
 def _run(job: _RankSpec, key: tuple[int, int], store, launcher: str,
          started: Callable[[Any], None] | None = None) -> Any:
-    """One rank of an elastic worker: the worker's own process group (R > 1), its
-    ElasticComm and context, then ``job.fn``."""
+    """One rank of an elastic worker: its device (under torchrun with CUDA, the GPU of
+    ``LOCAL_RANK``), the worker's own process group (R > 1), its ElasticComm (gloo, which
+    stages a GPU's tensors through host memory) and context, then ``job.fn``."""
     from loco.comm.elastic import ElasticComm
 
     worker, shard = key
-    if shard == 0 and torch.cuda.is_available():
-        log.warning("elastic: worker %d trains on the CPU and syncs over gloo: elastic runs "
-                    "do not use GPUs yet", worker)
+    device = rank_device(launcher)
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers: no line per quorum
     inner, device_mesh, checkpoint_group = (
-        _worker_world(store, shard, job.shards, job.timeout, job.links[1])
+        _worker_world(store, shard, job.shards, job.timeout, job.links[1], device)
         if job.shards > 1 else (None, None, None))
     comm = ElasticComm(worker, job.replicas, job.lighthouse, job.min_workers, job.timeout,
                        host=job.host, shard=shard, shards=job.shards, store=store,
-                       link=emulated(job.links[0]))
+                       link=emulated(job.links[0]),
+                       stage_from=device if device.type != "cpu" else None)
     if started is not None:
         started(comm)
     mesh = Mesh(job.replicas, 1, job.shards)
     ctx = WorkerContext(mesh.rank_of(worker, 0, shard), mesh.world_size, mesh, comm,
-                        torch.device("cpu"), launcher, inner=inner, device_mesh=device_mesh,
+                        device, launcher, inner=inner, device_mesh=device_mesh,
                         checkpoint_group=checkpoint_group)
     try:
         return job.fn(ctx, *job.args)
@@ -406,15 +408,21 @@ def _run(job: _RankSpec, key: tuple[int, int], store, launcher: str,
             dist.destroy_process_group()
 
 
-def _worker_world(store, shard: int, shards: int, timeout: float, fast_link: Any) -> tuple:
+def _worker_world(store, shard: int, shards: int, timeout: float, fast_link: Any,
+                  device: torch.device) -> tuple:
     """The process group of one worker's R ranks (its own world: there is none across the
-    workers), its device mesh of shape (1, 1, R), the fast-link Comm over it and a gloo
-    group for checkpoints."""
-    dist.init_process_group("gloo", store=dist.PrefixStore("loco/world", store), rank=shard,
-                            world_size=shards, timeout=datetime.timedelta(seconds=timeout))
+    workers; NCCL on GPUs), its device mesh of shape (1, 1, R), the fast-link Comm over it
+    (on ``device``, issuing from one thread on a GPU, as NCCL asks) and a gloo group for
+    checkpoints."""
+    cuda = device.type == "cuda"
+    dist.init_process_group("nccl" if cuda else "gloo",
+                            store=dist.PrefixStore("loco/world", store), rank=shard,
+                            world_size=shards, timeout=datetime.timedelta(seconds=timeout),
+                            **({"device_id": device} if cuda else {}))
     local = Mesh(1, 1, shards)
-    device_mesh = init_device_mesh("cpu", local.shape, mesh_dim_names=MESH_DIMS)
-    inner, checkpoint_group = worker_comms(local, shard, torch.device("cpu"), fast_link)
+    device_mesh = init_device_mesh(device.type, local.shape, mesh_dim_names=MESH_DIMS)
+    thread = CommThread(f"loco-comm-inner-{shard}") if cuda else None
+    inner, checkpoint_group = worker_comms(local, shard, device, fast_link, thread)
     return inner, device_mesh, checkpoint_group
 
 

@@ -51,6 +51,7 @@ from loco.runtime.context import (
     WorkerError,
     attempt_store,
     emulated,
+    rank_device,
     worker_comms,
 )
 from loco.runtime.elastic import Elastic, launch_elastic, run_worker
@@ -352,12 +353,8 @@ def _run_from_env(fn, args, asked: int | None, stages: int, shards: int, timeout
                          f"{stages} stage(s) x {shards} rank(s) (--stages x "
                          "--worker-ranks must divide the world size)")
     rank = int(os.environ["RANK"])
-    use_cuda = launcher == "torchrun" and torch.cuda.is_available()
-    if use_cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
+    device = rank_device(launcher)
+    use_cuda = device.type == "cuda"
     mesh = Mesh(world // (stages * shards), stages, shards)
     dist.init_process_group("nccl" if use_cuda else "gloo", store=attempt_store(rank, world,
                                                                                timeout),

@@ -114,7 +114,8 @@ class Worker:
         if ctx.pipe is not None or ctx.inner is None:
             return (ctx.pipe or ctx.comm).all_gather(tensor, tag="report").wait()
         across = torch.stack(ctx.comm.all_gather(tensor, tag="report").wait())  # by replica
-        inside = ctx.inner.all_gather(across, tag="report").wait()  # by shard
+        # (elastic on a GPU: the inner Comm is on the GPU, the elastic one on the CPU)
+        inside = ctx.inner.all_gather(across.to(ctx.inner.device), tag="report").wait()
         return [inside[shard][replica] for replica in range(len(across))  # (elastic: the
                 for shard in range(ctx.mesh.shards)]  # members) rank = replica x R + shard
 
