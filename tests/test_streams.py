@@ -187,6 +187,6 @@ def test_staging_records_its_copies_on_the_callers_stream_and_the_comm_thread_wa
         return ctx.comm.all_reduce_mean(t).wait(), t
     value, t = loco.launch(fn, replicas=1)[0]
     assert value.data_ptr() == t.data_ptr()
-    (ready,) = [e for e in log if e[0] == "record"]
+    ready = next(e for e in log if e[0] == "record")
     assert ready[2] == "training"  # on the caller's stream, after its copies
     assert waiters == [(ready[1], "loco-comm-replicas-0")]

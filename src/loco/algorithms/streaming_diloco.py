@@ -31,10 +31,15 @@ from loco.algorithms.fragments import PATTERNS, split_fragments
 from loco.algorithms.method import OUTER, PaperClaim
 from loco.algorithms.outer_thread import OuterThread, momentum_of
 from loco.algorithms.sharding import Share, flatten_fp32, local, unflatten_views
+from loco.algorithms.wire import (
+    GlobalCopyOptions,
+    WireOptions,
+    check_wire,
+    wire_setting,
+    wire_warnings,
+)
 from loco.comm import Comm, Handle
 from loco.comm.codecs import get_codec
-from loco.algorithms.wire import (GlobalCopyOptions, WireOptions, check_wire, wire_setting,
-                                  wire_warnings)
 from loco.options import ConfigError, need, opt
 
 

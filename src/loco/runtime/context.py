@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from loco.comm import Comm
-from loco.comm.thread import CommThread
 from loco.comm.link import EmulatedLink, LinkSpec
+from loco.comm.thread import CommThread
 
 MESH_DIMS = ("replica", "stage", "shard")
 """The named dimensions of a run's ``DeviceMesh``, outermost first: the workers (replicas)

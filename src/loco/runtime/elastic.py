@@ -41,7 +41,6 @@ from loco.runtime.context import (
 from loco.runtime.starter import adopt_environment, context
 from loco.runtime.vitals import DIR_ENV, death_note, read_vitals
 
-
 log = logging.getLogger("loco.elastic")
 
 HOST_ENV = "LOCO_ELASTIC_HOST"

@@ -42,8 +42,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from loco.comm import Comm
 from loco.comm.handles import Aborted
-from loco.comm.thread import CommThread
 from loco.comm.link import LinkSpec
+from loco.comm.thread import CommThread
 from loco.runtime.context import (
     MESH_DIMS,
     Mesh,
