@@ -328,6 +328,11 @@ def _train(args: argparse.Namespace) -> int:
           f"waited {summary.comm_wait_seconds:.1f} s on communication)"
           + (f"; emulated link {summary.link['bandwidth'] or 'unlimited'}, "
              f"{summary.link['latency'] or '0 ms'}" if summary.link else ""))
+    if summary.worker_speeds and summary.goodput and summary.goodput["total"] is not None:
+        shares = ", ".join("-" if g is None else f"{g:.0%}"
+                           for g in summary.goodput["per_worker"])
+        print(f"goodput {summary.goodput['total']:.1%} of the workers' capacity at speeds "
+              f"{', '.join(f'{v:g}' for v in summary.worker_speeds)} (per worker: {shares})")
     if (summary.worker_ranks or 1) > 1:
         print(f"workers of {summary.worker_ranks} ranks ({summary.worker_parallel}): "
               f"sent per worker {human_bytes(summary.slow_link_bytes_sent_per_worker)} over "

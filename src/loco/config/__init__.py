@@ -31,6 +31,7 @@ from loco.config.sections import (
     algorithm_names,
     betas,
     duration_seconds,
+    worker_speeds,
 )
 from loco.options import ConfigError
 
@@ -38,4 +39,4 @@ __all__ = ["ConfigError", "DEFAULT_STEPS", "DTYPES", "LAUNCHER_NAMES", "LAYOUT",
            "RENAMED", "RESUMABLE", "ROUTINGS", "SECTIONS", "TrainConfig", "WORKER_PARALLEL",
            "algorithm_names", "betas", "build_config", "canonical", "check_layout", "choices",
            "coerce", "duration_seconds", "load_yaml", "model_dims", "profile_steps", "resolve", "resume_config",
-           "steps_for_tokens", "validate", "validate_model", "warnings_for"]
+           "steps_for_tokens", "validate", "validate_model", "warnings_for", "worker_speeds"]

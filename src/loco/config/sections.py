@@ -111,6 +111,30 @@ def check_inner_optimizer(cfg) -> None:
                           "with fsdp)")
 
 
+def worker_speeds(cfg) -> tuple[float, ...] | None:
+    """Each worker's speed factor from ``worker_speed`` (``"1,1,0.5,0.33"``); None without.
+
+    Args:
+        cfg: the configuration.
+
+    Raises:
+        ConfigError: not one number in (0, 1] per worker (``workers``).
+    """
+    if cfg.worker_speed is None:
+        return None
+    try:
+        speeds = tuple(float(v) for v in str(cfg.worker_speed).split(","))
+    except ValueError:
+        speeds = (math.nan,)
+    if not all(0 < v <= 1 for v in speeds):
+        raise ConfigError("worker_speed", "must be numbers in (0, 1], one per worker, e.g. "
+                          f"1,1,0.5,0.33 (got {cfg.worker_speed!r})")
+    if len(speeds) != cfg.workers:
+        raise ConfigError("worker_speed", f"needs one factor per worker: {cfg.workers} "
+                          f"(--workers), got {len(speeds)} ({cfg.worker_speed!r})")
+    return speeds
+
+
 def check_worker_layout(cfg) -> None:
     """More than one rank per worker not with pipeline stages; ``worker_parallel`` fsdp only
     with ``worker_ranks`` > 1 (the launcher it needs: the preflight step).
@@ -420,6 +444,12 @@ class RuntimeOptions:
                                  "Lighthouse and all workers on this machine)")
     worker_index: int | None = opt(None, "with --lighthouse: this process's worker, in [0, "
                                    "--workers)")
+    worker_speed: str | None = opt(None, "emulate workers of unequal speed: one factor in "
+                                   "(0, 1] per worker, e.g. 1,1,0.5,0.33: each inner step of "
+                                   "worker i takes 1/factor_i of its measured time (it sleeps "
+                                   "the difference after the step's forward and backward, so "
+                                   "the CPU is not burned); the summary records the speeds "
+                                   "and the goodput (default: every worker at its own speed)")
     on_nonfinite: str = opt("stop", "a non-finite gradient or pseudo-gradient is caught before "
                             "it reaches the parameters; stop the run (the last checkpoint is "
                             "the last good state) or skip that step or sync and count it",
@@ -437,6 +467,7 @@ class RuntimeOptions:
                  "checkpoint_interval", "must be a positive duration: a number with s, m or "
                  f"h (e.g. 90s, 30m, 2h; got {self.checkpoint_interval!r})")
         need(self, 0 <= self.max_restarts <= 100, "max_restarts", "must be in [0, 100]")
+        worker_speeds(self)
         check_worker_layout(self)
         check_elastic(self)
 

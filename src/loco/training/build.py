@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from loco import checkpoint, hf
-from loco.config import TrainConfig, betas, model_dims
+from loco.config import TrainConfig, betas, model_dims, worker_speeds
 from loco.data import Corpus, TokenLoader
 from loco.hf import is_hf
 from loco.model import Transformer, model_config
@@ -23,6 +23,7 @@ from loco.runtime.pipeline import PipelineStage
 from loco.runtime.vitals import LARGE_MODEL_BYTES, Vitals, return_freed_memory
 from loco.training.optimizers import inner_optimizer
 from loco.training.runlog import RunLog
+from loco.training.speed import Throttle
 from loco.training.state import restore, restore_elastic, resume_state, seek
 from loco.training.worker import SAVED_LOOP, Loop, Worker
 
@@ -155,12 +156,18 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
         log=open_log(cfg, state, joined, loop) if main else None, bar=bar, writer=writer,
         fault=Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None,
         resumed_from=resumed_from, start=start, vitals=vitals,
-        stager=make_stager(ctx))
+        stager=make_stager(ctx), throttle=make_throttle(cfg, ctx))
     if resumed_from is not None:  # a checkpoint counts its tokens; a joiner estimates them
         nominal = resumed_from * ctx.mesh.replicas * ctx.mesh.shards * cfg.batch_size * cfg.seq_len
         worker.resumed_tokens = int(state["loop"].get("tokens", nominal)) if state else nominal
     worker.elastic_tokens = worker.resumed_tokens
     return worker, loop
+
+
+def make_throttle(cfg: TrainConfig, ctx: WorkerContext) -> Throttle | None:
+    """This worker's emulated speed (``--worker-speed``, its factor); None without one."""
+    speeds = worker_speeds(cfg)
+    return Throttle(speeds[ctx.replica], ctx.device) if speeds is not None else None
 
 
 def make_stager(ctx: WorkerContext) -> checkpoint.Stager | None:

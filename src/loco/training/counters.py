@@ -11,24 +11,27 @@ import torch
 
 from loco.algorithms import Algorithm
 from loco.runtime import WorkerContext
-from loco.training.worker import Worker
+from loco.training.speed import goodput
+from loco.training.worker import Loop, Worker
 
 #: The counters every rank reports at the end, in the order of its report tensor.
 COUNTERS = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
             "comm_seconds", "comm_wait_seconds", "train_seconds", "pipeline_bytes_sent",
             "blocked_seconds", "skipped_inner_steps", "skipped_syncs", "fast_link_bytes_sent",
-            "max_rss_bytes", "peak_device_bytes")
+            "max_rss_bytes", "peak_device_bytes", "trained_steps", "applied_steps",
+            "throttle_seconds")
 #: The parts of a rank's memory that ``algo.memory_bytes()`` reports, after ``COUNTERS``.
 MEMORY_PARTS = ("model", "gradients", "inner_optimizer", "outer")
 
 
-def gather_counters(w: Worker, train_seconds: float) -> list[dict]:
+def gather_counters(w: Worker, loop: Loop) -> list[dict]:
     """Every rank's counters, by name (a tiny gather outside the training traffic). The
     outer algorithm's bytes travel between replicas (ctx.comm, the slow link); the
     gradients of a worker's ranks between them (ctx.inner, the fast link); activations,
     their gradients and the tied head's gradient between stages (ctx.pipe). A rank's
     ``memory_bytes`` is None when its algorithm does not report it."""
     ctx, algo = w.ctx, w.algo
+    train_seconds = loop.elapsed()
     mine = ctx.comm.totals("train")
     piped = ctx.pipe.totals("train").sent_bytes if ctx.pipe is not None else 0
     fast = ctx.inner.totals("train").sent_bytes if ctx.inner is not None else 0
@@ -38,6 +41,8 @@ def gather_counters(w: Worker, train_seconds: float) -> list[dict]:
                            train_seconds, piped, blocked_seconds(ctx),
                            algo.skipped["inner_steps"], algo.skipped["syncs"], fast,
                            max_rss_bytes(), peak_device_bytes(ctx.device),
+                           loop.trained_steps, applied_steps(algo, loop.trained_steps),
+                           loop.throttle_seconds,
                            *(memory[k] if memory else -1 for k in MEMORY_PARTS)],
                           dtype=torch.float64, device=ctx.comm.device)
     return [counters_of(t.tolist()) for t in w.gather_all(report)]
@@ -56,12 +61,27 @@ def counters_of(values: list[float]) -> dict:
     c["compute_utilization"] = 1 - c["blocked_seconds"] / c["train_seconds"]
     for k in ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
               "pipeline_bytes_sent", "skipped_inner_steps", "skipped_syncs",
-              "fast_link_bytes_sent", "max_rss_bytes", "peak_device_bytes"):
+              "fast_link_bytes_sent", "max_rss_bytes", "peak_device_bytes", "trained_steps",
+              "applied_steps"):
         c[k] = int(c[k])
     held = values[len(COUNTERS):]
     c["memory_bytes"] = (None if min(held) < 0
                          else {k: int(v) for k, v in zip(MEMORY_PARTS, held)})
     return c
+
+
+def applied_steps(algo: Algorithm, trained: int) -> int:
+    """The inner steps of ``trained`` whose updates reached an applied outer step (or, for
+    DataParallel, the parameters): less the non-finite steps skipped and the steps whose
+    pseudo-gradients the algorithm discarded (``discarded_inner_steps``, asynchronous
+    methods past their staleness bound).
+
+    Args:
+        algo: this rank's algorithm.
+        trained: inner steps this rank trained.
+    """
+    return max(0, trained - algo.skipped["inner_steps"]
+               - getattr(algo, "discarded_inner_steps", 0))
 
 
 def memory_bytes(algo: Algorithm) -> dict[str, int] | None:
@@ -158,6 +178,7 @@ def summarize_counters(ctx: WorkerContext, counters: list[dict]) -> dict:
         counters: every rank's counters, in rank order (:func:`gather_counters`).
     """
     most = {k: max(c[k] for c in counters) for k in COUNTERS}
+    per_worker = ctx.stages * ctx.mesh.shards  # rank order: worker-major
     return {
         "bytes_sent_per_worker": most["bytes_sent"],
         "bytes_received_per_worker": most["bytes_received"],
@@ -174,7 +195,9 @@ def summarize_counters(ctx: WorkerContext, counters: list[dict]) -> dict:
         "comm_wait_seconds": most["blocked_seconds"],
         "compute_utilization": sum(c["compute_utilization"] for c in counters) / len(counters),
         "nonfinite_skipped": {"inner_steps": sum(c["skipped_inner_steps"] for c in counters),
-                              "syncs": sum(c["skipped_syncs"] for c in counters)}}
+                              "syncs": sum(c["skipped_syncs"] for c in counters)},
+        "goodput": goodput(counters, [list(range(i, i + per_worker)) for i in
+                                      range(0, len(counters), per_worker)])}
 
 
 def blocked_seconds(ctx: WorkerContext) -> float:

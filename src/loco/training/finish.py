@@ -10,6 +10,7 @@ import torch
 
 from loco.algorithms import Algorithm
 from loco.comm.kernels import kernel_in_use
+from loco.config import worker_speeds
 from loco.runtime.elastic import recovery_report, restart_count
 from loco.training.counters import (gather_counters, issued_link_bytes, summarize_counters,
                                     write_comm_totals)
@@ -23,10 +24,9 @@ from loco.training.worker import Loop, Worker
 def finish_worker(w: Worker, loop: Loop) -> dict:
     """The end of the run: gather every rank's counters, evaluate the final model(s), wait
     for the last checkpoint, write this rank's comm totals; the lead writes the summary."""
-    train_seconds = loop.elapsed()
     if w.ctx.comm.elastic:
         take_lead(w)
-    per_worker = gather_counters(w, train_seconds)
+    per_worker = gather_counters(w, loop)
     final_eval, replicas = final_evaluation(w)
     extra = final_extra_evaluation(w)
     last_checkpoint(w)
@@ -90,6 +90,7 @@ def make_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float |
         final_eval_loss_extra=extra, unigram_entropy=corpus.unigram_entropy,
         model_parameters=w.model.num_parameters(), **summarize_counters(ctx, workers),
         resumed_from_step=w.resumed_from, restarts=restart_count(),
+        worker_speeds=None if cfg.worker_speed is None else list(worker_speeds(cfg)),
         elastic=(None if not ctx.comm.elastic else {
             "min_workers": ctx.comm.min_workers,
             **recovery_report(ctx.comm.events, ctx.comm.syncs, ctx.comm.workers)}),

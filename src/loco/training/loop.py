@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from contextlib import nullcontext
 
 import torch
 from torch.profiler import record_function
@@ -36,7 +37,7 @@ def train_loop(w: Worker, loop: Loop) -> None:
             if w.vitals is not None:
                 w.vitals.note(step)
             with profiler.step(step):
-                loss = train_step(w, step)
+                loss = train_step(w, step, loop)
                 syncs = _drain(w.algo)
                 spread = spread_diagnostic(w, loop, step)
                 evals = periodic_eval(w, loop, step)
@@ -70,15 +71,17 @@ def step_profiler(w: Worker) -> StepProfiler:
                         else " and every other rank's next to it")
 
 
-def train_step(w: Worker, step: int) -> torch.Tensor | None:
-    """One inner step: forward, backward, the algorithm's step (which syncs when due) and
-    the schedule's; returns the loss (None on pipeline stages but the last)."""
+def train_step(w: Worker, step: int, loop: Loop) -> torch.Tensor | None:
+    """One inner step: forward, backward (then a pause, if ``--worker-speed`` slows this
+    worker), the algorithm's step (which syncs when due) and the schedule's; returns the
+    loss (None on pipeline stages but the last)."""
     if w.fault is not None:
         if step == w.fault.step:  # a drill strikes once the last checkpoint is committed
             w.writer.wait_committed(w.ctx.comm.check_aborted)
         w.fault.before_step(step, w.ctx.comm, w.algo.params)
     batch = w.loader.next_batch() if w.loader is not None else None
-    with record_function("loco/forward_backward"):
+    with record_function("loco/forward_backward"), (
+            w.throttle.compute(loop) if w.throttle is not None else nullcontext()):
         if w.pipeline is None:
             with w.autocast:
                 loss = w.model(*batch)
@@ -90,6 +93,7 @@ def train_step(w: Worker, step: int) -> torch.Tensor | None:
     w.algo.step()
     w.schedule.step()
     w.algo.zero_grad()
+    loop.trained_steps += 1
     if step % w.cfg.log_every == 0:  # inner steps skipped on the device, if any, read now
         w.algo.settle_nonfinite()
     if w.ctx.comm.elastic:  # the workers in the quorum of the latest sync trained this step

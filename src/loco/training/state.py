@@ -274,7 +274,8 @@ def loop_state(w: Worker, loop: Loop, step: int) -> dict:
     loop.settle_losses()
     return {"loss_sum": loop.loss_sum, "loss_count": loop.loss_count,
             "eval_seconds": loop.eval_seconds, "diagnostic_seconds": loop.diagnostic_seconds,
-            "train_seconds": loop.elapsed(),
+            "train_seconds": loop.elapsed(), "trained_steps": loop.trained_steps,
+            "throttle_seconds": loop.throttle_seconds,
             "metrics_bytes": w.log.tell() if w.log is not None else
             None if w.ctx.comm.elastic else 0,
             "tokens": w.tokens_at(step)}

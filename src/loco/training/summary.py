@@ -76,6 +76,11 @@ class Summary:
         nonfinite_skipped: non-finite ``inner_steps`` and ``syncs`` skipped (``--on-
             nonfinite skip``), summed over ranks; a sync skipped by all its workers counts
             once per worker.
+        goodput: the share of the workers' capacity that went into committed progress
+            (``loco.training.speed``): ``total``, ``per_worker`` and each worker's
+            ``step_seconds`` when it does not wait; None for runs before it was recorded.
+        worker_speeds: the speed factors of ``--worker-speed``, one per worker; None when
+            every worker ran at its own speed.
         resumed_from_step: the checkpoint's step this run resumed from; None for a fresh
             run.
         restarts: times the launcher restarted the workers.
@@ -141,6 +146,8 @@ class Summary:
     comm_wait_seconds: float | None = None
     compute_utilization: float | None = None
     nonfinite_skipped: dict[str, int] | None = None
+    goodput: dict[str, Any] | None = None
+    worker_speeds: list[float] | None = None
     resumed_from_step: int | None = None
     restarts: int | None = None
     elastic: dict[str, Any] | None = None

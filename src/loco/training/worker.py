@@ -18,6 +18,7 @@ from loco.runtime.faults import Fault
 from loco.runtime.pipeline import PipelineStage
 from loco.runtime.vitals import Vitals
 from loco.training.runlog import RunLog
+from loco.training.speed import Throttle
 
 
 @dataclass
@@ -49,6 +50,7 @@ class Worker:
         stager: the host buffers a checkpoint of a model on a GPU is copied into, for the
             background writer; None (a model on the CPU): checkpoints are written in place
             by the training thread, with no copy of the state.
+        throttle: this worker's emulated speed (``--worker-speed``); None: its own.
     """
 
     cfg: TrainConfig
@@ -74,6 +76,7 @@ class Worker:
     elastic_tokens: int = 0  # elastic: tokens the live workers trained, counted as they go
     vitals: Vitals | None = None
     stager: checkpoint.Stager | None = None
+    throttle: Throttle | None = None
 
     def tokens_at(self, step: int) -> int:
         """Training tokens of the whole run after ``step``, every rank together (elastic:
@@ -122,7 +125,7 @@ class Worker:
 
 #: The running values a checkpoint saves (under "loop"), to continue them exactly.
 SAVED_LOOP = ("loss_sum", "loss_count", "eval_seconds", "diagnostic_seconds", "train_seconds",
-              "metrics_bytes")
+              "metrics_bytes", "trained_steps", "throttle_seconds")
 
 
 @dataclass
@@ -140,6 +143,9 @@ class Loop:
         checkpoints: checkpoints this run (not one it resumed from) took.
         checkpoint_seconds: time the training thread spent on them (waiting for the previous
             write, copying the state), this run.
+        trained_steps: inner steps this rank trained, over the whole run (an elastic
+            joiner's from its join).
+        throttle_seconds: seconds it slept to emulate its ``--worker-speed``, over the run.
     """
 
     loss_sum: float = 0.0
@@ -155,6 +161,8 @@ class Loop:
     origin: float = 0.0
     checkpoints: int = 0
     checkpoint_seconds: float = 0.0
+    trained_steps: int = 0
+    throttle_seconds: float = 0.0
     last_checkpoint: float | None = None
     """``time.perf_counter()`` when this run's last checkpoint was handed over (None: none
     yet; ``--checkpoint-interval`` counts from the loop's start)."""
