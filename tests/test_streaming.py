@@ -17,7 +17,8 @@ import torch
 import loco
 from loco.algorithms.fragments import split_fragments
 from workers import (batch, diloco_worker, make_model, make_optimizer, max_diff, params_of,
-                     reference_streaming, resume_worker, slow_reduce, streaming_worker)
+                     reference_eager, reference_streaming, resume_worker, slow_reduce,
+                     streaming_worker)
 
 pytestmark = pytest.mark.numerics
 
@@ -341,9 +342,10 @@ def test_offload_moves_the_outer_state_off_the_gpu():
     assert max_diff(params_of(off.global_parameters()), params_of(plain.global_parameters())) == 0
 
 
-@pytest.mark.parametrize("split", [13, 16, 18])  # mid-round, a sync in flight, just applied
-def test_state_dict_resumes_bit_identically(split):
-    kw = dict(fragments=4, overlap=2, alpha=0.5, layers=4)
+@pytest.mark.parametrize("split,eager", [  # mid-round, a sync in flight, just applied
+    (13, False), (16, False), (18, False), (16, True), (18, True)])
+def test_state_dict_resumes_bit_identically(split, eager):
+    kw = dict(fragments=4, overlap=2, alpha=0.5, layers=4, eager=eager)
     for straight, resumed in loco.launch(resume_worker, 2, args=(2 * H, split, H, "streaming"),
                                          kwargs=kw):
         assert max_diff(straight, resumed) == 0
@@ -388,3 +390,42 @@ def test_the_simulator_and_training_send_fragments_at_the_same_steps():
 
     for h, p in [(100, 8), (30, 8), (100, 36), (12, 12), (7, 3), (50, 2), (1, 1)]:
         assert simulated(h, p) == send_offsets(h, p)
+
+
+@pytest.mark.parametrize("fragments,overlap,alpha,workers", [
+    (1, 0, 0.0, 2), (1, 11, 0.0, 3), (2, 1, 0.5, 2), (4, 2, 0.5, 3)])
+def test_eager_updates_match_their_reference(fragments, overlap, alpha, workers):
+    """Eager updates (Kale et al. 2025) against their box in one process, bit for bit: each
+    worker steps at the send with Δ_m / M and the others' share of the fragment's previous
+    average, keeps the new average's others' share when it lands τ steps later, and steps
+    once more with it at the end. Every worker's global copy is its own (they differ), and
+    they differ from the run without eager updates."""
+    steps = 2 * H + 7  # two full rounds and a partial one that ends with a sync in flight
+    kw = dict(sync_every=H, fragments=fragments, overlap=overlap, alpha=alpha, codec="fp32")
+    out = loco.launch(streaming_worker, workers, args=(steps,), kwargs={**kw, "eager": True})
+    ref = reference_eager(workers, steps, H, fragments, overlap, alpha)
+    for r, mine in zip(out, ref):
+        assert max_diff(r["params"], mine) == 0
+    assert max_diff(out[0]["params"], out[1]["params"]) > 0
+    plain = reference_streaming(workers, steps, H, fragments, overlap, alpha)
+    assert max_diff(out[0]["params"], plain) > 1e-5
+
+
+def test_eager_diloco_overlaps_the_round_and_refuses_what_it_cannot_do():
+    """DiLoCo with eager updates waits for an average at the step before the next sync
+    (τ = H − 1, α = 0); eager updates refuse an outer thread, and an elastic run."""
+    from loco.config import ConfigError, build_config
+    from loco.config.job import validate
+
+    def fn(ctx):
+        model = make_model()
+        algo = loco.DiLoCo(model, make_optimizer(model), ctx.comm, sync_every=10, eager=True)
+        with pytest.raises(ValueError, match="eager updates need a fixed group"):
+            loco.StreamingDiLoCo(model, make_optimizer(model), ctx.comm, eager=True,
+                                 outer_thread=True)
+        return algo.overlap, algo.alpha, algo.eager is not None
+    assert loco.launch(fn, 1)[0] == (9, 0.0, True)
+    cfg = build_config(overrides={"algorithm": "diloco", "eager": True, "elastic": True,
+                                  "launcher": "processes"})
+    with pytest.raises(ConfigError, match="^--eager: needs a fixed group"):
+        validate(cfg)

@@ -49,6 +49,10 @@ class DiLoCo(StreamingDiLoCo):
         codec_keep: as for ``StreamingDiLoCo``; default None (the codec's).
         error_feedback: β of the error feedback, in [0, 1), as for ``StreamingDiLoCo``;
             default 0 (none).
+        eager: eager updates (see [`Eager`][loco.algorithms.eager.Eager]): the outer step
+            is taken when the pseudo-gradient is sent, and the average overlaps the whole
+            next round (it is waited for at the step before the next sync, τ = H − 1);
+            default False.
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
             ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
             several ranks: ``ctx.inner``).
@@ -84,8 +88,9 @@ class DiLoCo(StreamingDiLoCo):
 
     @classmethod
     def checkpoint_delay(cls, cfg) -> int:
-        """0: a sync is applied within the step that sends it."""
-        return 0
+        """0: a sync is applied within the step that sends it; eager: H − 1, the sync
+        overlaps the round."""
+        return cfg.sync_every - 1 if cfg.eager else 0
 
     @classmethod
     def fragment_names(cls, cfg, module, tied: bool) -> list[list[str]]:
@@ -106,9 +111,11 @@ class DiLoCo(StreamingDiLoCo):
                  sync_every: int = 500,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  offload: bool = False, codec: str = "fp32", codec_block: int | None = None,
-                 codec_keep: float | None = None, error_feedback: float = 0.0, **kwargs: Any):
+                 codec_keep: float | None = None, error_feedback: float = 0.0,
+                 eager: bool = False, **kwargs: Any):
         super().__init__(model, inner_optimizer, comm, sync_every=sync_every, fragments=1,
-                         overlap=0, alpha=0.0, codec=codec, codec_block=codec_block,
+                         overlap=sync_every - 1 if eager else 0, alpha=0.0, eager=eager,
+                         codec=codec, codec_block=codec_block,
                          codec_keep=codec_keep, error_feedback=error_feedback,
                          outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                          offload=offload, **kwargs)

@@ -27,6 +27,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm
+from loco.algorithms.eager import Eager
 from loco.algorithms.fragments import PATTERNS, split_fragments
 from loco.algorithms.method import OUTER, PaperClaim
 from loco.algorithms.outer_thread import OuterThread, momentum_of
@@ -91,7 +92,8 @@ def outer_kwargs(cfg) -> dict[str, Any]:
     return {"sync_every": cfg.sync_every, "outer_lr": cfg.outer_lr,
             "outer_momentum": cfg.outer_momentum, "nesterov": cfg.nesterov,
             "offload": cfg.offload, "codec": cfg.codec, "codec_block": cfg.codec_block,
-            "codec_keep": cfg.codec_keep, "error_feedback": cfg.error_feedback or 0.0}
+            "codec_keep": cfg.codec_keep, "error_feedback": cfg.error_feedback or 0.0,
+            "eager": cfg.eager}
 
 
 def _fragment_spec(cfg, model: nn.Module, tied: bool) -> int | list:
@@ -210,6 +212,11 @@ class StreamingDiLoCo(Algorithm):
             same results. Default None: when it pays, i.e. with ``offload`` from an
             accelerator and τ >= 1. Not with an elastic ``comm`` (its syncs may be retried
             on the training thread).
+        eager: eager updates (see [`Eager`][loco.algorithms.eager.Eager]): the outer step
+            of a fragment is taken when it is sent, with this worker's pseudo-gradient for
+            its share and the others' from the fragment's previous sync; the sync's average
+            is only kept when it lands τ steps later. Default False. Not with an elastic
+            ``comm`` or ``outer_thread``.
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
             ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
             several ranks: ``ctx.inner``).
@@ -299,13 +306,14 @@ class StreamingDiLoCo(Algorithm):
                  alpha: float = 0.5, codec: str = "fp4_e3m0", codec_block: int | None = None,
                  codec_keep: float | None = None, error_feedback: float = 0.0,
                  outer_lr: float = 0.4, outer_momentum: float = 0.9, nesterov: bool = True,
-                 offload: bool = False, outer_thread: bool | None = None, **kwargs: Any):
+                 offload: bool = False, outer_thread: bool | None = None, eager: bool = False,
+                 **kwargs: Any):
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1 (got {sync_every!r})")
         names = split_fragments(model, fragments, pattern)
         count = len(names)
         _check_arguments(sync_every, count, overlap, alpha, outer_lr, outer_momentum,
-                         outer_thread, comm.elastic)
+                         outer_thread, comm.elastic, eager)
         if not 0 <= error_feedback < 1:
             raise ValueError(f"error_feedback (beta) must be in [0, 1) (got {error_feedback!r})")
         self.error_feedback = error_feedback
@@ -314,6 +322,7 @@ class StreamingDiLoCo(Algorithm):
         self.sync_every, self.overlap, self.alpha = sync_every, overlap, alpha
         self.pattern = pattern
         self.offload = offload
+        self._eager = eager
         self.outer_steps = 0
         """Syncs applied (or skipped) so far, over all fragments."""
         self.sync_log: list[dict] = []
@@ -336,9 +345,11 @@ class StreamingDiLoCo(Algorithm):
         self._sent = torch.zeros(max(f.delta.numel() for f in self.fragment_list)
                                  if error_feedback else 0,
                                  device=self.fragment_list[0].delta.device)
+        self.eager = Eager(self.fragment_list, comm.size) if eager else None
+        """The eager updates' state (``eager=True``), or None."""
         if outer_thread is None:  # it pays where the CPU is idle while the device computes
             outer_thread = (offload and self.params[0].device.type != "cpu" and overlap > 0
-                            and not comm.elastic)
+                            and not comm.elastic and not eager)
         self._outer = OuterThread(outer_device, self.params[0].device) if outer_thread else None
         # Every worker derives the schedule from the same step counter, so the same fragment
         # is reduced everywhere without a word.
@@ -360,8 +371,8 @@ class StreamingDiLoCo(Algorithm):
         wire = outer_device if self.comm.stage_from is not None else self.comm.device
         delta = torch.zeros(share.numel, dtype=torch.float32, device=wire)
         # The outer optimizer reads Δ̄ as the gradient of the global copy.
-        grad = delta if delta.device == outer_device else _pinned(torch.zeros_like(
-            global_flat), self.params[0].device)  # offloaded: Δ̄ lands here, one per fragment
+        grad = delta if delta.device == outer_device and not self._eager else _pinned(
+            torch.zeros_like(global_flat), self.params[0].device)  # offloaded (or eager)
         global_flat.grad = grad
         # One flat tensor: one fused kernel per outer step, no loop over parameters.
         optimizer = torch.optim.SGD([global_flat], **sgd,
@@ -392,6 +403,10 @@ class StreamingDiLoCo(Algorithm):
         last fragment sent reaches the global parameters that are evaluated."""
         if self._in_flight is not None:
             self._apply()
+        for fragment in self.fragment_list if self.eager is not None else ():
+            grad = self.eager.last_gradient(fragment)  # the others' share of its last sync
+            if grad is not None:
+                self._eager_step(fragment, grad)
 
     @torch.no_grad()
     def _send(self, fragment: Fragment, t: int) -> None:
@@ -413,10 +428,14 @@ class StreamingDiLoCo(Algorithm):
             fragment.error.mul_(self.error_feedback).add_(fragment.delta)
             fragment.delta.copy_(fragment.error)
             sent = self._sent[:fragment.delta.numel()]
+        if self.eager is not None:
+            self.eager.keep_own(fragment)
         handle = self.comm.all_reduce_mean(fragment.delta, tag="train", codec=self.codec,
                                            sent=sent)
         self._in_flight = _InFlight(fragment, handle, t)
-        if self._outer is not None:
+        if self.eager is not None:  # step now, with this worker's Δ for its share
+            self._eager_step(fragment, self.eager.step_gradient(fragment))
+        elif self._outer is not None:
             self._in_flight.stepped = self._outer.start(fragment, handle)
 
     @staticmethod
@@ -453,10 +472,38 @@ class StreamingDiLoCo(Algorithm):
                                      for g, v in zip(fragment.global_params, views)])
         fragment.share.gather()
 
+    def _eager_step(self, fragment: Fragment, grad: torch.Tensor) -> None:
+        """An eager outer step of ``fragment`` with ``grad`` (in ``fragment.grad``), merged
+        at once; a non-finite one is skipped (the replicas restart from the global copy)."""
+        with record_function("loco/outer_step"):
+            if not self.finite(grad, f"eager update (fragment {fragment.index})"):
+                return self._restart(fragment)
+            fragment.outer_optimizer.step()
+        with record_function("loco/merge"):
+            self._merge(fragment)
+
+    def _landed(self, flight: _InFlight) -> None:
+        """Eager: the sync's average has arrived; keep the others' share of it for the
+        fragment's next step (nothing is applied now)."""
+        fragment = flight.fragment
+        if flight.handle is not None:
+            with record_function("loco/wait"):
+                self.comm.settle(flight.handle)
+        self._feed_back(fragment)
+        if self.finite(fragment.delta, f"pseudo-gradient (fragment {fragment.index})"):
+            self.eager.landed(fragment)
+            fragment.syncs += 1
+        else:
+            self.eager.dropped(fragment)
+        self.outer_steps += 1
+        self._log(fragment, flight)
+
     @torch.no_grad()
     def _apply(self) -> None:
         flight, self._in_flight = self._in_flight, None
         fragment = flight.fragment
+        if self.eager is not None:
+            return self._landed(flight)
         what = f"pseudo-gradient (fragment {fragment.index})"
         if flight.stepped is not None:  # stepped on the OuterThread: swap the result in
             stepped = self._outer.wait(flight.stepped, flight.handle)
@@ -552,7 +599,8 @@ class StreamingDiLoCo(Algorithm):
             f.global_flat, *(s["momentum_buffer"] for s in f.outer_optimizer.state.values()
                              if s.get("momentum_buffer") is not None),
             *([] if f.error is None else [f.error]), f.delta,
-            *([] if f.grad is f.delta else [f.grad]))] + [self._sent]
+            *([] if f.grad is f.delta else [f.grad]))] + [self._sent] + (
+                [] if self.eager is None else self.eager.tensors())
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """The global copy θ^g of every synced parameter, on the parameters' device, by name
@@ -590,6 +638,8 @@ class StreamingDiLoCo(Algorithm):
                                                           "recv_bytes", "seconds", "waited")}}
             if tensors:
                 in_flight["delta"] = flight.fragment.delta
+                if self.eager is not None:
+                    in_flight["own"] = self.eager.own[:flight.fragment.delta.numel()]
                 if flight.fragment.error is not None:
                     in_flight["sent"] = self._sent[:flight.fragment.delta.numel()]
         fragments = [{"syncs": f.syncs, "stats": dict(f.stats)} for f in self.fragment_list]
@@ -601,8 +651,10 @@ class StreamingDiLoCo(Algorithm):
                     s["error"] = f.error
             else:
                 s["momentum"] = momentum_of(f) is not None
+        eager = None if self.eager is None else {"pending": list(self.eager.pending), **(
+            {"others": list(self.eager.others)} if tensors else {})}
         return {**super().state_dict(tensors), "outer_steps": self.outer_steps,
-                "fragments": fragments, "in_flight": in_flight}
+                "fragments": fragments, "in_flight": in_flight, "eager": eager}
 
     def load_state_dict(self, state: dict) -> None:
         """Restore what
@@ -620,6 +672,8 @@ class StreamingDiLoCo(Algorithm):
             raise ValueError(f"checkpoint has {len(state['fragments'])} fragments, this run "
                              f"{len(self.fragment_list)}")
         self.outer_steps = int(state["outer_steps"])
+        if self.eager is not None and state.get("eager") is not None:
+            self.eager.load_state_dict(state["eager"])
         for f, s in zip(self.fragment_list, state["fragments"]):
             if "global_params" in s:
                 f.global_flat.copy_(s["global_params"])
@@ -638,6 +692,8 @@ class StreamingDiLoCo(Algorithm):
                 fragment.delta.copy_(state["in_flight"]["delta"])
             if "sent" in state["in_flight"]:
                 self._sent[:fragment.delta.numel()].copy_(state["in_flight"]["sent"])
+            if "own" in state["in_flight"] and self.eager is not None:
+                self.eager.own[:fragment.delta.numel()].copy_(state["in_flight"]["own"])
             self._in_flight = _InFlight(fragment, None, int(state["in_flight"]["sent_at"]),
                                         state["in_flight"].get("record"))
 
@@ -653,9 +709,13 @@ class StreamingDiLoCo(Algorithm):
                 state[f"fragment{f.index}.momentum"] = (f.share, momentum)
             if f.error is not None:
                 state[f"fragment{f.index}.error"] = (f.share, f.error)
+            if self.eager is not None:
+                state[f"fragment{f.index}.eager_others"] = (f.share, self.eager.others[f.index])
         if self._in_flight is not None:
             flight = self._in_flight.fragment
             state["in_flight.delta"] = (flight.share, flight.delta)
+            if self.eager is not None:
+                state["in_flight.own"] = (flight.share, self.eager.own[:flight.delta.numel()])
             if flight.error is not None:
                 state["in_flight.sent"] = (flight.share, self._sent[:flight.delta.numel()])
         return state
@@ -675,7 +735,8 @@ class StreamingDiLoCo(Algorithm):
 
 
 def _check_arguments(sync_every: int, count: int, overlap: Any, alpha: float, outer_lr: float,
-                     outer_momentum: float, outer_thread: Any, elastic: bool) -> None:
+                     outer_momentum: float, outer_thread: Any, elastic: bool,
+                     eager: bool = False) -> None:
     """The constructor's ranges (see ``StreamingDiLoCo``); raises ValueError naming the
     first argument out of range."""
     if count > sync_every:
@@ -696,6 +757,10 @@ def _check_arguments(sync_every: int, count: int, overlap: Any, alpha: float, ou
     if outer_thread and elastic:
         raise ValueError("outer_thread=True needs a fixed group: an elastic comm retries "
                          "a sync on the training thread")
+    if eager and (elastic or outer_thread):
+        raise ValueError("eager updates need a fixed group of workers (their share is 1/M) "
+                         "and step when a sync is sent, not on the outer thread (got "
+                         f"elastic={elastic}, outer_thread={outer_thread})")
 
 
 def _pseudo_gradient(f: Fragment) -> None:

@@ -19,6 +19,11 @@ class GlobalCopyOptions:
                               "(noloco and local always do)")
     offload: bool = opt(False, "keep the global copy and outer optimizer state in CPU memory "
                         "(diloco, streaming)")
+    eager: bool = opt(False, "eager updates (diloco, streaming; Kale et al. 2025): take the "
+                      "outer step when a sync is sent, with this worker's fresh "
+                      "pseudo-gradient as its share of the average and the other workers' "
+                      "from the previous sync; the average only has to arrive before the "
+                      "next sync (diloco: it overlaps the whole round)")
 
 
 @dataclass
@@ -47,7 +52,7 @@ class WireOptions(GlobalCopyOptions):
 
 def check_wire(cfg) -> None:
     """The wire options' ranges: keep in (0, 1], the block in [2, 65536] (even for 4 bits,
-    a multiple of 4 for int2), error feedback's beta in [0, 1).
+    a multiple of 4 for int2), error feedback's beta in [0, 1); eager updates not elastic.
 
     Raises:
         ConfigError: naming the first option out of range.
@@ -61,6 +66,8 @@ def check_wire(cfg) -> None:
              + (f" and a multiple of {per_byte} with --codec {cfg.codec}" if per_byte > 1
                 else ""))
     need(cfg, 0 <= cfg.error_feedback < 1, "error_feedback", "must be in [0, 1) (0: none)")
+    need(cfg, not (cfg.eager and cfg.elastic), "eager", "needs a fixed group of workers (a "
+         "worker's share is 1/M): leave out --elastic")
 
 
 def wire_warnings(cfg) -> list[str]:
