@@ -328,6 +328,15 @@ def _train(args: argparse.Namespace) -> int:
           f"waited {summary.comm_wait_seconds:.1f} s on communication)"
           + (f"; emulated link {summary.link['bandwidth'] or 'unlimited'}, "
              f"{summary.link['latency'] or '0 ms'}" if summary.link else ""))
+    _print_layout(summary)
+    print(f"wrote {out}/metrics.jsonl, summary.json, loss.png")
+    return 0
+
+
+def _print_layout(summary) -> None:
+    """The final lines of ``loco train`` on the workers' speeds and layout and the replicas."""
+    from loco.training.summary import human_bytes
+
     if summary.worker_speeds and summary.goodput and summary.goodput["total"] is not None:
         shares = ", ".join("-" if g is None else f"{g:.0%}"
                            for g in summary.goodput["per_worker"])
@@ -347,8 +356,6 @@ def _train(args: argparse.Namespace) -> int:
         print(f"replicas: mean eval loss {r['mean_eval_loss']:.3f}, their average's "
               f"{r['average_eval_loss']:.3f}" + (" (the final model)" if r["final_average"]
                                                   else ""))
-    print(f"wrote {out}/metrics.jsonl, summary.json, loss.png")
-    return 0
 
 
 if __name__ == "__main__":

@@ -34,66 +34,17 @@ from loco.algorithms.outer_thread import OuterThread, momentum_of
 from loco.algorithms.sharding import Share, flatten_fp32, local, unflatten_views
 from loco.algorithms.wire import (
     GlobalCopyOptions,
+    StreamingOptions,
     WireOptions,
     check_wire,
+    outer_kwargs,
+    overlaps,
     wire_setting,
     wire_warnings,
 )
 from loco.comm import Comm, Handle
 from loco.comm.codecs import get_codec
-from loco.options import ConfigError, need, opt
-
-
-@dataclass
-class StreamingOptions(WireOptions):
-    """Streaming DiLoCo's own options: P, the pattern, τ and α."""
-
-    fragments: int = opt(2, "P (streaming): fragments the model's blocks are split into, each "
-                         "synced once every H steps: fragment p at step floor((p + 1) H / P) of "
-                         "each round, so any P <= H works; the peak bytes of a sync are those "
-                         "of the largest fragment")
-    fragment_pattern: str = opt("strided", "how blocks are dealt to fragments (streaming): "
-                                "strided (block i to fragment i mod P) or sequential",
-                                PATTERNS)
-    overlap: str = opt("1", "tau (streaming): inner steps a sync stays in flight while training "
-                       "goes on, 0 <= tau < floor(H/P) (the smallest gap between two sends); "
-                       "hides the transfer time. One integer for every worker, or one per "
-                       "worker: 1,1,2,5")
-    mixing: float = opt(0.5, "mixing factor alpha (streaming): share of the local parameters "
-                        "kept when a synced fragment is merged back, in [0, 1]; 0 replaces "
-                        "them (old name: --alpha)")
-
-
-def overlaps(cfg) -> list[int]:
-    """τ of every worker, from ``overlap`` (one integer for all, or one per worker).
-
-    Args:
-        cfg: the configuration (``overlap`` and ``workers``).
-
-    Raises:
-        ConfigError: not integers, or a list whose length is not ``workers``.
-    """
-    try:
-        values = [int(v) for v in str(cfg.overlap).split(",")]
-    except ValueError:
-        raise ConfigError("overlap", f"expected an integer or one per worker such as 1,1,2,5 "
-                          f"(got {cfg.overlap!r})") from None
-    if len(values) == 1:
-        return values * cfg.workers
-    if len(values) != cfg.workers:
-        raise ConfigError("overlap", f"gives {len(values)} values but there are {cfg.workers} "
-                          f"workers; give one integer, or one per worker")
-    return values
-
-
-def outer_kwargs(cfg) -> dict[str, Any]:
-    """H, the outer optimizer, ``offload`` and the wire (codec, its block and keep, error
-    feedback), as a method with a global copy takes them."""
-    return {"sync_every": cfg.sync_every, "outer_lr": cfg.outer_lr,
-            "outer_momentum": cfg.outer_momentum, "nesterov": cfg.nesterov,
-            "offload": cfg.offload, "codec": cfg.codec, "codec_block": cfg.codec_block,
-            "codec_keep": cfg.codec_keep, "error_feedback": cfg.error_feedback or 0.0,
-            "eager": cfg.eager}
+from loco.options import need
 
 
 def _fragment_spec(cfg, model: nn.Module, tied: bool) -> int | list:
