@@ -49,12 +49,20 @@ class Eager:
 
     def keep_own(self, fragment: Any) -> None:
         """At a send, before the all-reduce takes ``fragment.delta``: keep this worker's
-        pseudo-gradient."""
+        pseudo-gradient.
+
+        Args:
+            fragment: the fragment sent, its pseudo-gradient in ``delta``.
+        """
         self.own[:fragment.delta.numel()].copy_(fragment.delta)
 
     def step_gradient(self, fragment: Any) -> torch.Tensor:
         """The eager step's gradient of ``fragment``, written into ``fragment.grad``:
-        ``Δ_m / M`` plus the others' share of its previous sync."""
+        ``Δ_m / M`` plus the others' share of its previous sync.
+
+        Args:
+            fragment: the fragment sent (after ``keep_own``).
+        """
         own = self.own[:fragment.delta.numel()]
         grad = fragment.grad
         grad.copy_(own).div_(self.workers)  # (offloaded: a copy to the host, waited for)
@@ -64,20 +72,32 @@ class Eager:
 
     def landed(self, fragment: Any) -> None:
         """The sync's average has arrived in ``fragment.delta``: keep the others' share of
-        it, ``Δ̄ − Δ_m / M``."""
+        it, ``Δ̄ − Δ_m / M``.
+
+        Args:
+            fragment: the fragment whose sync landed.
+        """
         others = self.others[fragment.index]
         others.copy_(self.own[:fragment.delta.numel()]).div_(self.workers)
         torch.sub(fragment.delta.to(others.device), others, out=others)
         self.pending[fragment.index] = True
 
     def dropped(self, fragment: Any) -> None:
-        """The sync's average was not finite (skipped): nothing of it is kept."""
+        """The sync's average was not finite (skipped): nothing of it is kept.
+
+        Args:
+            fragment: the fragment whose sync was skipped.
+        """
         self.others[fragment.index].zero_()
         self.pending[fragment.index] = False
 
     def last_gradient(self, fragment: Any) -> torch.Tensor | None:
         """At the end: the others' share of the fragment's last sync as the gradient of one
-        more outer step (written into ``fragment.grad``); None when there is none."""
+        more outer step (written into ``fragment.grad``); None when there is none.
+
+        Args:
+            fragment: a fragment of the method.
+        """
         if not self.pending[fragment.index]:
             return None
         self.pending[fragment.index] = False
