@@ -17,7 +17,8 @@ import torch
 import loco
 from loco.algorithms.fragments import split_fragments
 from workers import (batch, diloco_worker, make_model, make_optimizer, max_diff, params_of,
-                     reference_eager, reference_streaming, resume_worker, slow_reduce,
+                     planned_worker, reference_eager, reference_streaming, resume_worker,
+                     slow_reduce,
                      streaming_worker)
 
 pytestmark = pytest.mark.numerics
@@ -429,3 +430,21 @@ def test_eager_diloco_overlaps_the_round_and_refuses_what_it_cannot_do():
                                   "launcher": "processes"})
     with pytest.raises(ConfigError, match="^--eager: needs a fixed group"):
         validate(cfg)
+
+
+@pytest.mark.parametrize("fragments,overlap,alpha,codec", [
+    (1, 0, 0.0, "fp32"), (2, 1, 0.5, "fp32"), (4, 2, 0.5, "fp4_e3m0")])
+def test_speed_aware_local_steps_match_their_reference(fragments, overlap, alpha, codec):
+    """Speed-aware local steps (Async Local-SGD's dynamic local updates) with a fixed plan
+    of steps per round per worker: the workers train on their ticks only, and each
+    pseudo-gradient is weighed by the steps behind it, bit for bit the reference's; the
+    weights change the run."""
+    plan = [[12, 12, 12], [12, 6, 3], [12, 4, 12]]
+    steps = 2 * H + 7
+    kw = dict(sync_every=H, fragments=fragments, overlap=overlap, alpha=alpha, codec=codec)
+    out = loco.launch(planned_worker, 3, args=(steps, plan), kwargs=kw)
+    ref = reference_streaming(3, steps, H, fragments, overlap, alpha, codec, plan=plan)
+    for r in out:
+        assert max_diff(r, ref) == 0
+    assert max_diff(ref, reference_streaming(3, steps, H, fragments, overlap, alpha,
+                                             codec)) > 1e-5

@@ -92,3 +92,79 @@ def test_a_run_with_a_slow_worker_records_its_speed_and_a_goodput_below_one(corp
     assert fast["blocked_seconds"] > slow["blocked_seconds"]
     assert 0 < s["goodput"]["total"] < 1
     assert s["goodput"]["per_worker"][0] < s["goodput"]["per_worker"][1]
+
+
+# ---------------------------------------------------------------- speed-aware local steps
+def test_a_worker_of_n_steps_trains_on_n_ticks_of_each_round_the_last_among_them():
+    plan = speed.LocalSteps(10, 3, 0, rounds=[[10, 5, 3], [10, 1, 7]])
+    for worker, (first, second) in enumerate([(10, 10), (5, 1), (3, 7)]):
+        ticks = [t for t in range(1, 21) if plan.trains(t, worker)]
+        assert sum(t <= 10 for t in ticks) == first and sum(t > 10 for t in ticks) == second
+        assert 10 in ticks and 20 in ticks  # the round's last tick: the sync follows it
+    assert [t for t in range(1, 11) if plan.trains(t, 1)] == [2, 4, 6, 8, 10]  # evenly
+    assert plan.steps_until(20) == 10 + 5 + 3 + 10 + 1 + 7
+    assert plan.steps_until(25) == plan.steps_until(20) + 3 * 5  # later rounds: H each
+    # weights: M times the worker's share of the steps of the ticks a sync covers
+    assert plan.weight(10, 10) == pytest.approx(3 * 10 / 18)
+    assert speed.LocalSteps(10, 3, 2, rounds=[[10, 5, 3]]).weight(10, 10) == pytest.approx(
+        3 * 3 / 18)
+
+
+class Gathers:
+    """A stand-in Comm whose all-gathers return the given times, one list per call."""
+
+    device = "cpu"
+
+    def __init__(self, *times):
+        self.times, self.calls = list(times), 0
+
+    def all_gather(self, tensor, tag):
+        import torch
+
+        values, self.calls = self.times[self.calls], self.calls + 1
+        return type("Handle", (), {"wait": lambda self: [torch.tensor([v]) for v in values]})()
+
+
+def test_the_times_of_round_r_fix_round_r_plus_2_the_same_on_every_worker():
+    """Rounds 0 and 1 train H each; the step times gathered at round r's end give round
+    r + 2 ``round(H · fastest / time)`` steps (at least 1), without waiting for the gather
+    (it is settled at the next round's end, or before a checkpoint)."""
+    comm = Gathers([0.1, 0.2, 0.4], [0.1, 0.1, 5.0])
+    plans = [speed.LocalSteps(8, 3, m) for m in range(3)]
+    plan = plans[0]
+    plan.trained(0.1)
+    plan.agree(comm)  # the end of round 0: gathered, not waited for
+    assert plan.rounds == [[8, 8, 8]] * 2
+    plan.agree(comm)  # the end of round 1: round 0's times fix round 2
+    assert plan.rounds[2] == [8, 4, 2]
+    plan.settle()  # before a checkpoint: round 1's times fix round 3
+    assert plan.rounds[3] == [8, 8, 1]
+    assert comm.calls == 2
+
+
+def test_local_steps_refuse_what_they_cannot_do():
+    for extra, message in [({"algorithm": "noloco"}, "needs a method with rounds"),
+                           ({"worker_ranks": 2}, "--worker-ranks"),
+                           ({"elastic": True, "launcher": "processes"}, "--elastic")]:
+        cfg = build_config(overrides={"local_steps": "proportional", **extra})
+        with pytest.raises(ConfigError, match=f"^--local-steps: .*{message}"):
+            from loco.config.sections import check_local_steps
+            check_local_steps(cfg)
+
+
+def test_a_slow_worker_trains_fewer_steps_per_round_and_waits_less(corpus, tmp_path):
+    """Worker 1 at a quarter of the speed, speed-aware local steps: from round 2 on it
+    trains fewer steps per round than H (the rounds are recorded), the tokens count the
+    steps trained, and every step trained is applied."""
+    out = tmp_path / "run"
+    assert main(small_run(corpus, out, "--worker-speed", "1,0.25", "--algorithm", "diloco",
+                          "--local-steps", "proportional", "--steps", "16")) == 0
+    s = json.loads((out / "summary.json").read_text())
+    rounds = s["local_steps"]["rounds"]
+    assert rounds[:2] == [[4, 4], [4, 4]] and all(r[0] == 4 for r in rounds)
+    assert all(r[1] < 4 for r in rounds[2:4])
+    fast, slow = s["per_worker"]
+    assert fast["trained_steps"] == 16 and slow["trained_steps"] == 8 + sum(
+        r[1] for r in rounds[2:4])
+    assert slow["applied_steps"] == slow["trained_steps"]
+    assert s["tokens"] == (fast["trained_steps"] + slow["trained_steps"]) * 4 * 32

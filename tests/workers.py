@@ -124,6 +124,25 @@ def streaming_worker(ctx, steps, layers=4, step_hook=None, **kw):
             "peak": ctx.comm.peak_sent_bytes(), "stats": algo.fragment_stats()}
 
 
+def planned_worker(ctx, steps, plan, **kw):
+    """Streaming DiLoCo whose workers train only on the ticks of a fixed speed-aware plan
+    (``plan``: every round's steps per worker), their pseudo-gradients weighed by it."""
+    from loco.training.speed import LocalSteps
+
+    model = make_model(layers=kw.pop("layers", 4))
+    opt = make_optimizer(model)
+    algo = loco.StreamingDiLoCo(model, opt, ctx.comm, **kw)
+    ticks = LocalSteps(kw["sync_every"], ctx.comm.size, ctx.rank, rounds=plan)
+    algo.weight_of = ticks.weight
+    for t in range(steps):
+        if ticks.trains(t + 1):
+            train_steps(model, opt, ctx.rank, [t], lambda: (algo.step(), algo.zero_grad()))
+        else:
+            algo.idle_step()
+    algo.flush()
+    return params_of(algo.global_parameters())
+
+
 def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, parallel="ddp", **extra):
     """Train ``split`` steps, checkpoint, finish; then rebuild from the checkpoint and
     finish again. Returns both final parameter sets (whole). With R ranks per worker
@@ -215,7 +234,7 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
                         outer_lr=0.4, outer_momentum=0.9, nesterov=True, layers=4,
                         pattern="strided", block=None, data=batch, shards=1, parallel="ddp",
                         optimizer=make_optimizer, lost=None, rejoin=None, error_feedback=0.0,
-                        keep=None):
+                        keep=None, plan=None):
     """Streaming DiLoCo as the paper's algorithm box, in one process: per-fragment
     pseudo-gradients, quantized (and the mean re-quantized) with the codec, an outer Nesterov
     step by hand, and the α-merge into each worker's moved-on parameters at t + τ_m (``overlap``
@@ -231,8 +250,25 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     e ← β·e + Δ, it contributes D(C(e)), and keeps e − D(C(e)). A codec that ``gathers``
     (SparseLoCo's) is applied to the whole fragment and the mean is not encoded again;
     another one to the M rows of the all-reduce (chunk ``padded(ceil(n / M))``) and to the
-    mean's rows."""
+    mean's rows.
+
+    Speed-aware local steps (``plan``: every round's steps per worker): worker m trains at
+    tick k of a round of n steps when floor((k+1) n / H) > floor(k n / H), and its
+    pseudo-gradient is scaled by M n_m / N (its share of the steps of the H ticks before
+    the send) before it is averaged."""
     lost, rejoin = lost or {}, rejoin or {}
+
+    def ticks(m, t):  # the tick of a worker of fewer steps per round (plan)
+        if plan is None:
+            return True
+        n = plan[(t - 1) // sync_every][m] if (t - 1) // sync_every < len(plan) else sync_every
+        k = (t - 1) % sync_every
+        return (k + 1) * n // sync_every > k * n // sync_every
+
+    def weight(m, t):
+        steps = [sum(ticks(w, u) for u in range(max(1, t - sync_every + 1), t + 1))
+                 for w in range(workers)]
+        return workers * steps[m] / sum(steps)
 
     def contributes(m, s):
         return m not in lost or s < lost[m] or (m in rejoin and s > rejoin[m][0])
@@ -283,7 +319,7 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     before = None  # the global copy before the outer step of a rejoin's sync
     for t in range(1, steps + 1):
         for m in range(workers):
-            if trains(m, t):
+            if trains(m, t) and ticks(m, t):
                 train_steps(models[m], opts[m], m, [t - 1], data=data)
         for p in range(P):
             if t % H == ((p + 1) * H // P) % H:
@@ -294,6 +330,8 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
                     deltas = []
                     for m in live:
                         d = glob[p] - torch.cat([local[m][n].reshape(-1) for n in names[p]])
+                        if plan is not None:
+                            d.mul_(weight(m, t))
                         if error_feedback:
                             d = errors[m][p].mul_(error_feedback).add_(d).clone()
                         deltas.append(per_shard[p](d))

@@ -14,6 +14,7 @@ data-parallel training clips the averaged gradient, as DDP does.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -129,6 +130,10 @@ class Algorithm(Method):
         self.skipped = {"inner_steps": 0, "syncs": 0}
         """Inner steps and syncs skipped because of non-finite values
         (``on_nonfinite="skip"``)."""
+        self.weight_of: Callable[[int, int], float] | None = None
+        """This worker's weight in the average of a sync sent at inner step t that covers
+        the ``span`` steps before it, ``weight_of(t, span)`` (M times its share of the
+        steps trained then: speed-aware local steps); None: equal weights."""
         self._init_sync = init_sync
         self._syncing = None  # (what, when) of the sync whose quorum this worker is in
         if comm.elastic:  # the first quorum comes with join()
@@ -233,6 +238,17 @@ class Algorithm(Method):
         """Go on with the sync of ``_syncing`` after ``load_heal_state`` (subclasses)."""
 
     # ----------------------------------------------------------------------------- the loop
+    def idle_step(self) -> None:
+        """Advance the schedule by one inner step without training (a worker that trains
+        fewer steps per round: speed-aware local steps): what is due at that step (a sync)
+        happens as at any step. Only the methods with a round of H steps and a global copy
+        have it.
+
+        Raises:
+            NotImplementedError: this method has none.
+        """
+        raise NotImplementedError(f"{self.name} trains every step of its schedule")
+
     def clip_gradients(self) -> torch.Tensor:
         """Clip the gradient to ``max_grad_norm`` (if set); return its norm before clipping.
 

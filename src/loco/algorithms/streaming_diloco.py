@@ -341,6 +341,12 @@ class StreamingDiLoCo(Algorithm):
         """One inner step; then, if a fragment is due, start its sync, and apply the sync
         sent τ steps ago (waiting for it only if it has not arrived yet)."""
         self.inner_update()
+        self.idle_step()
+
+    def idle_step(self) -> None:
+        """A step of the schedule without an inner update (see
+        [`Algorithm.idle_step`][loco.algorithms.base.Algorithm.idle_step]): the syncs due
+        at it are sent and applied as at any step."""
         self.inner_steps += 1
         t = self.inner_steps
         fragment = self._due.get(t % self.sync_every)
@@ -374,6 +380,8 @@ class StreamingDiLoCo(Algorithm):
         # outer_step and merge in _apply.
         with record_function("loco/pseudo_gradient"):
             _pseudo_gradient(fragment)
+            if self.weight_of is not None:  # weighed by the steps behind it
+                fragment.delta.mul_(self.weight_of(t, self.sync_every))
         sent = None
         if fragment.error is not None:  # e ← β·e + Δ; what is sent is C(e)
             fragment.error.mul_(self.error_feedback).add_(fragment.delta)

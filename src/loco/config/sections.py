@@ -20,6 +20,8 @@ DEFAULT_STEPS = 400
 LAUNCHER_NAMES = ("threads", "processes", "torchrun")
 ROUTINGS = ("fixed", "random")
 NONFINITE = ("stop", "skip")
+LOCAL_STEPS = ("fixed", "proportional")
+"""How many inner steps each worker trains per round: H each, or in proportion to its speed."""
 WORKER_PARALLEL = ("ddp", "fsdp")
 """How the ranks of one worker (``--worker-ranks``) split its replica: ddp (each holds the
 whole model and their gradients are averaged) or fsdp (FSDP2 shards the model over them)."""
@@ -133,6 +135,26 @@ def worker_speeds(cfg) -> tuple[float, ...] | None:
         raise ConfigError("worker_speed", f"needs one factor per worker: {cfg.workers} "
                           f"(--workers), got {len(speeds)} ({cfg.worker_speed!r})")
     return speeds
+
+
+def check_local_steps(cfg) -> None:
+    """``local_steps`` proportional only where a round of H steps and a global copy exist,
+    with workers of one rank, one stage, not elastic.
+
+    Raises:
+        ConfigError: naming ``local_steps`` and what it needs.
+    """
+    if cfg.local_steps != "proportional":
+        return
+    if not cfg.method.global_copy:
+        raise ConfigError("local_steps", "proportional needs a method with rounds of H steps "
+                          f"and a global copy (diloco, streaming, sparseloco; got "
+                          f"--algorithm {cfg.algorithm})")
+    for name, ok in (("worker_ranks", cfg.worker_ranks == 1), ("stages", cfg.stages == 1),
+                     ("elastic", not cfg.elastic)):
+        if not ok:
+            raise ConfigError("local_steps", f"proportional is not supported with --"
+                              f"{name.replace('_', '-')} yet (got {getattr(cfg, name)})")
 
 
 def check_worker_layout(cfg) -> None:
@@ -450,6 +472,13 @@ class RuntimeOptions:
                                    "the difference after the step's forward and backward, so "
                                    "the CPU is not burned); the summary records the speeds "
                                    "and the goodput (default: every worker at its own speed)")
+    local_steps: str = opt("fixed", "inner steps per round of each worker: fixed (H each) or "
+                           "proportional to its measured speed (the fastest trains H, a "
+                           "worker at half its speed H/2, so that none waits at the sync; "
+                           "pseudo-gradients weighed by the steps behind them; agreed by all "
+                           "workers at every round's end); proportional: diloco, streaming and "
+                           "sparseloco, workers of one rank, no pipeline stages, not elastic",
+                           LOCAL_STEPS)
     on_nonfinite: str = opt("stop", "a non-finite gradient or pseudo-gradient is caught before "
                             "it reaches the parameters; stop the run (the last checkpoint is "
                             "the last good state) or skip that step or sync and count it",
@@ -468,6 +497,7 @@ class RuntimeOptions:
                  f"h (e.g. 90s, 30m, 2h; got {self.checkpoint_interval!r})")
         need(self, 0 <= self.max_restarts <= 100, "max_restarts", "must be in [0, 100]")
         worker_speeds(self)
+        check_local_steps(self)
         check_worker_layout(self)
         check_elastic(self)
 

@@ -23,7 +23,7 @@ from loco.runtime.pipeline import PipelineStage
 from loco.runtime.vitals import LARGE_MODEL_BYTES, Vitals, return_freed_memory
 from loco.training.optimizers import inner_optimizer
 from loco.training.runlog import RunLog
-from loco.training.speed import Throttle
+from loco.training.speed import LocalSteps, Throttle
 from loco.training.state import restore, restore_elastic, resume_state, seek
 from loco.training.worker import SAVED_LOOP, Loop, Worker
 
@@ -156,7 +156,8 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
         log=open_log(cfg, state, joined, loop) if main else None, bar=bar, writer=writer,
         fault=Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None,
         resumed_from=resumed_from, start=start, vitals=vitals,
-        stager=make_stager(ctx), throttle=make_throttle(cfg, ctx))
+        stager=make_stager(ctx), throttle=make_throttle(cfg, ctx),
+        local_steps=make_local_steps(cfg, ctx, algo, loop))
     if resumed_from is not None:  # a checkpoint counts its tokens; a joiner estimates them
         nominal = resumed_from * ctx.mesh.replicas * ctx.mesh.shards * cfg.batch_size * cfg.seq_len
         worker.resumed_tokens = int(state["loop"].get("tokens", nominal)) if state else nominal
@@ -168,6 +169,18 @@ def make_throttle(cfg: TrainConfig, ctx: WorkerContext) -> Throttle | None:
     """This worker's emulated speed (``--worker-speed``, its factor); None without one."""
     speeds = worker_speeds(cfg)
     return Throttle(speeds[ctx.replica], ctx.device) if speeds is not None else None
+
+
+def make_local_steps(cfg: TrainConfig, ctx: WorkerContext, algo, loop: Loop
+                     ) -> LocalSteps | None:
+    """Speed-aware local steps (``--local-steps proportional``; the rounds a checkpoint
+    agreed), the algorithm's pseudo-gradients weighed by them; None: every worker trains
+    every step."""
+    if cfg.local_steps != "proportional":
+        return None
+    plan = LocalSteps(cfg.sync_every, ctx.mesh.replicas, ctx.replica, loop.local_rounds)
+    algo.weight_of = plan.weight
+    return plan
 
 
 def make_stager(ctx: WorkerContext) -> checkpoint.Stager | None:

@@ -16,7 +16,7 @@ from loco.training.counters import (gather_counters, issued_link_bytes, summariz
                                     write_comm_totals)
 from loco.training.evaluation import final_evaluation, final_extra_evaluation
 from loco.training.runlog import RunLog
-from loco.training.state import last_checkpoint
+from loco.training.state import last_checkpoint, local_rounds
 from loco.training.summary import Summary
 from loco.training.worker import Loop, Worker
 
@@ -91,6 +91,7 @@ def make_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float |
         model_parameters=w.model.num_parameters(), **summarize_counters(ctx, workers),
         resumed_from_step=w.resumed_from, restarts=restart_count(),
         worker_speeds=None if cfg.worker_speed is None else list(worker_speeds(cfg)),
+        local_steps=None if w.local_steps is None else {"rounds": local_rounds(w)},
         elastic=(None if not ctx.comm.elastic else {
             "min_workers": ctx.comm.min_workers,
             **recovery_report(ctx.comm.events, ctx.comm.syncs, ctx.comm.workers)}),

@@ -72,6 +72,27 @@ def step_profiler(w: Worker) -> StepProfiler:
 
 
 def train_step(w: Worker, step: int, loop: Loop) -> torch.Tensor | None:
+    """One inner step, timed for speed-aware local steps (``--local-steps proportional``),
+    which may also leave it out (an idle tick: the algorithm's schedule moves on)."""
+    plan = w.local_steps
+    if plan is None:
+        return inner_step(w, step, loop)
+    if not plan.trains(step):
+        w.algo.idle_step()
+        w.schedule.step()
+        loss = None
+        if step == w.cfg.steps:
+            w.algo.flush()
+    else:
+        t0, waited = time.perf_counter(), blocked_seconds(w.ctx)
+        loss = inner_step(w, step, loop)
+        plan.trained(time.perf_counter() - t0 - (blocked_seconds(w.ctx) - waited))
+    if step % plan.sync_every == 0:
+        plan.agree(w.ctx.comm)
+    return loss
+
+
+def inner_step(w: Worker, step: int, loop: Loop) -> torch.Tensor | None:
     """One inner step: forward, backward (then a pause, if ``--worker-speed`` slows this
     worker), the algorithm's step (which syncs when due) and the schedule's; returns the
     loss (None on pipeline stages but the last)."""

@@ -268,6 +268,14 @@ def checkpoint_state(w: Worker, loop: Loop, step: int, tensors: bool = True) -> 
         "loop": loop_state(w, loop, step)}
 
 
+def local_rounds(w: Worker) -> list | None:
+    """The speed-aware schedule's rounds so far (the gather in flight settled), or None."""
+    if w.local_steps is None:
+        return None
+    w.local_steps.settle()
+    return [list(r) for r in w.local_steps.rounds]
+
+
 def loop_state(w: Worker, loop: Loop, step: int) -> dict:
     """The loop's running values after ``step``, for a checkpoint (``metrics_bytes``: the
     length of metrics.jsonl; None on a rank that does not write it in an elastic run)."""
@@ -275,7 +283,7 @@ def loop_state(w: Worker, loop: Loop, step: int) -> dict:
     return {"loss_sum": loop.loss_sum, "loss_count": loop.loss_count,
             "eval_seconds": loop.eval_seconds, "diagnostic_seconds": loop.diagnostic_seconds,
             "train_seconds": loop.elapsed(), "trained_steps": loop.trained_steps,
-            "throttle_seconds": loop.throttle_seconds,
+            "throttle_seconds": loop.throttle_seconds, "local_rounds": local_rounds(w),
             "metrics_bytes": w.log.tell() if w.log is not None else
             None if w.ctx.comm.elastic else 0,
             "tokens": w.tokens_at(step)}

@@ -81,6 +81,8 @@ class Summary:
             ``step_seconds`` when it does not wait; None for runs before it was recorded.
         worker_speeds: the speed factors of ``--worker-speed``, one per worker; None when
             every worker ran at its own speed.
+        local_steps: with ``--local-steps proportional``: ``rounds``, every round's inner
+            steps per worker as the workers agreed them; None otherwise.
         resumed_from_step: the checkpoint's step this run resumed from; None for a fresh
             run.
         restarts: times the launcher restarted the workers.
@@ -148,6 +150,7 @@ class Summary:
     nonfinite_skipped: dict[str, int] | None = None
     goodput: dict[str, Any] | None = None
     worker_speeds: list[float] | None = None
+    local_steps: dict[str, Any] | None = None
     resumed_from_step: int | None = None
     restarts: int | None = None
     elastic: dict[str, Any] | None = None

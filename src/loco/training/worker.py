@@ -18,7 +18,7 @@ from loco.runtime.faults import Fault
 from loco.runtime.pipeline import PipelineStage
 from loco.runtime.vitals import Vitals
 from loco.training.runlog import RunLog
-from loco.training.speed import Throttle
+from loco.training.speed import LocalSteps, Throttle
 
 
 @dataclass
@@ -51,6 +51,8 @@ class Worker:
             background writer; None (a model on the CPU): checkpoints are written in place
             by the training thread, with no copy of the state.
         throttle: this worker's emulated speed (``--worker-speed``); None: its own.
+        local_steps: the ticks each worker trains on (``--local-steps proportional``);
+            None: every worker every step.
     """
 
     cfg: TrainConfig
@@ -77,12 +79,16 @@ class Worker:
     vitals: Vitals | None = None
     stager: checkpoint.Stager | None = None
     throttle: Throttle | None = None
+    local_steps: LocalSteps | None = None
 
     def tokens_at(self, step: int) -> int:
         """Training tokens of the whole run after ``step``, every rank together (elastic:
         of the live workers, counted step by step; ``step`` is the current one)."""
         if self.ctx.comm.elastic:
             return self.elastic_tokens
+        if self.local_steps is not None:  # the steps every worker trained, tick by tick
+            return self.local_steps.steps_until(step) * self.tokens_per_step // (
+                self.ctx.mesh.replicas)
         if self.resumed_from is None:
             return step * self.tokens_per_step
         return self.resumed_tokens + (step - self.resumed_from) * self.tokens_per_step
@@ -125,7 +131,7 @@ class Worker:
 
 #: The running values a checkpoint saves (under "loop"), to continue them exactly.
 SAVED_LOOP = ("loss_sum", "loss_count", "eval_seconds", "diagnostic_seconds", "train_seconds",
-              "metrics_bytes", "trained_steps", "throttle_seconds")
+              "metrics_bytes", "trained_steps", "throttle_seconds", "local_rounds")
 
 
 @dataclass
@@ -146,6 +152,8 @@ class Loop:
         trained_steps: inner steps this rank trained, over the whole run (an elastic
             joiner's from its join).
         throttle_seconds: seconds it slept to emulate its ``--worker-speed``, over the run.
+        local_rounds: with ``--local-steps proportional``: every round's steps per worker,
+            as agreed at the checkpoint this run resumed from (None: a fresh schedule).
     """
 
     loss_sum: float = 0.0
@@ -163,6 +171,7 @@ class Loop:
     checkpoint_seconds: float = 0.0
     trained_steps: int = 0
     throttle_seconds: float = 0.0
+    local_rounds: list | None = None
     last_checkpoint: float | None = None
     """``time.perf_counter()`` when this run's last checkpoint was handed over (None: none
     yet; ``--checkpoint-interval`` counts from the loop's start)."""
