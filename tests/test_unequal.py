@@ -168,3 +168,14 @@ def test_a_slow_worker_trains_fewer_steps_per_round_and_waits_less(corpus, tmp_p
         r[1] for r in rounds[2:4])
     assert slow["applied_steps"] == slow["trained_steps"]
     assert s["tokens"] == (fast["trained_steps"] + slow["trained_steps"]) * 4 * 32
+
+
+def test_loco_compare_shows_the_goodput_over_the_seeds():
+    from types import SimpleNamespace
+
+    from loco.report.tables import goodput_cell
+
+    def run(total):
+        return SimpleNamespace(summary=SimpleNamespace(goodput={"total": total}))
+    assert goodput_cell([run(0.5), run(0.7)]) == "60.0%"
+    assert goodput_cell([run(0.5), SimpleNamespace(summary=SimpleNamespace(goodput=None))]) == "-"

@@ -29,6 +29,7 @@ def table(runs: list[Run], numbers: dict[str, dict],
             seeds and the loss reads ``mean ± half-range (min–max)``; default: none.
     """
     link = any(r.summary.link for r in runs)
+    unequal = any(r.summary.worker_speeds for r in runs)
     ranks = any(worker_ranks(r) > 1 for r in runs)
     head = ["method", "setting", "final eval loss", "vs DataParallel", "sent / worker (B)",
             "peak sync / worker (B)", "DataParallel ÷ sent", "wall time (s)", "tokens/s",
@@ -37,6 +38,8 @@ def table(runs: list[Run], numbers: dict[str, dict],
         head[6:6] = ["slow link / worker (B)", "fast link / worker (B)"]
     if link:
         head.append("compute utilization")
+    if unequal:
+        head.append("goodput")
     if seeds:
         head[2:3] = ["seeds", "final eval loss, mean ± half-range (min–max)"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -53,11 +56,26 @@ def table(runs: list[Run], numbers: dict[str, dict],
             row[6:6] = [link_cell(r, "slow"), link_cell(r, "fast")]
         if link:
             row.append(f"{s.compute_utilization:.1%}")
+        if unequal:
+            row.append(goodput_cell(seeds[r.label] if seeds else [r]))
         if seeds:
             row[2:3] = [", ".join(str(m.seed) for m in seeds[r.label]),
                         loss_spread(seeds[r.label])]
         lines.append("| " + " | ".join(row) + " |")
     return lines
+
+
+def goodput_cell(members: list[Run]) -> str:
+    """A method's goodput (``Summary.goodput``), the mean over its seeds; ``-`` where a run
+    did not record it.
+
+    Args:
+        members: its runs, one per seed (or the run).
+    """
+    values = [(m.summary.goodput or {}).get("total") for m in members]
+    if None in values:
+        return "-"
+    return f"{sum(values) / len(values):.1%}"
 
 
 def loss_spread(members: list[Run]) -> str:
