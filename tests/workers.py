@@ -372,73 +372,75 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
 def reference_eager(workers, steps, sync_every, fragments, overlap, alpha, outer_lr=0.4,
                     outer_momentum=0.9, layers=4):
     """Streaming DiLoCo with eager updates (Kale et al. 2025) as its box, in one process, in
-    fp32: when fragment p is sent at step t, each worker m steps its own global copy at once
-    with Δ_m / M plus the others' share of the fragment's previous average, and merges it
-    (α); τ steps later the average lands and m keeps ``mean − Δ_m / M`` for its next step.
-    After the last step every worker steps once more with the others' share of each
-    fragment's last average. Returns every worker's global copy by name."""
+    fp32: when fragment p is sent at step t, each worker m takes a proxy Nesterov step from
+    the global copy and its momentum (both left as they are) with Δ_m / M plus the others'
+    share of the fragment's previous average, and merges the result θ̃_m (α); τ steps later
+    the average lands: the true outer step on the global copy, each replica corrected by
+    (1 − α)(θ^g − θ̃_m), and m keeps ``mean − Δ_m / M`` for its next proxy. Returns the
+    global copy by name (the same for every worker)."""
     from loco.algorithms.fragments import split_fragments
 
     models = [make_model(layers=layers) for _ in range(workers)]
     opts = [make_optimizer(m) for m in models]
     names = split_fragments(models[0], fragments, "strided")
-    P, H, M = len(names), sync_every, workers
+    P, H, M, mu, lr = len(names), sync_every, workers, outer_momentum, outer_lr
     local = [dict(m.named_parameters()) for m in models]
     flat = lambda m, p: torch.cat([local[m][n].detach().reshape(-1) for n in names[p]])  # noqa: E731
-    glob = [[flat(0, p) for p in range(P)] for _ in range(M)]
-    momentum = [[torch.zeros_like(g) for g in glob[0]] for _ in range(M)]
-    others = [[torch.zeros_like(g) for g in glob[0]] for _ in range(M)]
-    pending = [[False] * P for _ in range(M)]
-    in_flight = None  # (fragment, step sent, every worker's Δ)
+    glob = [flat(0, p) for p in range(P)]
+    momentum = [None] * P
+    others = [[torch.zeros_like(g) for g in glob] for _ in range(M)]
+    in_flight = None  # (fragment, step sent, every worker's Δ, every worker's θ̃)
 
-    def step(m, p, grad):
+    def shift(m, p, target, weight):  # replica m's fragment p: lerp to target, or add to it
         with torch.no_grad():
-            momentum[m][p].mul_(outer_momentum).add_(grad)
-            glob[m][p].add_(grad.add(momentum[m][p], alpha=outer_momentum), alpha=-outer_lr)
             offset = 0
             for n in names[p]:
                 w = local[m][n]
-                g = glob[m][p][offset:offset + w.numel()].view_as(w)
-                w.copy_(g if alpha == 0 else w.lerp(g, 1 - alpha))
+                g = target[offset:offset + w.numel()].view_as(w)
+                if weight is None:
+                    w.copy_(g if alpha == 0 else w.lerp(g, 1 - alpha))
+                else:
+                    torch._foreach_add_([w], [g], alpha=weight)
                 offset += w.numel()
 
+    def proxy(p, grad):  # (the same ops as the library's: alpha folds into one kernel)
+        buf = grad.clone() if momentum[p] is None else momentum[p] * mu + grad
+        return torch.sub(glob[p], torch.add(grad, buf, alpha=mu), alpha=lr)
+
     def land():
-        p, _, deltas = in_flight
+        p, _, deltas, ahead = in_flight
         mean = torch.stack(deltas).sum(0) / M
         for m in range(M):
             others[m][p] = mean - deltas[m] / M
-            pending[m][p] = True
+        with torch.no_grad():
+            momentum[p] = mean.clone() if momentum[p] is None else momentum[p].mul_(mu).add_(mean)
+            glob[p].add_(mean.add(momentum[p], alpha=mu), alpha=-lr)
+        for m in range(M):
+            shift(m, p, glob[p] - ahead[m], 1 - alpha)
 
     for t in range(1, steps + 1):
         for m in range(M):
             train_steps(models[m], opts[m], m, [t - 1])
         for p in range(P):
             if t % H == ((p + 1) * H // P) % H:
-                deltas = [glob[m][p] - flat(m, p) for m in range(M)]
-                in_flight = (p, t, deltas)
+                deltas = [glob[p] - flat(m, p) for m in range(M)]
+                ahead = [proxy(p, deltas[m] / M + others[m][p]) for m in range(M)]
                 for m in range(M):
-                    step(m, p, deltas[m] / M + others[m][p])
-                    pending[m][p] = False
+                    shift(m, p, ahead[m], None)
+                in_flight = (p, t, deltas, ahead)
         if in_flight is not None and in_flight[1] + overlap == t:
             land()
             in_flight = None
     if in_flight is not None:
         land()
-    for m in range(M):
-        for p in range(P):
-            if pending[m][p]:
-                step(m, p, others[m][p].clone())
-    out = []
-    for m in range(M):
-        named = {}
-        for p, frag in enumerate(names):
-            offset = 0
-            for n in frag:
-                numel = local[0][n].numel()
-                named[n] = glob[m][p][offset:offset + numel].view_as(local[0][n]).clone()
-                offset += numel
-        out.append(named)
-    return out
+    named = {}
+    for p, frag in enumerate(names):
+        offset = 0
+        for n in frag:
+            numel = local[0][n].numel()
+            named[n] = glob[p][offset:offset + numel].view_as(local[0][n]).clone()
+            offset += numel
+    return named
 
 
 def reference_big_batch(workers, steps, clip=None, optimizer=make_optimizer, lost=None):

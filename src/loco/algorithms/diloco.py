@@ -49,10 +49,10 @@ class DiLoCo(StreamingDiLoCo):
         codec_keep: as for ``StreamingDiLoCo``; default None (the codec's).
         error_feedback: β of the error feedback, in [0, 1), as for ``StreamingDiLoCo``;
             default 0 (none).
-        eager: eager updates (see [`Eager`][loco.algorithms.eager.Eager]): the outer step
-            is taken when the pseudo-gradient is sent, and the average overlaps the whole
-            next round (it is waited for at the step before the next sync, τ = H − 1);
-            default False.
+        eager: eager updates (see [`Eager`][loco.algorithms.eager.Eager]): the replica
+            moves on from a proxy outer step when the pseudo-gradient is sent, and the
+            average overlaps the whole next round (it is waited for, and the replica
+            corrected, at the step before the next sync, τ = H − 1); default False.
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
             ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
             several ranks: ``ctx.inner``).

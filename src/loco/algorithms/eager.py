@@ -1,24 +1,25 @@
 """Eager updates (Kale, Douillard and Donchev 2025, arXiv 2502.12996) for the methods with a
-global copy: the outer step of a sync is taken when the sync is *sent*, not when its
-average arrives.
+global copy: the replicas move on with an estimate of a sync's outer step as soon as it is
+sent, and are corrected when its average arrives.
 
-Without eager updates a worker waits (τ steps later) for the average ``Δ̄`` of the M
-workers' pseudo-gradients before it steps. With them, worker m steps at once with
+Without eager updates a worker keeps training on its own for the τ steps a sync is in
+flight, then merges the new global copy. With them, when fragment p is sent, worker m takes
+a *proxy* outer step from the global copy (and its momentum) with
 
     Δ̃_m = (1/M) · Δ_m  +  ((M − 1)/M) · Δ̄_{−m}'
 
 its own fresh pseudo-gradient ``Δ_m`` in place of its share of the average, and the other
-workers' mean ``Δ̄_{−m}'`` from the same fragment's *previous* sync, which has arrived
-meanwhile (zero before the first). When this sync's average lands, worker m keeps its
-others' part, ``Δ̄ − Δ_m / M``, for the fragment's next step: every pseudo-gradient enters
-every worker's global copy exactly once, a worker's own at once, the others' one sync later.
-The outer step never waits for the network, whatever τ.
+workers' mean ``Δ̄_{−m}'`` from the fragment's *previous* sync (zero before the first), and
+merges the result ``θ̃`` into its replica at once (α). When the average ``Δ̄`` lands τ steps
+later, the true outer step is taken on the global copy, exactly as without eager updates,
+and the replica is corrected by what the proxy missed: ``θ_m += (1 − α)(θ^g − θ̃)``. The
+worker then keeps the others' share of ``Δ̄``, ``Δ̄ − Δ_m / M``, for the fragment's next
+proxy.
 
-Every worker keeps its own global copy (it differs from the others' by its own latest
-pseudo-gradients, ``1/M`` of a sync's); at the end each worker takes one more outer step
-with the others' part of every fragment's last sync, so that none is left out of the model
-that is evaluated (worker 0's). The own term is the pseudo-gradient before the codec (the
-codec's error feedback, if any, included): what the codec sends approximates it.
+The global copy is the same on every worker; the replica ends every sync where it would have
+without eager updates, plus its τ steps of progress made from a better start (whole, not
+scaled by α). The own term is the pseudo-gradient before the codec (with error feedback, the
+error-fed one): the bytes sent are unchanged.
 """
 
 from __future__ import annotations
@@ -27,12 +28,15 @@ from typing import Any
 
 import torch
 
+from loco.algorithms.outer_thread import momentum_of
+
 
 class Eager:
     """The eager updates' state of a method with fragments (Streaming DiLoCo, DiLoCo).
 
     Args:
-        fragments: the method's fragments (each with ``delta`` and ``global_flat``).
+        fragments: the method's fragments (each with ``delta``, ``global_flat`` and its
+            outer SGD).
         workers: M, the workers that average (``comm.size``).
     """
 
@@ -40,12 +44,13 @@ class Eager:
         self.workers = workers
         self.others = [torch.zeros_like(f.global_flat) for f in fragments]
         """Per fragment: the other workers' share of its latest average,
-        ``Δ̄ − Δ_m / M`` (= ``((M − 1)/M) · Δ̄_{−m}``), not yet stepped with."""
-        self.pending = [False] * len(fragments)
-        """Per fragment: whether ``others`` holds an average no step has used yet."""
+        ``Δ̄ − Δ_m / M`` (= ``((M − 1)/M) · Δ̄_{−m}``)."""
         biggest = max(f.delta.numel() for f in fragments)
         self.own = torch.zeros(biggest, dtype=torch.float32, device=fragments[0].delta.device)
         """This worker's pseudo-gradient of the sync in flight (its first ``numel``)."""
+        self.ahead = torch.zeros(biggest, dtype=torch.float32,
+                                 device=fragments[0].global_flat.device)
+        """The proxy step's global copy ``θ̃`` of the sync in flight (its first ``numel``)."""
 
     def keep_own(self, fragment: Any) -> None:
         """At a send, before the all-reduce takes ``fragment.delta``: keep this worker's
@@ -56,23 +61,37 @@ class Eager:
         """
         self.own[:fragment.delta.numel()].copy_(fragment.delta)
 
-    def step_gradient(self, fragment: Any) -> torch.Tensor:
-        """The eager step's gradient of ``fragment``, written into ``fragment.grad``:
-        ``Δ_m / M`` plus the others' share of its previous sync.
+    @torch.no_grad()
+    def proxy(self, fragment: Any) -> torch.Tensor:
+        """The proxy step: ``θ̃``, the global copy after an outer step (the fragment's SGD:
+        its lr, momentum and Nesterov, from its momentum as it is) with ``Δ̃_m``; neither
+        the global copy nor the momentum is changed. ``Δ̃_m`` is left in ``fragment.grad``.
 
         Args:
             fragment: the fragment sent (after ``keep_own``).
+
+        Returns:
+            ``θ̃`` (a view of ``ahead``).
         """
-        own = self.own[:fragment.delta.numel()]
+        n = fragment.global_flat.numel()
         grad = fragment.grad
-        grad.copy_(own).div_(self.workers)  # (offloaded: a copy to the host, waited for)
+        grad.copy_(self.own[:n]).div_(self.workers)  # (offloaded: a copy to the host)
         grad.add_(self.others[fragment.index])
-        self.pending[fragment.index] = False
-        return grad
+        group = fragment.outer_optimizer.param_groups[0]
+        lr, mu = group["lr"], group["momentum"]
+        out = self.ahead[:n]
+        buf = momentum_of(fragment)
+        if mu and buf is not None:
+            torch.mul(buf, mu, out=out).add_(grad)  # the momentum after this step
+        else:
+            out.copy_(grad)
+        if mu and group["nesterov"]:
+            torch.add(grad, out, alpha=mu, out=out)
+        return torch.sub(fragment.global_flat, out, alpha=lr, out=out)
 
     def landed(self, fragment: Any) -> None:
         """The sync's average has arrived in ``fragment.delta``: keep the others' share of
-        it, ``Δ̄ − Δ_m / M``.
+        it, ``Δ̄ − Δ_m / M``, for the fragment's next proxy step.
 
         Args:
             fragment: the fragment whose sync landed.
@@ -80,42 +99,28 @@ class Eager:
         others = self.others[fragment.index]
         others.copy_(self.own[:fragment.delta.numel()]).div_(self.workers)
         torch.sub(fragment.delta.to(others.device), others, out=others)
-        self.pending[fragment.index] = True
 
-    def dropped(self, fragment: Any) -> None:
-        """The sync's average was not finite (skipped): nothing of it is kept.
-
-        Args:
-            fragment: the fragment whose sync was skipped.
-        """
-        self.others[fragment.index].zero_()
-        self.pending[fragment.index] = False
-
-    def last_gradient(self, fragment: Any) -> torch.Tensor | None:
-        """At the end: the others' share of the fragment's last sync as the gradient of one
-        more outer step (written into ``fragment.grad``); None when there is none.
+    def missed(self, fragment: Any) -> torch.Tensor:
+        """After the true outer step: what the proxy missed, ``θ^g − θ̃`` (in ``ahead``).
 
         Args:
-            fragment: a fragment of the method.
+            fragment: the fragment whose sync landed and was stepped.
         """
-        if not self.pending[fragment.index]:
-            return None
-        self.pending[fragment.index] = False
-        return fragment.grad.copy_(self.others[fragment.index])
+        out = self.ahead[:fragment.global_flat.numel()]
+        return torch.sub(fragment.global_flat, out, out=out)
 
     def tensors(self) -> list[torch.Tensor]:
         """Every tensor it holds, for the memory report."""
-        return [*self.others, self.own]
+        return [*self.others, self.own, self.ahead]
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what ``state_dict`` saved.
+    def load_others(self, others: list[torch.Tensor]) -> None:
+        """Restore ``others`` from a checkpoint.
 
         Args:
-            state: a dict from ``state_dict()``.
+            others: one vector per fragment, as ``others`` holds them.
         """
-        for t, saved in zip(self.others, state.get("others", ())):  # (or load_outer_state)
+        for t, saved in zip(self.others, others):
             t.copy_(saved)
-        self.pending = [bool(p) for p in state["pending"]]
 
 
 __all__ = ["Eager"]

@@ -163,11 +163,12 @@ class StreamingDiLoCo(Algorithm):
             same results. Default None: when it pays, i.e. with ``offload`` from an
             accelerator and τ >= 1. Not with an elastic ``comm`` (its syncs may be retried
             on the training thread).
-        eager: eager updates (see [`Eager`][loco.algorithms.eager.Eager]): the outer step
-            of a fragment is taken when it is sent, with this worker's pseudo-gradient for
-            its share and the others' from the fragment's previous sync; the sync's average
-            is only kept when it lands τ steps later. Default False. Not with an elastic
-            ``comm`` or ``outer_thread``.
+        eager: eager updates (see [`Eager`][loco.algorithms.eager.Eager]): when a fragment
+            is sent the replica moves on from a proxy outer step (this worker's
+            pseudo-gradient for its share, the others' from the fragment's previous sync),
+            and is corrected when the average lands τ steps later; the global copy is the
+            same as without. Default False. Not with an elastic ``comm`` or
+            ``outer_thread``.
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
             ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
             several ranks: ``ctx.inner``).
@@ -360,10 +361,6 @@ class StreamingDiLoCo(Algorithm):
         last fragment sent reaches the global parameters that are evaluated."""
         if self._in_flight is not None:
             self._apply()
-        for fragment in self.fragment_list if self.eager is not None else ():
-            grad = self.eager.last_gradient(fragment)  # the others' share of its last sync
-            if grad is not None:
-                self._eager_step(fragment, grad)
 
     @torch.no_grad()
     def _send(self, fragment: Fragment, t: int) -> None:
@@ -392,8 +389,9 @@ class StreamingDiLoCo(Algorithm):
         handle = self.comm.all_reduce_mean(fragment.delta, tag="train", codec=self.codec,
                                            sent=sent)
         self._in_flight = _InFlight(fragment, handle, t)
-        if self.eager is not None:  # step now, with this worker's Δ for its share
-            self._eager_step(fragment, self.eager.step_gradient(fragment))
+        if self.eager is not None:  # move on from a proxy step, with this worker's Δ
+            with record_function("loco/merge"):
+                self._merge(fragment, self.eager.proxy(fragment))
         elif self._outer is not None:
             self._in_flight.stepped = self._outer.start(fragment, handle)
 
@@ -431,29 +429,27 @@ class StreamingDiLoCo(Algorithm):
                                      for g, v in zip(fragment.global_params, views)])
         fragment.share.gather()
 
-    def _eager_step(self, fragment: Fragment, grad: torch.Tensor) -> None:
-        """An eager outer step of ``fragment`` with ``grad`` (in ``fragment.grad``), merged
-        at once; a non-finite one is skipped (the replicas restart from the global copy)."""
-        with record_function("loco/outer_step"):
-            if not self.finite(grad, f"eager update (fragment {fragment.index})"):
-                return self._restart(fragment)
-            fragment.outer_optimizer.step()
-        with record_function("loco/merge"):
-            self._merge(fragment)
-
     def _landed(self, flight: _InFlight) -> None:
-        """Eager: the sync's average has arrived; keep the others' share of it for the
-        fragment's next step (nothing is applied now)."""
+        """Eager: the sync's average has arrived; the true outer step, and the replica
+        corrected by what the proxy step missed, ``(1 − α)(θ^g − θ̃)``."""
         fragment = flight.fragment
         if flight.handle is not None:
             with record_function("loco/wait"):
                 self.comm.settle(flight.handle)
         self._feed_back(fragment)
-        if self.finite(fragment.delta, f"pseudo-gradient (fragment {fragment.index})"):
-            self.eager.landed(fragment)
-            fragment.syncs += 1
-        else:
-            self.eager.dropped(fragment)
+        if not self.finite(fragment.delta, f"pseudo-gradient (fragment {fragment.index})"):
+            return self._skip(fragment, flight)  # (the replica restarts: no correction)
+        self.eager.landed(fragment)
+        with record_function("loco/outer_step"):
+            fragment.grad.copy_(fragment.delta)
+            fragment.outer_optimizer.step()
+        with record_function("loco/merge"):
+            views = fragment.share.views
+            missed = unflatten_views(self.eager.missed(fragment), views)
+            torch._foreach_add_(views, [d.to(v.device, v.dtype) for d, v in zip(missed, views)],
+                                alpha=1 - self.alpha)
+            fragment.share.gather()
+        fragment.syncs += 1
         self.outer_steps += 1
         self._log(fragment, flight)
 
@@ -507,12 +503,15 @@ class StreamingDiLoCo(Algorithm):
         self.outer_steps += 1
         self._log(fragment, flight)
 
-    def _merge(self, fragment: Fragment) -> None:
+    def _merge(self, fragment: Fragment, toward: torch.Tensor | None = None) -> None:
         """θ_{m,p} ← α · θ_{m,p} + (1 − α) · θ^g_p (α = 0 copies the global value), on this
-        rank's share; then the worker's ranks gather the whole fragment."""
+        rank's share, or toward ``toward`` (an eager proxy step's θ̃, flat) in place of θ^g_p;
+        then the worker's ranks gather the whole fragment."""
         views = fragment.share.views
-        source = fragment.global_params
-        if views and fragment.global_flat.device != views[0].device == fragment.delta.device:
+        source = (fragment.global_params if toward is None
+                  else unflatten_views(toward, views))
+        if (toward is None and views
+                and fragment.global_flat.device != views[0].device == fragment.delta.device):
             # Offloaded: one copy of the fragment to the device, into Δ̄'s buffer (spent).
             staged = fragment.delta[:fragment.global_flat.numel()]
             staged.copy_(fragment.global_flat, non_blocking=True)
@@ -598,7 +597,8 @@ class StreamingDiLoCo(Algorithm):
             if tensors:
                 in_flight["delta"] = flight.fragment.delta
                 if self.eager is not None:
-                    in_flight["own"] = self.eager.own[:flight.fragment.delta.numel()]
+                    n = flight.fragment.delta.numel()
+                    in_flight.update(own=self.eager.own[:n], ahead=self.eager.ahead[:n])
                 if flight.fragment.error is not None:
                     in_flight["sent"] = self._sent[:flight.fragment.delta.numel()]
         fragments = [{"syncs": f.syncs, "stats": dict(f.stats)} for f in self.fragment_list]
@@ -610,8 +610,8 @@ class StreamingDiLoCo(Algorithm):
                     s["error"] = f.error
             else:
                 s["momentum"] = momentum_of(f) is not None
-        eager = None if self.eager is None else {"pending": list(self.eager.pending), **(
-            {"others": list(self.eager.others)} if tensors else {})}
+        eager = ({"others": list(self.eager.others)} if tensors and self.eager is not None
+                 else None)
         return {**super().state_dict(tensors), "outer_steps": self.outer_steps,
                 "fragments": fragments, "in_flight": in_flight, "eager": eager}
 
@@ -632,7 +632,7 @@ class StreamingDiLoCo(Algorithm):
                              f"{len(self.fragment_list)}")
         self.outer_steps = int(state["outer_steps"])
         if self.eager is not None and state.get("eager") is not None:
-            self.eager.load_state_dict(state["eager"])
+            self.eager.load_others(state["eager"]["others"])
         for f, s in zip(self.fragment_list, state["fragments"]):
             if "global_params" in s:
                 f.global_flat.copy_(s["global_params"])
@@ -652,7 +652,9 @@ class StreamingDiLoCo(Algorithm):
             if "sent" in state["in_flight"]:
                 self._sent[:fragment.delta.numel()].copy_(state["in_flight"]["sent"])
             if "own" in state["in_flight"] and self.eager is not None:
-                self.eager.own[:fragment.delta.numel()].copy_(state["in_flight"]["own"])
+                n = fragment.delta.numel()
+                self.eager.own[:n].copy_(state["in_flight"]["own"])
+                self.eager.ahead[:n].copy_(state["in_flight"]["ahead"])
             self._in_flight = _InFlight(fragment, None, int(state["in_flight"]["sent_at"]),
                                         state["in_flight"].get("record"))
 
@@ -674,7 +676,9 @@ class StreamingDiLoCo(Algorithm):
             flight = self._in_flight.fragment
             state["in_flight.delta"] = (flight.share, flight.delta)
             if self.eager is not None:
-                state["in_flight.own"] = (flight.share, self.eager.own[:flight.delta.numel()])
+                n = flight.delta.numel()
+                state["in_flight.own"] = (flight.share, self.eager.own[:n])
+                state["in_flight.ahead"] = (flight.share, self.eager.ahead[:n])
             if flight.error is not None:
                 state["in_flight.sent"] = (flight.share, self._sent[:flight.delta.numel()])
         return state

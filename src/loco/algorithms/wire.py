@@ -22,11 +22,11 @@ class GlobalCopyOptions:
                               "(noloco and local always do)")
     offload: bool = opt(False, "keep the global copy and outer optimizer state in CPU memory "
                         "(diloco, streaming)")
-    eager: bool = opt(False, "eager updates (diloco, streaming; Kale et al. 2025): take the "
-                      "outer step when a sync is sent, with this worker's fresh "
-                      "pseudo-gradient as its share of the average and the other workers' "
-                      "from the previous sync; the average only has to arrive before the "
-                      "next sync (diloco: it overlaps the whole round)")
+    eager: bool = opt(False, "eager updates (diloco, streaming; Kale et al. 2025): when a "
+                      "sync is sent, move the replica on from a proxy outer step, with this "
+                      "worker's fresh pseudo-gradient as its share of the average and the "
+                      "others' from the previous sync; correct it when the average lands "
+                      "(diloco: the average overlaps the whole round)")
 
 
 @dataclass

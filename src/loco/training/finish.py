@@ -153,8 +153,8 @@ def machine_info(device: torch.device) -> dict:
 def final_model(cfg) -> str:
     """Which model the final eval loss is of (``Summary.final_model``)."""
     method = cfg.method
-    if method.global_copy:  # eager: every worker's global copy has its own latest Δ in it
-        return "worker 0's global model" if getattr(cfg, "eager", False) else "the global model"
+    if method.global_copy:
+        return "the global model"
     if method.replicas_identical:
         return "the model"
     return "the replicas' average" if cfg.final_average else "worker 0's replica"
