@@ -244,7 +244,7 @@ def rank_device(launcher: str) -> torch.device:
     """
     if launcher != "torchrun" or not torch.cuda.is_available():
         return torch.device("cpu")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     torch.cuda.set_device(device)
     return device
 
