@@ -230,6 +230,19 @@ def reference_diloco(workers, steps, sync_every, outer_lr, outer_momentum, neste
     return dict(zip(names, glob))
 
 
+def unflatten_named(flats, names, like) -> dict[str, torch.Tensor]:
+    """Each fragment's flat vector (``flats[p]``) as copies of the named parameters of
+    ``names[p]``, shaped like ``like[name]``."""
+    out = {}
+    for flat, frag in zip(flats, names):
+        offset = 0
+        for n in frag:
+            numel = like[n].numel()
+            out[n] = flat[offset:offset + numel].view_as(like[n]).clone()
+            offset += numel
+    return out
+
+
 def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, codec="fp32",
                         outer_lr=0.4, outer_momentum=0.9, nesterov=True, layers=4,
                         pattern="strided", block=None, data=batch, shards=1, parallel="ddp",
@@ -359,14 +372,7 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
                 in_flight = None
     if in_flight is not None:
         merge(in_flight[0], sorted(in_flight[3]))
-    out = {}
-    for p, frag in enumerate(names):
-        offset = 0
-        for n in frag:
-            numel = local[0][n].numel()
-            out[n] = glob[p][offset:offset + numel].view_as(local[0][n]).clone()
-            offset += numel
-    return out
+    return unflatten_named(glob, names, local[0])
 
 
 def reference_eager(workers, steps, sync_every, fragments, overlap, alpha, outer_lr=0.4,
@@ -433,14 +439,7 @@ def reference_eager(workers, steps, sync_every, fragments, overlap, alpha, outer
             in_flight = None
     if in_flight is not None:
         land()
-    named = {}
-    for p, frag in enumerate(names):
-        offset = 0
-        for n in frag:
-            numel = local[0][n].numel()
-            named[n] = glob[p][offset:offset + numel].view_as(local[0][n]).clone()
-            offset += numel
-    return named
+    return unflatten_named(glob, names, local[0])
 
 
 def reference_big_batch(workers, steps, clip=None, optimizer=make_optimizer, lost=None):
