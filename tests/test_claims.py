@@ -196,3 +196,50 @@ def test_the_small_presets_give_diloco_and_streaming_the_swept_outer_optimizer(p
             if c.algorithm == "diloco" and c.nesterov} == {(0.7, 0.9)}
     assert {(c.outer_lr, c.outer_momentum) for c in paper.configs
             if c.algorithm == "noloco"} == {(0.7, 0.5)}
+
+
+# ------------------------------------------------------------------------- unequal workers
+def timed(label, cfg, loss, curve, goodput=None, tokens=2000, seconds=100.0):
+    """A run of the ``hetero`` preset's configuration ``cfg`` whose periodic evaluations
+    are ``curve``: (tokens, training seconds, eval loss) each."""
+    records = [{"step": i, "tokens": t, "train_seconds": s, "eval_loss": v}
+               for i, (t, s, v) in enumerate(curve)]
+    return Run(label, label, {"algorithm": cfg["algorithm"], "final_eval_loss": loss,
+                              "tokens": tokens, "train_seconds": seconds, "inner_steps": 240,
+                              "goodput": None if goodput is None else {"total": goodput},
+                              "config": cfg}, records)
+
+
+def test_the_hetero_preset_checks_goodput_wallclock_tokens_and_eager():
+    """Every claim of the issue on the preset's own configurations: speed-aware and
+    asynchronous goodput against the barrier, loss at equal wall-clock against it and at
+    equal tokens against equal workers (interpolated between evaluations), eager updates at
+    the same τ and at a late τ against τ = 1 without."""
+    p = compare.plan({"seed": 0}, preset="hetero")
+    cfg = {m.label: c.to_dict() for m, c in zip(p.methods, p.configs)}
+    assert cfg["diloco"]["worker_speed"] == "1,1,0.5,0.33" and cfg["diloco-even"][
+        "worker_speed"] is None
+    curve = [(1000, 50.0, 6.0), (2000, 100.0, 5.0)]  # DiLoCo's: 5.5 at 75 s or 1500 tokens
+    runs = [timed("diloco", cfg["diloco"], 5.0, curve[:1], 0.47, 2000, 100.0),
+            timed("diloco-aware", cfg["diloco-aware"], 5.4, [], 0.96, 1500, 75.0),
+            timed("diloco-async", cfg["diloco-async"], 5.6, [], 0.90, 1500, 75.0),
+            timed("diloco-even", cfg["diloco-even"], 5.0, curve[:1], None, 2000, 100.0),
+            *(timed(label, cfg[label], loss, [], None)
+              for label, loss in [("streaming", 5.0), ("streaming-eager", 4.9),
+                                  ("streaming-eager-late", 5.1)])]
+    rows = by_text(claims(runs))
+    aware = rows["diloco-aware (DiLoCo) goodput at least 95% (against DiLoCo's)"]
+    assert (aware.met, aware.measured) == (True, "96.0% (DiLoCo: 47.0%)")
+    assert not rows["diloco-async (DiLoCo) goodput at least 95% (against DiLoCo's)"].met
+    clock = rows["diloco-aware (DiLoCo) eval loss at equal wall-clock below DiLoCo's"]
+    assert clock.met and clock.pair == (5.4, pytest.approx(5.5))
+    assert not rows["diloco-async (DiLoCo) eval loss at equal wall-clock below DiLoCo's"].met
+    tokens = rows["diloco-aware (DiLoCo) eval loss at equal tokens within 2% of "
+                  "diloco-even (DiLoCo)'s"]
+    assert tokens.met and tokens.measured == "-1.82%"
+    eager = [c for t, c in rows.items() if "eager" in t]
+    assert {(c.text.split(" eval")[0], c.met) for c in eager} == {
+        ("streaming-eager (Streaming DiLoCo)", True),
+        ("streaming-eager-late (Streaming DiLoCo)", False)}
+    assert all("(the same τ without" in c.text or "(τ = 1 without" in c.text for c in eager)
+    assert len({(c["model"], c["steps"], c["workers"], c["seed"]) for c in cfg.values()}) == 1

@@ -254,3 +254,25 @@ def test_an_elastic_worker_trains_on_its_gpu_under_torchrun(monkeypatch, launche
     assert runtime._run(job, (0, 0), None, launcher) == device
     assert made["stage_from"] == (device if staged else None)
     assert made.get("current") == (device if staged else None)
+
+
+@pytest.mark.numerics
+def test_asynchronous_outer_steps_go_on_when_a_slow_worker_is_lost_and_rejoins():
+    """DiLoCo (P = 1, τ = 0) with asynchronous outer steps on a fixed plan, worker 3 the
+    slowest (2 of 8 steps a round, blocks of 3 rounds): killed inside a reduction, the sync
+    is retried without it, weighed anew for the 3 contributors; restarted, it joins, takes
+    the new global copy and starts its blocks with the next round. The same global model
+    as the reference's, on every worker."""
+    steps = 96
+    plan = [[8, 8, 8, 8]] + [[8, 8, 4, 2]] * 11
+    algo = dict(sync_every=H, fragments=1, overlap=0, alpha=0.0, codec="fp32",
+                plan=plan, max_staleness=2)
+    out = run((3, 20, "reduction"), restarts=1, steps=steps, algo=algo, step_seconds=0.15)
+    joiner, peers = out[3], out[:3]
+    assert joiner["joined"] and 24 <= joiner["start"] < steps
+    assert_same_bits(out)
+    ref = reference_streaming(M, steps, H, 1, 0, 0.0, plan=plan, max_staleness=2,
+                              lost={3: 24}, rejoin={3: (joiner["join_sync"], joiner["start"])})
+    assert max_diff(joiner["params"], ref) < TOL
+    assert max_diff(joiner["params"], reference_streaming(
+        M, steps, H, 1, 0, 0.0, plan=plan, max_staleness=2, lost={3: 24})) > 1e-4

@@ -74,6 +74,16 @@ def test_goodput_of_the_synchronous_barrier_is_the_slowest_share():
     # steps discarded count against it; a worker of two ranks sums them
     g = speed.goodput([counters(10, 0, 10, 5), counters(10, 0, 10, 10)], [[0, 1]])
     assert g["total"] == g["per_worker"][0] == 0.75
+    # the lead's 2 s of evaluation, which the other waited out (blocked), leave the wall
+    g = speed.goodput([counters(10, 0, 10, 10), counters(12, 2, 10, 10)], [[0], [1]], held=2)
+    assert g["total"] == 1.0
+
+
+def test_a_worker_trains_the_steps_that_fit_into_the_fastest_ones_round():
+    """Rounded down (a step that ends late holds everyone), with 2% slack for the noise,
+    at least 1, at most the ticks; all of them where the time is unknown."""
+    assert [speed.fit(20, 0.1, t) for t in (0.1, 0.2, 0.3, 0.15, 0.101, 5.0, 0.0)] == [
+        20, 10, 6, 13, 20, 1, 20]
 
 
 def test_a_run_with_a_slow_worker_records_its_speed_and_a_goodput_below_one(corpus,
@@ -96,18 +106,21 @@ def test_a_run_with_a_slow_worker_records_its_speed_and_a_goodput_below_one(corp
 
 # ---------------------------------------------------------------- speed-aware local steps
 def test_a_worker_of_n_steps_trains_on_n_ticks_of_each_round_the_last_among_them():
-    plan = speed.LocalSteps(10, 3, 0, rounds=[[10, 5, 3], [10, 1, 7]])
-    for worker, (first, second) in enumerate([(10, 10), (5, 1), (3, 7)]):
-        ticks = [t for t in range(1, 21) if plan.trains(t, worker)]
-        assert sum(t <= 10 for t in ticks) == first and sum(t > 10 for t in ticks) == second
-        assert 10 in ticks and 20 in ticks  # the round's last tick: the sync follows it
-    assert [t for t in range(1, 11) if plan.trains(t, 1)] == [2, 4, 6, 8, 10]  # evenly
-    assert plan.steps_until(20) == 10 + 5 + 3 + 10 + 1 + 7
-    assert plan.steps_until(25) == plan.steps_until(20) + 3 * 5  # later rounds: H each
+    """n of the H ticks, evenly, the round's last among them; in the run's first round the
+    first 3 (the probe) and the rest of n spread over the rest."""
+    plan = speed.LocalSteps(10, 3, 0, rounds=[[10, 5, 4], [10, 5, 3], [10, 1, 7]])
+    for worker, counts in enumerate([(10, 10, 10), (5, 5, 1), (4, 3, 7)]):
+        ticks = [t for t in range(1, 31) if plan.trains(t, worker)]
+        assert [sum(10 * r < t <= 10 * r + 10 for t in ticks) for r in range(3)] == list(counts)
+        assert {10, 20, 30} <= set(ticks)  # the round's last tick: the sync follows it
+    assert [t for t in range(1, 11) if plan.trains(t, 1)] == [1, 2, 3, 7, 10]  # probe first
+    assert [t for t in range(11, 21) if plan.trains(t, 1)] == [12, 14, 16, 18, 20]  # evenly
+    assert plan.steps_until(30) == 10 + 5 + 4 + 10 + 5 + 3 + 10 + 1 + 7
+    assert plan.steps_until(35) == plan.steps_until(30) + 3 * 5  # later rounds: H each
     # weights: M times the worker's share of the steps of the ticks a sync covers
-    assert plan.weight(10, 10) == pytest.approx(3 * 10 / 18)
-    assert speed.LocalSteps(10, 3, 2, rounds=[[10, 5, 3]]).weight(10, 10) == pytest.approx(
-        3 * 3 / 18)
+    assert plan.weight(20, 10) == pytest.approx(3 * 10 / 18)
+    assert speed.LocalSteps(10, 3, 2, rounds=[[10, 5, 4]]).weight(10, 10) == pytest.approx(
+        3 * 4 / 19)
 
 
 class Gathers:
@@ -130,44 +143,83 @@ def test_the_times_of_round_r_fix_round_r_plus_2_the_same_on_every_worker():
     r + 2 ``round(H · fastest / time)`` steps (at least 1), without waiting for the gather
     (it is settled at the next round's end, or before a checkpoint)."""
     comm = Gathers([0.1, 0.2, 0.4], [0.1, 0.1, 5.0])
-    plans = [speed.LocalSteps(8, 3, m) for m in range(3)]
-    plan = plans[0]
+    plan = speed.LocalSteps(4, 3, 0)  # H < 6: too short to probe
     plan.trained(0.1)
-    plan.agree(comm)  # the end of round 0: gathered, not waited for
-    assert plan.rounds == [[8, 8, 8]] * 2
-    plan.agree(comm)  # the end of round 1: round 0's times fix round 2
-    assert plan.rounds[2] == [8, 4, 2]
+    plan.tick_done(comm, 4)  # the end of round 0: gathered, not waited for
+    assert plan.rounds == [[4, 4, 4]] * 2
+    plan.tick_done(comm, 8)  # the end of round 1: round 0's times fix round 2
+    assert plan.rounds[2] == [4, 2, 1]
     plan.settle()  # before a checkpoint: round 1's times fix round 3
-    assert plan.rounds[3] == [8, 8, 1]
+    assert plan.rounds[3] == [4, 4, 1]
     assert comm.calls == 2
+
+
+def test_the_first_ticks_fix_the_first_two_rounds():
+    """H >= 6: after the run's first 3 ticks (the first, a warm-up, not timed) the workers
+    agree at once on the rest of round 0 and on round 1; round 0's end fixes round 2."""
+    comm = Gathers([0.1, 0.2, 0.3], [0.1, 0.1, 0.1])
+    plan = speed.LocalSteps(12, 3, 0)
+    for t, seconds in [(1, 9.0), (2, 0.1), (3, 0.1)]:
+        assert plan.trains(t, 2)
+        plan.trained(seconds)
+        plan.tick_done(comm, t)
+    assert plan.rounds == [[12, 3 + 4, 3 + 3], [12, 6, 4]] and comm.calls == 1  # 4.5: even
+    assert [t for t in range(1, 13) if plan.trains(t, 2)] == [1, 2, 3, 6, 9, 12]
+    plan.tick_done(comm, 12)
+    plan.settle()
+    assert plan.rounds[2] == [12, 12, 12]
+    assert speed.LocalSteps(12, 3, 0, rounds=[[12, 8, 6], [12, 6, 4]]).probing is False
+
+
+def test_asynchronous_blocks_span_rounds_until_h_steps_or_s_plus_1_rounds():
+    """A worker's block ends at the first sync where it holds H steps, spans S + 1 rounds,
+    or the run's last full round ends; it weighs by its steps among the blocks ending at
+    that sync, and 0 at the others; the staleness of every block is counted."""
+    rounds = [[12, 12, 12], [12, 6, 4], [12, 6, 4], [12, 6, 4], [12, 6, 4]]
+    plan = speed.LocalSteps(12, 3, 2, rounds=rounds, max_staleness=1, last_round=4)
+    assert [plan.block_steps(r, 2) for r in range(5)] == [12, 0, 8, 0, 8]
+    assert [plan.block_steps(r, 1) for r in range(5)] == [12, 0, 12, 0, 12]
+    assert plan.weight(12 * 3, 12) == pytest.approx(3 * 8 / (12 + 12 + 8))  # round 2
+    assert plan.weight(12 * 4, 12) == 0  # round 3
+    longer = speed.LocalSteps(12, 3, 2, rounds=rounds, max_staleness=5, last_round=4)
+    assert [longer.block_steps(r, 2) for r in range(5)] == [12, 0, 0, 12, 4]  # last round
+    assert longer.staleness(5) == {0: 1 + 5 + 1 + 1, 1: 2, 2: 1}
+
 
 
 def test_local_steps_refuse_what_they_cannot_do():
     for extra, message in [({"algorithm": "noloco"}, "needs a method with rounds"),
                            ({"worker_ranks": 2}, "--worker-ranks"),
-                           ({"elastic": True, "launcher": "processes"}, "--elastic")]:
+                           ({"stages": 2}, "--stages")]:
         cfg = build_config(overrides={"local_steps": "proportional", **extra})
         with pytest.raises(ConfigError, match=f"^--local-steps: .*{message}"):
             from loco.config.sections import check_local_steps
             check_local_steps(cfg)
 
 
-def test_a_slow_worker_trains_fewer_steps_per_round_and_waits_less(corpus, tmp_path):
-    """Worker 1 at a quarter of the speed, speed-aware local steps: from round 2 on it
-    trains fewer steps per round than H (the rounds are recorded), the tokens count the
-    steps trained, and every step trained is applied."""
+@pytest.mark.parametrize("speeds,slow,staleness", [("1,0.25", 1, 0), ("0.25,1", 0, 1)])
+def test_a_slow_worker_trains_fewer_steps_per_round_and_waits_less(corpus, tmp_path, speeds,
+                                                                   slow, staleness):
+    """A worker at a quarter of the speed, speed-aware local steps (and asynchronous outer
+    steps): from round 1 on it trains fewer steps per round than H (the rounds are recorded;
+    DiLoCo waits for its sync, so round r's times fix round r + 1), the tokens count the
+    steps trained, and every step trained is applied; the lead worker may be the slow one
+    (ticks without a loss); blocks are at most S outer steps old."""
     out = tmp_path / "run"
-    assert main(small_run(corpus, out, "--worker-speed", "1,0.25", "--algorithm", "diloco",
-                          "--local-steps", "proportional", "--steps", "16")) == 0
+    assert main(small_run(corpus, out, "--worker-speed", speeds, "--algorithm", "diloco",
+                          "--local-steps", "proportional", "--steps", "16",
+                          "--max-staleness", str(staleness))) == 0
     s = json.loads((out / "summary.json").read_text())
     rounds = s["local_steps"]["rounds"]
-    assert rounds[:2] == [[4, 4], [4, 4]] and all(r[0] == 4 for r in rounds)
-    assert all(r[1] < 4 for r in rounds[2:4])
-    fast, slow = s["per_worker"]
-    assert fast["trained_steps"] == 16 and slow["trained_steps"] == 8 + sum(
-        r[1] for r in rounds[2:4])
-    assert slow["applied_steps"] == slow["trained_steps"]
-    assert s["tokens"] == (fast["trained_steps"] + slow["trained_steps"]) * 4 * 32
+    assert rounds[0] == [4, 4] and all(r[1 - slow] == 4 for r in rounds)
+    assert all(r[slow] < 4 for r in rounds[1:4])
+    fast, late = s["per_worker"][1 - slow], s["per_worker"][slow]
+    assert fast["trained_steps"] == 16 and late["trained_steps"] == 4 + sum(
+        r[slow] for r in rounds[1:4])
+    assert late["applied_steps"] == late["trained_steps"]
+    assert s["tokens"] == (fast["trained_steps"] + late["trained_steps"]) * 4 * 32
+    stale = s["local_steps"]["staleness"]
+    assert stale is None if not staleness else max(map(int, stale)) <= staleness
 
 
 def test_loco_compare_shows_the_goodput_over_the_seeds():
@@ -179,3 +231,64 @@ def test_loco_compare_shows_the_goodput_over_the_seeds():
         return SimpleNamespace(summary=SimpleNamespace(goodput={"total": total}))
     assert goodput_cell([run(0.5), run(0.7)]) == "60.0%"
     assert goodput_cell([run(0.5), SimpleNamespace(summary=SimpleNamespace(goodput=None))]) == "-"
+
+
+def test_where_the_sync_is_waited_for_a_rounds_times_fix_the_next_round():
+    """``ahead`` 1 (nothing overlaps a round's sync): the gather at round r's end is waited
+    for at once and fixes round r + 1."""
+    comm = Gathers([0.1, 0.2, 0.4], [0.1, 0.1, 5.0])
+    plan = speed.LocalSteps(4, 3, 0, ahead=1)
+    plan.trained(0.1)
+    plan.tick_done(comm, 4)
+    assert plan.rounds == [[4, 4, 4], [4, 2, 1]] and comm.calls == 1
+    plan.tick_done(comm, 8)
+    assert plan.rounds[2] == [4, 4, 1] and len(plan.rounds) == 3
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"max_staleness": -1}, "must be an integer >= 0"),
+    ({"max_staleness": 2}, "add --local-steps proportional"),
+    ({"max_staleness": 2, "local_steps": "proportional", "algorithm": "streaming",
+      "overlap": "0"}, "not with --fragments 2"),
+    ({"max_staleness": 2, "local_steps": "proportional", "algorithm": "streaming",
+      "fragments": 1}, "not with --overlap 1"),
+    ({"max_staleness": 2, "local_steps": "proportional", "eager": True}, "not with --eager")])
+def test_asynchronous_outer_steps_refuse_what_they_cannot_do(overrides, message):
+    from loco.config.sections import check_local_steps
+
+    cfg = build_config(overrides={"algorithm": "diloco", **overrides})
+    with pytest.raises(ConfigError, match=f"^--max-staleness: .*{message}"):
+        check_local_steps(cfg)
+    fine = build_config(overrides={"algorithm": "streaming", "fragments": 1, "overlap": "0",
+                                   "max_staleness": 2, "local_steps": "proportional"})
+    check_local_steps(fine)
+
+
+def test_elastic_plans_hear_the_quorum_and_restart_a_joiners_blocks():
+    """Elastic: the step times travel with the quorums (each worker leaves its own, in µs),
+    round r's times fix round r + 1 (absent workers: H), a worker that did not contribute
+    starts its blocks with the next round, the weights count the contributors only, and a
+    joiner takes the rounds and restarts from a live worker."""
+    from types import SimpleNamespace
+
+    quorum = SimpleNamespace(note=0, notes={}, members=(0, 1, 2), contributing=(0, 1, 2))
+    plan = speed.LocalSteps(4, 4, 0, quorum=quorum, max_staleness=2)
+    assert plan.probe == 0
+    plan.trained(0.1)
+    plan.tick_done(None, 1)
+    assert quorum.note == 100_000
+    quorum.notes = {0: 100_000, 1: 200_000, 2: 400_000}  # worker 3 is not a member
+    plan.tick_done(None, 4)
+    assert plan.rounds[1] == [4, 2, 1, 4]
+    quorum.members, quorum.contributing = (0, 1, 2, 3), (0, 1, 2)  # 3 joins at round 1
+    quorum.notes[3] = 400_000
+    plan.tick_done(None, 8)
+    assert plan.restarts == {3: 2} and plan.rounds[2] == [4, 2, 1, 1]
+    assert plan.block_steps(0, 3) == 4 and plan.block_steps(1, 3) == 4  # (absent: H)
+    assert plan.block_steps(2, 3) == 0  # anew from round 2: 1 step, its block goes on
+    # round 1's sync: only worker 0's block (4 steps) ends among the 3 contributors
+    assert [plan.block_steps(1, m) for m in range(3)] == [4, 0, 0]
+    assert plan.weight(8, 4) == 3.0
+    joiner = speed.LocalSteps(4, 4, 3, quorum=quorum, max_staleness=2)
+    joiner.load_heal_state(plan.heal_state())
+    assert joiner.rounds == plan.rounds and joiner.restarts == {3: 2}

@@ -124,23 +124,48 @@ def streaming_worker(ctx, steps, layers=4, step_hook=None, **kw):
             "peak": ctx.comm.peak_sent_bytes(), "stats": algo.fragment_stats()}
 
 
-def planned_worker(ctx, steps, plan, **kw):
+def planned_worker(ctx, steps, plan, max_staleness=0, resume_at=None, **kw):
     """Streaming DiLoCo whose workers train only on the ticks of a fixed speed-aware plan
-    (``plan``: every round's steps per worker), their pseudo-gradients weighed by it."""
+    (``plan``: every round's steps per worker), their pseudo-gradients weighed by it; with
+    ``max_staleness``, asynchronous outer steps. With ``resume_at``: also rebuilt from its
+    state after that many ticks and finished again; returns both global copies."""
     from loco.training.speed import LocalSteps
 
-    model = make_model(layers=kw.pop("layers", 4))
-    opt = make_optimizer(model)
-    algo = loco.StreamingDiLoCo(model, opt, ctx.comm, **kw)
-    ticks = LocalSteps(kw["sync_every"], ctx.comm.size, ctx.rank, rounds=plan)
-    algo.weight_of = ticks.weight
-    for t in range(steps):
-        if ticks.trains(t + 1):
-            train_steps(model, opt, ctx.rank, [t], lambda: (algo.step(), algo.zero_grad()))
-        else:
-            algo.idle_step()
-    algo.flush()
-    return params_of(algo.global_parameters())
+    layers = kw.pop("layers", 4)
+
+    def build():
+        model = make_model(layers=layers)
+        opt = make_optimizer(model)
+        algo = loco.StreamingDiLoCo(model, opt, ctx.comm, **kw)
+        ticks = LocalSteps(kw["sync_every"], ctx.comm.size, ctx.rank, rounds=plan,
+                           max_staleness=max_staleness,
+                           last_round=steps // kw["sync_every"] - 1)
+        algo.weight_of = ticks.weight
+        if max_staleness:
+            algo.keep_block_starts()
+        return model, opt, algo, ticks
+
+    def run(model, opt, algo, ticks, first, last):
+        for t in range(first, last):
+            if ticks.trains(t + 1):
+                train_steps(model, opt, ctx.rank, [t], lambda: (algo.step(), algo.zero_grad()))
+            else:
+                algo.idle_step()
+
+    parts = build()
+    run(*parts, 0, resume_at or steps)
+    if resume_at is None:
+        parts[2].flush()
+        return params_of(parts[2].global_parameters())
+    snapshot = copy.deepcopy(parts[2].state_dict())
+    run(*parts, resume_at, steps)
+    parts[2].flush()
+    straight = params_of(parts[2].global_parameters())
+    parts = build()
+    parts[2].load_state_dict(snapshot)
+    run(*parts, resume_at, steps)
+    parts[2].flush()
+    return straight, params_of(parts[2].global_parameters())
 
 
 def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, parallel="ddp", **extra):
@@ -247,7 +272,7 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
                         outer_lr=0.4, outer_momentum=0.9, nesterov=True, layers=4,
                         pattern="strided", block=None, data=batch, shards=1, parallel="ddp",
                         optimizer=make_optimizer, lost=None, rejoin=None, error_feedback=0.0,
-                        keep=None, plan=None):
+                        keep=None, plan=None, max_staleness=0):
     """Streaming DiLoCo as the paper's algorithm box, in one process: per-fragment
     pseudo-gradients, quantized (and the mean re-quantized) with the codec, an outer Nesterov
     step by hand, and the α-merge into each worker's moved-on parameters at t + τ_m (``overlap``
@@ -268,20 +293,50 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     Speed-aware local steps (``plan``: every round's steps per worker): worker m trains at
     tick k of a round of n steps when floor((k+1) n / H) > floor(k n / H), and its
     pseudo-gradient is scaled by M n_m / N (its share of the steps of the H ticks before
-    the send) before it is averaged."""
+    the send) before it is averaged. In the run's first round (H >= 6) every worker trains
+    the first 3 ticks and spreads the rest of its n over the other H - 3.
+
+    Asynchronous outer steps (``max_staleness`` S > 0, one fragment, τ = 0): worker m's
+    block gathers its rounds' steps until it holds H, or spans S + 1 rounds, or the last
+    full round ends; at that round's sync it sends θ^g(block start) − θ_m scaled by
+    M n_m / N (N: the steps of every block ending there), and merges and starts a new block
+    from the new θ^g; at the other syncs it sends zeros and trains on. With workers lost or
+    rejoining, M and N count the workers that contribute to the sync; a joiner takes the
+    new θ^g at its sync and starts its blocks with the next round."""
     lost, rejoin = lost or {}, rejoin or {}
+    H = sync_every
 
     def ticks(m, t):  # the tick of a worker of fewer steps per round (plan)
         if plan is None:
             return True
-        n = plan[(t - 1) // sync_every][m] if (t - 1) // sync_every < len(plan) else sync_every
-        k = (t - 1) % sync_every
-        return (k + 1) * n // sync_every > k * n // sync_every
+        n = plan[(t - 1) // H][m] if (t - 1) // H < len(plan) else H
+        k, h = (t - 1) % H, H
+        if t <= H and H >= 6:  # the first round: 3 ticks of probe, then spread
+            if k < 3:
+                return True
+            n, k, h = n - 3, k - 3, H - 3
+        return (k + 1) * n // h > k * n // h
 
-    def weight(m, t):
-        steps = [sum(ticks(w, u) for u in range(max(1, t - sync_every + 1), t + 1))
-                 for w in range(workers)]
-        return workers * steps[m] / sum(steps)
+    def ends(m):  # asynchronous: {round: steps} of every block of worker m
+        out, held, age = {}, 0, 0
+        for r in range(steps // H):
+            if m in rejoin and r == rejoin[m][0] // H:  # it joined: its blocks start anew
+                held, age = 0, 0
+            held += sum(ticks(m, u) for u in range(r * H + 1, r * H + H + 1))
+            if held >= H or age >= max_staleness or r == steps // H - 1:
+                out[r], held, age = held, 0, 0
+            else:
+                age += 1
+        return out
+    blocks = [ends(m) for m in range(workers)] if max_staleness else None
+
+    def weight(m, t):  # over the workers that contribute to the sync sent at t
+        live = [w for w in range(workers) if contributes(w, t)]
+        if blocks is not None:
+            sent = {w: blocks[w].get(t // H - 1, 0) for w in live}
+        else:
+            sent = {w: sum(ticks(w, u) for u in range(max(1, t - H + 1), t + 1)) for w in live}
+        return len(live) * sent[m] / sum(sent.values())
 
     def contributes(m, s):
         return m not in lost or s < lost[m] or (m in rejoin and s > rejoin[m][0])
@@ -302,9 +357,10 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     models = [make_model(layers=layers) for _ in range(workers)]
     opts = [optimizer(m) for m in models]
     names = split_fragments(models[0], fragments, pattern)
-    P, H = len(names), sync_every
+    P = len(names)
     local = [dict(m.named_parameters()) for m in models]
     glob = [torch.cat([local[0][n].detach().reshape(-1) for n in frag]) for frag in names]
+    starts = [[g.clone() for g in glob] for _ in range(workers)]  # asynchronous blocks
     # R ranks per worker encode their own shards (shards=1: the whole fragment at once)
     per_shard = [shard_roundtrip(roundtrip, shards, parallel, [local[0][n].shape for n in frag])
                  for frag in names]
@@ -342,9 +398,13 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
                 with torch.no_grad():
                     deltas = []
                     for m in live:
-                        d = glob[p] - torch.cat([local[m][n].reshape(-1) for n in names[p]])
-                        if plan is not None:
-                            d.mul_(weight(m, t))
+                        w = 1.0 if plan is None else weight(m, t)
+                        d = (starts[m][p] if blocks else glob[p]) - torch.cat(
+                            [local[m][n].reshape(-1) for n in names[p]])
+                        if w == 0:  # asynchronous: m's block goes on; it sends zeros
+                            deltas.append(per_shard[p](torch.zeros_like(d)))
+                            continue
+                        d.mul_(w)
                         if error_feedback:
                             d = errors[m][p].mul_(error_feedback).add_(d).clone()
                         deltas.append(per_shard[p](d))
@@ -353,7 +413,11 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
                     mean = torch.stack(deltas).sum(0) / len(live)
                 in_flight = [p, t, mean if qdq.gathers else per_shard[p](mean)]
                 outer_step(p, in_flight[2])  # the same on every worker, whenever it applies
-                in_flight.append(set(range(workers)))
+                in_flight.append({m for m in range(workers)  # (a joiner takes it too)
+                                  if blocks is None or t // H - 1 in blocks[m]
+                                  or rejoin.get(m, (None,))[0] == t})
+                for m in in_flight[3] if blocks else ():  # a new block from the new θ^g
+                    starts[m][p] = glob[p].clone()
         for m, (_, start) in rejoin.items():
             if t == start:  # the joiner takes the global copy, its optimizer starts anew
                 with torch.no_grad():
@@ -639,14 +703,18 @@ def elastic_worker(ctx, steps, kill=None, **kw):
     ``shard``, default 0) with SIGKILL: before inner step ``step`` (``where="step"``), or in
     the middle of the reduction of the sync sent at ``step`` (``"reduction"``: after its
     reduce-scatter, before its all-gather). ``parallel="fsdp"`` shards the model over the
-    worker's ranks."""
+    worker's ranks. ``plan`` (every round's steps per worker, fixed): speed-aware local steps
+    under the quorum, with ``max_staleness``, asynchronous outer steps."""
     import signal
     import time
 
     from loco.runtime.elastic import RESTART_ENV
     from loco.runtime.fsdp import shard_worker
 
+    from loco.training.speed import LocalSteps
+
     pause = kw.pop("step_seconds", 0.0)  # slower steps: a restarted worker can catch up
+    plan, staleness = kw.pop("plan", None), kw.pop("max_staleness", 0)
     kw_stage = kw.pop("stage", False)
     name = kw.pop("algo_name", "streaming")
     model = make_model(layers=kw.pop("layers", 4 if name == "streaming" else 2))
@@ -670,17 +738,33 @@ def elastic_worker(ctx, steps, kill=None, **kw):
                 os.kill(os.getpid(), signal.SIGKILL)
             gather(out, tensor)
         ctx.comm._gather = dying_gather
+    ticks = None
+    if plan is not None:
+        ticks = LocalSteps(kw["sync_every"], ctx.comm.workers, ctx.replica, rounds=plan,
+                           max_staleness=staleness, last_round=steps // kw["sync_every"] - 1,
+                           quorum=ctx.comm)
+        ctx.comm.register_state("local_steps", ticks.heal_state, ticks.load_heal_state)
+        algo.weight_of = ticks.weight
+        if staleness:
+            algo.keep_block_starts()
     joined = algo.join()
+    if joined and ticks is not None and algo.inner_steps % algo.sync_every == 0:
+        ticks.rejoined(algo.inner_steps // algo.sync_every - 1)
     start, sent = algo.inner_steps, {}
     join_sync = algo._syncing[1] if joined else None
     after_join = params_of(dict(model.named_parameters())) if joined else None
     while algo.inner_steps < steps:
         if victim and kill[2] == "step" and algo.inner_steps + 1 == kill[1]:
             os.kill(os.getpid(), signal.SIGKILL)
-        x, y = batch(data_id, algo.inner_steps)
-        model(x, y).backward()
-        algo.step()
-        algo.zero_grad()
+        if ticks is None or ticks.trains(algo.inner_steps + 1):
+            x, y = batch(data_id, algo.inner_steps)
+            model(x, y).backward()
+            algo.step()
+            algo.zero_grad()
+        else:
+            algo.idle_step()
+        if ticks is not None and algo.inner_steps % algo.sync_every == 0:
+            ticks.rejoined(algo.inner_steps // algo.sync_every - 1)
         if algo.sync_in_flight and algo._in_flight.sent_at == algo.inner_steps:
             sent[algo.inner_steps] = params_of(algo.global_parameters())  # before its step
         if name == "noloco" and algo.inner_steps % algo.sync_every == 0:

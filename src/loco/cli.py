@@ -150,7 +150,10 @@ def _compare_parser(sub, full: bool) -> None:
     compare.add_argument("--preset", choices=list(PRESETS), default=None,
                          help="quick: every method in <= 10 min on a 2-core CPU; evidence: "
                          "the papers' claims tested over 3 seeds in about 30 min on a 2-core "
-                         "CPU (see docs/claims.md); paper: settings close to the papers' for a "
+                         "CPU (see docs/claims.md); frontier: the compression frontier over 3 "
+                         "seeds in about 50 min (docs/frontier.md); hetero: workers of unequal "
+                         "speed over 3 seeds in about 30 min (docs/unequal.md); paper: "
+                         "settings close to the papers' for a "
                          "GPU machine (see docs/compare.md); options given here override the "
                          "preset's")
     compare.add_argument("--config", metavar="FILE", help="YAML file of options for every "

@@ -133,7 +133,8 @@ class Algorithm(Method):
         self.weight_of: Callable[[int, int], float] | None = None
         """This worker's weight in the average of a sync sent at inner step t that covers
         the ``span`` steps before it, ``weight_of(t, span)`` (M times its share of the
-        steps trained then: speed-aware local steps); None: equal weights."""
+        steps trained then: speed-aware local steps; 0: it sends nothing then,
+        asynchronous outer steps); None: equal weights."""
         self._init_sync = init_sync
         self._syncing = None  # (what, when) of the sync whose quorum this worker is in
         if comm.elastic:  # the first quorum comes with join()
@@ -248,6 +249,17 @@ class Algorithm(Method):
             NotImplementedError: this method has none.
         """
         raise NotImplementedError(f"{self.name} trains every step of its schedule")
+
+    def keep_block_starts(self) -> None:
+        """Asynchronous outer steps: a sync this worker's weight is 0 in (``weight_of``)
+        gets zeros from it and leaves its replica training; the pseudo-gradient it sends at
+        the end of such a block is taken from the global copy the block started from (see
+        ``loco.algorithms.asynchronous``). Only the methods with a global copy have it.
+
+        Raises:
+            NotImplementedError: this method has none.
+        """
+        raise NotImplementedError(f"{self.name} has no global copy to step asynchronously")
 
     def clip_gradients(self) -> torch.Tensor:
         """Clip the gradient to ``max_grad_norm`` (if set); return its norm before clipping.

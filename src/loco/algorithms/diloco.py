@@ -72,7 +72,17 @@ class DiLoCo(StreamingDiLoCo):
                          text="at least as good as without error feedback ({ref})"),
               PaperClaim("loss", "twin", 0, want={"inner_optimizer": "adamw"},
                          free=("codec", "codec_block", "codec_keep", "error_feedback", "lr"),
-                         text="with Muon inside at least as good as {ref} (AdamW inside)"))
+                         text="with Muon inside at least as good as {ref} (AdamW inside)"),
+              # Workers of unequal speed (docs/unequal.md): speed-aware local steps and
+              # asynchronous outer steps against the synchronous barrier, and against
+              # workers of equal speed at equal tokens.
+              PaperClaim("goodput", "twin", 0.95, want={"local_steps": "fixed"},
+                         free=("max_staleness",)),
+              PaperClaim("wallclock", "twin", 0, want={"local_steps": "fixed"},
+                         free=("max_staleness",), text="below {ref}'s"),
+              PaperClaim("tokens", "twin", 2, want={"worker_speed": None,
+                                                    "local_steps": "fixed"},
+                         free=("max_staleness",)))
 
     @classmethod
     def check(cls, cfg, layers: int) -> None:

@@ -26,7 +26,11 @@ class PaperClaim:
             reference's (``limit`` 0: below it); ``"bytes"``: the reference sends at least
             ``limit`` times this method's bytes per worker; ``"peak"``: this method's peak
             sync bytes are about P (``fragments``) times below the reference's, once its
-            codec's share is factored out (at least 0.9 P).
+            codec's share is factored out (at least 0.9 P); ``"goodput"``: this method's
+            goodput is at least ``limit`` (a fraction); ``"wallclock"`` and ``"tokens"``:
+            its eval loss at the same training seconds, or the same tokens, as the
+            reference's (where the shorter run ended) is at most ``limit`` % above it
+            (``limit`` 0: below it).
         against: the reference method's name, or ``"twin"``: a run of the same method
             configured the same but for ``want`` (and ``free``).
         limit: the bound, in % (``loss``) or a factor (``bytes``); unused for ``peak``.

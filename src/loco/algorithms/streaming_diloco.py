@@ -16,7 +16,7 @@ With P = 1, τ = 0, α = 0 and fp32 this is DiLoCo (:class:`loco.DiLoCo`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -27,6 +27,7 @@ from torch import nn
 from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm
+from loco.algorithms.asynchronous import BlockStarts
 from loco.algorithms.eager import Eager
 from loco.algorithms.fragments import PATTERNS, split_fragments
 from loco.algorithms.method import OUTER, PaperClaim
@@ -36,6 +37,7 @@ from loco.algorithms.wire import (
     GlobalCopyOptions,
     StreamingOptions,
     WireOptions,
+    check_arguments,
     check_wire,
     outer_kwargs,
     overlaps,
@@ -85,6 +87,7 @@ class _InFlight:
     sent_at: int
     record: dict | None = None  # the operation's counters, when restored from a checkpoint
     stepped: Future | None = None  # the outer step computed on the OuterThread, if used
+    contributes: bool = True  # False: this worker sent zeros (its asynchronous block goes on)
 
 
 def send_offsets(sync_every: int, fragments: int) -> list[int]:
@@ -198,6 +201,10 @@ class StreamingDiLoCo(Algorithm):
         PaperClaim("loss", "diloco", 2),
         PaperClaim("bytes", "ddp", 100),
         PaperClaim("peak", "diloco"),
+        PaperClaim("loss", "twin", 0, want={"eager": False},
+                   text="no worse than {ref}'s (the same τ without eager updates)"),
+        PaperClaim("loss", "twin", 0, want={"eager": False, "overlap": "1"}, free=("overlap",),
+                   text="no worse than {ref}'s (τ = 1 without eager updates)"),
     )
 
     @classmethod
@@ -264,7 +271,7 @@ class StreamingDiLoCo(Algorithm):
             raise ValueError(f"sync_every (H) must be an integer >= 1 (got {sync_every!r})")
         names = split_fragments(model, fragments, pattern)
         count = len(names)
-        _check_arguments(sync_every, count, overlap, alpha, outer_lr, outer_momentum,
+        check_arguments(sync_every, count, overlap, alpha, outer_lr, outer_momentum,
                          outer_thread, comm.elastic, eager)
         if not 0 <= error_feedback < 1:
             raise ValueError(f"error_feedback (beta) must be in [0, 1) (got {error_feedback!r})")
@@ -298,6 +305,8 @@ class StreamingDiLoCo(Algorithm):
                                  if error_feedback else 0,
                                  device=self.fragment_list[0].delta.device)
         self.eager = Eager(self.fragment_list, comm.size) if eager else None
+        self.blocks: BlockStarts | None = None
+        """Asynchronous outer steps' block starts (``keep_block_starts``), or None."""
         """The eager updates' state (``eager=True``), or None."""
         if outer_thread is None:  # it pays where the CPU is idle while the device computes
             outer_thread = (offload and self.params[0].device.type != "cpu" and overlap > 0
@@ -356,6 +365,11 @@ class StreamingDiLoCo(Algorithm):
         if self._in_flight is not None and self._in_flight.sent_at + self.overlap == t:
             self._apply()
 
+    def keep_block_starts(self) -> None:
+        """Asynchronous outer steps (see
+        [`Algorithm.keep_block_starts`][loco.algorithms.base.Algorithm.keep_block_starts])."""
+        self.blocks = BlockStarts(self.fragment_list)
+
     def flush(self) -> None:
         """Apply a sync still in flight now. Call it after the last inner step, so that the
         last fragment sent reaches the global parameters that are evaluated."""
@@ -371,24 +385,34 @@ class StreamingDiLoCo(Algorithm):
         else:
             self._issue(fragment, t)
 
-    def _issue(self, fragment: Fragment, t: int) -> None:
+    def _issue(self, fragment: Fragment, t: int, joins: bool = False) -> None:
         # The profiler's ranges of a sync (docs/profiling.md): pseudo_gradient here; encode,
         # all_to_all, reduce, all_gather and decode on the communication thread; wait,
         # outer_step and merge in _apply.
+        weight = 1.0 if self.weight_of is None else self.weight_of(t, self.sync_every)
         with record_function("loco/pseudo_gradient"):
-            _pseudo_gradient(fragment)
-            if self.weight_of is not None:  # weighed by the steps behind it
-                fragment.delta.mul_(self.weight_of(t, self.sync_every))
+            if weight == 0:  # asynchronous: this worker's block goes on; it sends zeros
+                fragment.delta.zero_()
+            else:
+                _pseudo_gradient(fragment, None if self.blocks is None
+                                 else self.blocks.of(fragment))
+        # weighed by the steps behind it: by the Comm (an elastic retry weighs it anew), or
+        # here, before the error feedback or the eager update takes it
+        scale = weight if self.weight_of is not None else None
+        if scale is not None and (fragment.error is not None or self.eager is not None):
+            fragment.delta.mul_(scale)
+            scale = None
         sent = None
-        if fragment.error is not None:  # e ← β·e + Δ; what is sent is C(e)
+        if fragment.error is not None and weight:  # e ← β·e + Δ; what is sent is C(e)
             fragment.error.mul_(self.error_feedback).add_(fragment.delta)
             fragment.delta.copy_(fragment.error)
             sent = self._sent[:fragment.delta.numel()]
         if self.eager is not None:
             self.eager.keep_own(fragment)
         handle = self.comm.all_reduce_mean(fragment.delta, tag="train", codec=self.codec,
-                                           sent=sent)
-        self._in_flight = _InFlight(fragment, handle, t)
+                                           sent=sent, weight=scale)
+        # (a worker that joins sends zeros, and takes the new global copy like any other)
+        self._in_flight = _InFlight(fragment, handle, t, contributes=weight != 0 or joins)
         if self.eager is not None:  # move on from a proxy step, with this worker's Δ
             with record_function("loco/merge"):
                 self._merge(fragment, self.eager.proxy(fragment))
@@ -409,7 +433,7 @@ class StreamingDiLoCo(Algorithm):
         """After taking a live worker's state (elastic): issue the sync it was at (this
         worker contributes zeros) and apply it if it is due now, as that worker does."""
         index, sent_at = self._syncing
-        self._issue(self.fragment_list[index], sent_at)
+        self._issue(self.fragment_list[index], sent_at, joins=True)
         for fragment in self.fragment_list:  # a peer's errors are its own: this one has none
             if fragment.error is not None:
                 fragment.error.zero_()
@@ -418,9 +442,12 @@ class StreamingDiLoCo(Algorithm):
             self._apply()
 
     def restart_from_global(self) -> None:
-        """Set every fragment of the replica to its global copy."""
+        """Set every fragment of the replica to its global copy (a new asynchronous block
+        starts there)."""
         for fragment in self.fragment_list:
             self._restart(fragment)
+            if self.blocks is not None:
+                self.blocks.begin(fragment)
 
     @staticmethod
     def _restart(fragment: Fragment) -> None:
@@ -436,7 +463,7 @@ class StreamingDiLoCo(Algorithm):
         if flight.handle is not None:
             with record_function("loco/wait"):
                 self.comm.settle(flight.handle)
-        self._feed_back(fragment)
+        self._feed_back(flight)
         if not self.finite(fragment.delta, f"pseudo-gradient (fragment {fragment.index})"):
             return self._skip(fragment, flight)  # (the replica restarts: no correction)
         self.eager.landed(fragment)
@@ -462,17 +489,17 @@ class StreamingDiLoCo(Algorithm):
         what = f"pseudo-gradient (fragment {fragment.index})"
         if flight.stepped is not None:  # stepped on the OuterThread: swap the result in
             stepped = self._outer.wait(flight.stepped, flight.handle)
-            self._feed_back(fragment)
+            self._feed_back(flight)
             if not self.finite(fragment.grad, what, verdict=stepped.finite):
                 return self._skip(fragment, flight)
             self._outer.commit(fragment, stepped)
             return self._merged(fragment, flight)
         if flight.handle is not None:
             with record_function("loco/wait"):
-                healed = self.comm.settle(flight.handle) is None
+                healed = self.comm.settle(flight.handle, self._reweighed(flight)) is None
             if healed:
                 return self._resume()  # elastic: healed during a retry, go on from that state
-        self._feed_back(fragment)
+        self._feed_back(flight)
         if not self.finite(fragment.delta, what):
             return self._skip(fragment, flight)
         with record_function("loco/outer_step"):
@@ -481,9 +508,24 @@ class StreamingDiLoCo(Algorithm):
             fragment.outer_optimizer.step()
         self._merged(fragment, flight)
 
-    def _feed_back(self, fragment: Fragment) -> None:
-        """e ← e − D(C(e)): keep what the codec did not send (error feedback)."""
-        if fragment.error is not None:
+    def _reweighed(self, flight: _InFlight) -> Callable[[], Handle] | None:
+        """Elastic, weighed by steps: a retry of the sync issues the same pseudo-gradient
+        weighed for the new contributors (None: the same input again)."""
+        if self.weight_of is None:
+            return None
+        handle = flight.handle
+
+        def reissue() -> Handle:
+            nonlocal handle
+            handle = handle.reissue(self.weight_of(flight.sent_at, self.sync_every))
+            return handle
+        return reissue
+
+    def _feed_back(self, flight: _InFlight) -> None:
+        """e ← e − D(C(e)): keep what the codec did not send (error feedback; not when
+        this worker sent zeros)."""
+        fragment = flight.fragment
+        if fragment.error is not None and flight.contributes:
             fragment.error.sub_(self._sent[:fragment.error.numel()])
 
     def _skip(self, fragment: Fragment, flight: _InFlight) -> None:
@@ -492,13 +534,19 @@ class StreamingDiLoCo(Algorithm):
         if fragment.error is not None:
             fragment.error.zero_()
         self._restart(fragment)
+        if self.blocks is not None:
+            self.blocks.begin(fragment)
         self.outer_steps += 1
         self._log(fragment, flight)
 
     def _merged(self, fragment: Fragment, flight: _InFlight) -> None:
-        """After the outer step: merge, and count the sync."""
-        with record_function("loco/merge"):
-            self._merge(fragment)
+        """After the outer step: merge (asynchronous: only where this worker's block
+        ended, a new one starting from the new global copy), and count the sync."""
+        if flight.contributes:
+            with record_function("loco/merge"):
+                self._merge(fragment)
+            if self.blocks is not None:
+                self.blocks.begin(fragment)
         fragment.syncs += 1
         self.outer_steps += 1
         self._log(fragment, flight)
@@ -557,7 +605,8 @@ class StreamingDiLoCo(Algorithm):
             f.global_flat, *(s["momentum_buffer"] for s in f.outer_optimizer.state.values()
                              if s.get("momentum_buffer") is not None),
             *([] if f.error is None else [f.error]), f.delta,
-            *([] if f.grad is f.delta else [f.grad]))] + [self._sent] + (
+            *([] if f.grad is f.delta else [f.grad]),
+            *([] if self.blocks is None else [self.blocks.of(f)]))] + [self._sent] + (
                 [] if self.eager is None else self.eager.tensors())
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
@@ -608,6 +657,8 @@ class StreamingDiLoCo(Algorithm):
                          outer_optimizer=f.outer_optimizer.state_dict())
                 if f.error is not None:
                     s["error"] = f.error
+                if self.blocks is not None:
+                    s["block_start"] = self.blocks.of(f)
             else:
                 s["momentum"] = momentum_of(f) is not None
         eager = ({"others": list(self.eager.others)} if tensors and self.eager is not None
@@ -642,6 +693,8 @@ class StreamingDiLoCo(Algorithm):
                     f.global_flat)
             if "error" in s and f.error is not None:
                 f.error.copy_(s["error"])
+            if "block_start" in s and self.blocks is not None:
+                self.blocks.of(f).copy_(s["block_start"])
             f.syncs = int(s["syncs"])
             f.stats.update({k: int(v) for k, v in s.get("stats", {}).items()})
         self._in_flight = None
@@ -672,6 +725,8 @@ class StreamingDiLoCo(Algorithm):
                 state[f"fragment{f.index}.error"] = (f.share, f.error)
             if self.eager is not None:
                 state[f"fragment{f.index}.eager_others"] = (f.share, self.eager.others[f.index])
+            if self.blocks is not None:
+                state[f"fragment{f.index}.block_start"] = (f.share, self.blocks.of(f))
         if self._in_flight is not None:
             flight = self._in_flight.fragment
             state["in_flight.delta"] = (flight.share, flight.delta)
@@ -697,46 +752,18 @@ class StreamingDiLoCo(Algorithm):
         super().load_outer_state(values)
 
 
-def _check_arguments(sync_every: int, count: int, overlap: Any, alpha: float, outer_lr: float,
-                     outer_momentum: float, outer_thread: Any, elastic: bool,
-                     eager: bool = False) -> None:
-    """The constructor's ranges (see ``StreamingDiLoCo``); raises ValueError naming the
-    first argument out of range."""
-    if count > sync_every:
-        raise ValueError(f"fragments (P={count}) must be <= sync_every (H={sync_every}): "
-                         "at most one fragment is sent per step")
-    if not isinstance(overlap, int) or not 0 <= overlap < sync_every // count:
-        raise ValueError(f"overlap (tau) must be an integer in [0, floor(H/P)) = "
-                         f"[0, {sync_every // count}), the smallest gap between two sends "
-                         f"(got {overlap!r})")
-    if not 0 <= alpha <= 1:
-        raise ValueError(f"alpha must be in [0, 1] (got {alpha!r})")
-    if not outer_lr > 0:
-        raise ValueError(f"outer_lr must be > 0 (got {outer_lr!r})")
-    if not 0 <= outer_momentum < 1:
-        raise ValueError(f"outer_momentum must be in [0, 1) (got {outer_momentum!r})")
-    if outer_thread not in (None, True, False):
-        raise ValueError(f"outer_thread must be None, True or False (got {outer_thread!r})")
-    if outer_thread and elastic:
-        raise ValueError("outer_thread=True needs a fixed group: an elastic comm retries "
-                         "a sync on the training thread")
-    if eager and (elastic or outer_thread):
-        raise ValueError("eager updates need a fixed group of workers (their share is 1/M) "
-                         "and step when a sync is sent, not on the outer thread (got "
-                         f"elastic={elastic}, outer_thread={outer_thread})")
-
-
-def _pseudo_gradient(f: Fragment) -> None:
-    """Δ = θ^g − θ_m into ``f.delta``: one pass per tensor where all three are on one device;
-    offloaded, θ^g comes over in one copy."""
+def _pseudo_gradient(f: Fragment, start: torch.Tensor | None = None) -> None:
+    """Δ = θ^g − θ_m into ``f.delta`` (θ^g: ``start``, flat like the global copy, where
+    given): one pass per tensor where all three are on one device; offloaded, θ^g comes
+    over in one copy."""
     views = f.share.views
-    if f.global_flat.device == f.delta.device and all(v.device == f.delta.device
-                                                      for v in views):
-        for g, v, d in zip(f.global_params, views, unflatten_views(f.delta, views)):
+    base = f.global_flat if start is None else start
+    if base.device == f.delta.device and all(v.device == f.delta.device for v in views):
+        for g, v, d in zip(unflatten_views(base, views), views, unflatten_views(f.delta, views)):
             torch.sub(g, v, out=d)
         return
     f.share.read(out=f.delta)
-    torch.sub(f.global_flat.to(f.delta.device, non_blocking=True), f.delta, out=f.delta)
+    torch.sub(base.to(f.delta.device, non_blocking=True), f.delta, out=f.delta)
 
 
 def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:

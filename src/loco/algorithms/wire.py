@@ -141,5 +141,37 @@ def wire_setting(config: dict) -> str:
     return f", {config.get('codec') or 'fp32'}" + (f", error feedback β={beta:g}" if beta else "")
 
 
-__all__ = ["GlobalCopyOptions", "StreamingOptions", "WireOptions", "check_wire", "outer_kwargs",
-           "overlaps", "wire_setting", "wire_warnings"]
+def check_arguments(sync_every: int, count: int, overlap: Any, alpha: float, outer_lr: float,
+                     outer_momentum: float, outer_thread: Any, elastic: bool,
+                     eager: bool = False) -> None:
+    """Streaming DiLoCo's constructor's ranges (see ``StreamingDiLoCo``).
+
+    Raises:
+        ValueError: naming the first argument out of range.
+    """
+    if count > sync_every:
+        raise ValueError(f"fragments (P={count}) must be <= sync_every (H={sync_every}): "
+                         "at most one fragment is sent per step")
+    if not isinstance(overlap, int) or not 0 <= overlap < sync_every // count:
+        raise ValueError(f"overlap (tau) must be an integer in [0, floor(H/P)) = "
+                         f"[0, {sync_every // count}), the smallest gap between two sends "
+                         f"(got {overlap!r})")
+    if not 0 <= alpha <= 1:
+        raise ValueError(f"alpha must be in [0, 1] (got {alpha!r})")
+    if not outer_lr > 0:
+        raise ValueError(f"outer_lr must be > 0 (got {outer_lr!r})")
+    if not 0 <= outer_momentum < 1:
+        raise ValueError(f"outer_momentum must be in [0, 1) (got {outer_momentum!r})")
+    if outer_thread not in (None, True, False):
+        raise ValueError(f"outer_thread must be None, True or False (got {outer_thread!r})")
+    if outer_thread and elastic:
+        raise ValueError("outer_thread=True needs a fixed group: an elastic comm retries "
+                         "a sync on the training thread")
+    if eager and (elastic or outer_thread):
+        raise ValueError("eager updates need a fixed group of workers (their share is 1/M) "
+                         "and step when a sync is sent, not on the outer thread (got "
+                         f"elastic={elastic}, outer_thread={outer_thread})")
+
+
+__all__ = ["GlobalCopyOptions", "StreamingOptions", "WireOptions", "check_arguments",
+           "check_wire", "outer_kwargs", "overlaps", "wire_setting", "wire_warnings"]

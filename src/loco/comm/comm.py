@@ -295,8 +295,8 @@ class Comm:
 
     # ---------------------------------------------------------------------------- operations
     def all_reduce_mean(self, tensor: torch.Tensor, tag: str = "train",
-                        codec: Codec | None = None, sent: torch.Tensor | None = None
-                        ) -> Handle:
+                        codec: Codec | None = None, sent: torch.Tensor | None = None,
+                        weight: float | None = None) -> Handle:
         """Average ``tensor`` over all workers, in place, asynchronously.
 
         The caller must not touch ``tensor`` until ``wait()`` returns. Without a codec the
@@ -319,6 +319,8 @@ class Comm:
             sent: a 1-D fp32 tensor of ``tensor.numel()`` values that receives what this
                 worker's values became on the wire (its encoded chunks, decoded), written
                 before ``wait()`` returns: the error feedback's ``D(C(x))``; default None.
+            weight: multiplies this worker's values first (in place, before anything is
+                sent), so that the mean is a weighted one; default None (1).
 
         Returns:
             A handle whose ``wait()`` returns ``tensor``'s flat view, holding the mean.
@@ -327,9 +329,9 @@ class Comm:
             ValueError: ``tensor`` is not contiguous, or not fp32 with a codec.
         """
         if codec is not None and codec.gathers:
-            return self.all_gather_mean(tensor, tag, codec, sent)
+            return self.all_gather_mean(tensor, tag, codec, sent, weight)
         staged = self._staged((tensor, sent), lambda t, s: self.all_reduce_mean(
-            t, tag, codec, s), lambda _, h: tensor.view(-1), back=(0, 1))
+            t, tag, codec, s, weight), lambda _, h: tensor.view(-1), back=(0, 1))
         if staged is not None:
             return staged
         if not tensor.is_contiguous():
@@ -338,6 +340,8 @@ class Comm:
         if codec is not None and flat.dtype != torch.float32:
             raise ValueError(f"all_reduce_mean with codec {codec.name} needs an fp32 tensor "
                              f"(got {flat.dtype})")
+        if weight is not None:
+            flat.mul_(weight)
         m, n, b = self.size, flat.numel(), flat.element_size()
         chunk, row_bytes = layout(n, m, codec, b)
         wire = 2 * (m - 1) * row_bytes
@@ -353,7 +357,8 @@ class Comm:
                            self._gather, sent)
 
     def all_gather_mean(self, tensor: torch.Tensor, tag: str = "train", codec: Codec = None,
-                        sent: torch.Tensor | None = None) -> Handle:
+                        sent: torch.Tensor | None = None, weight: float | None = None
+                        ) -> Handle:
         """Average ``tensor`` over all workers, in place, asynchronously, by all-gathering
         every worker's whole encoded tensor: each worker decodes all M and sums them in fp32
         in rank order (the same bits everywhere). For the formats whose kept positions
@@ -369,6 +374,7 @@ class Comm:
             codec: the wire format (see [`get_codec`][loco.comm.codecs.get_codec]).
             sent: as for [`all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean]: receives
                 ``D(C(tensor))``; default None.
+            weight: as for [`all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean].
 
         Returns:
             A handle whose ``wait()`` returns ``tensor``'s flat view, holding the mean.
@@ -377,13 +383,15 @@ class Comm:
             ValueError: ``tensor`` is not contiguous or not fp32, or no codec.
         """
         staged = self._staged((tensor, sent), lambda t, s: self.all_gather_mean(
-            t, tag, codec, s), lambda _, h: tensor.view(-1), back=(0, 1))
+            t, tag, codec, s, weight), lambda _, h: tensor.view(-1), back=(0, 1))
         if staged is not None:
             return staged
         if not tensor.is_contiguous() or tensor.dtype != torch.float32 or codec is None:
             raise ValueError("all_gather_mean needs a contiguous fp32 tensor and a codec (got "
                              f"{tensor.dtype}, contiguous={tensor.is_contiguous()}, {codec})")
         flat = tensor.view(-1)
+        if weight is not None:
+            flat.mul_(weight)
         m, n = self.size, flat.numel()
         wire = (m - 1) * codec.row_bytes(codec.padded(n)) if n else 0
         divisor = self.contributors

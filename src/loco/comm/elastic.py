@@ -183,6 +183,13 @@ class ElasticComm(Comm):
         self.members: tuple[int, ...] = ()
         """The workers (fixed indexes) of the current quorum, in quorum rank order."""
         self.contributors = 1
+        self.contributing: tuple[int, ...] = ()
+        """The members of the current quorum that contribute (not just healed)."""
+        self.note = 0
+        """A number this worker tells the others at every quorum, for its owner (speed-aware
+        local steps: its mean step time in µs)."""
+        self.notes: dict[int, int] = {}
+        """Every member's ``note`` at the latest quorum, by worker."""
         self.healed = False
         """Whether this worker's state was replaced by a peer's since its last commit."""
         self.events: list[dict] = []
@@ -291,12 +298,14 @@ class ElasticComm(Comm):
             self.size = self._members_group.member_count
 
     def _agree(self, waited: float) -> None:
-        mine = torch.tensor([self.worker, 0 if self.healed else 1, self._incarnation],
-                            dtype=torch.int64, device=self.device)
+        mine = torch.tensor([self.worker, 0 if self.healed else 1, self._incarnation,
+                             self.note], dtype=torch.int64, device=self.device)
         rows = self.all_gather(mine, tag=MEMBERSHIP_TAG).wait()
         members = tuple(int(r[0]) for r in rows)
         incarnations = {int(r[0]): int(r[2]) for r in rows}
         self.contributors = sum(int(r[1]) for r in rows)
+        self.contributing = tuple(int(r[0]) for r in rows if int(r[1]))
+        self.notes = {int(r[0]): int(r[3]) for r in rows}
         # a worker restarted between two quorums left and joined, though it kept its index
         back = {w for w in members
                 if incarnations[w] != self._incarnations.get(w, incarnations[w])}
@@ -378,8 +387,8 @@ class ElasticComm(Comm):
             handle = (reissue or handle.reissue)()
 
     def all_reduce_mean(self, tensor: torch.Tensor, tag: str = "train",
-                        codec: Codec | None = None, sent: torch.Tensor | None = None
-                        ) -> Handle:
+                        codec: Codec | None = None, sent: torch.Tensor | None = None,
+                        weight: float | None = None) -> Handle:
         """[`Comm.all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean] over the
         members, divided by the contributors; a copy of the input is kept so that a sync
         that is not committed can be issued again from it (``handle.reissue()``).
@@ -389,35 +398,41 @@ class ElasticComm(Comm):
             tag: as for ``Comm.all_reduce_mean``.
             codec: as for ``Comm.all_reduce_mean``.
             sent: as for ``Comm.all_reduce_mean`` (rewritten by a reissue).
+            weight: as for ``Comm.all_reduce_mean``: the kept copy is the input before it.
 
         Returns:
-            The handle, with a ``reissue()`` that issues the same reduction again.
+            The handle, with a ``reissue(weight=None)`` that issues the same reduction again
+                (weighed anew, where a weight is given).
         """
         if codec is not None and codec.gathers:
-            return self.all_gather_mean(tensor, tag, codec, sent)
-        return self._reissuable(super().all_reduce_mean, tensor, tag, codec, sent)
+            return self.all_gather_mean(tensor, tag, codec, sent, weight)
+        return self._reissuable(super().all_reduce_mean, tensor, tag, codec, sent,
+                                weight=weight)
 
     def all_gather_mean(self, tensor: torch.Tensor, tag: str = "train", codec: Codec = None,
-                        sent: torch.Tensor | None = None) -> Handle:
+                        sent: torch.Tensor | None = None, weight: float | None = None
+                        ) -> Handle:
         """[`Comm.all_gather_mean`][loco.comm.comm.Comm.all_gather_mean] over the members,
         reissuable as ``all_reduce_mean`` is (same arguments)."""
-        return self._reissuable(super().all_gather_mean, tensor, tag, codec, sent)
+        return self._reissuable(super().all_gather_mean, tensor, tag, codec, sent,
+                                weight=weight)
 
-    def _reissuable(self, op: Callable[..., Handle], tensor: torch.Tensor, *args: Any
-                    ) -> Handle:
-        """``op(tensor, *args)`` from a kept copy of ``tensor`` (zeroed first on a worker just
-        healed), with a ``reissue()`` that restores the copy and issues it again. A tensor
+    def _reissuable(self, op: Callable[..., Handle], tensor: torch.Tensor, *args: Any,
+                    weight: float | None = None) -> Handle:
+        """``op(tensor, *args, weight=weight)`` from a kept copy of ``tensor`` (zeroed first on
+        a worker just healed), with a ``reissue(weight=None)`` that restores the copy and
+        issues it again, with ``weight`` where one is given (else the same). A tensor
         the Comm stages keeps its copy on the host: the staged operation comes back here."""
         if self._staging is not None and self._staging.wants((tensor,)):
-            return op(tensor, *args)
+            return op(tensor, *args, weight=weight)
         if self.healed:
             tensor.zero_()
         saved = tensor.detach().clone()
-        handle = op(tensor, *args)
+        handle = op(tensor, *args, weight=weight)
 
-        def reissue() -> Handle:
+        def reissue(new: float | None = None) -> Handle:
             tensor.copy_(saved)
-            return self._reissuable(op, tensor, *args)
+            return self._reissuable(op, tensor, *args, weight=weight if new is None else new)
 
         handle.reissue = reissue
         return handle

@@ -115,6 +115,31 @@ PRESETS: dict[str, dict[str, Any]] = {
                                "inner_optimizer": "muon", "lr": 0.03},
                     "local": {"spread_every": 10}},
     },
+    "hetero": {
+        "about": "workers of unequal speed over 3 seeds in about 30 minutes on a 2-core CPU: "
+                 "the tiny model on Shakespeare, 4 workers at speeds 1, 1, 0.5 and 0.33 "
+                 "(--worker-speed), 4 x 128 tokens, 480 steps, H = 20 (24 rounds); "
+                 "synchronous DiLoCo, DiLoCo with speed-aware local steps and with "
+                 "asynchronous outer steps (S = 2), DiLoCo of 4 equal workers (the tokens "
+                 "claim's reference), Streaming DiLoCo (P = 2, FP4) at tau = 1 with and "
+                 "without eager updates, and eager at tau = H/P - 1 = 9 (docs/unequal.md)",
+        "algorithms": "diloco,diloco-aware=diloco,diloco-async=diloco,diloco-even=diloco,"
+                      "streaming,streaming-eager=streaming,streaming-eager-late=streaming",
+        "seeds": [0, 1, 2],
+        "shared": {"model": "tiny", "workers": 4, "steps": 480, "batch_size": 4,
+                   "seq_len": 128, "warmup": 20, "eval_every": 40, "eval_batches": 8,
+                   "final_eval_batches": 50, "log_every": 20},
+        "methods": {"diloco": {"sync_every": 20, "worker_speed": "1,1,0.5,0.33",
+                               **FEW_OUTER_STEPS},
+                    "diloco-aware": {"local_steps": "proportional"},
+                    "diloco-async": {"local_steps": "proportional", "max_staleness": 2},
+                    "diloco-even": {"worker_speed": None},
+                    "streaming": {"sync_every": 20, "fragments": 2, "overlap": "1",
+                                  "mixing": 0.5, "codec": "fp4_e3m0",
+                                  "worker_speed": "1,1,0.5,0.33", **FEW_OUTER_STEPS},
+                    "streaming-eager": {"eager": True},
+                    "streaming-eager-late": {"eager": True, "overlap": "9"}},
+    },
     "paper": {
         "about": "the papers' settings at the size of their smaller runs, for one GPU machine "
                  "(bring a large --corpus): the large model (12 layers, d=768, ~88M "

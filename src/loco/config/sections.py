@@ -139,22 +139,52 @@ def worker_speeds(cfg) -> tuple[float, ...] | None:
 
 def check_local_steps(cfg) -> None:
     """``local_steps`` proportional only where a round of H steps and a global copy exist,
-    with workers of one rank, one stage, not elastic.
+    with workers of one rank and one stage; ``max_staleness`` >= 0, and above 0
+    (asynchronous outer steps) only with proportional local steps, one fragment, no overlap
+    and no eager updates.
 
     Raises:
-        ConfigError: naming ``local_steps`` and what it needs.
+        ConfigError: naming ``local_steps`` or ``max_staleness`` and what it needs.
     """
+    need(cfg, cfg.max_staleness >= 0, "max_staleness", "must be an integer >= 0 (0: "
+         "synchronous outer steps)")
+    if cfg.max_staleness:
+        check_asynchronous(cfg)
     if cfg.local_steps != "proportional":
         return
     if not cfg.method.global_copy:
         raise ConfigError("local_steps", "proportional needs a method with rounds of H steps "
                           f"and a global copy (diloco, streaming, sparseloco; got "
                           f"--algorithm {cfg.algorithm})")
-    for name, ok in (("worker_ranks", cfg.worker_ranks == 1), ("stages", cfg.stages == 1),
-                     ("elastic", not cfg.elastic)):
+    for name, ok in (("worker_ranks", cfg.worker_ranks == 1), ("stages", cfg.stages == 1)):
         if not ok:
             raise ConfigError("local_steps", f"proportional is not supported with --"
                               f"{name.replace('_', '-')} yet (got {getattr(cfg, name)})")
+    if cfg.elastic and getattr(cfg, "error_feedback", 0):
+        raise ConfigError("local_steps", "proportional with --elastic weighs a retried sync "
+                          "for its new members, which an error-fed pseudo-gradient does not "
+                          f"allow: not with --error-feedback (got {cfg.error_feedback})")
+
+
+def check_asynchronous(cfg) -> None:
+    """Asynchronous outer steps (``max_staleness`` > 0) pace the rounds by the workers'
+    speeds and end a block at a whole-model sync that nothing overlaps.
+
+    Raises:
+        ConfigError: naming ``max_staleness`` and what it needs.
+    """
+    if cfg.local_steps != "proportional":
+        raise ConfigError("max_staleness", "asynchronous outer steps share each round by the "
+                          "workers' speeds: add --local-steps proportional (got --local-steps "
+                          f"{cfg.local_steps})")
+    uses = cfg.method.uses()
+    for name, ok in (("fragments", cfg.fragments == 1), ("overlap", str(cfg.overlap) == "0"),
+                     ("eager", not cfg.eager)):
+        if name in uses and not ok:
+            raise ConfigError("max_staleness", f"asynchronous outer steps sync the whole model "
+                              f"at a round's end, nothing in flight: not with --{name} "
+                              f"{getattr(cfg, name)} (use diloco or sparseloco, or streaming "
+                              "with --fragments 1 --overlap 0)")
 
 
 def check_worker_layout(cfg) -> None:
@@ -477,8 +507,14 @@ class RuntimeOptions:
                            "worker at half its speed H/2, so that none waits at the sync; "
                            "pseudo-gradients weighed by the steps behind them; agreed by all "
                            "workers at every round's end); proportional: diloco, streaming and "
-                           "sparseloco, workers of one rank, no pipeline stages, not elastic",
+                           "sparseloco, workers of one rank, no pipeline stages",
                            LOCAL_STEPS)
+    max_staleness: int = opt(0, "asynchronous outer steps (with --local-steps proportional): "
+                             "a worker's block of H inner steps may span up to this many "
+                             "more rounds, its pseudo-gradient applied at the sync that ends "
+                             "it, token-weighted with the others that arrive there; "
+                             "meanwhile it sends zeros and keeps training; 0: synchronous "
+                             "(every worker sends every round's steps)")
     on_nonfinite: str = opt("stop", "a non-finite gradient or pseudo-gradient is caught before "
                             "it reaches the parameters; stop the run (the last checkpoint is "
                             "the last good state) or skip that step or sync and count it",

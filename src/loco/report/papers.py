@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -200,8 +201,9 @@ def claims(runs: list[Run]) -> list[Claim]:
                         if claim.against == "twin" else [run])
             for subject in subjects:
                 ref = reference(runs, subject, claim, by)
-                if ref is not None:
-                    rows.append(CHECKS[claim.kind](subject, ref, claim))
+                row = None if ref is None else CHECKS[claim.kind](subject, ref, claim)
+                if row is not None:
+                    rows.append(row)
     return rows + routing_claim(runs)
 
 
@@ -245,8 +247,57 @@ def peak_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
                  f"{ratio_cell(squeeze)} of it from {codec}{cap})", frag >= 0.9 * p)
 
 
+def loss_at(run: Run, axis: str, x: float) -> float | None:
+    """``run``'s eval loss at ``x`` on ``axis`` (``tokens`` or ``train_seconds``), linearly
+    between its periodic evaluations and its final one; None before its first or past its
+    end.
+
+    Args:
+        run: a run.
+        axis: the records' key of the x axis (the summary holds its final value).
+        x: where.
+    """
+    points = sorted([(rec[axis], rec["eval_loss"]) for rec in run.records
+                     if rec.get("eval_loss") is not None and rec.get(axis) is not None]
+                    + [(getattr(run.summary, axis), run.summary.final_eval_loss)])
+    for (x0, y0), (x1, y1) in zip(points, points[1:]):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return points[0][1] if len(points) == 1 and points[0][0] == x else None
+
+
+def equal_claim(axis: str, what: str) -> Callable[[Run, Run, PaperClaim], Claim | None]:
+    """The check of a loss claim at an equal ``axis`` (tokens, training seconds): both
+    runs' eval losses where the shorter of the two ended, ``run``'s at most ``limit`` %
+    above ``ref``'s (``limit`` 0: below it)."""
+    def check(run: Run, ref: Run, claim: PaperClaim) -> Claim | None:
+        x = min(getattr(run.summary, axis), getattr(ref.summary, axis))
+        la, lb = loss_at(run, axis, x), loss_at(ref, axis, x)
+        if la is None or lb is None:
+            return None
+        gap = 100 * (la - lb) / lb
+        text = (claim.text or "within {limit:g}% of {ref}'s").format(limit=claim.limit,
+                                                                       ref=ref.group_name)
+        met = gap < 0 if claim.limit == 0 else gap <= claim.limit
+        return Claim(f"{run.group_name} eval loss at equal {what} {text}", f"{gap:+.2f}%",
+                     met, (la, lb))
+    return check
+
+
+def goodput_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim | None:
+    """``run``'s goodput at least ``claim.limit`` (a fraction); ``ref``'s is shown."""
+    mine, theirs = (r.summary.goodput and r.summary.goodput["total"] for r in (run, ref))
+    if mine is None or theirs is None:
+        return None
+    return Claim(f"{run.group_name} goodput at least {claim.limit:.0%} (against "
+                 f"{ref.group_name}'s)", f"{mine:.1%} ({ref.group_name}: {theirs:.1%})",
+                 mine >= claim.limit)
+
+
 #: How each kind of declared claim (``loco.algorithms.PaperClaim.kind``) is checked.
-CHECKS = {"loss": loss_claim, "bytes": bytes_claim, "peak": peak_claim}
+CHECKS = {"loss": loss_claim, "bytes": bytes_claim, "peak": peak_claim,
+          "goodput": goodput_claim, "wallclock": equal_claim("train_seconds", "wall-clock"),
+          "tokens": equal_claim("tokens", "tokens")}
 
 
 #: The smallest tokens per parameter of the papers' runs (Streaming DiLoCo's 1B model on 25B

@@ -145,9 +145,12 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
                                                                ctx)
         loop = Loop(**{k: state["loop"][k] for k in SAVED_LOOP
                        if state["loop"].get(k) is not None})
+    plan = make_local_steps(cfg, ctx, algo, loop, resumed=state is not None)
     joined = ctx.comm.elastic and algo.join()  # a restarted worker takes a live one's state
     if joined:
         seek(schedule, loader, algo.inner_steps)
+        if plan is not None:  # the round end it joined at, as the others saw it
+            plan.heard(algo.inner_steps)
     resumed_from = algo.inner_steps if joined else None if state is None else int(state["step"])
     bar = progress_bar(cfg, ctx, main, resumed_from)
     writer = make_writer(cfg, ctx, main)
@@ -157,7 +160,7 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
         fault=Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None,
         resumed_from=resumed_from, start=start, vitals=vitals,
         stager=make_stager(ctx), throttle=make_throttle(cfg, ctx),
-        local_steps=make_local_steps(cfg, ctx, algo, loop))
+        local_steps=plan)
     if resumed_from is not None:  # a checkpoint counts its tokens; a joiner estimates them
         nominal = resumed_from * ctx.mesh.replicas * ctx.mesh.shards * cfg.batch_size * cfg.seq_len
         worker.resumed_tokens = int(state["loop"].get("tokens", nominal)) if state else nominal
@@ -171,15 +174,29 @@ def make_throttle(cfg: TrainConfig, ctx: WorkerContext) -> Throttle | None:
     return Throttle(speeds[ctx.replica], ctx.device) if speeds is not None else None
 
 
-def make_local_steps(cfg: TrainConfig, ctx: WorkerContext, algo, loop: Loop
-                     ) -> LocalSteps | None:
+def make_local_steps(cfg: TrainConfig, ctx: WorkerContext, algo, loop: Loop,
+                     resumed: bool = False) -> LocalSteps | None:
     """Speed-aware local steps (``--local-steps proportional``; the rounds a checkpoint
-    agreed), the algorithm's pseudo-gradients weighed by them; None: every worker trains
-    every step."""
+    agreed), the algorithm's pseudo-gradients weighed by them; with ``--max-staleness``,
+    asynchronous outer steps (the algorithm keeps its blocks' starts); None: every worker
+    trains every step. Elastic: the plan hears the quorums, a worker that joins takes it
+    from a live one, and an elastic run resumed (every replica restarting from the global
+    copy) starts every worker's block anew."""
     if cfg.local_steps != "proportional":
         return None
-    plan = LocalSteps(cfg.sync_every, ctx.mesh.replicas, ctx.replica, loop.local_rounds)
+    plan = LocalSteps(cfg.sync_every, ctx.mesh.replicas, ctx.replica, loop.local_rounds,
+                      max_staleness=cfg.max_staleness,
+                      last_round=cfg.steps // cfg.sync_every - 1,
+                      ahead=1 if cfg.method.checkpoint_delay(cfg) == 0 else 2,
+                      quorum=ctx.comm if ctx.comm.elastic else None)
+    if ctx.comm.elastic:
+        ctx.comm.register_state("local_steps", plan.heal_state, plan.load_heal_state)
+        if resumed:
+            plan.restarts = dict.fromkeys(range(ctx.mesh.replicas),
+                                          algo.inner_steps // cfg.sync_every)
     algo.weight_of = plan.weight
+    if cfg.max_staleness:
+        algo.keep_block_starts()
     return plan
 
 

@@ -168,14 +168,16 @@ def memory_per_rank(counters: list[dict]) -> dict[str, int] | None:
     return {k: max(c["memory_bytes"][k] for c in counters) for k in MEMORY_PARTS}
 
 
-def summarize_counters(ctx: WorkerContext, counters: list[dict]) -> dict:
+def summarize_counters(ctx: WorkerContext, counters: list[dict], held: float = 0.0) -> dict:
     """The summary's fields made of every rank's counters: bytes (the busiest rank's or
-    worker's), memory, syncs, communication time, compute utilization (the mean over ranks)
-    and the non-finite skips (summed over ranks).
+    worker's), memory, syncs, communication time, compute utilization (the mean over ranks),
+    the non-finite skips (summed over ranks) and the goodput.
 
     Args:
         ctx: the lead rank's context.
         counters: every rank's counters, in rank order (:func:`gather_counters`).
+        held: the lead rank's seconds of evaluation and spread diagnostic, which the others
+            wait out (see ``loco.training.speed.goodput``).
     """
     most = {k: max(c[k] for c in counters) for k in COUNTERS}
     per_worker = ctx.stages * ctx.mesh.shards  # rank order: worker-major
@@ -197,7 +199,7 @@ def summarize_counters(ctx: WorkerContext, counters: list[dict]) -> dict:
         "nonfinite_skipped": {"inner_steps": sum(c["skipped_inner_steps"] for c in counters),
                               "syncs": sum(c["skipped_syncs"] for c in counters)},
         "goodput": goodput(counters, [list(range(i, i + per_worker)) for i in
-                                      range(0, len(counters), per_worker)])}
+                                      range(0, len(counters), per_worker)], held)}
 
 
 def blocked_seconds(ctx: WorkerContext) -> float:

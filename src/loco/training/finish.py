@@ -88,10 +88,14 @@ def make_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float |
         inner_steps=cfg.steps, tokens=tokens, final_eval_loss=final_eval,
         final_model=final_model(cfg),
         final_eval_loss_extra=extra, unigram_entropy=corpus.unigram_entropy,
-        model_parameters=w.model.num_parameters(), **summarize_counters(ctx, workers),
+        model_parameters=w.model.num_parameters(), **summarize_counters(
+            ctx, workers, loop.eval_seconds + loop.diagnostic_seconds),
         resumed_from_step=w.resumed_from, restarts=restart_count(),
         worker_speeds=None if cfg.worker_speed is None else list(worker_speeds(cfg)),
-        local_steps=None if w.local_steps is None else {"rounds": local_rounds(w)},
+        local_steps=None if w.local_steps is None else {
+            "rounds": local_rounds(w), "max_staleness": cfg.max_staleness,
+            "staleness": (w.local_steps.staleness(cfg.steps // cfg.sync_every)
+                          if cfg.max_staleness else None)},
         elastic=(None if not ctx.comm.elastic else {
             "min_workers": ctx.comm.min_workers,
             **recovery_report(ctx.comm.events, ctx.comm.syncs, ctx.comm.workers)}),

@@ -72,11 +72,15 @@ def step_profiler(w: Worker) -> StepProfiler:
 
 
 def train_step(w: Worker, step: int, loop: Loop) -> torch.Tensor | None:
-    """One inner step, timed for speed-aware local steps (``--local-steps proportional``),
-    which may also leave it out (an idle tick: the algorithm's schedule moves on)."""
+    """One inner step, timed for speed-aware local steps (``--local-steps proportional``,
+    and asynchronous outer steps), which may also leave it out (an idle tick: the
+    algorithm's schedule moves on)."""
     plan = w.local_steps
     if plan is None:
         return inner_step(w, step, loop)
+    if w.ctx.comm.elastic:  # the steps the members of the latest sync train at this tick
+        w.elastic_tokens += (sum(plan.trains(step, m) for m in w.ctx.comm.members)
+                             * w.cfg.batch_size * w.cfg.seq_len)
     if not plan.trains(step):
         w.algo.idle_step()
         w.schedule.step()
@@ -87,8 +91,7 @@ def train_step(w: Worker, step: int, loop: Loop) -> torch.Tensor | None:
         t0, waited = time.perf_counter(), blocked_seconds(w.ctx)
         loss = inner_step(w, step, loop)
         plan.trained(time.perf_counter() - t0 - (blocked_seconds(w.ctx) - waited))
-    if step % plan.sync_every == 0:
-        plan.agree(w.ctx.comm)
+    plan.tick_done(w.ctx.comm, step)
     return loss
 
 
@@ -117,7 +120,7 @@ def inner_step(w: Worker, step: int, loop: Loop) -> torch.Tensor | None:
     loop.trained_steps += 1
     if step % w.cfg.log_every == 0:  # inner steps skipped on the device, if any, read now
         w.algo.settle_nonfinite()
-    if w.ctx.comm.elastic:  # the workers in the quorum of the latest sync trained this step
+    if w.ctx.comm.elastic and w.local_steps is None:  # the quorum of the latest sync trained
         w.elastic_tokens += (len(w.ctx.comm.members) * w.ctx.mesh.shards * w.cfg.batch_size
                              * w.cfg.seq_len)
     if step == w.cfg.steps:
@@ -208,7 +211,8 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
     record = None if spread is None else {"step": step, "tokens": tokens, "spread": spread}
     if step % cfg.log_every == 0 or step == cfg.steps:
         loop.settle_losses()
-        loop.shown_loss = loop.loss_sum / loop.loss_count
+        if loop.loss_count:  # (none where this worker trained no tick since the last)
+            loop.shown_loss = loop.loss_sum / loop.loss_count
         record = {**(record or {}), "step": step, "tokens": tokens,
                   "train_loss": loop.shown_loss, "lr": w.schedule.get_last_lr()[0]}
         loop.loss_sum, loop.loss_count = 0.0, 0
@@ -217,7 +221,7 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
     sent = w.ctx.comm.issued_bytes("train")  # at issue: the same whatever the timing
     if record is not None:
         record.update(bytes_sent=sent, **issued_link_bytes(w.ctx),
-                      elapsed=time.perf_counter() - w.start)
+                      elapsed=time.perf_counter() - w.start, train_seconds=loop.elapsed())
         w.log.metric(record)
     train_seconds = loop.elapsed()
     this_run = max(train_seconds - loop.train_seconds, 1e-9)  # since (re)start

@@ -13,9 +13,12 @@ trains on ``n_i`` of them, spread evenly and always on the round's last: ``n_i``
 its speed over the fastest worker's, so that all reach the round's end together. Skipped
 ticks cost nothing; syncs, evaluations and checkpoints stay at the same ticks everywhere. At
 each round's end the workers gather their measured step times (one small all-gather) and
-every worker derives every ``n_i`` of the next round from the same numbers: the schedule is
-agreed, whatever the speeds do meanwhile. A worker's pseudo-gradient then weighs by the
-steps (tokens) behind it.
+every worker derives every ``n_i`` of a later round from the same numbers (the next round
+where the method waits for its sync there anyway, the one after where a sync may be in
+flight): the schedule is agreed, whatever the speeds do meanwhile. The run's first round
+is shared after its first ticks, whose times are gathered at once. A worker's
+pseudo-gradient then weighs by the steps (tokens) behind it. With asynchronous outer steps
+a worker's block of steps spans rounds (``loco.algorithms.asynchronous``).
 
 Goodput is the share of the workers' capacity that went into committed progress: the steps
 whose pseudo-gradients were applied, over the steps each worker could have trained in the
@@ -68,24 +71,29 @@ class Throttle:
         loop.throttle_seconds += pause
 
 
-def goodput(counters: list[dict], ranks_of_worker: list[list[int]]) -> dict:
+def goodput(counters: list[dict], ranks_of_worker: list[list[int]], held: float = 0.0
+            ) -> dict:
     """The run's goodput, and each worker's.
 
     A rank's step time when it does not wait is its training time less the time it was
     blocked on communication, over the steps it trained; in the run's wall time (the
-    slowest rank's training time) it could have trained ``wall / that`` steps. Goodput is
-    the steps applied (trained, less those skipped or discarded) over those capacities.
+    slowest rank's training time, less ``held``) it could have trained ``wall / that``
+    steps. Goodput is the steps applied (trained, less those skipped or discarded) over
+    those capacities.
 
     Args:
         counters: every rank's counters, with ``train_seconds``, ``blocked_seconds``,
             ``trained_steps`` and ``applied_steps``.
         ranks_of_worker: the ranks of each worker, by worker.
+        held: seconds the lead rank spent evaluating (and on the spread diagnostic), left
+            out of its training time, which the other workers wait out at their next
+            sync: left out of the wall time too (default 0).
 
     Returns:
         ``total`` and ``per_worker`` (fractions; None where a rank trained nothing) and
             ``step_seconds`` (each worker's step time when not waiting, its slowest rank's).
     """
-    wall = max(c["train_seconds"] for c in counters)
+    wall = max(c["train_seconds"] for c in counters) - held
 
     def capacity(c: dict) -> float | None:
         busy = c["train_seconds"] - c["blocked_seconds"]
@@ -103,80 +111,251 @@ def goodput(counters: list[dict], ranks_of_worker: list[list[int]]) -> dict:
     return {"total": total, "per_worker": per_worker, "step_seconds": step_seconds}
 
 
+PROBE_TICKS = 3
+"""With H >= 2 × this: the ticks of the run's first round every worker trains before their
+times are first gathered (the first left out: it warms up), so that the rest of that round
+is already shared by speed."""
+
+
+SLACK = 1.02
+"""How far past the fastest worker's time a round's steps may reach (2%: the measure's
+noise), so that a worker is given a step that ends just after the others' last one."""
+
+
+SMOOTHING = 0.5
+"""The weight of the past in the step time a worker reports: each round's mean step time
+is averaged with the past rounds' (exponentially), so that one round's noise does not swing
+the next round's shares."""
+
+
+def fit(ticks: int, fastest: float, time: float) -> int:
+    """How many of ``ticks`` a worker whose steps take ``time`` trains, so that it ends
+    with the fastest worker (``fastest`` per step, training them all): as many as fit,
+    ``max(1, ⌊SLACK · ticks · fastest / time⌋)``, rounded down, since a worker that ends
+    late holds every other one at the sync, and one that ends early idles alone (and the
+    slow workers hold the smaller share of the capacity); ``ticks`` where the time is
+    unknown (0: it trained no tick)."""
+    return max(1, min(ticks, int(SLACK * ticks * fastest / time))) if time > 0 else ticks
+
+
 class LocalSteps:
-    """Speed-aware local steps: which ticks each worker trains on, round by round.
+    """Speed-aware local steps: which ticks each worker trains on, round by round; with
+    asynchronous outer steps, which syncs each worker contributes to.
 
     Args:
         sync_every: H, the ticks of a round.
         workers: M.
         replica: this worker's index.
         rounds: the steps per round of every worker so far (one list of M per round, from a
-            checkpoint); default: none yet (the first round: H each).
+            checkpoint); default: none yet (a fresh run: the first round shared by the
+            speeds of its first ``PROBE_TICKS`` ticks, the second by them too).
+        max_staleness: S, asynchronous outer steps: a worker's block of steps spans rounds
+            until it holds H steps or S + 1 rounds, and its pseudo-gradient is sent at the
+            sync that ends it, S outer steps old at most; 0 (default): every worker sends
+            every round's steps (synchronous).
+        last_round: the run's last full round (0-based): every block ends there.
+        ahead: how many rounds after a round the one its times fix comes: 2 (default) where
+            a sync may be in flight at a round's end (the gather is settled a round later,
+            never waited for); 1 where the method waits for its sync at the round's end
+            anyway (the workers meet there: the gather after it is waited for at once).
+        quorum: with elastic membership, the ElasticComm: the step times travel with its
+            quorums (no gather of their own, no probe: round r's fix round r + 1), a sync
+            weighs the steps of the workers that contribute to it, and a worker's blocks
+            start again where it joined; None (default): every worker is in every sync.
     """
 
     def __init__(self, sync_every: int, workers: int, replica: int,
-                 rounds: list[list[int]] | None = None):
+                 rounds: list[list[int]] | None = None, max_staleness: int = 0,
+                 last_round: int | None = None, ahead: int = 2, quorum: Any = None):
         self.sync_every, self.workers, self.replica = sync_every, workers, replica
-        self.rounds = [list(r) for r in rounds or [[sync_every] * workers] * 2]
-        """Every round's steps per worker, agreed so far: the first two rounds H each; the
-        times of round r fix round r + 2 (so that the gather is never waited for)."""
+        self.max_staleness, self.last_round, self.ahead = max_staleness, last_round, ahead
+        self.quorum = quorum
+        self.probe = PROBE_TICKS if sync_every >= 2 * PROBE_TICKS and quorum is None else 0
+        self.probing = rounds is None and self.probe > 0
+        self.rounds = [list(r) for r in rounds or [[sync_every] * workers] * (
+            1 if self.probing else 2)]
+        """Every round's steps per worker, agreed so far; the times of round r fix round
+        r + ``ahead``; the first two rounds are fixed by the first ticks' times (or are H
+        each where H is too short to probe)."""
         self.busy = 0.0  # this round's seconds of trained ticks, waits left out
         self.steps = 0  # this round's trained ticks
         self._pending: Any = None  # the gather of the last round's times, in flight
+        self._fixes = 0  # the round that gather fixes
+        self.ticks_trained = 0  # in this run (since a resume)
+        self.smoothed = 0.0  # this worker's step time, averaged over rounds (SMOOTHING)
+        self.restarts: dict[int, int] = {}
+        """Elastic: the round from which each worker that joined (or was healed) counts its
+        blocks, by worker."""
 
     def counts(self, tick: int) -> list[int]:
         """Every worker's steps in the round of ``tick`` (1-based)."""
-        r = (tick - 1) // self.sync_every
+        return self.round_counts((tick - 1) // self.sync_every)
+
+    def round_counts(self, r: int) -> list[int]:
+        """Every worker's steps in round ``r`` (0-based)."""
         return self.rounds[r] if r < len(self.rounds) else [self.sync_every] * self.workers
 
     def trains(self, tick: int, worker: int | None = None) -> bool:
         """Whether ``worker`` (default this one) trains at ``tick``: tick k (0-based in its
         round) of a worker of n steps when ``floor((k+1)·n/H) > floor(k·n/H)``: n ticks,
-        spread evenly, the round's last among them."""
+        spread evenly, the round's last among them. In the run's first round every worker
+        trains the first ``probe`` ticks and spreads the rest of its n over the rest."""
         n, h = self.counts(tick)[self.replica if worker is None else worker], self.sync_every
         k = (tick - 1) % h
+        if tick <= h and self.probe:
+            if k < self.probe:
+                return True
+            n, k, h = n - self.probe, k - self.probe, h - self.probe
         return (k + 1) * n // h > k * n // h
 
     def steps_between(self, first: int, last: int, worker: int) -> int:
         """How many of the ticks ``first``..``last`` (inclusive) ``worker`` trains on."""
         return sum(self.trains(t, worker) for t in range(max(first, 1), last + 1))
 
+    def block_steps(self, r: int, worker: int) -> int:
+        """Asynchronous outer steps: the steps ``worker`` sends at round ``r``'s sync, the
+        whole block that sync ends; 0 where its block goes on past it. A block ends at the
+        first sync where it holds at least H steps, or spans S + 1 rounds, or at the run's
+        last full round; a worker that joined (elastic) starts its blocks anew."""
+        held = age = 0
+        for q in range(r + 1):
+            if q == self.restarts.get(worker):  # it joined: its blocks start anew
+                held = age = 0
+            held += self.round_counts(q)[worker]
+            ends = (held >= self.sync_every or age >= self.max_staleness
+                    or (self.last_round is not None and q >= self.last_round))
+            if q == r:
+                return held if ends else 0
+            held, age = (0, 0) if ends else (held, age + 1)
+        return 0
+
     def weight(self, tick: int, span: int) -> float:
         """This worker's weight in the average of a sync sent at ``tick`` that covers the
-        ``span`` ticks before it: M times its share of the steps all workers trained then,
-        so that the mean of the weighted pseudo-gradients weighs each by its tokens."""
-        steps = [self.steps_between(tick - span + 1, tick, m) for m in range(self.workers)]
-        total = sum(steps)
-        return self.workers * steps[self.replica] / total if total else 1.0
+        ``span`` ticks before it: M times its share of the steps all workers send then
+        (those trained in the span; asynchronous: their whole blocks), so that the mean of
+        the weighted pseudo-gradients weighs each by its tokens (a token-weighted merge).
+        0: this worker sends nothing at this sync (asynchronous: its block goes on)."""
+        who = range(self.workers) if self.quorum is None else self.quorum.contributing
+        if self.max_staleness:
+            steps = {m: self.block_steps(tick // self.sync_every - 1, m) for m in who}
+        else:
+            steps = {m: self.steps_between(tick - span + 1, tick, m) for m in who}
+        total = sum(steps.values())
+        return len(steps) * steps.get(self.replica, 0) / total if total else 1.0
+
+    def staleness(self, rounds: int) -> dict[int, int]:
+        """Asynchronous outer steps: how many blocks, of all workers, ended in the first
+        ``rounds`` rounds at each staleness (the outer steps the global copy took between
+        a block's start and its sync: the rounds it spanned, less one)."""
+        counts: dict[int, int] = {}
+        for m in range(self.workers):
+            start = 0
+            for r in range(rounds):
+                if self.block_steps(r, m):
+                    counts[r - start] = counts.get(r - start, 0) + 1
+                    start = r + 1
+        return dict(sorted(counts.items()))
 
     def trained(self, seconds: float) -> None:
-        """Count a trained tick of ``seconds`` (its time blocked on communication left out)."""
+        """Count a trained tick of ``seconds`` (its time blocked on communication left out;
+        the run's first tick, which warms up, not at all)."""
+        self.ticks_trained += 1
+        if self.probing and self.ticks_trained == 1:
+            return
         self.busy += seconds
         self.steps += 1
 
-    def agree(self, comm: Any) -> None:
+    def tick_done(self, comm: Any, tick: int) -> None:
+        """After every tick: at the end of the run's first probe ticks, agree on the first
+        two rounds (waited for: a few steps' difference); at a round's end, start the
+        gather that fixes the round ``ahead`` of it (``agree``; settled at once where
+        ``ahead`` is 1)."""
+        if self.quorum is not None:
+            return self.heard(tick)
+        if self.probing and tick == self.probe:
+            self.probing = False
+            self._gather(comm, fixes=0)
+            self.settle()
+        elif tick % self.sync_every == 0:
+            self.agree(comm, tick // self.sync_every - 1 + self.ahead)
+            if self.ahead == 1:
+                self.settle()
+
+    def heard(self, tick: int) -> None:
+        """Elastic, after every tick: leave this worker's step time so far (in µs) for the
+        next quorum to carry; at a round's end, after its sync's quorum: the workers that
+        did not contribute to it (just joined, or healed) start their blocks with the next
+        round, which every member's time from that quorum fixes (absent workers: H)."""
+        mean = self.busy / self.steps if self.steps else 0.0
+        mine = (SMOOTHING * self.smoothed + (1 - SMOOTHING) * mean if mean and self.smoothed
+                else mean or self.smoothed)
+        self.quorum.note = round(mine * 1e6)
+        if tick % self.sync_every:
+            return
+        r = tick // self.sync_every - 1
+        self.rejoined(r)
+        self.smoothed, self.busy, self.steps = mine, 0.0, 0
+        times = [self.quorum.notes.get(m, 0) / 1e6 for m in range(self.workers)]
+        known = [t for t in times if t > 0]
+        fastest = min(known) if known else 0.0
+        while len(self.rounds) <= r:
+            self.rounds.append([self.sync_every] * self.workers)
+        self.rounds[r + 1:] = [[fit(self.sync_every, fastest, t) for t in times]]
+
+    def rejoined(self, r: int) -> None:
+        """Elastic, after round ``r``'s sync: its members that did not contribute to it
+        (they just joined, or were healed) start their blocks with round r + 1."""
+        for m in set(self.quorum.members) - set(self.quorum.contributing):
+            self.restarts[m] = r + 1
+
+    def heal_state(self) -> dict:
+        """What a worker that joins takes from a live one (elastic): the rounds and the
+        restarts."""
+        return {"rounds": [list(r) for r in self.rounds], "restarts": dict(self.restarts)}
+
+    def load_heal_state(self, state: dict) -> None:
+        """Take a live worker's ``heal_state``."""
+        self.rounds = [list(r) for r in state["rounds"]]
+        self.restarts = {int(k): int(v) for k, v in state["restarts"].items()}
+
+    def agree(self, comm: Any, fixes: int) -> None:
         """At a round's end: start gathering every worker's mean step time of the round
-        (one float each over ``comm``, counted as training bytes: the method sends it), and
-        fix the round after next from the previous round's gather, which has long arrived:
-        ``n_i = max(1, round(H · fastest / time_i))``. Collective: every worker calls it at
-        the same ticks."""
+        (one float each over ``comm``, counted as training bytes: the method sends it), to
+        fix round ``fixes``; first settle the previous round's gather, which has long
+        arrived. Collective: every worker calls it at the same ticks."""
         self.settle()
+        self._gather(comm, fixes)
+
+    def _gather(self, comm: Any, fixes: int) -> None:
         mine = self.busy / self.steps if self.steps else 0.0
+        if fixes:  # (the probe's few times stand alone, and are not kept)
+            if mine and self.smoothed:
+                mine = SMOOTHING * self.smoothed + (1 - SMOOTHING) * mine
+            self.smoothed = mine or self.smoothed
         self._pending = comm.all_gather(
             torch.tensor([mine], dtype=torch.float64, device=comm.device), tag="train")
+        self._fixes = fixes
         self.busy, self.steps = 0.0, 0
 
     def settle(self) -> None:
-        """Fix the round the gather in flight decides (waiting for it): before the next
-        gather, and before a checkpoint saves ``rounds``."""
+        """Fix the round(s) the gather in flight decides (waiting for it): before the next
+        gather, and before a checkpoint saves ``rounds`` (``fit``); the probe fixes the rest
+        of the first round and the second round."""
         if self._pending is None:
             return
         times = [float(t) for t in self._pending.wait()]
         self._pending = None
         known = [t for t in times if t > 0]
         fastest = min(known) if known else 0.0
-        self.rounds.append([max(1, round(self.sync_every * fastest / t)) if t > 0
-                            else self.sync_every for t in times])
+        counts = [fit(self.sync_every, fastest, t) for t in times]
+        if self._fixes == 0:  # the probe: round 0 past its first ticks, and round 1
+            rest = self.sync_every - self.probe
+            self.rounds[0] = [self.probe + fit(rest, fastest, t) for t in times]
+            self.rounds.append(counts)
+            return
+        while len(self.rounds) < self._fixes:  # a checkpoint taken before the probe
+            self.rounds.append([self.sync_every] * self.workers)
+        self.rounds[self._fixes:] = [counts]
 
     def steps_until(self, tick: int) -> int:
         """Steps every worker together trained in ticks 1..``tick``."""
@@ -186,4 +365,4 @@ class LocalSteps:
         return whole + sum(self.steps_between(done * h + 1, tick, m) for m in range(self.workers))
 
 
-__all__ = ["LocalSteps", "Throttle", "goodput"]
+__all__ = ["PROBE_TICKS", "SLACK", "LocalSteps", "Throttle", "fit", "goodput"]

@@ -82,7 +82,9 @@ class Summary:
         worker_speeds: the speed factors of ``--worker-speed``, one per worker; None when
             every worker ran at its own speed.
         local_steps: with ``--local-steps proportional``: ``rounds``, every round's inner
-            steps per worker as the workers agreed them; None otherwise.
+            steps per worker as the workers agreed them; ``max_staleness``; with
+            asynchronous outer steps, ``staleness``: how many blocks of all workers were
+            applied at each staleness (outer steps old); None otherwise.
         resumed_from_step: the checkpoint's step this run resumed from; None for a fresh
             run.
         restarts: times the launcher restarted the workers.

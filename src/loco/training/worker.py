@@ -176,8 +176,11 @@ class Loop:
     """``time.perf_counter()`` when this run's last checkpoint was handed over (None: none
     yet; ``--checkpoint-interval`` counts from the loop's start)."""
 
-    def add_loss(self, loss: torch.Tensor) -> None:
-        """Keep a step's loss without reading it from the device (no synchronisation)."""
+    def add_loss(self, loss: torch.Tensor | None) -> None:
+        """Keep a step's loss without reading it from the device (no synchronisation);
+        None (a tick this worker did not train: speed-aware local steps) is no step."""
+        if loss is None:
+            return
         self.losses.append(loss.detach())
         self.loss_count += 1
 
