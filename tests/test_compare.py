@@ -16,8 +16,8 @@ from loco.report import CODEC_BITS, Run, codec_compression, targets
 
 METHODS = {name: cls.title for name, cls in methods().items()}
 
-PLOTS = ("frontier.png", "loss_vs_tokens.png", "loss_vs_bytes.png", "bytes_vs_time.png",
-         "spread.png")
+PLOTS = ("frontier.png", "loss_vs_tokens.png", "loss_vs_time.png", "loss_vs_bytes.png",
+         "bytes_vs_time.png", "spread.png")
 
 
 def job(corpus, out, *extra):

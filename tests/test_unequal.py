@@ -198,8 +198,8 @@ def test_local_steps_refuse_what_they_cannot_do():
 
 
 @pytest.mark.parametrize("speeds,slow,staleness", [("1,0.25", 1, 0), ("0.25,1", 0, 1)])
-def test_a_slow_worker_trains_fewer_steps_per_round_and_waits_less(corpus, tmp_path, speeds,
-                                                                   slow, staleness):
+def test_a_slow_worker_trains_fewer_steps_per_round_and_waits_less(corpus, tmp_path, capsys,
+                                                                   speeds, slow, staleness):
     """A worker at a quarter of the speed, speed-aware local steps (and asynchronous outer
     steps): from round 1 on it trains fewer steps per round than H (the rounds are recorded;
     DiLoCo waits for its sync, so round r's times fix round r + 1), the tokens count the
@@ -220,6 +220,8 @@ def test_a_slow_worker_trains_fewer_steps_per_round_and_waits_less(corpus, tmp_p
     assert s["tokens"] == (fast["trained_steps"] + late["trained_steps"]) * 4 * 32
     stale = s["local_steps"]["staleness"]
     assert stale is None if not staleness else max(map(int, stale)) <= staleness
+    printed = "asynchronous outer steps: blocks applied" in capsys.readouterr().out
+    assert printed == bool(staleness)
 
 
 def test_loco_compare_shows_the_goodput_over_the_seeds():
@@ -292,3 +294,20 @@ def test_elastic_plans_hear_the_quorum_and_restart_a_joiners_blocks():
     joiner = speed.LocalSteps(4, 4, 3, quorum=quorum, max_staleness=2)
     joiner.load_heal_state(plan.heal_state())
     assert joiner.rounds == plan.rounds and joiner.restarts == {3: 2}
+
+
+def test_a_worker_reports_its_step_time_averaged_over_rounds():
+    """Each round's mean step time is averaged with the earlier rounds' (half and half), so
+    that one noisy round does not swing the shares of the next."""
+    sent = []
+
+    class Recording(Gathers):
+        def all_gather(self, tensor, tag):
+            sent.append(float(tensor))
+            return super().all_gather(tensor, tag)
+    comm = Recording(*[[0.1, 0.1]] * 3)
+    plan = speed.LocalSteps(4, 2, 0, ahead=1)
+    for seconds in (0.1, 0.3, 0.3):
+        plan.trained(seconds)
+        plan.tick_done(comm, 4 * (len(sent) + 1))
+    assert sent == pytest.approx([0.1, 0.2, 0.25])

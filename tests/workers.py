@@ -127,8 +127,9 @@ def streaming_worker(ctx, steps, layers=4, step_hook=None, **kw):
 def planned_worker(ctx, steps, plan, max_staleness=0, resume_at=None, **kw):
     """Streaming DiLoCo whose workers train only on the ticks of a fixed speed-aware plan
     (``plan``: every round's steps per worker), their pseudo-gradients weighed by it; with
-    ``max_staleness``, asynchronous outer steps. With ``resume_at``: also rebuilt from its
-    state after that many ticks and finished again; returns both global copies."""
+    ``max_staleness``, asynchronous outer steps. Returns the global copy (``params``) and
+    the bytes sent (``sent``); with ``resume_at``: also rebuilt from its state after that
+    many ticks and finished again, both global copies."""
     from loco.training.speed import LocalSteps
 
     layers = kw.pop("layers", 4)
@@ -156,7 +157,8 @@ def planned_worker(ctx, steps, plan, max_staleness=0, resume_at=None, **kw):
     run(*parts, 0, resume_at or steps)
     if resume_at is None:
         parts[2].flush()
-        return params_of(parts[2].global_parameters())
+        return {"params": params_of(parts[2].global_parameters()),
+                "sent": ctx.comm.totals().sent_bytes}
     snapshot = copy.deepcopy(parts[2].state_dict())
     run(*parts, resume_at, steps)
     parts[2].flush()

@@ -345,6 +345,10 @@ def _print_layout(summary) -> None:
                            for g in summary.goodput["per_worker"])
         print(f"goodput {summary.goodput['total']:.1%} of the workers' capacity at speeds "
               f"{', '.join(f'{v:g}' for v in summary.worker_speeds)} (per worker: {shares})")
+    stale = (summary.local_steps or {}).get("staleness")
+    if stale:
+        print("asynchronous outer steps: blocks applied " + ", ".join(
+            f"{n} at staleness {k}" for k, n in stale.items()))
     if (summary.worker_ranks or 1) > 1:
         print(f"workers of {summary.worker_ranks} ranks ({summary.worker_parallel}): "
               f"sent per worker {human_bytes(summary.slow_link_bytes_sent_per_worker)} over "

@@ -85,6 +85,11 @@ def plot_comparison(runs, out: str) -> list[str]:
     figure("loss_vs_tokens.png", "tokens (all workers)", "eval loss (nats/token)",
            "eval loss against tokens", [(r, series(r, "tokens", "eval_loss")) for r in runs],
            marker="o")
+    timed = [(r, series(r, "train_seconds", "eval_loss")) for r in runs]
+    if any(pts for _, pts in timed):  # (runs before train_seconds was logged have none)
+        figure("loss_vs_time.png", "training seconds (evaluations left out)",
+               "eval loss (nats/token)", "eval loss against wall-clock training time", timed,
+               marker="o")
     figure("loss_vs_bytes.png", "bytes sent per worker (log)", "eval loss (nats/token)",
            "eval loss against bytes sent (no bytes: not on a log axis)",
            [(r, series(r, "bytes_sent", "eval_loss", positive=True)) for r in runs],

@@ -47,11 +47,19 @@ class BlockStarts:
         """Per fragment: θ^g at the start of this worker's block (this rank's share)."""
 
     def of(self, fragment: Any) -> torch.Tensor:
-        """The global copy ``fragment`` started its block from (flat)."""
+        """The global copy a fragment's block started from (flat, this rank's share).
+
+        Args:
+            fragment: one of the method's fragments.
+        """
         return self.start[fragment.index]
 
     def begin(self, fragment: Any) -> None:
-        """A new block starts from the global copy as it is now."""
+        """A new block of a fragment starts from its global copy as it is now.
+
+        Args:
+            fragment: one of the method's fragments.
+        """
         self.start[fragment.index].copy_(fragment.global_flat)
 
     def load(self, starts: list[torch.Tensor]) -> None:

@@ -138,6 +138,13 @@ def fit(ticks: int, fastest: float, time: float) -> int:
     return max(1, min(ticks, int(SLACK * ticks * fastest / time))) if time > 0 else ticks
 
 
+def shares(ticks: int, times: list[float]) -> list[int]:
+    """Every worker's steps of ``ticks`` from their step ``times`` (``fit``; 0: unknown)."""
+    known = [t for t in times if t > 0]
+    fastest = min(known) if known else 0.0
+    return [fit(ticks, fastest, t) for t in times]
+
+
 class LocalSteps:
     """Speed-aware local steps: which ticks each worker trains on, round by round; with
     asynchronous outer steps, which syncs each worker contributes to.
@@ -286,9 +293,7 @@ class LocalSteps:
         next quorum to carry; at a round's end, after its sync's quorum: the workers that
         did not contribute to it (just joined, or healed) start their blocks with the next
         round, which every member's time from that quorum fixes (absent workers: H)."""
-        mean = self.busy / self.steps if self.steps else 0.0
-        mine = (SMOOTHING * self.smoothed + (1 - SMOOTHING) * mean if mean and self.smoothed
-                else mean or self.smoothed)
+        mine = self._smoothed()
         self.quorum.note = round(mine * 1e6)
         if tick % self.sync_every:
             return
@@ -296,11 +301,9 @@ class LocalSteps:
         self.rejoined(r)
         self.smoothed, self.busy, self.steps = mine, 0.0, 0
         times = [self.quorum.notes.get(m, 0) / 1e6 for m in range(self.workers)]
-        known = [t for t in times if t > 0]
-        fastest = min(known) if known else 0.0
         while len(self.rounds) <= r:
             self.rounds.append([self.sync_every] * self.workers)
-        self.rounds[r + 1:] = [[fit(self.sync_every, fastest, t) for t in times]]
+        self.rounds[r + 1:] = [shares(self.sync_every, times)]
 
     def rejoined(self, r: int) -> None:
         """Elastic, after round ``r``'s sync: its members that did not contribute to it
@@ -326,12 +329,18 @@ class LocalSteps:
         self.settle()
         self._gather(comm, fixes)
 
+    def _smoothed(self) -> float:
+        """This round's mean step time so far averaged with the earlier rounds'
+        (``SMOOTHING``); either alone where the other is unknown (0)."""
+        mean = self.busy / self.steps if self.steps else 0.0
+        return (SMOOTHING * self.smoothed + (1 - SMOOTHING) * mean if mean and self.smoothed
+                else mean or self.smoothed)
+
     def _gather(self, comm: Any, fixes: int) -> None:
-        mine = self.busy / self.steps if self.steps else 0.0
-        if fixes:  # (the probe's few times stand alone, and are not kept)
-            if mine and self.smoothed:
-                mine = SMOOTHING * self.smoothed + (1 - SMOOTHING) * mine
-            self.smoothed = mine or self.smoothed
+        if fixes:
+            mine = self.smoothed = self._smoothed()
+        else:  # the probe's few times stand alone, and are not kept
+            mine = self.busy / self.steps if self.steps else 0.0
         self._pending = comm.all_gather(
             torch.tensor([mine], dtype=torch.float64, device=comm.device), tag="train")
         self._fixes = fixes
@@ -345,12 +354,10 @@ class LocalSteps:
             return
         times = [float(t) for t in self._pending.wait()]
         self._pending = None
-        known = [t for t in times if t > 0]
-        fastest = min(known) if known else 0.0
-        counts = [fit(self.sync_every, fastest, t) for t in times]
+        counts = shares(self.sync_every, times)
         if self._fixes == 0:  # the probe: round 0 past its first ticks, and round 1
-            rest = self.sync_every - self.probe
-            self.rounds[0] = [self.probe + fit(rest, fastest, t) for t in times]
+            rest = shares(self.sync_every - self.probe, times)
+            self.rounds[0] = [self.probe + n for n in rest]
             self.rounds.append(counts)
             return
         while len(self.rounds) < self._fixes:  # a checkpoint taken before the probe
@@ -365,4 +372,5 @@ class LocalSteps:
         return whole + sum(self.steps_between(done * h + 1, tick, m) for m in range(self.workers))
 
 
-__all__ = ["PROBE_TICKS", "SLACK", "LocalSteps", "Throttle", "fit", "goodput"]
+__all__ = ["PROBE_TICKS", "SLACK", "SMOOTHING", "LocalSteps", "Throttle", "fit", "goodput",
+           "shares"]
