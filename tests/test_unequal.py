@@ -190,7 +190,9 @@ def test_asynchronous_blocks_span_rounds_until_h_steps_or_s_plus_1_rounds():
 def test_local_steps_refuse_what_they_cannot_do():
     for extra, message in [({"algorithm": "noloco"}, "needs a method with rounds"),
                            ({"worker_ranks": 2}, "--worker-ranks"),
-                           ({"stages": 2}, "--stages")]:
+                           ({"stages": 2}, "--stages"),
+                           ({"elastic": True, "launcher": "processes", "algorithm": "diloco",
+                             "error_feedback": 0.9}, "not with --error-feedback")]:
         cfg = build_config(overrides={"local_steps": "proportional", **extra})
         with pytest.raises(ConfigError, match=f"^--local-steps: .*{message}"):
             from loco.config.sections import check_local_steps
