@@ -6,6 +6,7 @@ import json
 import random
 
 import pytest
+from test_reliability import records
 
 from loco.cli import main
 from loco.data import prepare_corpus
@@ -43,13 +44,6 @@ def run(data, out, *extra):
             "--log-every", "2", "--corpus", data["parquet"], "--text-field", "body",
             "--tokenizer", data["tokenizer"], "--cache-dir", data["cache"], "--out", str(out),
             "--no-progress", "--checkpoint-every", "1", *extra]
-
-
-def records(out):
-    """metrics.jsonl without the wall-clock times, which differ between any two runs."""
-    drop = {"elapsed", "seconds_in_flight", "seconds_waited"}
-    return [{k: v for k, v in json.loads(line).items() if k not in drop}
-            for line in (out / "metrics.jsonl").open()]
 
 
 @pytest.mark.slow
