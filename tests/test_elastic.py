@@ -276,3 +276,6 @@ def test_asynchronous_outer_steps_go_on_when_a_slow_worker_is_lost_and_rejoins()
     assert max_diff(joiner["params"], ref) < TOL
     assert max_diff(joiner["params"], reference_streaming(
         M, steps, H, 1, 0, 0.0, plan=plan, max_staleness=2, lost={3: 24})) > 1e-4
+    syncs = dict(zip([x["step"] for x in peers[0]["sync_log"]], peers[0]["syncs"]))
+    assert (syncs[24]["participants"], syncs[24]["retries"]) == ([0, 1, 2], 1)
+    assert syncs[joiner["join_sync"]]["contributors"] == 3
