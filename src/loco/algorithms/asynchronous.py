@@ -62,14 +62,5 @@ class BlockStarts:
         """
         self.start[fragment.index].copy_(fragment.global_flat)
 
-    def load(self, starts: list[torch.Tensor]) -> None:
-        """Restore the starts from a checkpoint.
-
-        Args:
-            starts: one vector per fragment, as ``start`` holds them.
-        """
-        for t, saved in zip(self.start, starts):
-            t.copy_(saved)
-
 
 __all__ = ["BlockStarts"]

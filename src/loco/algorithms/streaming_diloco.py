@@ -272,7 +272,7 @@ class StreamingDiLoCo(Algorithm):
         names = split_fragments(model, fragments, pattern)
         count = len(names)
         check_arguments(sync_every, count, overlap, alpha, outer_lr, outer_momentum,
-                         outer_thread, comm.elastic, eager)
+                        outer_thread, comm.elastic, eager)
         if not 0 <= error_feedback < 1:
             raise ValueError(f"error_feedback (beta) must be in [0, 1) (got {error_feedback!r})")
         self.error_feedback = error_feedback
@@ -305,9 +305,9 @@ class StreamingDiLoCo(Algorithm):
                                  if error_feedback else 0,
                                  device=self.fragment_list[0].delta.device)
         self.eager = Eager(self.fragment_list, comm.size) if eager else None
+        """The eager updates' state (``eager=True``), or None."""
         self.blocks: BlockStarts | None = None
         """Asynchronous outer steps' block starts (``keep_block_starts``), or None."""
-        """The eager updates' state (``eager=True``), or None."""
         if outer_thread is None:  # it pays where the CPU is idle while the device computes
             outer_thread = (offload and self.params[0].device.type != "cpu" and overlap > 0
                             and not comm.elastic and not eager)
