@@ -38,6 +38,12 @@ def only_for(option: str) -> tuple[str, ...]:
 FEW_OUTER_STEPS = {"outer_lr": 1.0, "outer_momentum": 0.0}
 
 
+#: The job every preset for a 2-core CPU shares: 4 workers of 4 x 128 tokens, evaluated on 8
+#: held-out batches along the way and 50 at the end.
+CPU_JOB = {"workers": 4, "batch_size": 4, "seq_len": 128, "eval_batches": 8,
+           "final_eval_batches": 50}
+
+
 #: Named settings. ``shared`` options apply to every method; ``methods`` maps an algorithm
 #: or a label to its own options (an algorithm's entry applies to every method of that
 #: algorithm, a label's to that method only, in the order listed, so a label's entry after its
@@ -50,9 +56,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                  "sweeps chose for so few outer steps (lr 1, no momentum: docs/claims.md): "
                  "the papers' five methods in about 8 minutes on a 2-core CPU",
         "algorithms": "ddp,diloco,streaming,noloco,local",
-        "shared": {"model": "small", "workers": 4, "steps": 300, "batch_size": 4,
-                   "seq_len": 128, "warmup": 30, "eval_every": 50, "eval_batches": 8,
-                   "final_eval_batches": 50, "log_every": 10},
+        "shared": {**CPU_JOB, "model": "small", "steps": 300, "warmup": 30, "eval_every": 50,
+                   "log_every": 10},
         "methods": {"diloco": {"sync_every": 30, **FEW_OUTER_STEPS},
                     "noloco": {"sync_every": 30, "spread_every": 10, **FEW_OUTER_STEPS},
                     "streaming": {"sync_every": 30, "fragments": 2, "overlap": "1",
@@ -70,9 +75,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "algorithms": "ddp,diloco,streaming,streaming-fp32=streaming,noloco,noloco-pp=noloco,"
                       "noloco-routed=noloco,local",
         "seeds": [0, 1, 2],
-        "shared": {"model": "tiny", "workers": 4, "steps": 900, "batch_size": 4,
-                   "seq_len": 128, "warmup": 30, "eval_every": 100, "eval_batches": 8,
-                   "final_eval_batches": 50, "log_every": 20},
+        "shared": {**CPU_JOB, "model": "tiny", "steps": 900, "warmup": 30, "eval_every": 100,
+                   "log_every": 20},
         "methods": {"diloco": {"sync_every": 30, **FEW_OUTER_STEPS},
                     "streaming": {"sync_every": 30, "fragments": 2, "overlap": "1",
                                   "mixing": 0.5, "codec": "fp4_e3m0", **FEW_OUTER_STEPS},
@@ -98,9 +102,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         # lr: the sweep of docs/frontier.md (seed 0): 0.01 was best for DataParallel and
         # DiLoCo with AdamW inside (every AdamW method takes it), and for DeMo; 0.03 for
         # MuLoCo and SparseLoCo.
-        "shared": {"model": "tiny", "workers": 4, "steps": 600, "batch_size": 4,
-                   "seq_len": 128, "warmup": 30, "eval_every": 100, "eval_batches": 8,
-                   "final_eval_batches": 50, "log_every": 20, "lr": 0.01},
+        "shared": {**CPU_JOB, "model": "tiny", "steps": 600, "warmup": 30, "eval_every": 100,
+                   "log_every": 20, "lr": 0.01},
         "methods": {"diloco": {"sync_every": 30, **FEW_OUTER_STEPS},
                     "streaming": {"sync_every": 30, "fragments": 2, "overlap": "1",
                                   "mixing": 0.5, "codec": "fp4_e3m0", **FEW_OUTER_STEPS},
@@ -126,9 +129,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "algorithms": "diloco,diloco-aware=diloco,diloco-async=diloco,diloco-even=diloco,"
                       "streaming,streaming-eager=streaming,streaming-eager-late=streaming",
         "seeds": [0, 1, 2],
-        "shared": {"model": "tiny", "workers": 4, "steps": 480, "batch_size": 4,
-                   "seq_len": 128, "warmup": 20, "eval_every": 40, "eval_batches": 8,
-                   "final_eval_batches": 50, "log_every": 20},
+        "shared": {**CPU_JOB, "model": "tiny", "steps": 480, "warmup": 20, "eval_every": 40,
+                   "log_every": 20},
         "methods": {"diloco": {"sync_every": 20, "worker_speed": "1,1,0.5,0.33",
                                **FEW_OUTER_STEPS},
                     "diloco-aware": {"local_steps": "proportional"},
