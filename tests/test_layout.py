@@ -90,3 +90,47 @@ def test_rank_processes_see_the_launchers_environment_as_of_each_launch(monkeypa
                      for r in ranks]
     assert second == [{"LOCO_TEST_SET": "second", "LOCO_TEST_GONE": None, "RANK": r}
                       for r in ranks]
+
+
+def counted_worker(ctx, directory, fail):
+    """Leaves one file per call in ``directory``; raises if ``fail``."""
+    import os
+    import uuid
+    open(os.path.join(directory, f"{ctx.rank}-{uuid.uuid4().hex}"), "w").close()
+    if fail:
+        raise ValueError("the job's own error")
+    return ctx.rank
+
+
+def test_ranks_that_fail_while_connecting_are_started_again_once(monkeypatch, tmp_path,
+                                                                   capfd):
+    """Ranks that fail before any reaches the job's function (here: gloo cannot find its
+    network interface) are started once more, then the launch fails naming the cause."""
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "loco-no-such-interface")
+    with pytest.raises(loco.WorkerError, match=r"worker \d failed .*loco-no-such-interface"):
+        loco.launch(counted_worker, 2, "processes", args=(str(tmp_path), False))
+    assert capfd.readouterr().err.count("starting them again, once") == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_job_that_fails_is_not_started_again(tmp_path, capfd):
+    """Once a rank reached the job's function its failure is the job's: no second run."""
+    with pytest.raises(loco.WorkerError, match="the job's own error"):
+        loco.launch(counted_worker, 2, "processes", args=(str(tmp_path), True))
+    assert "starting them again" not in capfd.readouterr().err
+    assert sorted(p.name[0] for p in tmp_path.iterdir()) == ["0", "1"]
+    assert loco.launch(counted_worker, 2, "processes", args=(str(tmp_path), False)) == [0, 1]
+
+
+def aborting_worker(ctx):
+    """Rank 1 dies of SIGABRT (a native crash); rank 0 waits for it in a collective."""
+    import os
+    if ctx.rank == 1:
+        os.abort()
+    ctx.comm.all_gather(torch.ones(1)).wait()
+
+
+def test_the_rank_that_crashed_is_named_not_the_one_that_lost_its_peer():
+    with pytest.raises(loco.WorkerError, match=r"worker 1 failed \(exit code -6\): killed by "
+                                               r"SIGABRT"):
+        loco.launch(aborting_worker, 2, "processes")

@@ -31,6 +31,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import traceback
 import uuid
@@ -294,10 +295,31 @@ def _free_port() -> int:
 
 def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
                       links: tuple) -> list:
+    """The ranks as processes of torch elastic's local agent. A launch whose ranks all fail
+    before any reaches ``fn`` (while they connect: a gloo mesh torn down mid-connect on a
+    loaded machine, a rank that crashes in set-up) starts them again, once; ``fn`` itself
+    never runs twice unless ``max_restarts`` says so."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     context(getattr(fn, "__module__", None))  # what the ranks' fork server imports once
+    for attempt in range(2):
+        with tempfile.TemporaryDirectory(prefix="loco-started-") as started:
+            try:
+                out = _elastic_agent(mesh, max_restarts)(
+                    dict(os.environ), fn, args, mesh.stages, mesh.shards, timeout, links, started)
+                return [out[r] for r in sorted(out)]
+            except ChildFailedError as e:
+                error = _worker_error(e)
+                if attempt or os.listdir(started):
+                    raise error from None
+        print(f"[loco] the ranks failed while connecting ({error}); starting them again, once",
+              file=sys.stderr, flush=True)
+
+
+def _elastic_agent(mesh: Mesh, max_restarts: int):
+    """torch elastic's launcher of ``_process_entry`` on this machine, for one launch."""
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=mesh.world_size,
         run_id=f"loco-{uuid.uuid4().hex[:8]}",
@@ -305,22 +327,32 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
         rdzv_configs={"is_host": True}, local_addr="127.0.0.1",
         max_restarts=max_restarts, monitor_interval=0.1, start_method=START_METHOD,
     )
+    return elastic_launch(config, _process_entry)
+
+
+def _worker_error(e) -> WorkerError:
+    """The WorkerError for torch elastic's ChildFailedError: the rank that failed on its
+    own. A rank that died of a signal of its own (SIGKILL: out of memory; SIGSEGV,
+    SIGABRT: a native crash) is the cause; the others' errors (their peer gone) may be
+    recorded first, and the agent stops the rest with SIGTERM."""
+    rank, failure = e.get_first_failure()
+    rank, failure = next(((r, f) for r, f in sorted(e.failures.items())
+                          if f.exitcode < 0 and f.exitcode != -signal.SIGTERM), (rank, failure))
+    message = failure.message
+    if isinstance(message, dict):  # torch elastic's error file: the exception's text
+        message = message.get("message")
+    died = death_note(failure.exitcode, read_vitals(os.environ.get(DIR_ENV), rank))
+    if not died and failure.exitcode < 0:
+        died = f"killed by {_signal_name(-failure.exitcode)} (its output above may say more)"
+    return WorkerError(f"worker {rank} failed (exit code {failure.exitcode}): "
+                       f"{died or message or 'see its output above'}")
+
+
+def _signal_name(number: int) -> str:
     try:
-        out = elastic_launch(config, _process_entry)(dict(os.environ), fn, args, mesh.stages,
-                                                     mesh.shards, timeout, links)
-    except ChildFailedError as e:
-        rank, failure = e.get_first_failure()
-        # A worker killed without a word is the cause; the others' errors (their peer gone)
-        # may be recorded first.
-        rank, failure = next(((r, f) for r, f in sorted(e.failures.items())
-                              if f.exitcode == -signal.SIGKILL), (rank, failure))
-        message = failure.message
-        if isinstance(message, dict):  # torch elastic's error file: the exception's text
-            message = message.get("message")
-        died = death_note(failure.exitcode, read_vitals(os.environ.get(DIR_ENV), rank))
-        raise WorkerError(f"worker {rank} failed (exit code {failure.exitcode}): "
-                          f"{died or message or 'see its output above'}") from None
-    return [out[r] for r in sorted(out)]
+        return signal.Signals(number).name
+    except ValueError:
+        return f"signal {number}"
 
 
 def share_cores() -> None:
@@ -333,17 +365,18 @@ def share_cores() -> None:
 
 
 def _process_entry(env: dict, fn, args, stages: int, shards: int, timeout: float,
-                   links: tuple):
+                   links: tuple, started: str):
     adopt_environment(env)
     share_cores()
     return _run_from_env(fn, args, int(os.environ["WORLD_SIZE"]), stages, shards, timeout,
-                         "processes", links)
+                         "processes", links, started)
 
 
 def _run_from_env(fn, args, asked: int | None, stages: int, shards: int, timeout: float,
-                  launcher: str, links: tuple):
+                  launcher: str, links: tuple, started: str | None = None):
     """This process as one rank of a torch.distributed world from the environment; ``asked``:
-    the ranks the caller expects (None: whatever the world is)."""
+    the ranks the caller expects (None: whatever the world is); ``started``: a directory
+    where the rank leaves a file once it is connected, before it calls ``fn``."""
     world = int(os.environ["WORLD_SIZE"])
     if asked is not None and asked != world:
         raise ValueError(f"{asked} ranks asked for (--workers x --worker-ranks x --stages) "
@@ -376,6 +409,8 @@ def _run_from_env(fn, args, asked: int | None, stages: int, shards: int, timeout
         inner, checkpoint_group = worker_comms(mesh, rank, device, links[1], thread)
         ctx = WorkerContext(rank, world, mesh, comm, device, launcher, pipe=pipe, inner=inner,
                             device_mesh=device_mesh, checkpoint_group=checkpoint_group)
+        if started is not None:
+            open(os.path.join(started, str(rank)), "w").close()
         try:
             return fn(ctx, *args)
         finally:
