@@ -418,7 +418,8 @@ def _run_from_env(fn, args, asked: int | None, stages: int, shards: int, timeout
                 if c is not None:
                     c.close()
     except BaseException:
-        print(f"[loco] worker {rank} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        print(f"[loco] worker {rank} failed:\n{traceback.format_exc()}", file=sys.stderr,
+              flush=True)
         raise
     finally:
         dist.destroy_process_group()
