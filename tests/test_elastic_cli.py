@@ -71,9 +71,10 @@ def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_pat
     prepare_corpus(text, 300, 0.05, cache)  # once, before the processes read it
     lighthouse = start_lighthouse(min_workers=2)
     out = tmp_path / "run"
-    # slowed by an emulated 20 ms link, so that the restart (~5 s) comes well before the end
+    # over an emulated 20 ms link; with 2 workers and --min-workers 2 the survivor waits for
+    # the restarted one (~5 s), so 100 steps leave it 70 to rejoin and sync with
     args = small_run(corpus, out, "--workers", str(workers), "--worker-ranks", str(ranks),
-                     "--steps", "400", "--elastic", "--min-workers", "2",
+                     "--steps", "100", "--elastic", "--min-workers", "2",
                      "--link-latency", "20ms", "--log-every", "50", "--eval-every", "0",
                      "--lighthouse", lighthouse.address(), "--checkpoint-every", "0",
                      "--final-eval-batches", "2")

@@ -77,11 +77,17 @@ def test_help_and_rate_units():
     assert module.tc_rate_bytes("2mbps") == 2e6
 
 
+# The syncs' bytes do not depend on the batches: small ones and no evaluation keep the runs
+# short (a pseudo-gradient of the tiny model is the same 632 KB).
+SMALL_BATCHES = ("--seq-len", "32", "--batch-size", "4", "--eval-every", "0",
+                 "--final-eval-batches", "2")
+
+
 def test_real_links_bytes_agree(namespaces_work, tmp_path):
     results = tmp_path / "netns.json"
     cmd = [sys.executable, str(SCRIPT), "--workers", "2", "--model", "tiny", "--steps", "20",
            "--sync-every", "10", "--out", str(tmp_path / "run"), "--json", str(results),
-           "--timeout", "120"]
+           "--timeout", "120", "--", *SMALL_BATCHES]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "agreement within 5%: yes" in p.stdout
@@ -111,9 +117,10 @@ def test_elastic_workers_on_separate_hosts_rejoin(namespaces_work, tmp_path):
     step 30, restarted by its torchrun, rejoins from a live worker over the veth links."""
     results = tmp_path / "netns.json"
     cmd = [sys.executable, str(SCRIPT), "--elastic", "--workers", "3", "--model", "tiny",
-           "--steps", "100", "--sync-every", "4", "--kill", "2:30", "--min-workers", "2",
+           "--steps", "120", "--sync-every", "4", "--kill", "2:30", "--min-workers", "2",
            "--out", str(tmp_path / "run"), "--json", str(results), "--timeout", "150",
-           "--", "--link-latency", "20ms", "--log-every", "50", "--checkpoint-every", "0"]
+           "--", "--link-latency", "20ms", "--log-every", "50", "--checkpoint-every", "0",
+           *SMALL_BATCHES]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout + p.stderr
     res = json.loads(results.read_text())
