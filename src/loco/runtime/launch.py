@@ -102,7 +102,8 @@ def launch(fn: Callable[..., Any], workers: int | None = None, launcher: str = "
         timeout: seconds a communication may take before it fails instead of hanging;
             default 300.
         max_restarts: ``"processes"`` only: how many times torch elastic restarts all
-            workers after one died; default 0.
+            workers after one died; default 0. Apart from these, ranks that all fail before
+            any reached ``fn`` (while connecting) are started again once.
         link: an emulated link of that bandwidth and latency for every rank, shared by all
             its communication but ``ctx.inner`` (see [`LinkSpec`][loco.comm.link.LinkSpec]);
             default None (the transport's own speed).
