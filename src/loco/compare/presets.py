@@ -37,6 +37,11 @@ def only_for(option: str) -> tuple[str, ...]:
 #: (DiLoCo's and NoLoCo's): outer lr 1 (the workers' average) without momentum.
 FEW_OUTER_STEPS = {"outer_lr": 1.0, "outer_momentum": 0.0}
 
+#: Streaming DiLoCo as the CPU presets run it: 2 fragments, tau = 1, alpha = 0.5, FP4, with
+#: the outer optimizer of few outer steps.
+STREAMING_FP4 = {"fragments": 2, "overlap": "1", "mixing": 0.5, "codec": "fp4_e3m0",
+                 **FEW_OUTER_STEPS}
+
 
 #: The job every preset for a 2-core CPU shares: 4 workers of 4 x 128 tokens, evaluated on 8
 #: held-out batches along the way and 50 at the end.
@@ -78,8 +83,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "shared": {**CPU_JOB, "model": "tiny", "steps": 900, "warmup": 30, "eval_every": 100,
                    "log_every": 20},
         "methods": {"diloco": {"sync_every": 30, **FEW_OUTER_STEPS},
-                    "streaming": {"sync_every": 30, "fragments": 2, "overlap": "1",
-                                  "mixing": 0.5, "codec": "fp4_e3m0", **FEW_OUTER_STEPS},
+                    "streaming": {"sync_every": 30, **STREAMING_FP4},
                     "streaming-fp32": {"codec": "fp32"},
                     "noloco": {"sync_every": 30, "spread_every": 10, **FEW_OUTER_STEPS},
                     "noloco-pp": {"stages": 2},
@@ -105,8 +109,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "shared": {**CPU_JOB, "model": "tiny", "steps": 600, "warmup": 30, "eval_every": 100,
                    "log_every": 20, "lr": 0.01},
         "methods": {"diloco": {"sync_every": 30, **FEW_OUTER_STEPS},
-                    "streaming": {"sync_every": 30, "fragments": 2, "overlap": "1",
-                                  "mixing": 0.5, "codec": "fp4_e3m0", **FEW_OUTER_STEPS},
+                    "streaming": {"sync_every": 30, **STREAMING_FP4},
                     "diloco-fp4": {"codec": "fp4_e3m0"},
                     "diloco-fp4-ef": {"codec": "fp4_e3m0", "error_feedback": 0.95},
                     "sparseloco": {"sync_every": 30, "lr": 0.03},
@@ -136,9 +139,8 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "diloco-aware": {"local_steps": "proportional"},
                     "diloco-async": {"local_steps": "proportional", "max_staleness": 2},
                     "diloco-even": {"worker_speed": None},
-                    "streaming": {"sync_every": 20, "fragments": 2, "overlap": "1",
-                                  "mixing": 0.5, "codec": "fp4_e3m0",
-                                  "worker_speed": "1,1,0.5,0.33", **FEW_OUTER_STEPS},
+                    "streaming": {"sync_every": 20, "worker_speed": "1,1,0.5,0.33",
+                                  **STREAMING_FP4},
                     "streaming-eager": {"eager": True},
                     "streaming-eager-late": {"eager": True, "overlap": "9"}},
     },
