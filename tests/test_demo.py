@@ -86,7 +86,8 @@ def demo_worker(ctx, steps, **kw):
         record.append({**before, "sent": sent[-1], "after": _copy(model.parameters(), names),
                        "mom_after": _copy(algo.moms, names)})
     return {"record": record, "sent_bytes": ctx.comm.totals().sent_bytes,
-            "payload": algo.payload_bytes}
+            "payload": algo.payload_bytes, "pieces": len(algo.pieces),
+            "groups": len(algo.groups)}
 
 
 def _copy(tensors, names):
@@ -316,6 +317,64 @@ def test_bytes_are_exact(values):
     assert payload == 17 * (44 + v32) + 2 * (40 + v32) + 5 * (20 + v32) + 4 * (8 + v16)
 
 
+def test_pieces_of_any_size_give_the_same_bits(monkeypatch):
+    """DeMo computes at most PIECE_VALUES values at a time (whole chunk-rows): the matrices
+    cut into one chunk-row (16 x 32 values) per piece, every message and every parameter is
+    bit for bit the run's with each group whole (each chunk's transform is its own product;
+    the vectors' groups, under 512 values, stay whole: a chunk of one row is a vector-matrix
+    product whose kernel, and last bits, change with the rows computed at once)."""
+    from loco.algorithms import demo as demo_module
+
+    whole = loco.launch(demo_worker, 3, args=(3,), kwargs={"chunk": 16, "values": "fp32"})
+    monkeypatch.setattr(demo_module, "PIECE_VALUES", 16 * 32)
+    cut = loco.launch(demo_worker, 3, args=(3,), kwargs={"chunk": 16, "values": "fp32"})
+    for a, b in zip(whole, cut):
+        for ra, rb in zip(a["record"], b["record"]):
+            assert torch.equal(ra["sent"], rb["sent"])
+            assert max_diff(ra["after"], rb["after"]) == 0
+    assert cut[0]["pieces"] > whole[0]["pieces"] == whole[0]["groups"]
+
+
+def rank_order_worker(ctx):
+    """Three workers' messages for the piece of most chunks, each index sent by every worker with
+    the values 1, 1e8 and -1e8 (worker 0, 1, 2), decoded: in rank order each index sums to
+    (1 + 1e8) - 1e8 = 0 in fp32 (1 + 1e8 rounds to 1e8); in another order to 0 or 1."""
+    from loco.comm.bits import pack
+
+    from loco.algorithms.demo import encode_values
+
+    model = make_model()
+    algo = DeMo(model, optimizer(model), ctx.comm, values="fp32")
+    piece = max(algo.pieces, key=lambda p: p.plan.chunks)
+    plan = piece.plan
+    idx = torch.arange(plan.k).expand(plan.chunks, plan.k)
+    stacked = torch.zeros(3, algo.payload_bytes, dtype=torch.uint8)
+    for w, value in enumerate((1.0, 1e8, -1e8)):
+        stacked[w, piece.index_at] = pack(idx, plan.bits).reshape(-1)
+        vals = torch.zeros(plan.chunks, plan.k)
+        vals[:, 0] = value
+        stacked[w, piece.value_at] = encode_values(vals, "fp32").reshape(-1)
+    return algo._decode(stacked, piece)
+
+
+def test_every_index_sums_in_rank_order_whatever_order_one_scatter_adds_in(monkeypatch):
+    """On a GPU one ``scatter_add_`` adds colliding indices in any order (float atomics),
+    differently on every worker, and DeMo never re-syncs its replicas. DeMo sums each index
+    in rank order, one worker's distinct indices per call: with a stand-in that adds each
+    call's columns in a fresh random order, every chunk's sum is still the rank-order sum
+    (a single call over all workers' columns gives 1 instead of 0 in most chunks)."""
+    original = torch.Tensor.scatter_add_
+
+    def shuffled(self, dim, index, src):
+        if dim == 1 and index.dim() == 2 and index.shape[1] > 1:
+            order = torch.randperm(index.shape[1])
+            return original(self, dim, index[:, order], src[:, order])
+        return original(self, dim, index, src)
+    monkeypatch.setattr(torch.Tensor, "scatter_add_", shuffled)
+    (total,) = loco.launch(rank_order_worker, 1)
+    assert total.shape[0] >= 8 and torch.equal(total[:, 0], torch.zeros(total.shape[0]))
+
+
 def test_state_dict_resumes_bit_for_bit():
     """Snapshot mid-run, restore into fresh objects, finish: bit-identical to going on."""
     for straight, resumed in loco.launch(resume_worker, 2, args=(8, 5, 4, "demo")):
@@ -333,6 +392,7 @@ def nonfinite_worker(ctx, steps):
             next(model.parameters()).grad[0, 0] = float("nan")
         algo.step()
         algo.zero_grad()
+    algo.settle_nonfinite()  # skips are counted on the device, read at a logging step
     return {n: p.detach().clone() for n, p in model.named_parameters()}, algo.skipped
 
 

@@ -133,6 +133,38 @@ def test_combined_steps_equal_muon_and_adamw_stepped_apart():
     assert not torch.equal(tiny().state_dict()[w1], a.state_dict()[w1])  # Muon moved it
 
 
+@pytest.mark.numerics
+def test_muon_skips_a_nonfinite_step_on_the_device_and_steps_alike_otherwise():
+    """With ``found_inf`` (what ``Algorithm`` sets where the step is skipped on the device)
+    the combined optimizer steps bit for bit as Muon and AdamW stepped apart when it is 0,
+    and leaves every parameter and state tensor as it was when it is 1."""
+    a, b = tiny(), tiny()
+    combined = inner_optimizer(a, "muon", **CFG)
+    assert combined._step_supports_amp_scaling
+    muon, adam = reference(b)
+    for step in range(3):
+        loss_of(a, step).backward()
+        loss_of(b, step).backward()
+        if step == 1:  # a non-finite step: nothing may move, the gradient is ignored
+            before = copy.deepcopy((a.state_dict(), combined.state_dict()))
+            combined.found_inf = torch.ones(())
+            next(a.parameters()).grad[0] = float("nan")
+            combined.step()
+            assert_same_tensors(a.state_dict(), before[0])
+            assert_same_tensors(combined.state_dict()["state"], before[1]["state"])
+            for opt in (muon, adam, combined):
+                opt.zero_grad()
+            continue
+        combined.found_inf = torch.zeros(())
+        combined.step()
+        del combined.found_inf
+        muon.step()
+        adam.step()
+        for opt in (muon, adam, combined):
+            opt.zero_grad()
+        assert_same_tensors(a.state_dict(), b.state_dict())
+
+
 def test_adamw_default_is_the_plain_adamw():
     """The default builds the AdamW loco always built: the same groups, parameters, order."""
     cfg, model = TrainConfig(), tiny()

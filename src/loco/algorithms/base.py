@@ -25,6 +25,7 @@ from torch.profiler import record_function
 from loco.algorithms.method import Method
 from loco.algorithms.sharding import Share, flatten_fp32, is_sharded, local, unflatten_views
 from loco.comm import Comm
+from loco.comm.hostreads import allowed, device_path
 
 __all__ = ["Algorithm", "NonFiniteError", "flatten_fp32", "unflatten_views"]
 
@@ -119,12 +120,12 @@ class Algorithm(Method):
         worker's parameters; a pipeline stage sets it to the norm over all its stages
         ([`PipelineStage.grad_norm`][loco.runtime.pipeline.PipelineStage.grad_norm])."""
         self.on_nonfinite = on_nonfinite
-        self.skip_on_device = (self.params[0].device.type == "cuda" and
+        self.skip_on_device = (device_path(self.params[0].device) and
                                getattr(inner_optimizer, "_step_supports_amp_scaling", False))
         """Whether a non-finite gradient's inner step is skipped on the device rather than
-        decided on the host, so that no step waits for the device: on CUDA with an
-        optimizer that takes ``found_inf`` (``fused=True`` Adam, AdamW, SGD). The skips
-        are then read at the next sync (``settle_nonfinite``)."""
+        decided on the host, so that no step waits for the device: on CUDA (``device_path``)
+        with an optimizer that takes ``found_inf`` (``fused=True`` Adam, AdamW, SGD;
+        ``MuonAdamW``). The skips are then read at the next sync (``settle_nonfinite``)."""
         self._pending_skips: torch.Tensor | None = None
         self._pending_since = 0
         self.skipped = {"inner_steps": 0, "syncs": 0}
@@ -321,27 +322,45 @@ class Algorithm(Method):
             self.inner_optimizer.step()
         finally:
             del self.inner_optimizer.found_inf
-        self._pending_skips = found if self._pending_skips is None else self._pending_skips + found
+        self.skipped_on_device(found, "inner_steps")
+
+    def skipped_on_device(self, found: torch.Tensor, counter: str) -> None:
+        """Count an inner step or a sync that was skipped on the device where ``found`` (a
+        0-d float tensor, 1 or 0) is 1, without reading it: ``settle_nonfinite`` reads the
+        counts later.
+
+        Args:
+            found: 1 where the step or sync was skipped, 0 where it was applied.
+            counter: the key of ``skipped``: ``"inner_steps"`` or ``"syncs"``.
+        """
+        add = torch.stack([found, torch.zeros_like(found)])
+        add = add if counter == "inner_steps" else add.flip(0)
+        self._pending_skips = add if self._pending_skips is None else self._pending_skips + add
         self._pending_since = self._pending_since or self.inner_steps + 1
 
     def settle_nonfinite(self) -> None:
-        """Read the inner steps skipped on the device since the last call
-        (``skip_on_device``): count them in ``skipped``, or raise. Called at every sync and
-        checkpoint; nothing to do when the steps were checked on the host.
+        """Read the inner steps and syncs skipped on the device since the last call
+        (``skip_on_device``, ``skipped_on_device``): count them in ``skipped``, or raise.
+        Called at every sync, logging step and checkpoint; nothing to do when every step
+        was checked on the host.
 
         Raises:
-            NonFiniteError: a step was skipped and ``on_nonfinite`` is ``"stop"`` (the
-                parameters hold the state without the non-finite steps).
+            NonFiniteError: a step or sync was skipped and ``on_nonfinite`` is ``"stop"``
+                (the parameters hold the state without the non-finite steps).
         """
         if self._pending_skips is None:
             return
-        skips, since = int(self._pending_skips.item()), self._pending_since
+        with allowed("sync"):
+            steps, syncs = (int(n) for n in self._pending_skips.tolist())
+        since = self._pending_since
         self._pending_skips, self._pending_since = None, 0
-        if skips and self.on_nonfinite == "stop":
-            raise NonFiniteError(f"non-finite gradient in {skips} inner step(s) between steps "
-                                 f"{since} and {self.inner_steps}, skipped on the device "
-                                 "(--on-nonfinite stop)")
-        self.skipped["inner_steps"] += skips
+        if (steps or syncs) and self.on_nonfinite == "stop":
+            what = ("a non-finite gradient in {} inner step(s)".format(steps) if steps
+                    else "a non-finite update in {} step(s)".format(syncs))
+            raise NonFiniteError(f"{what} between steps {since} and {self.inner_steps}, "
+                                 "skipped on the device (--on-nonfinite stop)")
+        self.skipped["inner_steps"] += steps
+        self.skipped["syncs"] += syncs
 
     @torch.no_grad()
     def average_inside_worker(self) -> None:
@@ -407,7 +426,9 @@ class Algorithm(Method):
             NonFiniteError: an element is not finite and ``on_nonfinite`` is ``"stop"``.
         """
         self.settle_nonfinite()
-        if self.agree(all_finite(tensor) if verdict is None else verdict):
+        with allowed("sync"):
+            finite = self.agree(all_finite(tensor) if verdict is None else verdict)
+        if finite:
             return True
         self.nonfinite(what, "syncs", self.inner_steps)
         return False

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 from torch.profiler import record_function
 
-from loco.algorithms.base import Algorithm, all_finite
+from loco.algorithms.base import Algorithm
 from loco.algorithms.method import PaperClaim
 from loco.algorithms.sharding import Share
 from loco.comm import Comm
@@ -212,6 +212,59 @@ def group_by_plan(params: list[torch.Tensor], plans: list[Plan], opt_groups: lis
     return groups, moms
 
 
+PIECE_VALUES = 1 << 24
+"""The most values (16,777,216: 64 MB of fp32) DeMo encodes, decodes or applies at a time: its
+temporaries (coefficients, their magnitudes, the sent and summed coefficients, the inverse
+transform) are each one piece's, whatever the model's size (a chunk-row of one parameter is
+never cut, so a piece holds at least one). A group under this size is one piece. Cutting
+changes no bits where a chunk has several rows (each chunk's transform is a matrix product
+of its own); for chunks of one row (vectors: n1 = 1) the rows computed at once fold into one
+product, whose kernel and last bits depend on their number."""
+
+
+@dataclass
+class Piece:
+    """A run of whole chunk-rows of a group's matrix, computed at once.
+
+    Attributes:
+        group: the group it belongs to.
+        rows: its rows of the group's matrix, ``[start, stop)``, multiples of ``n1``.
+        plan: the group's plan with ``rows`` of the piece.
+        mom: its rows of the group's momenta.
+        index_at, value_at: payload positions of its chunks' index and value rows.
+    """
+
+    group: Group
+    rows: tuple[int, int]
+    plan: Plan
+    mom: torch.Tensor
+    index_at: torch.Tensor
+    value_at: torch.Tensor
+
+
+def cut_pieces(groups: list[Group], limit: int | None = None) -> list[Piece]:
+    """Every group cut into pieces of whole chunk-rows, each of at most ``limit`` values (or
+    one chunk-row, if that is more). A group's chunks are numbered row-major over its
+    stacked members, so a piece's chunks are a contiguous range of them, and so are their
+    payload positions."""
+    pieces, limit = [], limit or PIECE_VALUES
+    for g in groups:
+        plan = g.plan
+        per_chunk_row = plan.n1 * plan.cols
+        step = max(1, limit // per_chunk_row) * plan.n1
+        per_row_chunks = plan.cols // plan.n2
+        for start in range(0, plan.rows, step):
+            stop = min(plan.rows, start + step)
+            c0, c1 = start // plan.n1 * per_row_chunks, stop // plan.n1 * per_row_chunks
+            pieces.append(Piece(
+                g, (start, stop),
+                Plan(stop - start, plan.cols, plan.n1, plan.n2, plan.k, plan.bits,
+                     plan.index_bytes, plan.value_bytes, -1),
+                g.mom[start:stop], g.index_at[c0 * plan.index_bytes:c1 * plan.index_bytes],
+                g.value_at[c0 * plan.value_bytes:c1 * plan.value_bytes]))
+    return pieces
+
+
 def dct_chunks(x: torch.Tensor, plan: Plan, c1: torch.Tensor, c2: torch.Tensor
                ) -> torch.Tensor:
     """The chunked 2-D DCT-II of ``x`` (``rows · cols`` values): ``C1 · X · C2ᵀ`` of each
@@ -354,8 +407,15 @@ class DeMo(Algorithm):
         self.groups, self.moms = group_by_plan(self.params, self.plans,
                                                [opt_group[p] for p in self.params],
                                                self.momentum)
+        self.pieces = cut_pieces(self.groups)
+        """The groups cut into pieces of at most ``PIECE_VALUES`` values, computed one at a
+        time."""
+        self.value_positions = torch.cat([g.value_at for g in self.groups])
+        """Payload positions of every kept value, for the step's finiteness check."""
         self.share = Share([self.params[i] for g in self.groups for i in g.members], None)
         self._dct: dict[int, torch.Tensor] = {}
+        for plan in self.plans:  # made now: copying one to a GPU mid-step would wait for it
+            self._c(plan.n1), self._c(plan.n2)
 
     def _c(self, n: int) -> torch.Tensor:
         if n not in self._dct:
@@ -370,7 +430,9 @@ class DeMo(Algorithm):
     def step(self) -> None:
         """One DeMo step (replaces ``optimizer.step()``): clip, momentum, encode, one
         all-gather of every worker's message, decode and sign-SGD. Collective: every worker
-        calls it at every step."""
+        calls it at every step. Nothing is read on the host: a non-finite gradient or
+        update is skipped on the device and counted at the next logging step
+        (``settle_nonfinite``)."""
         with record_function("loco/inner_step"):
             self._accumulate()
         with record_function("loco/encode"):
@@ -378,77 +440,93 @@ class DeMo(Algorithm):
         handle = self.comm.all_gather(payload, tag="train")
         with record_function("loco/wait"):
             gathered = self.comm.settle(handle)
-        with record_function("loco/decode"):
-            totals = self._decode(gathered)
         self.inner_steps += 1
         # The inner optimizer is never stepped: tell a learning-rate scheduler on it that a
         # step was taken (torch's flag), so that it does not warn about the order.
         self.inner_optimizer._opt_called = True
-        verdict = all(all_finite(t) for t in totals)  # the same bytes: every worker agrees
-        if self.finite(totals[0], "DeMo update", verdict):
-            with record_function("loco/outer_step"):
-                self._apply(totals)
+        stacked = torch.stack(gathered)
+        ok = self._all_sent_finite(stacked)  # the same bytes everywhere: all decide alike
+        self.skipped_on_device((~ok).to(torch.float32), "syncs")
+        with record_function("loco/outer_step"):
+            for piece in self.pieces:
+                self._apply(piece, self._decode(stacked, piece), ok)
 
     def _accumulate(self) -> None:
         """``m ← β·m + lr·g`` with the clipped local gradient (zeros for a parameter without
-        one); a non-finite gradient raises, or with ``skip`` counts and adds nothing."""
+        one, and for all of them when the gradient is not finite: that step is counted as
+        skipped, on the device)."""
         norm = self.clip_gradients()
-        finite = bool(torch.isfinite(norm))
-        if not finite:
-            self.nonfinite("gradient", "inner_steps", self.inner_steps + 1)
+        finite = torch.isfinite(norm)
+        self.skipped_on_device((~finite).to(torch.float32), "inner_steps")
         self.momentum.mul_(self.decay)
-        for group in self.groups if finite else ():
+        for group in self.groups:
             lr = self._lr_wd(group)[0]
             for i in group.members:
-                if self.params[i].grad is not None:
-                    self.moms[i].add_(self.params[i].grad.to(self.momentum.dtype), alpha=lr)
+                grad = self.params[i].grad
+                if grad is not None:
+                    grad = torch.where(finite, grad.to(self.momentum.dtype), 0.0)
+                    self.moms[i].add_(grad, alpha=lr)
 
     def _encode(self) -> torch.Tensor:
         """This worker's message: every parameter's kept coefficients (indices packed at
         ``bits`` each, values in their format), chunk rows laid out as ``Plan`` says; the
-        kept coefficients (at full precision) leave the momentum. Computed group by group."""
+        kept coefficients (at full precision) leave the momentum. Computed piece by piece."""
         payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=self.momentum.device)
-        for g in self.groups:
-            plan, c1, c2 = g.plan, self._c(g.plan.n1), self._c(g.plan.n2)
-            coef = dct_chunks(g.mom, plan, c1, c2)
-            idx = coef.abs().topk(plan.k, dim=1, sorted=False).indices
+        for piece in self.pieces:
+            plan, c1, c2 = piece.plan, self._c(piece.plan.n1), self._c(piece.plan.n2)
+            coef = dct_chunks(piece.mom, plan, c1, c2)
+            # In index order: a message does not depend on how topk lists its picks.
+            idx = coef.abs().topk(plan.k, dim=1, sorted=False).indices.sort(dim=1).values
             vals = coef.gather(1, idx)
-            payload[g.index_at] = pack(idx, plan.bits).reshape(-1)
-            payload[g.value_at] = encode_values(vals, self.values).reshape(-1)
-            sent = torch.zeros_like(coef).scatter_(1, idx, vals)
-            g.mom.sub_(idct_chunks(sent, plan, c1, c2))
+            payload[piece.index_at] = pack(idx, plan.bits).reshape(-1)
+            payload[piece.value_at] = encode_values(vals, self.values).reshape(-1)
+            sent = coef.zero_().scatter_(1, idx, vals)
+            piece.mom.sub_(idct_chunks(sent, plan, c1, c2))
         return payload
 
-    def _decode(self, gathered: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Every group's coefficients summed over the workers' messages, per index in rank
-        order, as (chunks, n1 · n2) fp32: all M messages decoded at once, worker m's
-        coefficients in the columns after worker m − 1's, so that one ``scatter_add_``
-        (which adds a row's columns in order on the CPU) sums them in rank order."""
-        stacked = torch.stack(gathered)
-        totals, m = [], len(gathered)
-        for g in self.groups:
-            plan = g.plan
-            idx = unpack(stacked[:, g.index_at].view(m * plan.chunks, -1), plan.k, plan.bits)
-            vals = decode_values(stacked[:, g.value_at].view(m * plan.chunks, -1), plan.k,
-                                 self.values)
-            by_chunk = [t.view(m, plan.chunks, plan.k).transpose(0, 1).reshape(plan.chunks, -1)
-                        for t in (idx, vals)]
-            total = torch.zeros(plan.chunks, plan.n1 * plan.n2, device=self.momentum.device)
-            totals.append(total.scatter_add_(1, *by_chunk))
-        return totals
+    def _all_sent_finite(self, stacked: torch.Tensor) -> torch.Tensor:
+        """Whether every value in the M messages is finite, as a 0-d bool tensor (no read):
+        only then is the step applied. (A sum of finite values that overflows fp32, above
+        3.4e38, is not checked.)"""
+        if self.values == "sign":
+            return torch.ones((), dtype=torch.bool, device=stacked.device)
+        raw = stacked[:, self.value_positions]
+        return torch.isfinite(decode_values(raw, raw.shape[1], self.values)).all()
 
-    def _apply(self, totals: list[torch.Tensor]) -> None:
-        """``p ← p · (1 − lr·wd) − lr · sign(IDCT(total))`` for every parameter."""
-        for g, total in zip(self.groups, totals):
-            lr, wd = self._lr_wd(g)
-            plan = g.plan
-            direction = idct_chunks(total, plan, self._c(plan.n1), self._c(plan.n2)).sign_()
-            rows = plan.rows // len(g.members)
-            for j, i in enumerate(g.members):
-                p = self.params[i]
-                if wd:
-                    p.mul_(1 - lr * wd)
-                p.sub_(direction[j * rows:(j + 1) * rows].view(p.shape).to(p.dtype), alpha=lr)
+    def _decode(self, stacked: torch.Tensor, piece: Piece) -> torch.Tensor:
+        """A piece's coefficients summed over the M messages (``stacked``, one row each),
+        per index, as (chunks, n1 · n2) fp32: worker 0's kept values scattered first, then
+        worker 1's, ...: every index sums in rank order, on any device (the k indices of
+        one worker's chunk are distinct, so no two additions of one ``scatter_add_`` meet:
+        no atomics decide the order)."""
+        plan, m = piece.plan, stacked.shape[0]
+        idx = unpack(stacked[:, piece.index_at].view(m * plan.chunks, -1), plan.k, plan.bits)
+        vals = decode_values(stacked[:, piece.value_at].view(m * plan.chunks, -1), plan.k,
+                             self.values)
+        idx, vals = idx.view(m, plan.chunks, plan.k), vals.view(m, plan.chunks, plan.k)
+        total = torch.zeros(plan.chunks, plan.n1 * plan.n2, device=self.momentum.device)
+        for w in range(m):
+            total.scatter_add_(1, idx[w], vals[w])
+        return total
+
+    def _apply(self, piece: Piece, total: torch.Tensor, ok: torch.Tensor) -> None:
+        """``p ← p · (1 − lr·wd) − lr · sign(IDCT(total))`` for a piece's rows of every
+        parameter, where ``ok`` (a 0-d bool tensor) holds; else nothing moves."""
+        g, plan = piece.group, piece.plan
+        lr, wd = self._lr_wd(g)
+        direction = idct_chunks(total, plan, self._c(plan.n1), self._c(plan.n2)).sign_()
+        direction = torch.where(ok, direction, 0.0)
+        decay = torch.where(ok, 1 - lr * wd, 1.0) if wd else None
+        rows = g.plan.rows // len(g.members)  # each member's
+        start, stop = piece.rows
+        for j, i in enumerate(g.members):
+            lo, hi = max(start, j * rows), min(stop, (j + 1) * rows)
+            if lo >= hi:
+                continue
+            p = self.params[i].view(rows, -1)[lo - j * rows:hi - j * rows]
+            if decay is not None:
+                p.mul_(decay)
+            p.sub_(direction[lo - start:hi - start].to(p.dtype), alpha=lr)
 
     # ------------------------------------------------------------------------- state
     def outer_tensors(self) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ in Local training; ``SpartaDiLoCo`` adds DiLoCo's outer step every H inner steps
 from __future__ import annotations
 
 import math
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -29,6 +30,7 @@ from loco.algorithms.base import Algorithm
 from loco.algorithms.diloco import DiLoCo
 from loco.algorithms.method import PaperClaim
 from loco.comm import Comm
+from loco.comm.hostreads import allowed, device_path
 from loco.options import ConfigError, need, opt
 
 #: The share's published range (EXO Gym's SPARTA): 0.05 % to 0.5 % of the values per step.
@@ -120,8 +122,23 @@ def sparse_bytes(count: int, workers: int) -> int:
     return 2 * (workers - 1) * math.ceil(count / workers) * 4
 
 
+@dataclass
+class Draw:
+    """Step t's indices, ready to use: ``where`` holds each drawn index's position in its
+    parameter (parameter by parameter, in the parameters' order; pinned host memory for a
+    GPU), ``bounds`` where each parameter's positions start and end in it."""
+
+    where: torch.Tensor
+    bounds: list[int]
+
+
 class SparseAverage:
     """The per-step sparse average of a replica's parameters with the other workers'.
+
+    Step t's indices are drawn on the CPU (``sparse_indices``). On a GPU (``device_path``)
+    a helper thread draws step t + 1's while step t trains, into page-locked memory, and
+    the step copies them to the GPU in one non-blocking copy: no step waits for a draw, and
+    none reads the device on the host.
 
     Args:
         params: the trainable parameters, in the same order on every worker (each
@@ -147,11 +164,36 @@ class SparseAverage:
         """k, the values averaged per step."""
         self.offsets = torch.tensor([0, *torch.tensor(sizes).cumsum(0).tolist()])
         self.values = torch.empty(self.count, dtype=torch.float32, device=comm.device)
+        self._ahead: tuple[int, Future] | None = None
+        self._pool = ThreadPoolExecutor(1, "loco-sparta") if device_path(comm.device) else None
+        if self._pool is not None:  # the first step's (a resumed run draws its first inline)
+            self._ahead = (1, self._pool.submit(self.draw, 1))
 
     def indices(self, step: int) -> torch.Tensor:
         """The flat indices averaged after inner step ``step`` (see
         [`sparse_indices`][loco.algorithms.sparta.sparse_indices])."""
         return sparse_indices(self.seed, step, self.numel, self.count)
+
+    def draw(self, step: int) -> Draw:
+        """Step ``step``'s indices as positions in their parameters (on the CPU; pinned
+        for a GPU). CPU tensors only: it reads nothing from a device."""
+        with allowed("host"):
+            idx = self.indices(step)
+            bounds = torch.searchsorted(idx, self.offsets).tolist()
+            for start, a, b in zip(self.offsets.tolist(), bounds, bounds[1:]):
+                idx[a:b] -= start
+        if self.values.is_cuda:
+            idx = idx.pin_memory()
+        return Draw(idx, bounds)
+
+    def _take(self, step: int) -> Draw:
+        """Step ``step``'s draw (prefetched, where a helper thread draws), and step
+        ``step + 1``'s set going."""
+        ahead, self._ahead = self._ahead, None
+        drawn = ahead[1].result() if ahead is not None and ahead[0] == step else None
+        if self._pool is not None:
+            self._ahead = (step + 1, self._pool.submit(self.draw, step + 1))
+        return drawn if drawn is not None else self.draw(step)
 
     @torch.no_grad()
     def __call__(self, step: int) -> None:
@@ -162,21 +204,20 @@ class SparseAverage:
         Args:
             step: the inner step just taken, >= 1.
         """
-        idx = self.indices(step)
-        bounds = torch.searchsorted(idx, self.offsets).tolist()
+        drawn = self._take(step)
+        where = drawn.where.to(self.values.device, non_blocking=True)
         parts = []
         with record_function("loco/sparse_gather"):
-            for p, start, a, b in zip(self.params, self.offsets.tolist(), bounds, bounds[1:]):
+            for p, a, b in zip(self.params, drawn.bounds, drawn.bounds[1:]):
                 if a == b:
                     continue
                 flat = p.detach().view(-1)
-                where = (idx[a:b] - start).to(flat.device, non_blocking=True)
-                self.values[a:b].copy_(flat[where])
-                parts.append((flat, where, a, b))
+                self.values[a:b].copy_(flat[where[a:b]])
+                parts.append((flat, where[a:b], a, b))
         self.comm.all_reduce_mean(self.values, tag="train").wait()
         with record_function("loco/sparse_scatter"):
-            for flat, where, a, b in parts:
-                flat.index_copy_(0, where, self.values[a:b].to(flat.device, flat.dtype))
+            for flat, at, a, b in parts:
+                flat.index_copy_(0, at, self.values[a:b].to(flat.device, flat.dtype))
 
 
 def check_sparta(cfg: Any) -> None:

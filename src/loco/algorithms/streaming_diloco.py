@@ -46,6 +46,7 @@ from loco.algorithms.wire import (
 )
 from loco.comm import Comm, Handle
 from loco.comm.codecs import get_codec
+from loco.comm.hostreads import allowed
 from loco.options import need
 
 
@@ -503,8 +504,9 @@ class StreamingDiLoCo(Algorithm):
         if not self.finite(fragment.delta, what):
             return self._skip(fragment, flight)
         with record_function("loco/outer_step"):
-            if fragment.grad is not fragment.delta:  # offloaded: Δ̄ comes to the CPU
-                fragment.grad.copy_(fragment.delta)
+            if fragment.grad is not fragment.delta:  # offloaded: Δ̄ comes to the CPU, which
+                with allowed("sync"):  # steps it at once: a read of the device, at a sync
+                    fragment.grad.copy_(fragment.delta)
             fragment.outer_optimizer.step()
         self._merged(fragment, flight)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch.profiler import record_function
@@ -15,7 +15,9 @@ from tqdm import tqdm
 from loco.algorithms import Algorithm
 from loco.algorithms.sharding import Share, flatten_fp32
 from loco.comm.comm import Comm
+from loco.comm import hostreads
 from loco.comm.handles import Aborted
+from loco.comm.hostreads import allowed
 from loco.config import profile_steps
 from loco.profiling import StepProfiler
 from loco.runtime.pipeline import PipelineStage
@@ -33,17 +35,23 @@ def train_loop(w: Worker, loop: Loop) -> None:
     profiler = step_profiler(w)
     loop.start()
     try:
-        for step in range(w.first, w.cfg.steps + 1):
-            if w.vitals is not None:
-                w.vitals.note(step)
-            with profiler.step(step):
-                loss = train_step(w, step, loop)
-                syncs = _drain(w.algo)
-                spread = spread_diagnostic(w, loop, step)
-                evals = periodic_eval(w, loop, step)
-                if w.main:
-                    log_step(w, loop, step, loss, syncs, spread, evals)
-                checkpoint_if_due(w, loop, step)
+        with host_read_check(w.ctx.device) as counter:
+            for step in range(w.first, w.cfg.steps + 1):
+                if w.vitals is not None:
+                    w.vitals.note(step)
+                with profiler.step(step):
+                    loss = train_step(w, step, loop)
+                    syncs = _drain(w.algo)
+                    with allowed("diagnostic"):
+                        spread = spread_diagnostic(w, loop, step)
+                    with allowed("eval"):
+                        evals = periodic_eval(w, loop, step)
+                    if w.main:
+                        log_step(w, loop, step, loss, syncs, spread, evals)
+                    with allowed("checkpoint"):
+                        checkpoint_if_due(w, loop, step)
+                if counter is not None:
+                    loop.note_host_reads(step, counter.take())
     except (Aborted, KeyboardInterrupt):
         w.writer.close(abandon=True)
         raise
@@ -53,6 +61,23 @@ def train_loop(w: Worker, loop: Loop) -> None:
     finally:
         profiler.close()
     w.bar.close()
+
+
+@contextmanager
+def host_read_check(device):
+    """The host-read instruments ``LOCO_HOST_READS`` asks for, around the loop (see
+    [`loco.comm.hostreads`][loco.comm.hostreads]): yields a ``HostReadCounter`` (``count``)
+    or None; with ``warn`` or ``error`` on a GPU, CUDA's sync-debug mode is on outside the
+    regions that may read (syncs, logging, evaluations, checkpoints)."""
+    level = hostreads.mode()
+    if level == "count":
+        with hostreads.HostReadCounter() as counter:
+            yield counter
+    elif level is not None and torch.device(device).type == "cuda":
+        with hostreads.Guard(level):
+            yield None
+    else:
+        yield None
 
 
 def step_profiler(w: Worker) -> StepProfiler:
@@ -210,7 +235,8 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
     loop.add_loss(loss)  # read every --log-every steps: no device synchronisation per step
     record = None if spread is None else {"step": step, "tokens": tokens, "spread": spread}
     if step % cfg.log_every == 0 or step == cfg.steps:
-        loop.settle_losses()
+        with allowed("log"):
+            loop.settle_losses()
         if loop.loss_count:  # (none where this worker trained no tick since the last)
             loop.shown_loss = loop.loss_sum / loop.loss_count
         record = {**(record or {}), "step": step, "tokens": tokens,

@@ -109,6 +109,10 @@ class MuonAdamW(torch.optim.Optimizer):
             self.parts.append(torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused))
         super().__init__([g for part in self.parts for g in part.param_groups], {})
         self._link()
+        self._step_supports_amp_scaling = all(
+            getattr(part, "_step_supports_amp_scaling", False) for part in self.parts
+            if not isinstance(part, torch.optim.Muon))
+        """Whether ``step`` takes ``found_inf``: when AdamW's part (if any) is fused."""
 
     def _link(self) -> None:
         """Point each part at its slice of ``param_groups`` and at the shared ``state``."""
@@ -120,7 +124,11 @@ class MuonAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
-        """One step of each part (Muon first).
+        """One step of each part (Muon first). With ``found_inf`` set (a 0-d float tensor
+        on the parameters' device, 1 for a non-finite gradient, as ``Algorithm`` sets it),
+        the step is skipped on the device: AdamW's fused kernel takes it, and Muon's
+        parameters and momenta keep their values where it is 1 (`muon_step_unless`), so no
+        step reads the device on the host.
 
         Args:
             closure: re-evaluates the model and returns the loss, called once; optional.
@@ -132,8 +140,18 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        found = getattr(self, "found_inf", None)
         for part in self.parts:
-            part.step()
+            if found is None:
+                part.step()
+            elif isinstance(part, torch.optim.Muon):
+                muon_step_unless(part, found)
+            else:
+                part.found_inf = found
+                try:
+                    part.step()
+                finally:
+                    del part.found_inf
         return loss
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -155,6 +173,41 @@ class MuonAdamW(torch.optim.Optimizer):
         super().__setstate__(state)
         if "parts" in self.__dict__:
             self._link()
+
+
+@torch.no_grad()
+def muon_step_unless(muon: torch.optim.Muon, found_inf: torch.Tensor) -> None:
+    """``muon.step()``, except where ``found_inf`` (a 0-d tensor on the parameters' device)
+    is nonzero: then every parameter and momentum keeps its value. Decided on the device,
+    never read on the host. Each parameter's new value and momentum are computed as
+    ``torch.optim.Muon`` computes them (the same operations on the same values, so the same
+    bits), into temporaries of its size, then selected with ``torch.where``.
+
+    Args:
+        muon: the optimizer; its groups' options as ``torch.optim.Muon`` takes them.
+        found_inf: nonzero to skip the step.
+    """
+    from torch.optim._muon import _adjust_lr, _zeropower_via_newtonschulz
+
+    skip = found_inf != 0
+    for group in muon.param_groups:
+        lr, wd, momentum = float(group["lr"]), group["weight_decay"], group["momentum"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = muon.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad,
+                                                            memory_format=torch.preserve_format)
+            buf = state["momentum_buffer"]
+            moved = buf.lerp(p.grad, 1 - momentum)
+            update = p.grad.lerp(moved, momentum) if group["nesterov"] else moved
+            update = _zeropower_via_newtonschulz(update, group["ns_coefficients"],
+                                                 group["ns_steps"], group["eps"])
+            stepped = p.mul(1 - lr * wd)
+            stepped.add_(update, alpha=-_adjust_lr(lr, group["adjust_lr_fn"], p.shape))
+            p.copy_(torch.where(skip, p, stepped))
+            buf.copy_(torch.where(skip, buf, moved))
 
 
 def inner_optimizer(model: nn.Module, kind: str, *, lr: float, weight_decay: float,

@@ -175,6 +175,18 @@ class Loop:
     last_checkpoint: float | None = None
     """``time.perf_counter()`` when this run's last checkpoint was handed over (None: none
     yet; ``--checkpoint-interval`` counts from the loop's start)."""
+    host_reads: dict | None = None
+    """With ``LOCO_HOST_READS=count``: the most host reads one step made, by reason
+    (``step``: outside the regions that may read), and ``steps_reading``: the first steps
+    that read outside them (``loco.comm.hostreads``); None: not counted."""
+
+    def note_host_reads(self, step: int, reads) -> None:
+        """Record the host reads of ``step`` (a Counter by reason)."""
+        seen = self.host_reads = self.host_reads or {"step": 0, "steps_reading": []}
+        for why, n in reads.items():
+            seen[why] = max(seen.get(why, 0), n)
+        if reads.get("step") and len(seen["steps_reading"]) < 8:
+            seen["steps_reading"].append(step)
 
     def add_loss(self, loss: torch.Tensor | None) -> None:
         """Keep a step's loss without reading it from the device (no synchronisation);
