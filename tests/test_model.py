@@ -4,7 +4,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loco.model import MODEL_SIZES, Transformer, apply_rotary, model_config, rotary_tables
+from loco.model import (MODEL_SIZES, Transformer, apply_rotary, model_config, parameter_count,
+                        rotary_tables)
 
 pytestmark = pytest.mark.numerics
 
@@ -170,3 +171,65 @@ def test_sequence_longer_than_seq_len_raises():
     model = build(seq_len=8)
     with pytest.raises(ValueError, match="seq_len"):
         model(tokens(B=1, T=9))
+
+
+@pytest.mark.parametrize("name,vocab,params", [
+    ("8b", 4096, 6_996_373_504), ("8b", 128256, 7_504_932_864),
+    ("70b", 4096, 68_485_935_104), ("70b", 128256, 69_503_053_824)])
+def test_llama_presets_have_llama_3_shapes(name, vocab, params):
+    """Llama 3's shapes (grouped-query attention, 8 KV heads, head size 128, rope theta
+    500000, explicit SwiGLU width), counted on the meta device and by formula. Llama 3's own
+    counts at its vocabulary of 128256 (8,030,261,248 and 70,553,706,496) have an untied
+    output head and no QK-norm."""
+    cfg = model_config(name, vocab_size=vocab, seq_len=8)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    assert model.num_parameters() == parameter_count(cfg) == params
+    llama3 = params + vocab * cfg.d_model - cfg.n_layers * 2 * cfg.head_dim
+    assert vocab != 128256 or llama3 == {"8b": 8_030_261_248, "70b": 70_553_706_496}[name]
+    shapes = {"8b": (4096, 32, 32, 14336), "70b": (8192, 80, 64, 28672)}[name]
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads, cfg.ffn_hidden) == shapes
+    assert cfg.n_kv_heads == 8 and cfg.head_dim == 128 and cfg.rope_theta == 500000.0
+    assert model.blocks[0].attn.qkv.weight.shape == (cfg.d_model + 2 * 8 * 128, cfg.d_model)
+
+
+def test_earlier_sizes_keep_their_architecture():
+    """Every size without n_kv_heads is multi-head attention as before: one fused q, k, v
+    projection 3·d wide, and the parameter count 4d² + 3df + ... per block."""
+    for name, dims in MODEL_SIZES.items():
+        if "n_kv_heads" in dims:
+            continue
+        cfg = model_config(name, vocab_size=4096, seq_len=8)
+        with torch.device("meta"):
+            model = Transformer(cfg)
+        d, f = cfg.d_model, cfg.ffn_hidden
+        assert model.blocks[0].attn.qkv.weight.shape == (3 * d, d)
+        block = 4 * d * d + 3 * d * f + 2 * d + 2 * cfg.head_dim
+        assert model.num_parameters() == 4096 * d + cfg.n_layers * block + d
+
+
+def test_grouped_query_attention_equals_repeated_key_value_heads():
+    """4 query heads sharing 2 key/value heads compute what 4 heads with each key/value head
+    repeated for its 2 queries compute."""
+    gqa, mha = build(n_heads=4, n_kv_heads=2), build(n_heads=4)
+    state = gqa.state_dict()
+    for i in range(len(gqa.blocks)):
+        q, k, v = state[f"blocks.{i}.attn.qkv.weight"].split([32, 16, 16])
+        state[f"blocks.{i}.attn.qkv.weight"] = torch.cat(
+            [q] + [t.view(2, 8, 32).repeat_interleave(2, dim=0).reshape(32, 32) for t in (k, v)])
+    mha.load_state_dict(state)
+    idx = tokens()
+    torch.testing.assert_close(gqa(idx), mha(idx), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="n_heads=4 is not a multiple of n_kv_heads=3"):
+        model_config("tiny", vocab_size=64, seq_len=8, n_heads=4, n_kv_heads=3)
+
+
+def test_llama_presets_are_options_the_configuration_checks():
+    from loco.config import ConfigError, build_config, steps_for_tokens, validate
+
+    validate(build_config(overrides={"model": "70b"}))
+    cfg = build_config(overrides={"model": "8b", "tokens": "20x", "workers": 1,
+                                  "batch_size": 1, "seq_len": 128})
+    assert steps_for_tokens(cfg) == -(-20 * 6_996_373_504 // 128)
+    with pytest.raises(ConfigError, match="heads.*multiple of the model's 8 key/value heads"):
+        validate(build_config(overrides={"model": "8b", "heads": 4}))

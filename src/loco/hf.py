@@ -2,8 +2,11 @@
 
 PATH is a local directory with a ``config.json`` and, optionally, the model's weights
 (``model.safetensors``, ``pytorch_model.bin`` or their sharded index), loaded from there,
-never from a hub. Without weights the model is built from the config and the run's seed,
-with the tokenizer's vocabulary. [`HFCausalLM`][loco.hf.HFCausalLM] gives it loco's model
+never from a hub. Without weights the model is built from the config on the meta device,
+with the tokenizer's vocabulary, and drawn from the run's seed when it is materialised
+(whole, or each rank its FSDP2 shard: the same bits either way; see
+[`HFCausalLM.init_weights`][loco.hf.HFCausalLM.init_weights]).
+[`HFCausalLM`][loco.hf.HFCausalLM] gives it loco's model
 interface; its decoder layers (the largest ``nn.ModuleList``) are the blocks of fragments
 and FSDP2 units, and Llama architectures split into pipeline stages. Dropout is off (the
 threads launcher's workers share torch's global generator); see docs/hugging-face.md.
@@ -13,13 +16,14 @@ from __future__ import annotations
 
 import json
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 
-from loco.model import StagedModel, StagePart, token_loss
+from loco.model import StagedModel, StagePart, local_rows, materialise, normal_rows, token_loss
 
 PREFIX = "hf:"
 WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -28,8 +32,8 @@ INSTALL = "pip install 'loco[hf]'"
 STAGE_ARCHITECTURES = ("llama",)
 """model_type values whose models pipeline stages split (with untied input and output
 embeddings, as Llama's configs have them)."""
-# Building from a config draws the initial weights from torch's global generator; threads of
-# one process build one at a time, each from the run's seed.
+# Building from a config patches nn.Module.register_parameter process-wide
+# (`_parameters_on_meta`); threads of one process build one at a time.
 _BUILD = threading.Lock()
 
 
@@ -147,12 +151,58 @@ class HFCausalLM(nn.Module, StagedModel):
     Args:
         model: an ``AutoModelForCausalLM`` instance (its parameters are named ``hf.*``).
         z_loss: coefficient of the z-loss on the log-partition function; default 0.
+        seed: the seed [`init_weights`][loco.hf.HFCausalLM.init_weights] draws from;
+            default 0.
     """
 
-    def __init__(self, model: nn.Module, z_loss: float = 0.0):
+    def __init__(self, model: nn.Module, z_loss: float = 0.0, seed: int = 0):
         super().__init__()
         self.hf = model
         self.z_loss = z_loss
+        self.seed = seed
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Draw every parameter, or this rank's shard of it (FSDP2, dimension 0), from
+        ``seed``, by the model's own rules. The weights of every Linear, GPT-2 Conv1D and
+        Embedding are normal(0, ``initializer_range``) (an Embedding's ``padding_idx`` row
+        zeros), drawn in per-parameter seeded blocks of rows (``loco.model.normal_rows``,
+        keyed by the parameter's name here, ``hf.…``), so that any sharding gives the
+        unsharded model's bits; their biases are zeros; a tied parameter is drawn once. Any
+        other module's parameters (norms: ones, or Gemma's zeros) are set by the model's own
+        ``_init_weights``, which must not draw random numbers. Model-specific rescalings of
+        the matrices (GPT-2's of ``c_proj``) are not applied. Buffers are left as they are.
+
+        Raises:
+            HFModelError: the model's own init of a module draws random numbers (it could
+                not be sharded).
+        """
+        from transformers.pytorch_utils import Conv1D
+
+        std = getattr(self.hf.config, "initializer_range", None) or 0.02
+        owners: dict[int, tuple[nn.Module, str]] = {}
+        for module in self.modules():
+            for pname, p in module.named_parameters(recurse=False):
+                owners.setdefault(id(p), (module, pname))
+        others: dict[int, nn.Module] = {}
+        for name, p in self.named_parameters():
+            module, pname = owners[id(p)]
+            local, first = local_rows(p)
+            if not isinstance(module, (nn.Linear, nn.Embedding, Conv1D)):
+                others[id(module)] = module
+            elif pname == "weight":
+                normal_rows(local, first, p.shape[0], std, self.seed, name)
+                pad = getattr(module, "padding_idx", None)
+                if pad is not None and first <= pad < first + local.shape[0]:
+                    local[pad - first].zero_()
+            else:
+                local.zero_()
+        for module in others.values():
+            before = torch.random.get_rng_state()
+            self.hf._init_weights(module)
+            if not torch.equal(before, torch.random.get_rng_state()):
+                raise HFModelError(f"the model's own init of its {type(module).__name__} "
+                                   "draws random numbers: loco cannot draw it shard by shard")
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``(batch, seq, vocab)``, or with ``targets`` the mean token loss.
@@ -184,15 +234,21 @@ class HFCausalLM(nn.Module, StagedModel):
         return LlamaStage(self, stage, stages)
 
 
-def build(model: str, vocab_size: int, seed: int, z_loss: float = 0.0) -> HFCausalLM:
-    """The ``hf:PATH`` model in fp32 on the CPU: its weights when the directory has them, else
-    a fresh one from its config with ``vocab_size`` tokens, drawn from ``seed``.
+def build(model: str, vocab_size: int, seed: int, z_loss: float = 0.0,
+          device: torch.device | str = "cpu") -> HFCausalLM:
+    """The ``hf:PATH`` model in fp32 on ``device``: its weights when the directory has them
+    (loaded on the CPU), else a fresh one from its config with ``vocab_size`` tokens, built
+    on the meta device (its buffers, the rotary tables, real) and materialised, drawn from
+    ``seed`` (see [`HFCausalLM.init_weights`][loco.hf.HFCausalLM.init_weights]).
 
     Args:
         model: the ``--model`` value, ``hf:PATH``.
         vocab_size: the tokenizer's vocabulary size.
         seed: the seed of a fresh model's weights.
         z_loss: the z-loss coefficient; default 0.
+        device: where to put it; default the CPU; ``"meta"``: a fresh model is left on the
+            meta device, to be sharded and then materialised (``loco.model.materialise``),
+            and a model with weights stays on the CPU.
 
     Raises:
         HFModelError: an unusable directory, or a tokenizer whose ids do not fit the weights.
@@ -207,13 +263,35 @@ def build(model: str, vocab_size: int, seed: int, z_loss: float = 0.0) -> HFCaus
             net = transformers.AutoModelForCausalLM.from_pretrained(
                 str(model_dir(model)), config=config, local_files_only=True,
                 dtype=torch.float32, attn_implementation="sdpa")
-    else:
-        _set_vocab(config, vocab_size)
-        with _BUILD, torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            net = transformers.AutoModelForCausalLM.from_config(
-                config, dtype=torch.float32, attn_implementation="sdpa")
-    return HFCausalLM(net.train(), z_loss)
+        lm = HFCausalLM(net.train(), z_loss, seed)
+        return lm if str(device) == "meta" else lm.to(device)
+    _set_vocab(config, vocab_size)
+    with _BUILD, _parameters_on_meta():
+        net = transformers.AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation="sdpa")
+    lm = HFCausalLM(net.train(), z_loss, seed)
+    return lm if str(device) == "meta" else materialise(lm, device)
+
+
+@contextmanager
+def _parameters_on_meta():
+    """Modules built inside, by this thread, put their parameters on the meta device as
+    they register them, their buffers (computed in ``__init__``, such as rotary tables)
+    staying real. Other threads' modules are left alone."""
+    register, builder = nn.Module.register_parameter, threading.get_ident()
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if (threading.get_ident() == builder and param is not None
+                and not param.is_meta):  # (a tied one is already)
+            module._parameters[name] = nn.Parameter(param.to("meta"),
+                                                    requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
 
 
 def check_vocab(model: str, config: Any, vocab_size: int) -> None:

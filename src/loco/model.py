@@ -1,18 +1,23 @@
 """A small Llama-style decoder-only language model.
 
 Pre-norm transformer with RMSNorm, rotary position embeddings (RoPE), SwiGLU
-MLPs and QK-norm (RMSNorm on queries and keys, as in the Streaming DiLoCo
-paper's runs), an optional z-loss on the output log-partition function, an
-output head tied to the token embedding, and normal(0, 0.02) init with
-residual output projections scaled down by sqrt(2 * n_layers). The repeated
-blocks live in `Transformer.blocks`, an ordered `nn.ModuleList`; that list is
-what the training code partitions into fragments.
+MLPs, QK-norm (RMSNorm on queries and keys, as in the Streaming DiLoCo
+paper's runs) and optional grouped-query attention, an optional z-loss on the
+output log-partition function, an output head tied to the token embedding, and
+normal(0, 0.02) init with residual output projections scaled down by
+sqrt(2 * n_layers). The repeated blocks live in `Transformer.blocks`, an ordered
+`nn.ModuleList`; that list is what the training code partitions into fragments.
+
+The init is sharding-invariant (``normal_rows``): a model built on the meta
+device, sharded, then materialised (``materialise``) holds, on every rank,
+exactly its rows of the unsharded model.
 
 Pipeline stages split a model through the [`StagedModel`][loco.model.StagedModel] interface:
 its ``stage_part(stage, stages)`` gives each stage its [`StagePart`][loco.model.StagePart].
 ``Transformer`` implements it (its parts are [`StageModule`][loco.model.StageModule]s).
 """
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -28,6 +33,7 @@ class ModelConfig:
     d_model: int
     n_layers: int
     n_heads: int
+    n_kv_heads: int | None = None  # grouped-query attention's key/value heads; None: n_heads
     ffn_hidden: int | None = None  # None: 8/3 * d_model rounded up to a multiple of 32
     rope_theta: float = 10000.0
     qk_norm: bool = True
@@ -40,6 +46,11 @@ class ModelConfig:
             raise ValueError(f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}")
         if (self.d_model // self.n_heads) % 2 != 0:
             raise ValueError(f"head_dim={self.d_model // self.n_heads} must be even for RoPE")
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.n_kv_heads < 1 or self.n_heads % self.n_kv_heads != 0:
+            raise ValueError(f"n_heads={self.n_heads} is not a multiple of "
+                             f"n_kv_heads={self.n_kv_heads}")
         if self.ffn_hidden is None:
             # 8/3 keeps SwiGLU's three matrices at the parameter cost of a 4x GELU MLP;
             # a multiple of 32 keeps the matmuls hardware friendly.
@@ -65,6 +76,14 @@ MODEL_SIZES: dict[str, dict] = {
     "300m": dict(d_model=1280, n_layers=15, n_heads=20),
     "500m": dict(d_model=1536, n_layers=18, n_heads=24),
     "1b": dict(d_model=2048, n_layers=24, n_heads=32),
+    # Llama 3's shapes: grouped-query attention with 8 KV heads, head size 128, rope theta
+    # 500000 (this model's QK-norm and tied head are not Llama 3's). 8B: 32 layers x 4096,
+    # 32 heads, SwiGLU hidden 14336 (7.00B params at vocab 4096, 7.50B at 128256). 70B: 80
+    # layers x 8192, 64 heads, hidden 28672 (68.49B at vocab 4096, 69.50B at 128256).
+    "8b": dict(d_model=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden=14336,
+               rope_theta=500000.0),
+    "70b": dict(d_model=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_hidden=28672,
+                rope_theta=500000.0),
 }
 
 
@@ -75,9 +94,10 @@ def parameter_count(cfg: ModelConfig) -> int:
     Args:
         cfg: the model's configuration.
     """
-    d, f = cfg.d_model, cfg.ffn_hidden
+    d, f, kv = cfg.d_model, cfg.ffn_hidden, cfg.n_kv_heads * cfg.head_dim
     norms = 2 * cfg.head_dim if cfg.qk_norm else 0
-    block = 4 * d * d + 3 * d * f + 2 * d + norms  # attention, SwiGLU, two norms, q/k norms
+    attention = d * (d + 2 * kv) + d * d  # the fused q, k, v projection and the output's
+    block = attention + 3 * d * f + 2 * d + norms  # SwiGLU, two norms, q/k norms
     return cfg.vocab_size * d + cfg.n_layers * block + d
 
 
@@ -136,8 +156,9 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.n_heads = cfg.n_heads
-        self.qkv = Linear(cfg.d_model, 3 * cfg.d_model)
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        # Grouped-query attention: n_heads queries share n_kv_heads keys and values.
+        self.qkv = Linear(cfg.d_model, cfg.d_model + 2 * cfg.n_kv_heads * cfg.head_dim)
         self.proj = Linear(cfg.d_model, cfg.d_model)
         # QK-norm bounds the attention logits, which keeps training stable at high learning rates.
         self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else nn.Identity()
@@ -145,10 +166,15 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         B, T, C = x.shape
-        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, C // self.n_heads).permute(2, 0, 3, 1, 4)
+        kv = self.n_kv_heads * self.head_dim
+        q, k, v = self.qkv(x).split([C, kv, kv], dim=-1)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q = apply_rotary(self.q_norm(q), cos, sin)
         k = apply_rotary(self.k_norm(k), cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           enable_gqa=self.n_kv_heads != self.n_heads)
         return self.proj(y.transpose(1, 2).reshape(B, T, C))
 
 
@@ -212,10 +238,135 @@ class StagedModel:
         raise NotImplementedError
 
 
+# ------------------------------------------------------------- sharding-invariant init
+INIT_BLOCK = 1 << 16
+"""Elements per seeded block of rows (at least one row): the extra memory of drawing a
+shard, and the unit the bits are defined in."""
+
+
+def block_seed(seed: int, name: str, block: int) -> int:
+    """The seed of block ``block`` of parameter ``name``: a hash of the three, stable across
+    processes and Python's hash seed (63 bits)."""
+    digest = hashlib.blake2b(f"{seed}/{name}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
+
+
+def local_rows(p: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """The tensor this rank fills for parameter ``p``, and the row of the whole that it
+    starts at: ``p`` and 0 for a plain tensor; for a DTensor its ``to_local()`` and, when
+    it is sharded on dimension 0 (FSDP2), the offset ``torch.chunk`` gives the mesh
+    coordinate: coordinate x ceil(rows / ranks).
+
+    Raises:
+        ValueError: a DTensor sharded on another dimension, or on several mesh dimensions.
+    """
+    placements = getattr(p, "placements", None)
+    if placements is None:
+        return p, 0
+    sharded = [(d, pl) for d, pl in enumerate(placements) if pl.is_shard()]
+    if not sharded:
+        return p.to_local(), 0
+    if len(sharded) > 1 or sharded[0][1].dim != 0:
+        raise ValueError(f"cannot initialise a DTensor placed {placements}: only one "
+                         "dimension-0 shard is supported")
+    mesh_dim = sharded[0][0]
+    chunk = -(-p.shape[0] // p.device_mesh.size(mesh_dim))
+    return p.to_local(), p.device_mesh.get_coordinate()[mesh_dim] * chunk
+
+
+@torch.no_grad()
+def normal_rows(out: torch.Tensor, first: int, rows: int, std: float, seed: int,
+                name: str) -> torch.Tensor:
+    """Fill ``out`` with rows ``[first, first + len(out))`` of a normal(0, ``std``)
+    parameter of ``rows`` rows, the same bits whichever range is asked for.
+
+    The parameter's rows are cut into blocks of ``max(1, INIT_BLOCK // row size)`` rows
+    (the last one shorter); block b is drawn alone, on the CPU generator, from
+    ``block_seed(seed, name, b)``. So any shard of dimension 0 (FSDP2's) is drawn with at
+    most one block of extra memory, with the bits of the unsharded draw on any device.
+
+    Args:
+        out: the rows to fill (at least one dimension), any device and floating dtype.
+        first: the row of the whole that ``out`` starts at, in [0, rows].
+        rows: the whole parameter's rows (its dimension 0).
+        std: the standard deviation, > 0.
+        seed: the run's seed.
+        name: the parameter's name in its model (``blocks.0.attn.qkv.weight``).
+
+    Returns:
+        ``out``.
+    """
+    if out.shape[0] == 0:  # a rank past the last of torch.chunk's shards
+        return out
+    per = max(1, INIT_BLOCK // max(1, math.prod(out.shape[1:])))
+    stop = first + out.shape[0]
+    for b in range(first // per, -(-stop // per)):
+        lo, hi = b * per, min((b + 1) * per, rows)
+        gen = torch.Generator().manual_seed(block_seed(seed, name, b))
+        dst = out[max(lo, first) - first:min(hi, stop) - first]
+        if (dst.shape[0] == hi - lo and out.device.type == "cpu" and out.dtype == torch.float32
+                and dst.is_contiguous()):
+            dst.normal_(0.0, std, generator=gen)  # the whole block: drawn in place
+        else:
+            block = torch.empty((hi - lo, *out.shape[1:])).normal_(0.0, std, generator=gen)
+            dst.copy_(block[max(lo, first) - lo:min(hi, stop) - lo])
+    return out
+
+
+def materialise(model: nn.Module, device: torch.device | str) -> nn.Module:
+    """Allocate a model built on the meta device (whole, or sharded by FSDP2) on ``device``
+    and initialise it with its ``init_weights()``; a model whose parameters are already real
+    (loaded weights) is moved there instead.
+
+    The buffers that were real before (a Hugging Face model's rotary tables) keep their
+    values, and tied parameters stay one parameter (``to_empty`` makes new ones); the
+    model's ``init_weights`` fills its parameters (each rank its own shard) and any buffer
+    built on meta.
+
+    Args:
+        model: a ``Transformer`` or another module with an ``init_weights()``, possibly
+            sharded.
+        device: the rank's device.
+
+    Returns:
+        ``model``, on ``device``.
+    """
+    if not any(p.is_meta for p in model.parameters()):
+        return model.to(device)
+    kept = {n: b.detach().clone() for n, b in model.named_buffers() if not b.is_meta}
+    owners: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((module, name))
+    model.to_empty(device=device)
+    for (module, name), *tied in (o for o in owners.values() if len(o) > 1):
+        for other, other_name in tied:
+            other._parameters[other_name] = module._parameters[name]
+    with torch.no_grad():
+        for n, b in model.named_buffers():
+            if n in kept:
+                b.copy_(kept[n])
+    model.init_weights()
+    return model
+
+
 class Transformer(nn.Module, StagedModel):
+    """The decoder. Built under ``torch.device("meta")`` it allocates nothing (then
+    ``materialise`` it, before or after sharding); otherwise its weights are drawn at once
+    by ``init_weights``.
+
+    Args:
+        cfg: the model's configuration.
+        generator: its ``initial_seed()`` is the init's seed (the generator is not drawn
+            from: a generator already used gives the same weights as a fresh one of the same
+            seed); None: a seed drawn from torch's global generator.
+    """
+
     def __init__(self, cfg: ModelConfig, generator: torch.Generator | None = None):
         super().__init__()
         self.cfg = cfg
+        self.seed = (generator.initial_seed() if generator is not None
+                     else int(torch.randint(2**62, (1,), device="cpu")))
         # Passing _weight skips nn.Embedding's own init, which would use the global RNG.
         self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model, _weight=torch.empty(cfg.vocab_size, cfg.d_model))
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
@@ -224,16 +375,32 @@ class Transformer(nn.Module, StagedModel):
         cos, sin = rotary_tables(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self._init_weights(generator)
+        if not self.embed.weight.is_meta:
+            self.init_weights()
 
-    def _init_weights(self, generator: torch.Generator | None):
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Draw every parameter, or this rank's shard of it, from ``self.seed``, and compute
+        the rotary tables, on the device they are on.
+
+        Matrices (the embedding and every Linear) are normal(0, init_std), the residual
+        output projections (``attn.proj``, ``mlp.w2``) normal(0, init_std / sqrt(2 ·
+        n_layers)) (GPT-2), drawn by ``normal_rows`` keyed by the parameter's name; norms'
+        gains are ones. Any sharding on dimension 0 gives the unsharded model's bits.
+        """
         # Each block adds two residual branches; shrinking their output projections
         # keeps the residual stream's variance from growing with depth (GPT-2).
         residual_std = self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
+            local, first = local_rows(p)
             if p.dim() == 2:  # every Linear and the Embedding; norm weights stay at 1
                 std = residual_std if name.endswith(("attn.proj.weight", "mlp.w2.weight")) else self.cfg.init_std
-                nn.init.normal_(p, 0.0, std, generator=generator)
+                normal_rows(local, first, p.shape[0], std, self.seed, name)
+            else:
+                local.fill_(1.0)
+        cos, sin = rotary_tables(self.cfg.head_dim, self.cfg.seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         cos, sin = rope_window(self.rope_cos, self.rope_sin, idx.shape[1])

@@ -192,9 +192,10 @@ def build_config(yaml_path: str | None = None, overrides: dict[str, Any] | None 
     return TrainConfig(**{k: coerce(by_name[k], v) for k, v in values.items()})
 
 
-def model_dims(cfg: TrainConfig) -> dict[str, int]:
-    """The model's ``n_layers``, ``d_model`` and ``n_heads``: the named size's, with
-    ``layers``, ``dim`` and ``heads`` overriding them.
+def model_dims(cfg: TrainConfig) -> dict[str, int | float]:
+    """The model's shape: the named size's (``n_layers``, ``d_model``, ``n_heads`` and, for
+    the Llama presets, ``n_kv_heads``, ``ffn_hidden``, ``rope_theta``), with ``layers``,
+    ``dim`` and ``heads`` overriding the first three.
 
     Args:
         cfg: the configuration (``model`` must be a known size).
@@ -202,8 +203,8 @@ def model_dims(cfg: TrainConfig) -> dict[str, int]:
     from loco.model import MODEL_SIZES
 
     base = MODEL_SIZES[cfg.model]
-    return {"n_layers": cfg.layers or base["n_layers"], "d_model": cfg.dim or base["d_model"],
-            "n_heads": cfg.heads or base["n_heads"]}
+    return {**base, "n_layers": cfg.layers or base["n_layers"],
+            "d_model": cfg.dim or base["d_model"], "n_heads": cfg.heads or base["n_heads"]}
 
 
 def steps_for_tokens(cfg: TrainConfig) -> int:
@@ -372,6 +373,9 @@ def validate_model(cfg: TrainConfig) -> int:
             raise ConfigError("dim" if cfg.dim else "heads", f"d_model {dims['d_model']} must "
                               f"be a multiple of the {dims['n_heads']} heads with an even head "
                               f"size (rotary embeddings) (got {dims})")
+        if dims["n_heads"] % dims.get("n_kv_heads", 1):
+            raise ConfigError("heads", f"must be a multiple of the model's "
+                              f"{dims['n_kv_heads']} key/value heads (got {dims['n_heads']})")
         return dims["n_layers"]
     from loco import hf
 

@@ -336,7 +336,8 @@ class ModelOptions:
     model: str = opt("small", "model size: tiny (~0.1M params, tests), small (~1.3M, CPU "
                      "default), medium (~7.5M), large (~100M), xl (~300M), or the Streaming "
                      "DiLoCo paper's ladder: 35m, 100m, 200m, 300m, 500m, 1b (layers x d: "
-                     "6x512 ... 24x2048, head size 64); or hf:PATH, a Hugging Face causal LM: "
+                     "6x512 ... 24x2048, head size 64); Llama 3's shapes: 8b, 70b (32x4096, "
+                     "80x8192, 8 key/value heads); or hf:PATH, a Hugging Face causal LM: "
                      "a local directory with a config.json (random init) and optionally its "
                      "weights (loaded, never downloaded), e.g. hf:configs/llama-35m")
     layers: int | None = opt(None, "blocks of the model, overriding --model's (default: the "

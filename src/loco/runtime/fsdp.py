@@ -21,6 +21,9 @@ gathered at a time. The parameters become DTensors sharded on dimension 0;
 It needs a ``torch.distributed`` process group per rank, hence the processes launcher or
 torchrun; the threads launcher has no ``DeviceMesh``. The mesh has the ranks' device type,
 and ``fully_shard`` moves the parameters onto it, so a CPU model lands on the rank's GPU.
+A model built on the meta device stays there, sharded: ``loco.model.materialise`` then
+allocates and draws each rank's shard alone (what ``loco train`` does, so that no rank ever
+holds the whole model).
 """
 
 from __future__ import annotations
@@ -42,13 +45,16 @@ def shard_worker(model: nn.Module, ctx: WorkerContext,
                  mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Shard ``model`` over the ranks of this rank's worker with FSDP2, in place.
 
-    Every rank of the worker must call it on the same model (same architecture and, for a
-    meaningful start, the same weights), before building the inner optimizer: the optimizer
-    must see the sharded parameters.
+    Every rank of the worker must call it on the same model, before building the inner
+    optimizer (the optimizer must see the sharded parameters): either built on the meta
+    device, to be materialised after (``loco.model.materialise``: each rank allocates and
+    draws only its shard, the unsharded model's rows bit for bit), or with the same weights
+    on every rank.
 
     Args:
         model: the worker's model, with its repeated blocks in an ``nn.ModuleList`` (see
-            [`find_blocks`][loco.algorithms.fragments.find_blocks]).
+            [`find_blocks`][loco.algorithms.fragments.find_blocks]), on the meta device or
+            real.
         ctx: this rank's [`WorkerContext`][loco.runtime.context.WorkerContext]; its
             ``device_mesh["shard"]`` is the group the model is sharded over.
         mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (parameter, reduction and output

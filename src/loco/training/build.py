@@ -15,7 +15,7 @@ from loco import checkpoint, hf
 from loco.config import TrainConfig, betas, model_dims, worker_speeds
 from loco.data import Corpus, TokenLoader
 from loco.hf import is_hf
-from loco.model import Transformer, model_config
+from loco.model import Transformer, materialise, model_config
 from loco.runtime import WorkerContext
 from loco.runtime.elastic import restart_count
 from loco.runtime.faults import Fault
@@ -58,27 +58,42 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
                            weight_decay=cfg.weight_decay, betas=betas(cfg))
 
 
-def make_model(cfg: TrainConfig, vocab_size: int) -> torch.nn.Module:
-    """The run's model in fp32 on the CPU, before any sharding: the built-in ``Transformer``
-    of ``--model`` (with ``--layers``, ``--dim``, ``--heads``), or a Hugging Face model
-    (``hf:PATH``, see [`loco.hf`][loco.hf]). Its weights are drawn from ``--seed`` (or loaded),
-    the same in every process.
+def make_model(cfg: TrainConfig, vocab_size: int,
+               device: torch.device | str = "cpu") -> torch.nn.Module:
+    """The run's model in fp32 on ``device``: the built-in ``Transformer`` of ``--model``
+    (with ``--layers``, ``--dim``, ``--heads``), or a Hugging Face model (``hf:PATH``, see
+    [`loco.hf`][loco.hf]).
+
+    It is built on the meta device (nothing allocated), then materialised on ``device``
+    (``loco.model.materialise``): every parameter drawn from ``--seed`` by the
+    sharding-invariant init (per-parameter seeded blocks of rows), the same in every
+    process and on every device. A ``hf:PATH`` model with weights is loaded on the CPU
+    instead, then moved to ``device``.
 
     Args:
         cfg: the run's configuration.
         vocab_size: the tokenizer's vocabulary size.
+        device: where to materialise it; default the CPU; ``"meta"``: not materialised (to
+            shard it first, as `build_model` does; a model with loaded weights stays on the
+            CPU).
     """
     if is_hf(cfg.model):
-        return hf.build(cfg.model, vocab_size, cfg.seed, cfg.z_loss)
-    mcfg = model_config(cfg.model, vocab_size, cfg.seq_len, z_loss=cfg.z_loss,
-                        **model_dims(cfg))
-    return Transformer(mcfg, torch.Generator().manual_seed(cfg.seed))
+        model = hf.build(cfg.model, vocab_size, cfg.seed, cfg.z_loss, device="meta")
+    else:
+        mcfg = model_config(cfg.model, vocab_size, cfg.seq_len, z_loss=cfg.z_loss,
+                            **model_dims(cfg))
+        with torch.device("meta"):
+            model = Transformer(mcfg, torch.Generator().manual_seed(cfg.seed))
+    return model if str(device) == "meta" else materialise(model, device)
 
 
 def build_model(cfg: TrainConfig, ctx: WorkerContext, vocab_size: int) -> torch.nn.Module:
-    """The model (:func:`make_model`) on this rank's device; with ``--worker-parallel fsdp``,
-    sharded over the worker's ranks by FSDP2 (before any optimizer sees its parameters),
-    in bf16 with ``--dtype bf16`` (`mixed_precision`).
+    """The model (`make_model`) on this rank's device. With ``--worker-parallel fsdp`` it is
+    built on the meta device, sharded over the worker's ranks by FSDP2 (before any optimizer
+    sees its parameters; in bf16 with ``--dtype bf16``, `mixed_precision`), and only then
+    materialised: each rank allocates and draws its own shard alone, bit for bit the rows
+    of the unsharded model, so no rank ever holds the whole model. Otherwise (one rank per
+    worker, or ``ddp``) it is materialised whole on the device.
     Every rank builds the same weights from the seed; the algorithm still broadcasts worker
     0's and verifies checksums.
 
@@ -86,13 +101,16 @@ def build_model(cfg: TrainConfig, ctx: WorkerContext, vocab_size: int) -> torch.
         cfg: the run's configuration.
         ctx: this rank's context.
         vocab_size: the corpus's vocabulary size.
-    """
-    model = make_model(cfg, vocab_size).to(ctx.device)
-    if cfg.worker_parallel == "fsdp":
-        from loco.runtime.fsdp import shard_worker
 
-        model = shard_worker(model, ctx, mixed_precision(cfg))
-    return model
+    Raises:
+        ValueError: ``--worker-parallel fsdp`` without a device mesh (the threads launcher).
+    """
+    if cfg.worker_parallel != "fsdp":
+        return make_model(cfg, vocab_size, ctx.device)
+    from loco.runtime.fsdp import shard_worker
+
+    model = shard_worker(make_model(cfg, vocab_size, "meta"), ctx, mixed_precision(cfg))
+    return materialise(model, ctx.device)
 
 
 def mixed_precision(cfg: TrainConfig):
