@@ -28,8 +28,8 @@ from overhead import KERNELS, METHODS, Net  # noqa: E402  (the same job)
 
 from loco.comm.kernels import KERNEL_ENV  # noqa: E402
 
-SYNC_RANGES = ("loco/pseudo_gradient", "loco/encode", "loco/all_to_all", "loco/reduce",
-               "loco/all_gather", "loco/decode", "loco/exchange", "loco/wait",
+SYNC_RANGES = ("loco/pseudo_gradient", "loco/all_reduce", "loco/encode", "loco/all_to_all",
+               "loco/reduce", "loco/all_gather", "loco/decode", "loco/exchange", "loco/wait",
                "loco/outer_step", "loco/merge")
 
 

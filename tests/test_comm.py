@@ -283,10 +283,10 @@ class OrderGroup:
     def __init__(self, name, log):
         self.name, self.log = name, log
 
-    def allgather(self, outs, ins):
+    def _allgather_base(self, out, tensor):
         import threading
-        self.log.append((self.name, ins[0].item(), threading.current_thread().name))
-        outs[0][0].copy_(ins[0])
+        self.log.append((self.name, tensor.item(), threading.current_thread().name))
+        out[:tensor.numel()].copy_(tensor)
         return FakeWork()
 
 

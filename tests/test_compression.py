@@ -145,7 +145,7 @@ def test_elias_fano_round_trip_and_size(n, k):
     buf = ef_encode(idx, n)
     assert buf.shape == (5, ef_bytes(n, k))
     assert torch.equal(ef_decode(buf, n, k), idx)
-    with pytest.raises(ValueError, match="set bits"):
+    with pytest.raises(RuntimeError, match="set bits"):  # torch._assert_async: no host read
         ef_decode(torch.zeros_like(buf), n, k)
 
 

@@ -25,19 +25,32 @@ class FakeStream:
 
 
 class FakeEvent:
-    count = 0
+    """A CUDA event on a stand-in device clock: each ``record`` happens 0.25 s of device time
+    after the one before (``at``); ``happened`` says whether the device got there yet."""
 
-    def __init__(self, log):
+    count = 0
+    happened = True  # class-wide: a test may hold every event back
+    made: list = []
+
+    def __init__(self, log, enable_timing=False):
         FakeEvent.count += 1
         self.name, self.log, self.recorded_on = f"event{FakeEvent.count}", log, None
+        self.timing, self.at = enable_timing, None
+        FakeEvent.made.append(self)
 
     def record(self, stream):
         self.recorded_on = stream.name
+        self.at = 0.25 * FakeEvent.count  # exact in binary: the tests compare with ==
         self.log.append(("record", self.name, stream.name))
 
     def query(self):
         self.log.append(("query", self.name))
-        return True
+        return self.happened
+
+    def elapsed_time(self, end):  # milliseconds, as CUDA's; only once both have happened
+        assert self.timing and end.timing and end.happened and self.at is not None
+        self.log.append(("elapsed_time", self.name, end.name))
+        return (end.at - self.at) * 1000
 
     def synchronize(self):
         self.log.append(("event_synchronize", self.name))
@@ -80,7 +93,7 @@ def fake_cuda(monkeypatch):
         raise AssertionError("torch.cuda.synchronize (device-wide) was called")
 
     monkeypatch.setattr(torch.cuda, "Stream", lambda device: FakeStream("comm", log))
-    monkeypatch.setattr(torch.cuda, "Event", lambda: FakeEvent(log))
+    monkeypatch.setattr(torch.cuda, "Event", lambda **kw: FakeEvent(log, **kw))
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: now())
     monkeypatch.setattr(torch.cuda, "stream", use_stream)
     monkeypatch.setattr(torch.cuda, "device", use_device)
@@ -190,3 +203,49 @@ def test_staging_records_its_copies_on_the_callers_stream_and_the_comm_thread_wa
     ready = next(e for e in log if e[0] == "record")
     assert ready[2] == "training"  # on the caller's stream, after its copies
     assert waiters == [(ready[1], "loco-comm-replicas-0")]
+
+
+def test_a_cuda_comm_times_operations_and_waits_on_the_devices_clock(fake_cuda, monkeypatch):
+    """On CUDA ``wait()`` returns once the caller's stream is told to wait: an operation's
+    ``seconds`` come from the caller's event at issue to the Comm stream's at its end, and
+    ``waited`` from events on the caller's stream around the wait, read once they have
+    happened (queried, never synchronised), when the totals are read; on the host clock the
+    numbers would be near zero. ``update_times(wait=True)``, for a run's summary, waits for
+    the events, inside an ``allowed("log")`` region."""
+    from loco.comm import hostreads
+    from loco.comm.comm import Comm
+
+    log = fake_cuda
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    monkeypatch.setattr(FakeEvent, "happened", False)
+    monkeypatch.setattr(FakeEvent, "made", [])
+    comm = Comm(None, 0, 1)  # one worker: the operations run, nothing to send
+    comm._streams = streams.CudaStreams(torch.device("cuda", 0))
+    handle = comm.all_reduce_mean(torch.ones(4))
+    handle.wait()
+    rec = handle.record
+    assert (rec.seconds, rec.waited) == (0.0, 0.0)  # the device has not got there
+    assert comm.totals().seconds == 0.0 and comm.totals().ops == 1
+    ready, began, ended = [e for e in FakeEvent.made if e.recorded_on == "training"]
+    done, = [e for e in FakeEvent.made if e.recorded_on == "comm"]
+    assert all(e.timing for e in (ready, began, ended, done))
+
+    FakeEvent.happened = True
+    totals = comm.totals()
+    assert rec.seconds == totals.seconds == done.at - ready.at > 0
+    assert rec.waited == totals.waited == ended.at - began.at > 0
+    assert ("elapsed_time", ready.name, done.name) in log
+    assert not [e for e in log if e[0] == "event_synchronize"]
+
+    FakeEvent.happened = False  # a second operation, settled at the summary
+    reasons = []
+
+    def synchronize(self):  # the host waits until the device got there
+        reasons.append(hostreads.reason())
+        self.happened = True
+    monkeypatch.setattr(FakeEvent, "synchronize", synchronize)
+    comm.all_gather(torch.ones(2), tag="train").wait()
+    comm.update_times(wait=True)
+    assert reasons == ["log", "log"]  # its end and its wait's end, where reading is allowed
+    assert comm.totals().seconds > totals.seconds and comm.totals().ops == 2
+    comm.close()

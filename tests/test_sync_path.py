@@ -39,13 +39,14 @@ def scratch_worker(ctx, sizes, codec_name):
     return out
 
 
-@pytest.mark.parametrize("codec", [None, "fp32", "fp4_e3m0"])
+@pytest.mark.parametrize("codec", [None, "fp32", "bf16", "fp4_e3m0"])
 def test_reduce_reuses_its_buffers_and_pads_with_zeros(codec):
     """A large reduction, then smaller ones that need padding: every result is the mean
     of the workers' values (exact for two fp32 workers; as the codec's round trip of the
     mean of round trips otherwise), and the smaller ones allocate nothing new (the same
     buffers, whose stale tails are zeroed before use). A codec that writes straight into a
-    buffer (a cast; fused kernels) encodes and decodes into kept ones too."""
+    buffer (the bf16 cast; fused kernels) encodes and decodes into kept ones too; the
+    unencoded mean (fp32 too, lossless) is the group's all-reduce, which keeps none."""
     sizes = [1000, 333, 333, 1000]  # 333 = 2 chunks of 167 minus 1: padded
     out = loco.launch(scratch_worker, 2, args=(sizes, codec))
     for i, n in enumerate(sizes):
@@ -61,7 +62,8 @@ def test_reduce_reuses_its_buffers_and_pads_with_zeros(codec):
         assert out[r][1][2] == out[r][2][2] == out[r][3][2]  # no new buffer after the first
         roles = {role for role, _ in out[r][0][2]}
         kept = {"outgoing", "decoded", "mine"}  # the codec's results
-        assert kept <= roles if codec == "fp32" else not kept & roles  # fp4 here: eager
+        assert kept <= roles if codec == "bf16" else not kept & roles  # fp4 here: eager
+        assert bool(roles) == (codec in ("bf16", "fp4_e3m0"))
 
 
 def test_old_per_parameter_outer_state_loads_flat():

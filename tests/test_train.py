@@ -247,14 +247,15 @@ def spread_worker(ctx, bucket):
     model = make_model(seed=ctx.rank)
     algo = SimpleNamespace(params=list(model.parameters()))
     spread = loop.replica_spread(algo, ctx.comm)
-    kept = max(b.numel() for b in ctx.comm._buffers.values())
+    kept = max((b.numel() for b in ctx.comm._buffers.values()), default=0)
     return spread, [p.detach().clone() for p in model.parameters()], kept
 
 
 def test_spread_is_the_rms_distance_to_the_mean_in_buckets_of_bounded_memory():
     """The replicas' spread equals its direct computation (fp64) whether the model is
     reduced in one piece or in buckets that cut parameters apart, and the Comm keeps no
-    buffer larger than a bucket's share of the message."""
+    buffer (the transport's all-reduce sums each bucket in place): the spread's memory is
+    its own two buckets."""
     whole = loco.launch(spread_worker, 2, args=(1 << 24,))
     cut = loco.launch(spread_worker, 2, args=(1000,))
     a, b = (torch.cat([p.reshape(-1) for p in r[1]]).double() for r in whole)
@@ -263,5 +264,5 @@ def test_spread_is_the_rms_distance_to_the_mean_in_buckets_of_bounded_memory():
     for runs in (whole, cut):
         for spread, _, _ in runs:
             assert spread == pytest.approx(want, rel=1e-6)  # fp32 means: 1e-6 is ~10 ulps
-    assert a.numel() > 10_000 and all(kept <= 1000 for _, _, kept in cut)
-    assert all(kept >= a.numel() // 2 for _, _, kept in whole)  # one piece: half each
+    assert a.numel() > 10_000
+    assert all(kept == 0 for runs in (whole, cut) for _, _, kept in runs)

@@ -1,8 +1,8 @@
 """``loco train --profile A-B``: a torch.profiler trace of a few inner steps.
 
 The algorithms mark every phase of a sync with a ``torch.profiler.record_function`` range
-(``loco/pseudo_gradient``, ``loco/encode``, ``loco/all_to_all``, ``loco/reduce``,
-``loco/all_gather``, ``loco/decode``, ``loco/wait``, ``loco/outer_step``, ``loco/merge``;
+(``loco/pseudo_gradient``, ``loco/all_reduce``, ``loco/encode``, ``loco/all_to_all``,
+``loco/reduce``, ``loco/all_gather``, ``loco/decode``, ``loco/wait``, ``loco/outer_step``, ``loco/merge``;
 ``loco/inner_step`` and ``loco/forward_backward`` around the rest of a step);
 :class:`StepProfiler` runs a profiler over steps A to B and writes a Chrome trace that
 https://ui.perfetto.dev opens. See docs/profiling.md.

@@ -32,6 +32,7 @@ from loco.algorithms.method import OUTER, PaperClaim, leftover_steps
 from loco.algorithms.sharding import Share, unflatten_views
 from loco.comm import Comm
 from loco.comm.codecs import get_codec
+from loco.comm.hostreads import allowed
 from loco.options import need, opt
 
 
@@ -322,7 +323,8 @@ def gossip_groups(seed: int, outer_step: int, workers: int, size: int) -> list[l
         The groups, each a sorted list of ranks, every rank in exactly one.
     """
     g = torch.Generator().manual_seed(seed * 1_000_003 + outer_step)
-    order = torch.randperm(workers, generator=g).tolist()
+    with allowed("host"):  # a CPU tensor: no device is read
+        order = torch.randperm(workers, generator=g).tolist()
     return [sorted(order[i:i + size]) for i in range(0, workers, size)]
 
 

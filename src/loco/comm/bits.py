@@ -117,7 +117,10 @@ def ef_encode(sorted_idx: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def ef_decode(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The sorted indices that [`ef_encode`][loco.comm.bits.ef_encode] coded.
+    """The sorted indices that [`ef_encode`][loco.comm.bits.ef_encode] coded, found on the
+    device: the j-th set bit of a row's bitmap, at the first bit where the running count of
+    set bits reaches j (a binary search), is its j-th index's high part plus j. Nothing is
+    read on the host.
 
     Args:
         buf: uint8 of shape (rows, >= ``ef_bytes(n, k)``).
@@ -128,7 +131,9 @@ def ef_decode(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
         int64 of shape (rows, k), each row increasing.
 
     Raises:
-        ValueError: a row's bitmap does not hold exactly ``k`` set bits (corrupt input).
+        RuntimeError: a row's bitmap does not hold exactly ``k`` set bits (corrupt input);
+            checked with ``torch._assert_async``: at once on the CPU, on a GPU when the
+            device gets there (a device-side assertion).
     """
     rows = buf.shape[0]
     if k == 0:
@@ -137,11 +142,11 @@ def ef_decode(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
     low_bytes = packed_bytes(k, low)
     width = k + ((n - 1) >> low)
     bitmap = _bits_of(buf[:, low_bytes:low_bytes + packed_bytes(width, 1)], width)
-    where = bitmap.nonzero()  # row-major: each row's set bits in increasing order
-    if where.shape[0] != rows * k:
-        raise ValueError(f"Elias-Fano rows hold {where.shape[0]} set bits, expected "
-                         f"{rows} x {k}")
-    high = where[:, 1].reshape(rows, k) - torch.arange(k, device=buf.device)
+    count = bitmap.cumsum(dim=1)  # int64: the set bits up to and including each bit
+    torch._assert_async((count[:, -1] == k).all(),
+                        f"Elias-Fano rows must hold exactly {k} set bits each (corrupt input)")
+    nth = torch.arange(1, k + 1, device=buf.device).expand(rows, k).contiguous()
+    high = torch.searchsorted(count, nth) - (nth - 1)
     return (high << low) | unpack(buf[:, :low_bytes], k, low)
 
 

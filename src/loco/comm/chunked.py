@@ -8,6 +8,8 @@ reduce-scatter would encode it a second time): these codecs are all-gathered
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from loco.comm.bits import ef_decode, ef_encode, pack, unpack
@@ -90,7 +92,8 @@ class ChunkTopKCodec(Codec):
 
     def decode_rows(self, buf: torch.Tensor, c: int,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-        """Dense fp32 rows: the kept values at their positions, zeros elsewhere.
+        """Dense fp32 rows: the kept values at their positions, zeros elsewhere, NaN
+        throughout a chunk that held a non-finite value.
 
         Args:
             buf: uint8 ``(rows, row_bytes(c))``.
@@ -103,6 +106,36 @@ class ChunkTopKCodec(Codec):
         out = zeroed_rows(self, buf, c, out)
         if c == 0:
             return out
+        idx, vals, bad = self._kept(buf)
+        dense = out if out.is_contiguous() else torch.zeros_like(out)
+        chunks = dense.view(-1, self.block)
+        chunks.scatter_(1, idx, vals)
+        chunks.masked_fill_(bad, math.nan)  # masked, not read: no wait for the device
+        return dense if dense is out else out.copy_(dense)
+
+    def add_rows(self, buf: torch.Tensor, c: int, total: torch.Tensor) -> torch.Tensor:
+        """Add the kept values of the rows ``buf`` into ``total`` where they go (a scatter-add
+        of ``k`` values per chunk: each position gets at most one), leaving out the chunks
+        that held a non-finite value, which are returned for the caller to mark.
+
+        Args:
+            buf: uint8 ``(rows, row_bytes(c))``.
+            c: values per row, a multiple of ``block``.
+            total: the contiguous fp32 ``(rows, c)`` sum, updated in place.
+
+        Returns:
+            bool ``(rows · c / block, 1)``: the chunks that held a NaN or an infinity.
+        """
+        self._check_buf(buf, c)
+        check_out(self, total, (buf.shape[0], c), torch.float32)
+        idx, vals, bad = self._kept(buf)
+        total.view(-1, self.block).scatter_add_(1, idx, vals.masked_fill_(bad, 0.0))
+        return bad
+
+    def _kept(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per chunk of the rows ``buf``: the kept positions (int64, ``(chunks, k)``), their
+        decoded values (fp32) and whether the chunk held a non-finite value (bool,
+        ``(chunks, 1)``), all on ``buf``'s device."""
         chunks = buf.reshape(-1, self.chunk_bytes)
         nv = self._value_bytes
         codes = unpack(chunks[:, :nv], self.k, 2)
@@ -112,12 +145,7 @@ class ChunkTopKCodec(Codec):
                else unpack(where, self.k, index_bits(self.block)))
         mag = torch.where(codes >= 2, scales[:, 1:2], scales[:, 0:1])
         vals = torch.where(codes & 1 == 1, -mag, mag)
-        dense = out if out.is_contiguous() else torch.zeros_like(out)
-        dense.view(-1, self.block).scatter_(1, idx, vals)
-        bad = ~torch.isfinite(scales).all(dim=1)  # a chunk that held a NaN or an infinity
-        if bool(bad.any()):
-            dense.view(-1, self.block)[bad] = float("nan")
-        return dense if dense is out else out.copy_(dense)
+        return idx, vals, ~torch.isfinite(scales).all(dim=1, keepdim=True)
 
     def __repr__(self) -> str:
         return f"Codec({self.name}, block={self.block}, k={self.k})"

@@ -13,6 +13,7 @@ import time
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -20,8 +21,9 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from loco.comm.counters import RECORDS_KEPT, CommStats, Counter, OpRecord
+from loco.comm.counters import RECORDS_KEPT, CommStats, Counter, DeviceTimes, OpRecord
 from loco.comm.handles import Aborted, Handle
+from loco.comm.hostreads import allowed
 from loco.comm.reduce import Buffers, gather_mean, layout, reduce_mean
 from loco.comm.streams import HostStaging, streams_for
 from loco.comm.thread import CommThread
@@ -118,6 +120,7 @@ class Comm:
         # grow without end; the counters above hold the totals).
         self.records: deque[OpRecord] = deque(maxlen=RECORDS_KEPT)
         self._issued: dict[str, int] = defaultdict(int)  # bytes handed over, by tag
+        self._times = DeviceTimes()  # CUDA: times waiting for their events to happen
         self.keep_records = keep_records
         self._lock = threading.Lock()
         self._closed = False
@@ -231,7 +234,7 @@ class Comm:
                 threading.Thread(target=self._await_posted, args=(result, rec, future, phases),
                                  name=f"loco-p2p-{self.name}-{self.rank}", daemon=True).start()
             else:
-                self._complete(rec, future, result, done, phases)
+                self._complete(rec, future, result, done, phases, ready)
 
         self._thread.submit(future, run)
         while self.issue_in_order and not issued.wait(0.05) and not future.done():
@@ -248,11 +251,14 @@ class Comm:
             return
         self._complete(rec, future, posted.result, None, phases)
 
-    def _complete(self, rec: OpRecord, future: Future, result, done, phases: int) -> None:
-        """The transport is done: finish now, or once the link has carried the bytes."""
+    def _complete(self, rec: OpRecord, future: Future, result, done, phases: int,
+                  ready: Any = None) -> None:
+        """The transport is done (on CUDA: enqueued): finish now, timed on the device's
+        clock from ``ready`` to ``done`` where the streams keep one, or once the link has
+        carried the bytes (timed on the host's: the link's delay is the host's)."""
         nbytes = max(rec.sent_bytes, rec.recv_bytes)
         if self.link is None or nbytes == 0 or rec.tag in UNMETERED_TAGS:
-            self._finish(rec)
+            self._finish(rec, self._streams.span(ready, done))
             future.set_result((result, done))
             return
         self._streams.synchronize(done)  # the data exists on every end from now on
@@ -262,12 +268,36 @@ class Comm:
             heapq.heappush(self._due, (deadline, self._sequence, rec, future, (result, done)))
             self._due_cv.notify()
 
-    def _finish(self, rec: OpRecord) -> None:
-        rec.seconds = time.perf_counter() - rec.issued_at
+    def _finish(self, rec: OpRecord, span: tuple | None = None) -> None:
+        """Count a completed operation; its seconds on the host's clock, or (``span``: its
+        events) on the device's once they have happened."""
         with self._lock:
+            if span is None:
+                rec.seconds = time.perf_counter() - rec.issued_at
+            else:
+                self._times.add(rec, "seconds", *span)
             self.stats.add(rec)
             if self.keep_records:
                 self.records.append(rec)
+            if self._times:  # those that have happened already (queries: never blocks)
+                self._times.settle(self.stats)
+
+    def update_times(self, wait: bool = False) -> None:
+        """Fill in the times of a CUDA Comm's operations and waits whose events have
+        happened on the device (``seconds``, ``waited``, in the records and the totals); the
+        reads of the totals (``totals``, ``state_dict``) do so themselves. Nothing to do on
+        another device, where the host's clock times them as they complete.
+
+        Args:
+            wait: also wait for the events that have not happened yet, so that every time
+                is in (an event's ``synchronize``, in an ``allowed("log")`` region: only
+                where the host may wait, e.g. for the run's summary); default False (only
+                ask the events, which never blocks).
+        """
+        if not self._times:
+            return
+        with allowed("log") if wait else nullcontext(), self._lock:
+            self._times.settle(self.stats, wait)
 
     def _post(self, sends: Sequence[tuple], recvs: Sequence[tuple]) -> list:
         """Post sends and receives ``(tensor, peer, message tag)`` together. On a process
@@ -299,14 +329,18 @@ class Comm:
                         weight: float | None = None) -> Handle:
         """Average ``tensor`` over all workers, in place, asynchronously.
 
-        The caller must not touch ``tensor`` until ``wait()`` returns. Without a codec the
-        sums are formed in the tensor's dtype (pass fp32 for the fp32 reduction the
-        algorithms require). With a codec (an fp32 tensor) every worker encodes its chunks,
-        the owner of a chunk decodes and averages it in fp32 and encodes the mean, and all
-        workers decode the gathered means: only encoded bytes travel, in both directions.
+        The caller must not touch ``tensor`` until ``wait()`` returns. Without a codec it is
+        the group's own all-reduce (NCCL's, gloo's: their sum, in the tensor's dtype, the
+        same bits on every worker; pass fp32 for the fp32 reduction the algorithms
+        require), divided by the contributors. With a codec (an fp32 tensor) every worker
+        encodes its chunks, an all-to-all sends chunk j to worker j, which decodes and
+        averages it in fp32 (in rank order) and encodes the mean, and an all-gather into
+        one flat buffer brings every worker the means to decode: only encoded bytes travel,
+        in both directions.
 
-        Each worker sends and receives ``2 (M − 1)`` chunks of ``ceil(n / M)`` values (with a
-        codec, rounded up to whole blocks, with their scales).
+        Each worker is counted as sending and receiving ``2 (M − 1)`` chunks of
+        ``ceil(n / M)`` values (a ring all-reduce's traffic; with a codec, rounded up to
+        whole blocks, with their scales).
 
         Args:
             tensor: the contiguous tensor to average, overwritten with the mean; fp32 when a
@@ -314,7 +348,8 @@ class Comm:
             tag: the tag its bytes are counted under; default ``"train"``.
             codec: wire format of the values (see
                 [`get_codec`][loco.comm.codecs.get_codec]); default None: the tensor's own
-                dtype, unencoded. A codec that ``gathers`` goes through
+                dtype, unencoded (``"fp32"``, a lossless cast of the fp32 tensor, is the
+                same). A codec that ``gathers`` goes through
                 [`all_gather_mean`][loco.comm.comm.Comm.all_gather_mean] instead.
             sent: a 1-D fp32 tensor of ``tensor.numel()`` values that receives what this
                 worker's values became on the wire (its encoded chunks, decoded), written
@@ -342,6 +377,8 @@ class Comm:
                              f"(got {flat.dtype})")
         if weight is not None:
             flat.mul_(weight)
+        if codec is not None and codec.name == "fp32":  # lossless: the unencoded mean
+            codec = None
         m, n, b = self.size, flat.numel(), flat.element_size()
         chunk, row_bytes = layout(n, m, codec, b)
         wire = 2 * (m - 1) * row_bytes
@@ -354,7 +391,7 @@ class Comm:
     def _reduce_mean(self, flat: torch.Tensor, chunk: int, codec: Codec | None, m: int,
                      divisor: int, sent: torch.Tensor | None = None) -> torch.Tensor:
         return reduce_mean(flat, chunk, codec, m, divisor, self._buffers, self._all_to_all,
-                           self._gather, sent)
+                           self._gather, sent, None if self.rank_order else self._sum)
 
     def all_gather_mean(self, tensor: torch.Tensor, tag: str = "train", codec: Codec = None,
                         sent: torch.Tensor | None = None, weight: float | None = None
@@ -400,9 +437,22 @@ class Comm:
                                                 self._gather, sent),
                             [flat] + ([] if sent is None else [sent]))
 
+    def buffer_bytes(self) -> int:
+        """Bytes of the buffers this Comm keeps between operations (its reductions' and
+        gathers' [`Buffers`][loco.comm.reduce.Buffers]), for the memory accounting. A
+        staging Comm (``stage_from``) keeps none of its own: its host copies are made per
+        operation (from PyTorch's caching host allocator) and dropped after it."""
+        kept = list(self._buffers.values())  # one step under the GIL: the thread may add
+        return sum(b.numel() * b.element_size() for b in kept)
+
     def _all_to_all(self, received: torch.Tensor, outgoing: torch.Tensor) -> None:
-        """The group's all-to-all of two flat buffers of equal size."""
+        """The group's all-to-all of two flat buffers of equal size (``all_to_all_single``)."""
         self.group.alltoall_base(received, outgoing, [], [], dist.AllToAllOptions()).wait()
+
+    def _sum(self, flat: torch.Tensor) -> None:
+        """The group's own sum all-reduce of ``flat``, in place (``all_reduce``): NCCL's and
+        gloo's give every rank the same bits."""
+        self.group.allreduce([flat], dist.AllreduceOptions()).wait()
 
     def broadcast(self, tensor: torch.Tensor, src: int = 0, tag: str = "setup") -> Handle:
         """Copy ``tensor`` from worker ``src`` to every worker, in place.
@@ -455,19 +505,20 @@ class Comm:
         m, nbytes = self.size, tensor.numel() * tensor.element_size()
 
         def run():
-            out = [torch.empty_like(tensor) for _ in range(m)]
+            out = torch.empty((m, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
             if m == 1:
                 out[0].copy_(tensor)
             else:
-                self._gather(out, tensor)
-            return out
+                self._gather(out, tensor.contiguous())
+            return list(out.unbind(0))
 
         return self._submit("all_gather", tag, nbytes, (m - 1) * nbytes, (m - 1) * nbytes, run,
                             [tensor])
 
-    def _gather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> None:
-        """The group's all-gather of ``tensor`` into ``out`` (one tensor per rank)."""
-        self.group.allgather([out], [tensor]).wait()
+    def _gather(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        """The group's all-gather of the contiguous ``tensor`` into ``out``, contiguous, of
+        shape ``(M, *tensor.shape)`` (``all_gather_into_tensor``)."""
+        self.group._allgather_base(out.view(-1), tensor.view(-1)).wait()
 
     def exchange(self, tensor: torch.Tensor, members: Iterable[int], tag: str = "train"
                  ) -> Handle:
@@ -600,6 +651,16 @@ class Comm:
                             [t for t, _, _ in sends + recvs], participants=peers)
 
     # ----------------------------------------------------------------------- a sync's frame
+    rank_order = False
+    """Whether the unencoded mean sums the workers' values in rank order, through an
+    all-to-all and an all-gather (every worker the same bits, and the bits of a single
+    process adding them up in rank order), rather than with the group's own all-reduce
+    (NCCL's, gloo's: every worker the same bits, the sum grouped as the transport's ring
+    or tree does, which differs in the last bits for M >= 3). The same bytes either way.
+    True in an [`ElasticComm`][loco.comm.elastic.ElasticComm], whose members talk all to
+    all, and in tests that compare with a reference summing in rank order
+    (docs/bytes.md)."""
+
     elastic = False
     """Whether the membership may change between syncs
     ([`ElasticComm`][loco.comm.elastic.ElasticComm])."""
@@ -645,6 +706,7 @@ class Comm:
         Args:
             tag: the tag; default ``"train"`` (zero totals for a tag never used).
         """
+        self.update_times()
         with self._lock:
             return Counter(**asdict(self.stats[tag]))
 
@@ -677,6 +739,7 @@ class Comm:
 
     def state_dict(self) -> dict:
         """The counters, for a checkpoint: a resumed run reports the bytes of the whole run."""
+        self.update_times()
         with self._lock:
             return {"stats": self.stats.as_dict(), "issued": dict(self._issued)}
 
@@ -707,12 +770,13 @@ class Comm:
         Raises:
             RuntimeError: some worker's checksum differs from worker 0's.
         """
-        h = hashlib.sha256()
-        for t in tensors:
-            h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
-        digest = torch.frombuffer(bytearray(h.digest()), dtype=torch.int64).to(self.device)
-        digests = self.all_gather(digest, tag="setup").wait()
-        differ = [r for r, d in enumerate(digests) if not torch.equal(d, digests[0])]
+        with allowed("setup"):  # once, at the start: the tensors are read on the host
+            h = hashlib.sha256()
+            for t in tensors:
+                h.update(t.detach().to("cpu").contiguous().view(torch.uint8).numpy().tobytes())
+            digest = torch.frombuffer(bytearray(h.digest()), dtype=torch.int64).to(self.device)
+            digests = self.all_gather(digest, tag="setup").wait()
+            differ = [r for r, d in enumerate(digests) if not torch.equal(d, digests[0])]
         if differ:
             raise RuntimeError(
                 f"workers start from different {what}: worker(s) {differ} differ from worker 0 "

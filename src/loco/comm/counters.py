@@ -6,8 +6,9 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 @dataclass
 class OpRecord:
@@ -24,7 +25,10 @@ class OpRecord:
         participants: ranks (in the Comm's group) taking part, sorted.
         issued_at: ``time.perf_counter()`` when the caller issued it.
         seconds: issue to completion: time in flight, including queueing (0.0 until done).
-        waited: time the caller spent blocked in ``Handle.wait()`` (0.0 until waited on).
+            On a CUDA Comm on the device's clock, filled in once the operation has
+            happened on the device (see ``loco.comm.counters.DeviceTimes``).
+        waited: time the caller spent blocked in ``Handle.wait()`` (0.0 until waited on);
+            on a CUDA Comm, the time the caller's stream was held by the wait.
     """
 
     op: str
@@ -100,6 +104,59 @@ class CommStats:
     def as_dict(self) -> dict:
         """The counters as JSON-ready dicts, by tag."""
         return {tag: asdict(c) for tag, c in self.by_tag.items()}
+
+
+class DeviceTimes:
+    """Times taken on a device's clock, written into their records once they are known.
+
+    On a GPU, ``Handle.wait()`` returns once the caller's stream is told to wait, long
+    before the transfer ran; so an operation's ``seconds`` run from an event recorded on
+    the caller's stream at issue to one recorded on the Comm's stream at its end, and a
+    wait's ``waited`` from an event on the caller's stream where the wait began to one
+    after it. Each is kept here until its end event has happened: ``settle`` asks the
+    events (``query()``, which never blocks) and adds the elapsed time to the record and to
+    its tag's totals. The events are duck-typed (``query``, ``elapsed_time`` in ms,
+    ``synchronize``), as ``torch.cuda.Event``'s.
+    """
+
+    def __init__(self):
+        self._pending: deque = deque()  # (record, field, start event, end event)
+
+    def add(self, rec: OpRecord, name: str, start: Any, end: Any) -> None:
+        """Time ``rec``'s ``name`` (``"seconds"`` or ``"waited"``) from ``start`` to ``end``.
+
+        Args:
+            rec: the operation's record.
+            name: the field the time is added to.
+            start: the event where it starts.
+            end: the event where it ends, recorded after ``start``.
+        """
+        self._pending.append((rec, name, start, end))
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def settle(self, stats: CommStats, wait: bool = False) -> None:
+        """Add every time whose end event has happened to its record and to ``stats``.
+
+        Args:
+            stats: the totals the times are added to, by the records' tags.
+            wait: wait for the events that have not happened yet (``synchronize`` each:
+                only where the host may wait, e.g. at the end of a run); default False.
+        """
+        left: deque = deque()
+        while self._pending:
+            rec, name, start, end = item = self._pending.popleft()
+            if wait:
+                end.synchronize()
+            elif not end.query():
+                left.append(item)
+                continue
+            seconds = start.elapsed_time(end) / 1000
+            setattr(rec, name, getattr(rec, name) + seconds)
+            counter = stats[rec.tag]
+            setattr(counter, name, getattr(counter, name) + seconds)
+        self._pending = left
 
 
 RECORDS_KEPT = 100_000

@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from loco.comm.comm import Comm
 from loco.comm.handles import Aborted, Handle
+from loco.comm.hostreads import allowed
 
 if TYPE_CHECKING:
     from loco.comm.codecs import Codec
@@ -154,6 +155,7 @@ class ElasticComm(Comm):
     """
 
     elastic = True
+    rank_order = True  # all to all: no ring, where a dead member leaves others waiting
 
     def __init__(self, worker: int, workers: int, lighthouse: str, min_workers: int,
                  timeout: float, host: str = "127.0.0.1", shard: int = 0, shards: int = 1,
@@ -300,12 +302,13 @@ class ElasticComm(Comm):
     def _agree(self, waited: float) -> None:
         mine = torch.tensor([self.worker, 0 if self.healed else 1, self._incarnation,
                              self.note], dtype=torch.int64, device=self.device)
-        rows = self.all_gather(mine, tag=MEMBERSHIP_TAG).wait()
-        members = tuple(int(r[0]) for r in rows)
-        incarnations = {int(r[0]): int(r[2]) for r in rows}
-        self.contributors = sum(int(r[1]) for r in rows)
-        self.contributing = tuple(int(r[0]) for r in rows if int(r[1]))
-        self.notes = {int(r[0]): int(r[3]) for r in rows}
+        with allowed("sync"):  # the quorum's few numbers, read once per sync
+            rows = [r.tolist() for r in self.all_gather(mine, tag=MEMBERSHIP_TAG).wait()]
+        members = tuple(r[0] for r in rows)
+        incarnations = {r[0]: r[2] for r in rows}
+        self.contributors = sum(r[1] for r in rows)
+        self.contributing = tuple(r[0] for r in rows if r[1])
+        self.notes = {r[0]: r[3] for r in rows}
         # a worker restarted between two quorums left and joined, though it kept its index
         back = {w for w in members
                 if incarnations[w] != self._incarnations.get(w, incarnations[w])}
@@ -333,7 +336,8 @@ class ElasticComm(Comm):
         try:
             flags = self.all_gather(torch.tensor([int(ok)], device=self.device),
                                     tag=MEMBERSHIP_TAG).wait()
-            ok = all(int(f) == 1 for f in flags)
+            with allowed("sync"):  # the commit's flags, once per sync
+                ok = all(int(f) == 1 for f in flags)
         except Aborted:
             raise
         except Exception as e:  # noqa: BLE001 - a member is gone
@@ -437,15 +441,14 @@ class ElasticComm(Comm):
         handle.reissue = reissue
         return handle
 
-    def _gather(self, out: list[torch.Tensor], tensor: torch.Tensor) -> None:
-        """All-gather as an all-to-all (the same bytes): every member hears from every other
-        directly, so a dead one fails everyone's operation at once."""
-        m = len(out)
-        stacked = torch.empty((m, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
-        self.group.alltoall_base(stacked.view(-1), tensor.unsqueeze(0).expand(m, *tensor.shape)
-                                 .contiguous().view(-1), [], [], dist.AllToAllOptions()).wait()
-        for o, s in zip(out, stacked.unbind(0)):
-            o.copy_(s)
+    def _gather(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
+        """All-gather as an all-to-all (``all_to_all_single``, the same bytes) into ``out``
+        (M, *tensor.shape): every member hears from every other directly, so a dead one
+        fails everyone's operation at once."""
+        outgoing = tensor.unsqueeze(0).expand(out.shape).contiguous()
+        self.group.alltoall_base(out.view(-1), outgoing.view(-1), [], [],
+                                 dist.AllToAllOptions()).wait()
+
 
     def _event(self, event: str, **fields: Any) -> None:
         record = {"time": round(time.time() - self._t0, 3), "unix_time": time.time(),

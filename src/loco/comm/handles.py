@@ -52,7 +52,10 @@ class Handle:
     def wait(self, count: bool = True) -> torch.Tensor | list[torch.Tensor]:
         """Block until the operation is done and return its result; the time spent waiting
         is added to the record and to the tag's ``waited`` total. On CUDA the caller's
-        stream is ordered after the transfer (an event; the CPU does not wait for the GPU).
+        stream is ordered after the transfer (an event; the CPU does not wait for the GPU),
+        and the time counted is the device's: how long the caller's stream is held, between
+        events recorded on it before and after the wait (filled in once they have happened,
+        [`Comm.update_times`][loco.comm.comm.Comm.update_times]).
 
         Args:
             count: count the time spent waiting (default True); False for a helper thread
@@ -69,17 +72,22 @@ class Handle:
             Exception: whatever the operation raised (e.g. a transport timeout).
         """
         t0 = time.perf_counter()
+        streams = self._comm._streams
+        began = streams.mark() if count else None  # CUDA: the caller's stream, here
         while True:
             try:
                 result, done = self._future.result(timeout=0.05)
                 break
             except FutureTimeout:
                 self._comm.check_aborted()
-        self._comm._streams.hand_over(done, result)
+        streams.hand_over(done, result)
         if self._then is not None:  # once: later waits return the same
             self._final = self._final or (self._then(result),)
             result = self._final[0]
-        if count:
+        if began is not None:  # how long the caller's stream is held, on the device's clock
+            with self._comm._lock:
+                self._comm._times.add(self.record, "waited", began, streams.mark())
+        elif count:
             self.count_wait(time.perf_counter() - t0)
         return result
 

@@ -52,6 +52,16 @@ MASKED_OPS = frozenset({aten.index.Tensor, aten.index_put.default, aten.index_pu
 its ``nonzero`` runs inside the operation)."""
 
 _local = threading.local()
+_TOLIST = torch.Tensor.tolist
+_tolist_counters = [0]  # counters entered, in any thread
+
+
+def _counted_tolist(self):
+    counter = getattr(_local, "counter", None)
+    if counter is not None:
+        counter.count()
+    return _TOLIST(self)
+
 _relaxed = [0]  # threads inside an allowed region, while a Guard is on
 _lock = threading.Lock()
 _guard: list[Guard | None] = [None]
@@ -138,10 +148,32 @@ class HostReadCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if reads_host(func, args):
-            why = reason()
-            self.counts[why] += 1
-            self._since[why] += 1
+            self.count()
         return func(*args, **(kwargs or {}))
+
+    def count(self) -> None:
+        """Count one read, under the current region's reason."""
+        why = reason()
+        self.counts[why] += 1
+        self._since[why] += 1
+
+    def __enter__(self) -> HostReadCounter:
+        # ``Tensor.tolist`` copies to the host without an operation the mode sees (and a CPU
+        # tensor's without any): it is counted by a wrapper, for this thread's counter.
+        with _lock:
+            if not _tolist_counters[0]:
+                torch.Tensor.tolist = _counted_tolist
+            _tolist_counters[0] += 1
+        _local.counter = self
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        _local.counter = None
+        with _lock:
+            _tolist_counters[0] -= 1
+            if not _tolist_counters[0]:
+                torch.Tensor.tolist = _TOLIST
 
     def take(self) -> Counter:
         """The reads counted since the last call, by reason; updates ``worst``."""

@@ -80,7 +80,8 @@ class Buffers(dict):
 
 
 AllToAll = Callable[[torch.Tensor, torch.Tensor], None]
-AllGather = Callable[[list, torch.Tensor], None]
+AllGather = Callable[[torch.Tensor, torch.Tensor], None]
+AllReduce = Callable[[torch.Tensor], None]
 
 
 #: The most bytes of fp32 values one piece of a large all-reduce holds, all workers' rows
@@ -109,11 +110,14 @@ def piece_width(chunk: int, parts: int, codec: Any, itemsize: int) -> int:
 
 def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor: int,
                 buffers: Buffers, all_to_all: AllToAll, all_gather: AllGather,
-                sent: torch.Tensor | None = None) -> torch.Tensor:
-    """Average ``flat`` over ``parts`` workers, in place, through two collectives: a
-    reduce-scatter done as an all-to-all (worker j receives chunk j of every worker, decodes
-    it and sums it in fp32, in rank order, so every worker gets the same bits) and an
-    all-gather of the encoded means, which every worker decodes.
+                sent: torch.Tensor | None = None, all_reduce: AllReduce | None = None
+                ) -> torch.Tensor:
+    """Average ``flat`` over ``parts`` workers, in place. Unencoded, with ``all_reduce``:
+    the transport's own sum (NCCL's or gloo's all-reduce, which gives every worker the same
+    bits), divided by ``divisor``. Otherwise through two collectives: a reduce-scatter done
+    as an all-to-all (worker j receives chunk j of every worker, decodes it and sums it in
+    fp32, in rank order, so every worker gets the same bits) and an all-gather of the
+    encoded means, which every worker decodes.
 
     A large tensor goes in pieces (`piece_width`): piece k holds values [k·w, (k+1)·w) of
     every chunk, so the buffers kept stay under ``PIECE_BYTES`` whatever the tensor; the
@@ -132,8 +136,11 @@ def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor:
             feedback; default None.
         all_to_all: ``all_to_all(received, outgoing)``: flat buffers of equal size; worker
             j's slice i of ``outgoing`` lands in worker i's slice j of ``received``.
-        all_gather: ``all_gather(out, tensor)``: every worker's ``tensor`` into ``out``, a
-            list of M tensors, in rank order.
+        all_gather: ``all_gather(out, tensor)``: every worker's contiguous ``tensor`` into
+            ``out``, a contiguous tensor of shape ``(parts, *tensor.shape)``, in rank order.
+        all_reduce: ``all_reduce(tensor)``: the sum over the workers, in place, the same
+            bits on every worker; used without a codec; default None (the all-to-all and
+            all-gather above, summing in rank order).
 
     Returns:
         ``flat``, holding the mean.
@@ -141,6 +148,12 @@ def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor:
     n = flat.numel()
     if n == 0 or (parts == 1 and codec is None):
         return flat
+    if codec is None and all_reduce is not None:
+        if sent is not None:  # unencoded, what went on the wire is the values themselves
+            sent.copy_(flat)
+        with record_function("loco/all_reduce"):
+            all_reduce(flat)
+        return flat.div_(divisor)
     ops = (codec, parts, divisor, buffers, all_to_all, all_gather)
     width = piece_width(chunk, parts, codec, flat.element_size())
     if width == chunk:
@@ -184,7 +197,7 @@ def _reduce_rows(rows: torch.Tensor, codec: Any, parts: int, divisor: int, buffe
     # Everyone decodes the same gathered bytes into ``rows``. Unencoded, they land there.
     gathered = rows if codec is None else buffers("gathered", (parts, mine.shape[1]), mine.dtype)
     with record_function("loco/all_gather"):
-        all_gather(list(gathered.unbind(0)), mine[0])
+        all_gather(gathered, mine[0])
     with record_function("loco/decode"):
         if gathered.data_ptr() != rows.data_ptr():
             rows = decode(gathered, rows)
@@ -220,12 +233,17 @@ def gather_mean(flat: torch.Tensor, codec: Any, parts: int, divisor: int, buffer
     """Average ``flat`` over ``parts`` workers, in place, through one all-gather of every
     worker's encoded tensor: for the formats whose kept values differ between workers
     (SparseLoCo's top-k), which a reduce-scatter would encode a second time. Every worker
-    decodes all M messages and sums them in fp32 in rank order, so all get the same bits.
+    adds each message's kept values into the sum where they go (``codec.add_rows``), in
+    rank order, so all get the same bits: for every value, the fp32 sum of the workers' kept
+    values in rank order, divided by ``divisor``; a chunk any worker sent non-finite is NaN
+    throughout. The sum is formed in ``flat`` itself (or, when ``flat`` is not whole chunks,
+    in a kept buffer of the padded length); the messages are gathered into a kept buffer.
 
     Args:
         flat: the contiguous 1-D fp32 tensor, overwritten with the mean.
-        codec: the wire format: the whole tensor is one row of ``codec.padded(numel)``
-            values (zero-padded).
+        codec: a format that ``gathers``: the whole tensor is one row of
+            ``codec.padded(numel)`` values (zero-padded), and ``codec.add_rows`` adds a
+            message's kept values into a sum.
         parts: workers M, >= 1.
         divisor: what the sum is divided by (the workers that contribute).
         buffers: where the operation's intermediate results are kept.
@@ -243,20 +261,22 @@ def gather_mean(flat: torch.Tensor, codec: Any, parts: int, divisor: int, buffer
     row = _rows(flat, width, buffers).view(1, width)
     with record_function("loco/encode"):
         mine = codec.encode_rows(row)
-    decoded = buffers("decoded", (1, width), torch.float32)
-    if sent is not None:
-        sent.copy_(codec.decode_rows(mine, width).view(-1)[:n])
+    if sent is not None:  # row's values are encoded: it is free to decode into
+        sent.copy_(codec.decode_rows(mine, width, out=row).view(-1)[:n])
     gathered = buffers("gathered", (parts, mine.shape[1]), mine.dtype)
     with record_function("loco/all_gather"):
         if parts == 1:
             gathered.copy_(mine)
         else:
-            all_gather(list(gathered.unbind(0)), mine[0])
+            all_gather(gathered, mine[0])
     with record_function("loco/decode"):
-        total = buffers("sum", (1, width), torch.float32).zero_()
-        for r in range(parts):
-            total.add_(codec.decode_rows(gathered[r:r + 1], width, out=decoded))
-        flat.copy_(total.view(-1)[:n].div_(divisor))
+        total = row.zero_()
+        bad = codec.add_rows(gathered[0:1], width, total)
+        for r in range(1, parts):
+            bad |= codec.add_rows(gathered[r:r + 1], width, total)
+        total.view(bad.shape[0], -1).masked_fill_(bad, math.nan).div_(divisor)
+        if total.data_ptr() != flat.data_ptr():
+            flat.copy_(total.view(-1)[:n])
     return flat
 
 

@@ -157,15 +157,21 @@ class TopKCodec(SparseCodec):
 
     def _decode(self, buf: torch.Tensor, c: int, k: int, values: torch.Tensor,
                 out: torch.Tensor) -> torch.Tensor:
+        # Corrupt input is refused by torch._assert_async: no read of the device on the host.
         if self.uses_bitmap(c):
             mask = _unpack_bits(buf[:, 4 * k:], c)
-            if not bool((mask.sum(dim=1) == k).all()):
-                raise ValueError(f"{self}: a bitmap does not mark exactly {k} of {c} values")
-            out[mask] = values.reshape(-1)  # row by row, ascending positions
+            # The j-th value goes to the j-th marked position: the first where the running
+            # count of marks reaches j (a binary search per value).
+            count = mask.cumsum(dim=1, dtype=torch.int32 if c < 2**31 else torch.int64)
+            torch._assert_async((count[:, -1] == k).all(),
+                                f"{self}: a bitmap does not mark exactly {k} of {c} values")
+            nth = torch.arange(1, k + 1, dtype=count.dtype, device=buf.device)
+            out.scatter_(1, torch.searchsorted(count, nth.expand(len(buf), k).contiguous()),
+                         values)
         else:
             idx = _index_from_bytes(buf[:, 4 * k:], self.index_width(c))
-            if not bool((idx < c).all()):
-                raise ValueError(f"{self}: an index is beyond the row's {c} values")
+            torch._assert_async((idx < c).all(),
+                                f"{self}: an index is beyond the row's {c} values")
             out.scatter_(1, idx, values)
         return out
 

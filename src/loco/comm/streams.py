@@ -17,7 +17,11 @@ the CUDA semantics that PyTorch documents for streams and NCCL instead:
   the caching allocator does not reuse their memory while the transfer still reads it;
 * at the end of an operation an event is recorded on the communication stream; ``done()``
   queries it, and ``wait()`` makes the caller's stream wait on it and marks the results as
-  used there. Neither blocks the CPU, and nothing synchronises the device.
+  used there. Neither blocks the CPU, and nothing synchronises the device;
+* the events are timed: an operation's time in flight runs from the caller's event at issue
+  to the completion event, and a wait's from an event on the caller's stream where the wait
+  began to one after it, on the device's clock (the host returns long before), read once
+  they have happened (``loco.comm.counters.DeviceTimes``).
 
 This module is the only place with CUDA-specific code in the communication layer; what has
 run on a GPU: docs/gpu.md.
@@ -87,6 +91,21 @@ class HostSync:
             result: the operation's result (its tensors are now used by the caller).
         """
 
+    def mark(self) -> Any:
+        """A mark of the calling thread's work so far on the device's clock, or None where
+        the host's clock tells the time (here: the operations run on the host)."""
+        return None
+
+    def span(self, ready: Any, done: Any) -> tuple | None:
+        """An operation's issue and completion marks on the device's clock (for its
+        ``seconds``), or None: timed on the host.
+
+        Args:
+            ready: what ``issue`` returned.
+            done: the completion mark ``run`` returned.
+        """
+        return None
+
 
 class CudaStreams(HostSync):
     """One CUDA stream for a Comm's operations; events, never a device-wide synchronise.
@@ -111,8 +130,7 @@ class CudaStreams(HostSync):
         Args:
             tensors: the operation's input and output tensors.
         """
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(self.device))
+        ready = self.mark()  # timed: it is also the operation's start (``span``)
         for t in tensors:
             t.record_stream(self.stream)
         return ready
@@ -128,7 +146,7 @@ class CudaStreams(HostSync):
         with torch.cuda.device(self.device), torch.cuda.stream(self.stream):
             self.stream.wait_event(ready)
             result = fn()
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(self.stream)
         return result, done
 
@@ -160,6 +178,22 @@ class CudaStreams(HostSync):
         caller.wait_event(done)
         for t in _tensors(result):
             t.record_stream(caller)
+
+    def mark(self) -> torch.cuda.Event:
+        """A timing event recorded on the calling thread's current stream."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def span(self, ready: torch.cuda.Event, done: torch.cuda.Event) -> tuple:
+        """The caller's event at issue and the communication stream's at the end: the
+        operation's time in flight is ``ready.elapsed_time(done)`` once ``done`` happened.
+
+        Args:
+            ready: the caller's event from ``issue``.
+            done: the event ``run`` recorded.
+        """
+        return ready, done
 
 
 STAGED = "_loco_staged"

@@ -19,7 +19,9 @@ COUNTERS = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syn
             "comm_seconds", "comm_wait_seconds", "train_seconds", "pipeline_bytes_sent",
             "blocked_seconds", "skipped_inner_steps", "skipped_syncs", "fast_link_bytes_sent",
             "max_rss_bytes", "peak_device_bytes", "trained_steps", "applied_steps",
-            "throttle_seconds")
+            "throttle_seconds", "host_reads_per_step", "host_reads_per_sync")
+#: The host-read counts of ``LOCO_HOST_READS=count`` (None in the summary when not counted).
+HOST_READS = ("host_reads_per_step", "host_reads_per_sync")
 #: The parts of a rank's memory that ``algo.memory_bytes()`` reports, after ``COUNTERS``.
 MEMORY_PARTS = ("model", "gradients", "inner_optimizer", "outer")
 
@@ -29,9 +31,11 @@ def gather_counters(w: Worker, loop: Loop) -> list[dict]:
     outer algorithm's bytes travel between replicas (ctx.comm, the slow link); the
     gradients of a worker's ranks between them (ctx.inner, the fast link); activations,
     their gradients and the tied head's gradient between stages (ctx.pipe). A rank's
-    ``memory_bytes`` is None when its algorithm does not report it."""
+    ``memory_bytes`` is None when its algorithm does not report it. On a GPU the Comms'
+    times are on the device's clock, every one of them in (``Comm.update_times``)."""
     ctx, algo = w.ctx, w.algo
     train_seconds = loop.elapsed()
+    settle_times(ctx)
     mine = ctx.comm.totals("train")
     piped = ctx.pipe.totals("train").sent_bytes if ctx.pipe is not None else 0
     fast = ctx.inner.totals("train").sent_bytes if ctx.inner is not None else 0
@@ -42,7 +46,7 @@ def gather_counters(w: Worker, loop: Loop) -> list[dict]:
                            algo.skipped["inner_steps"], algo.skipped["syncs"], fast,
                            max_rss_bytes(), peak_device_bytes(ctx.device),
                            loop.trained_steps, applied_steps(algo, loop.trained_steps),
-                           loop.throttle_seconds,
+                           loop.throttle_seconds, *host_read_counts(loop),
                            *(memory[k] if memory else -1 for k in MEMORY_PARTS)],
                           dtype=torch.float64, device=ctx.comm.device)
     return [counters_of(t.tolist()) for t in w.gather_all(report)]
@@ -62,12 +66,23 @@ def counters_of(values: list[float]) -> dict:
     for k in ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
               "pipeline_bytes_sent", "skipped_inner_steps", "skipped_syncs",
               "fast_link_bytes_sent", "max_rss_bytes", "peak_device_bytes", "trained_steps",
-              "applied_steps"):
+              "applied_steps", "host_reads_per_step", "host_reads_per_sync"):
         c[k] = int(c[k])
+    for k in HOST_READS:
+        c[k] = None if c[k] < 0 else c[k]
     held = values[len(COUNTERS):]
     c["memory_bytes"] = (None if min(held) < 0
                          else {k: int(v) for k, v in zip(MEMORY_PARTS, held)})
     return c
+
+
+def host_read_counts(loop: Loop) -> tuple[int, int]:
+    """The most host reads one inner step made outside the regions that may read, and the
+    most one step's syncs made (``LOCO_HOST_READS=count``); -1, -1 when not counted."""
+    seen = loop.host_reads
+    if seen is None:
+        return -1, -1
+    return seen["step"], seen.get("sync", 0)
 
 
 def applied_steps(algo: Algorithm, trained: int) -> int:
@@ -179,7 +194,7 @@ def summarize_counters(ctx: WorkerContext, counters: list[dict], held: float = 0
         held: the lead rank's seconds of evaluation and spread diagnostic, which the others
             wait out (see ``loco.training.speed.goodput``).
     """
-    most = {k: max(c[k] for c in counters) for k in COUNTERS}
+    most = {k: max(c[k] for c in counters) for k in COUNTERS if k not in HOST_READS}
     per_worker = ctx.stages * ctx.mesh.shards  # rank order: worker-major
     return {
         "bytes_sent_per_worker": most["bytes_sent"],
@@ -200,6 +215,19 @@ def summarize_counters(ctx: WorkerContext, counters: list[dict], held: float = 0
                               "syncs": sum(c["skipped_syncs"] for c in counters)},
         "goodput": goodput(counters, [list(range(i, i + per_worker)) for i in
                                       range(0, len(counters), per_worker)], held)}
+
+
+def settle_times(ctx: WorkerContext) -> None:
+    """Fill in every time of this rank's Comms still waiting for its device events (on a
+    GPU, ``Comm.update_times(wait=True)``: the run is over, the host may wait for them;
+    nothing to do on the CPU).
+
+    Args:
+        ctx: this rank's context.
+    """
+    for c in (ctx.comm, ctx.pipe, ctx.inner):
+        if c is not None:
+            c.update_times(wait=True)
 
 
 def blocked_seconds(ctx: WorkerContext) -> float:
@@ -229,6 +257,7 @@ def write_comm_totals(out: str, ctx: WorkerContext) -> None:
     after its last operation of the run (what a packet counter on its link should see)."""
     comms = {"outer": ctx.comm, **({"pipe": ctx.pipe} if ctx.pipe is not None else {}),
              **({"inner": ctx.inner} if ctx.inner is not None else {})}
+    settle_times(ctx)
     totals = {name: c.stats.as_dict() for name, c in comms.items()}
     tags = [t for by_tag in totals.values() for t in by_tag.values()]
     totals["sent_bytes"] = sum(t["sent_bytes"] for t in tags)

@@ -1,0 +1,146 @@
+"""No inner step reads the device on the host (on a GPU such a read makes the CPU wait for
+every queued kernel, and the GPU idles): every method, with AdamW and with Muon inside, with
+workers of one rank and of two ranks (DDP-style and FSDP2 inside), built as ``loco train``
+builds it (``Method.from_config``), on the GPU's code path (``LOCO_HOST_READS=count`` takes it
+on the CPU too) and counted by ``loco.comm.hostreads.HostReadCounter`` around every step:
+forward, backward, the algorithm's step. Reads are allowed only at a sync (``allowed("sync")``),
+and there at most ``SYNC_READS``. Also: the counter itself, and ``loco train``'s summary
+fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from workers import batch, make_model
+
+import loco
+from loco.comm import hostreads
+
+METHODS = ("diloco", "streaming", "sparseloco", "noloco", "demo", "sparta", "sparta_diloco",
+           "ddp", "local")
+SEVERAL_RANKS = ("diloco", "streaming", "sparseloco", "noloco", "ddp", "local")
+"""The methods that take workers of several ranks (DeMo and SPARTA refuse them)."""
+STEPS, H = 9, 4
+SYNC_READS = 5
+"""The most reads one sync step may make: the skips counted on the device since the last
+(one read of both counts), and whether the averaged pseudo-gradient is finite (one read;
+with several ranks per worker one more, their verdicts combined); NoLoCo checks its two
+averages (pseudo-gradients and slow weights): 1 + 2 x 2. Measured: 2 (DiLoCo, Streaming
+DiLoCo at each fragment's landing, SparseLoCo, SPARTA + DiLoCo), 3 (NoLoCo), one more per
+check with two ranks per worker; 0 for DeMo, SPARTA, DataParallel and Local."""
+
+
+def cases(names):
+    return [(name, opt) for name in names for opt in ("adamw", "muon")
+            if not (name == "demo" and opt == "muon")]  # DeMo is its own optimizer
+
+
+def count_worker(ctx, names, parallel=None):
+    """Every (method, inner optimizer) of ``names`` in turn, STEPS steps each, the host reads
+    of every step by reason."""
+    from loco.config import TrainConfig, resolve
+    from loco.runtime.fsdp import shard_worker
+    from loco.training.build import make_optimizer
+
+    out = {}
+    for name, opt in cases(names):
+        cfg = resolve(TrainConfig(algorithm=name, inner_optimizer=opt, model="tiny",
+                                  workers=ctx.mesh.replicas, worker_ranks=ctx.mesh.shards,
+                                  worker_parallel=parallel or "ddp", sync_every=H,
+                                  steps=STEPS))
+        model = make_model()
+        if parallel == "fsdp":
+            shard_worker(model, ctx)
+        algo = cfg.method.from_config(cfg, model, make_optimizer(model, cfg), ctx.comm, None,
+                                      ctx.inner)
+        steps = []
+        with hostreads.HostReadCounter() as counter:
+            for t in range(STEPS):
+                x, y = batch(ctx.replica * ctx.mesh.shards + ctx.shard, t)
+                model(x, y).backward()
+                algo.step()
+                algo.zero_grad()
+                steps.append(dict(counter.take()))
+        algo.flush()
+        out[name, opt] = steps
+    return out
+
+
+def check(results):
+    for rank in results:
+        for (name, opt), steps in rank.items():
+            outside = [t + 1 for t, reads in enumerate(steps) if reads.get("step")]
+            assert not outside, f"{name} with {opt}: host reads at steps {outside}"
+            assert max(r.get("sync", 0) for r in steps) <= SYNC_READS, (name, opt, steps)
+            assert set().union(*steps) <= {"sync", "host"}, (name, opt, steps)
+
+
+def test_no_inner_step_reads_the_device_with_workers_of_one_rank(monkeypatch):
+    monkeypatch.setenv(hostreads.MODE_ENV, "count")
+    check(loco.launch(count_worker, 2, args=(METHODS,)))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_no_inner_step_reads_the_device_with_workers_of_two_ranks(parallel, monkeypatch):
+    monkeypatch.setenv(hostreads.MODE_ENV, "count")
+    check(loco.launch(count_worker, launcher="processes", replicas=2, shards=2,
+                      args=(SEVERAL_RANKS, parallel)))
+
+
+def test_the_counter_sees_each_kind_of_read_and_files_it_by_region():
+    x = torch.randn(64)
+    with hostreads.HostReadCounter() as counter:
+        bool(x.sum() > 0)
+        x[x > 0]
+        torch.unique(x)
+        x.nonzero()
+        x.repeat_interleave(torch.ones(64, dtype=torch.int64))
+        x[torch.arange(3)]  # integer indices: no read
+        x.add_(1).mul_(2)
+        with hostreads.allowed("sync"):
+            x.sum().item()
+            with hostreads.allowed("log"):
+                float(x.max())
+    assert counter.counts == {"step": 5, "sync": 1, "log": 1}
+
+
+def test_the_device_path_is_taken_on_the_cpu_only_when_counting(monkeypatch):
+    monkeypatch.delenv(hostreads.MODE_ENV, raising=False)
+    assert not hostreads.device_path("cpu") and hostreads.device_path("cuda")
+    monkeypatch.setenv(hostreads.MODE_ENV, "count")
+    assert hostreads.device_path("cpu")
+    monkeypatch.setenv(hostreads.MODE_ENV, "sometimes")
+    with pytest.raises(ValueError, match="LOCO_HOST_READS must be one of count, warn, error"):
+        hostreads.mode()
+
+
+def test_the_guard_relaxes_cuda_sync_debug_mode_inside_allowed_regions(monkeypatch):
+    """``Guard``: CUDA's sync-debug mode "error" outside the allowed regions, 0 inside and
+    after (a stand-in records what ``torch.cuda.set_sync_debug_mode`` is given)."""
+    modes = []
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    with hostreads.Guard("error"):
+        assert modes[-1] == "error"
+        with hostreads.allowed("sync"):
+            assert modes[-1] == 0
+        assert modes[-1] == "error"
+    assert modes[-1] == 0
+    with hostreads.allowed("sync"):  # no guard: nothing to relax
+        pass
+    assert modes == ["error", 0, "error", 0]
+
+
+def test_loco_train_records_the_reads_per_step_and_per_sync(corpus, tmp_path, monkeypatch):
+    from test_cli import small_run
+
+    from loco.cli import main
+
+    monkeypatch.setenv(hostreads.MODE_ENV, "count")
+    out = tmp_path / "run"
+    assert main(small_run(corpus, out, "--algorithm", "diloco", "--steps", "8")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    for rank in summary["per_worker"]:
+        assert rank["host_reads_per_step"] == 0 and 0 < rank["host_reads_per_sync"] <= 2
