@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.profiler import record_function
 
+from loco.algorithms.buckets import GradientBuckets
 from loco.algorithms.method import Method
 from loco.algorithms.sharding import Share, flatten_fp32, is_sharded, local, unflatten_views
 from loco.comm import Comm
@@ -107,6 +108,9 @@ class Algorithm(Method):
         self.average_inner = True
         """Whether ``inner_update`` averages the gradients over ``inner`` (a subclass that
         reduces them itself turns it off)."""
+        self.inner_buckets: GradientBuckets | None = None
+        """The gradients' buckets reduced over ``inner`` during the backward pass (a worker
+        of several ranks holding the whole model), made at the first average."""
         self.max_grad_norm = max_grad_norm
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sharded = is_sharded(self.params)
@@ -365,13 +369,14 @@ class Algorithm(Method):
     @torch.no_grad()
     def average_inside_worker(self) -> None:
         """Average the gradients over the ranks of this worker (``inner``, the fast link), in
-        fp32, as data-parallel training does; every rank of the worker then steps alike."""
-        for p in self.params:  # a parameter that got no gradient contributes zeros
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = flatten_fp32([p.grad for p in self.params])
-        self.inner.all_reduce_mean(flat, tag="train").wait()
-        torch._foreach_copy_([p.grad for p in self.params], unflatten_views(flat, self.params))
+        fp32, as data-parallel training does; every rank of the worker then steps alike.
+        From the second backward pass on, the buckets are reduced while it runs
+        ([`GradientBuckets`][loco.algorithms.buckets.GradientBuckets], hooks registered at
+        the first call); this waits for them (a parameter that got no gradient contributes
+        zeros)."""
+        if self.inner_buckets is None:
+            self.inner_buckets = GradientBuckets(self.params, self.inner)
+        self.inner_buckets.finish()
 
     def shard_buffer(self, n: int, device: torch.device) -> torch.Tensor:
         """A zeroed fp32 buffer for ``n`` values, padded to R equal shards (R = the ranks of

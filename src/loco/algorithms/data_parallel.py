@@ -52,10 +52,15 @@ class DataParallel(Algorithm):
     by ``comm.all_reduce_mean`` during the backward pass; the loop still calls ``model``
     (never ``self.ddp``), and DDP's rules apply: the gradient is averaged *during*
     ``backward()``, every backward pass is averaged (accumulate inside
-    ``with algo.no_sync():``), and every trainable parameter must get a gradient. Otherwise
-    (workers of several ranks, FSDP2, pipeline stages, elastic membership, or a backward pass
-    that bypassed the model's forward hooks), ``step()`` averages all gradients in one
-    mean-all-reduce (a parameter without a gradient contributes zeros).
+    ``with algo.no_sync():``), and every trainable parameter must get a gradient. With FSDP2
+    inside the worker (a fixed Comm, no pipeline stage), FSDP2's all-reduce hook averages
+    each unit's reduce-scattered gradient shard across the workers during the backward pass
+    (hybrid sharding). With workers of several ranks holding the whole model, the gradients
+    are averaged inside the worker in buckets during the backward pass
+    ([`GradientBuckets`][loco.algorithms.buckets.GradientBuckets]) and ``step()`` averages
+    each rank's 1/R across the workers. Otherwise (pipeline stages, elastic membership, or a
+    backward pass that bypassed the model's forward hooks), ``step()`` averages all
+    gradients in one mean-all-reduce (a parameter without a gradient contributes zeros).
 
     With ``codec="bf16"`` the gradients travel as bf16 (half the bytes, as the Streaming
     DiLoCo paper's data-parallel baseline); the mean is still summed in fp32 by the chunk's
@@ -109,11 +114,14 @@ class DataParallel(Algorithm):
         self._pending: list = []  # the DDP path's buckets in flight: (handle, future, bucket)
         self._averaged: list = []  # their handles once the backward pass is over
         self._reduced = False  # whether DDP averaged the gradients of the last backward pass
+        self._shards_reduced = False  # whether FSDP2's hooks averaged them across workers
         self.ddp: DistributedDataParallel | None = None
         """The DDP path's ``DistributedDataParallel`` around ``model`` (None on the explicit
         path). Its forward is not to be called: ``model``'s forward hooks drive it."""
         if self._uses_ddp():
             self._wrap(bucket_cap_mb)
+        elif self._uses_fsdp_hooks():
+            self._hook_fsdp()
 
     # ------------------------------------------------------------------------ the DDP path
     def _uses_ddp(self) -> bool:
@@ -150,6 +158,34 @@ class DataParallel(Algorithm):
         self.ddp.register_comm_hook(None, hook)
         self._hooks = [self.model.register_forward_pre_hook(pre_forward, with_kwargs=True),
                        self.model.register_forward_hook(post_forward)]
+
+    # ----------------------------------------------------------------- the FSDP2 path
+    def _uses_fsdp_hooks(self) -> bool:
+        return (self.sharded and not self.comm.elastic and not isinstance(self.model, StagePart)
+                and self.comm.size > 1)
+
+    def _hook_fsdp(self) -> None:
+        """Every FSDP2 unit's reduce-scattered gradient shard is averaged across the workers
+        by FSDP2's all-reduce hook, during the backward pass, as soon as the unit's
+        reduce-scatter is done (hybrid sharding: FSDP2 inside the worker, DataParallel
+        across)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        algo = weakref.ref(self)
+
+        def hook(shard: torch.Tensor) -> None:  # FSDP2's all-reduce stream is current
+            algo()._reduce_shard(shard)
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_all_reduce_hook(hook)
+
+    def _reduce_shard(self, shard: torch.Tensor) -> None:
+        """One unit's gradient shard averaged across the workers, in place; FSDP2 uses it
+        only after this returns (on CUDA: its stream waits for the reduction's event)."""
+        handle = self.comm.all_reduce_mean(shard, tag="train", codec=self.codec)
+        with record_function("loco/wait"):
+            handle.wait()
+        self._shards_reduced = True
 
     def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future:
         """DDP's communication hook, on the backward pass's thread: issue the bucket's
@@ -201,6 +237,11 @@ class DataParallel(Algorithm):
     def step(self) -> None:
         """Take the inner step on the averaged gradient: averaged during the backward pass
         (DDP path), or now, blocking (explicit path)."""
+        if self._shards_reduced:  # FSDP2's hooks averaged every shard during backward
+            self._shards_reduced = False
+            self.inner_update()
+            self.inner_steps += 1
+            return
         if self._reduced:
             self._reduced = False
             for handle in self._averaged:  # done: on CUDA, order this stream after them
@@ -224,6 +265,8 @@ class DataParallel(Algorithm):
                           else torch.zeros(n, device=local(self.params[0]).device))
         wire = self._wire
         buffer = wire[:sum(local(p).numel() for p in self.params)]
+        if self.inner is not None and not self.sharded:  # reduced in buckets during backward
+            self.average_inside_worker()
         grads = [local(p.grad) for p in self.params]
         flatten_fp32(grads, out=buffer)
         # The profiler's ranges (docs/profiling.md): encode, all_to_all, reduce, all_gather,
@@ -234,8 +277,7 @@ class DataParallel(Algorithm):
                 healed = self.comm.settle(handle) is None
             if healed:  # elastic: healed during a retry
                 return self._resume()
-        else:  # inside the worker (fast), then shard r across workers (slow), gathered
-            self.inner.all_reduce_mean(buffer, tag="train").wait()
+        else:  # averaged inside the worker (fast), then shard r across workers (slow)
             handle = self.comm.all_reduce_mean(self.own_shard(wire), tag="train",
                                                codec=self.codec)
             with record_function("loco/wait"):
