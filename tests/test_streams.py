@@ -249,3 +249,29 @@ def test_a_cuda_comm_times_operations_and_waits_on_the_devices_clock(fake_cuda, 
     assert reasons == ["log", "log"]  # its end and its wait's end, where reading is allowed
     assert comm.totals().seconds > totals.seconds and comm.totals().ops == 2
     comm.close()
+
+
+def test_speed_aware_steps_time_a_gpu_tick_on_the_device_clock(fake_cuda):
+    """Speed-aware local steps on a GPU: each trained tick's forward and backward passes are
+    timed by two timing events on the training stream (``DeviceSpan``), read without waiting
+    while the round goes on (only the ticks the device has run) and, at the round's end,
+    every one of them (an event's wait, never a stream's or the device's)."""
+    from loco.training.speed import DeviceSpan, LocalSteps
+
+    log = fake_cuda
+    plan = LocalSteps(sync_every=4, workers=1, replica=0, rounds=[[4]])
+    FakeEvent.happened = False  # the device is behind: nothing to read yet
+    try:
+        for _ in range(3):
+            plan.trained(DeviceSpan(torch.device("cuda", 0)).stop())
+        assert plan._smoothed() == 0.0 and len(plan._spans) == 3
+        assert not [e for e in log if e[0] in ("event_synchronize", "elapsed_time")]
+    finally:
+        FakeEvent.happened = True
+    assert plan._smoothed() == pytest.approx(0.25)  # each span: one event after the other
+    plan.trained(DeviceSpan(torch.device("cuda", 0)).stop())
+    plan._read_spans(wait=True)
+    assert plan.busy == 4 * 0.25 and plan.steps == 4 and not plan._spans
+    records = [e for e in log if e[0] == "record"]
+    assert {e[2] for e in records} == {"training"} and len(records) == 8
+    assert ("event_synchronize", records[-1][1]) in log

@@ -25,6 +25,7 @@ from loco.training.counters import blocked_seconds, issued_link_bytes
 from loco.training.errors import failure
 from loco.training.evaluation import periodic_eval
 from loco.training.state import checkpoint_if_due
+from loco.training.speed import DeviceSpan
 from loco.training.summary import human_bytes
 from loco.training.worker import Loop, Worker
 
@@ -112,6 +113,9 @@ def train_step(w: Worker, step: int, loop: Loop) -> torch.Tensor | None:
         loss = None
         if step == w.cfg.steps:
             w.algo.flush()
+    elif w.ctx.device.type == "cuda":  # the device's clock: the tick's forward and backward
+        loss = inner_step(w, step, loop, span=DeviceSpan(w.ctx.device))
+        plan.trained(loop.tick_span)
     else:
         t0, waited = time.perf_counter(), blocked_seconds(w.ctx)
         loss = inner_step(w, step, loop)
@@ -120,10 +124,12 @@ def train_step(w: Worker, step: int, loop: Loop) -> torch.Tensor | None:
     return loss
 
 
-def inner_step(w: Worker, step: int, loop: Loop) -> torch.Tensor | None:
+def inner_step(w: Worker, step: int, loop: Loop, span: DeviceSpan | None = None
+               ) -> torch.Tensor | None:
     """One inner step: forward, backward (then a pause, if ``--worker-speed`` slows this
     worker), the algorithm's step (which syncs when due) and the schedule's; returns the
-    loss (None on pipeline stages but the last)."""
+    loss (None on pipeline stages but the last). ``span``: timing events started before
+    the forward pass, stopped after the backward pass (``loop.tick_span``)."""
     if w.fault is not None:
         if step == w.fault.step:  # a drill strikes once the last checkpoint is committed
             w.writer.wait_committed(w.ctx.comm.check_aborted)
@@ -137,6 +143,8 @@ def inner_step(w: Worker, step: int, loop: Loop) -> torch.Tensor | None:
             loss.backward()
         else:  # the loss arrives on the last stage only
             loss = w.pipeline.forward_backward(batch, step)
+    if span is not None:
+        loop.tick_span = span.stop()
     if w.fault is not None:
         w.fault.after_backward(step, w.algo.params)
     w.algo.step()

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from loco.comm.hostreads import allowed
+
 
 class Throttle:
     """One worker's emulated speed.
@@ -69,6 +71,38 @@ class Throttle:
         pause = (1 / self.speed - 1) * seconds
         time.sleep(pause)
         loop.throttle_seconds += pause
+
+
+class DeviceSpan:
+    """A trained tick's compute on a GPU, on the device's clock: CUDA timing events around
+    its forward and backward passes (the work that makes workers unequal; the step's waits
+    for communication come later, in the algorithm's step), read once they have happened,
+    never by waiting on a tick that does not sync.
+
+    Args:
+        device: the CUDA device whose current stream runs the tick.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.start = torch.cuda.Event(enable_timing=True)
+        self.start.record(torch.cuda.current_stream(device))
+        self.end = None
+
+    def stop(self) -> DeviceSpan:
+        """Mark the end of the timed work (on the same stream); returns the span."""
+        self.end = torch.cuda.Event(enable_timing=True)
+        self.end.record(torch.cuda.current_stream(self.device))
+        return self
+
+    def done(self) -> bool:
+        """Whether the device has run the timed work (no wait)."""
+        return self.end.query()
+
+    def seconds(self) -> float:
+        """The span's seconds (waits for its end: call it where the host may read)."""
+        self.end.synchronize()
+        return self.start.elapsed_time(self.end) / 1000
 
 
 def goodput(counters: list[dict], ranks_of_worker: list[list[int]], held: float = 0.0
@@ -185,6 +219,7 @@ class LocalSteps:
         r + ``ahead``; the first two rounds are fixed by the first ticks' times (or are H
         each where H is too short to probe)."""
         self.busy = 0.0  # this round's seconds of trained ticks, waits left out
+        self._spans: list[DeviceSpan] = []  # this round's GPU ticks not yet in busy
         self.steps = 0  # this round's trained ticks
         self._pending: Any = None  # the gather of the last round's times, in flight
         self._fixes = 0  # the round that gather fixes
@@ -263,14 +298,30 @@ class LocalSteps:
                     start = r + 1
         return dict(sorted(counts.items()))
 
-    def trained(self, seconds: float) -> None:
+    def trained(self, seconds: float | DeviceSpan) -> None:
         """Count a trained tick of ``seconds`` (its time blocked on communication left out;
-        the run's first tick, which warms up, not at all)."""
+        the run's first tick, which warms up, not at all), or of a ``DeviceSpan`` (a GPU's
+        tick, read when the round's times are gathered)."""
         self.ticks_trained += 1
         if self.probing and self.ticks_trained == 1:
             return
-        self.busy += seconds
+        if isinstance(seconds, DeviceSpan):
+            self._spans.append(seconds)
+        else:
+            self.busy += seconds
         self.steps += 1
+
+    def _read_spans(self, wait: bool) -> None:
+        """Add the GPU ticks' device times to ``busy``: every one (``wait``, at a round's
+        end, where the host may read), or those the device has run already."""
+        left = []
+        for span in self._spans:
+            if wait or span.done():
+                with allowed("sync"):
+                    self.busy += span.seconds()
+            else:
+                left.append(span)
+        self._spans = left
 
     def tick_done(self, comm: Any, tick: int) -> None:
         """After every tick: at the end of the run's first probe ticks, agree on the first
@@ -293,6 +344,8 @@ class LocalSteps:
         next quorum to carry; at a round's end, after its sync's quorum: the workers that
         did not contribute to it (just joined, or healed) start their blocks with the next
         round, which every member's time from that quorum fixes (absent workers: H)."""
+        if tick % self.sync_every == 0:  # a round's end: every GPU tick of it is read
+            self._read_spans(wait=True)
         mine = self._smoothed()
         self.quorum.note = round(mine * 1e6)
         if tick % self.sync_every:
@@ -332,11 +385,13 @@ class LocalSteps:
     def _smoothed(self) -> float:
         """This round's mean step time so far averaged with the earlier rounds'
         (``SMOOTHING``); either alone where the other is unknown (0)."""
+        self._read_spans(wait=False)
         mean = self.busy / self.steps if self.steps else 0.0
         return (SMOOTHING * self.smoothed + (1 - SMOOTHING) * mean if mean and self.smoothed
                 else mean or self.smoothed)
 
     def _gather(self, comm: Any, fixes: int) -> None:
+        self._read_spans(wait=True)
         if fixes:
             mine = self.smoothed = self._smoothed()
         else:  # the probe's few times stand alone, and are not kept
@@ -372,5 +427,5 @@ class LocalSteps:
         return whole + sum(self.steps_between(done * h + 1, tick, m) for m in range(self.workers))
 
 
-__all__ = ["PROBE_TICKS", "SLACK", "SMOOTHING", "LocalSteps", "Throttle", "fit", "goodput",
-           "shares"]
+__all__ = ["PROBE_TICKS", "SLACK", "SMOOTHING", "DeviceSpan", "LocalSteps", "Throttle", "fit",
+           "goodput", "shares"]
