@@ -1,14 +1,16 @@
 """Peak memory over the training state, per method, at a large model.
 
-Runs ``loco train`` once per method, with two workers as processes (each its own resident
-memory), and prints from each run's ``summary.json`` the state a rank must hold (model,
-gradients, inner optimizer, outer state and sync buffers: ``memory_bytes_per_rank``), its
-peak resident memory and their ratio (``memory_peak_over_state``; on a GPU, the device's
-peak allocated memory). The target (docs/memory.md): at most 1.25. ``checkpoint`` is the
+Runs ``loco train`` once per method and option, with two workers as processes (each its
+own resident memory), and prints from each run's ``summary.json`` the state a rank must
+hold (model, gradients, inner optimizer, outer state, sync buffers and spare copies, the
+Comms' kept buffers and the checkpoint's staging: ``memory_bytes_per_rank``), its peak
+resident memory and their ratio (``memory_peak_over_state``; on a GPU, the device's peak
+allocated memory). The target (docs/memory.md): at most 1.15. ``checkpoint`` is the
 training thread's time per checkpoint (``checkpoint_seconds``), written in place on a CPU.
 
-    python benchmarks/memory.py                          # --model 300m, 2 workers, 4 methods
+    python benchmarks/memory.py                          # --model 300m, 2 workers, all rows
     python benchmarks/memory.py --model small --steps 8  # a quick look
+    python benchmarks/memory.py --methods noloco demo    # some rows (by their first word)
     python benchmarks/memory.py --phases                 # where one worker's memory goes
 
 ``--phases`` trains one worker in this process instead and prints, for each phase of a
@@ -28,19 +30,31 @@ import sys
 import tempfile
 import time
 
+H = ["--sync-every", "2"]
 METHODS = {
-    "diloco": ["--algorithm", "diloco"],
-    "streaming (FP4)": ["--algorithm", "streaming", "--fragments", "2"],
-    "streaming (fp32)": ["--algorithm", "streaming", "--fragments", "2", "--codec", "fp32"],
+    "diloco": ["--algorithm", "diloco", *H],
+    "streaming (FP4)": ["--algorithm", "streaming", "--fragments", "2", "--overlap", "0", *H],
+    "streaming (fp32)": ["--algorithm", "streaming", "--fragments", "2", "--overlap", "0",
+                         "--codec", "fp32", *H],
     "data_parallel": ["--algorithm", "ddp"],
+    "sparseloco": ["--algorithm", "sparseloco", *H],
+    "demo": ["--algorithm", "demo"],
+    "sparta": ["--algorithm", "sparta"],
+    "noloco": ["--algorithm", "noloco", *H],
+    "error_feedback (FP4)": ["--algorithm", "streaming", "--fragments", "2", "--overlap", "0",
+                             "--error-feedback", "0.9", *H],
+    "eager": ["--algorithm", "diloco", "--eager", *H],
+    "asynchronous": ["--algorithm", "diloco", "--local-steps", "proportional",
+                     "--max-staleness", "2", "--worker-speed", "1,0.5", *H],
+    "muon": ["--algorithm", "diloco", "--inner-optimizer", "muon", *H],
 }
 
 
 def common(args) -> list[str]:
     """The job every method runs: short, one sequence per step, no periodic evaluation."""
-    return ["--model", args.model, "--steps", str(args.steps), "--sync-every", "2",
-            "--overlap", "0", "--batch-size", "1", "--seq-len", "64", "--eval-every", "0",
-            "--final-eval-batches", "1", "--no-progress"]
+    return ["--model", args.model, "--steps", str(args.steps), "--batch-size", "1",
+            "--seq-len", "64", "--eval-every", "0", "--final-eval-batches", "1",
+            "--no-progress"]
 
 
 def run_method(name: str, extra: list[str], args, root: str) -> dict:
@@ -50,8 +64,12 @@ def run_method(name: str, extra: list[str], args, root: str) -> dict:
            str(args.workers), "--launcher", "processes", "--out", out]
     t0 = time.perf_counter()
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode:
-        raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
+    if done.returncode:  # e.g. killed for memory: the row says so, the others go on
+        lines = done.stderr.strip().splitlines() or [f"exit code {done.returncode}"]
+        why = next((line for line in reversed(lines) if "failed" in line or "Error" in line),
+                   lines[-1])
+        print(f"{name} failed: {why[:300]}", flush=True)
+        return None
     with open(os.path.join(out, "summary.json")) as f:
         s = json.load(f)
     return {"memory": s["memory_bytes_per_rank"], "peak": s["memory_peak_over_state"],
@@ -62,16 +80,20 @@ def run_method(name: str, extra: list[str], args, root: str) -> dict:
 def compare(args) -> None:
     print(f"--model {args.model}, {args.workers} workers as processes, {args.steps} steps "
           "(GB = 1e9 bytes)")
-    print(f"{'method':18s} {'model':>6s} {'grads':>6s} {'inner':>6s} {'outer':>6s} "
-          f"{'state':>6s} {'peak':>6s} {'peak/state':>10s} {'checkpoint':>10s} {'time':>6s}")
+    print(f"{'method':22s} {'model':>6s} {'grads':>6s} {'inner':>6s} {'outer':>6s} "
+          f"{'comm':>6s} {'state':>6s} {'peak':>6s} {'peak/state':>10s} {'checkpoint':>10s} "
+          f"{'time':>6s}")
     with tempfile.TemporaryDirectory() as root:
         for name, extra in METHODS.items():
             if args.methods and name.split()[0] not in args.methods:
                 continue
             r = run_method(name, extra, args, root)
+            if r is None:
+                continue
             m, p = r["memory"], r["peak"]
-            print(f"{name:18s} {m['model'] / 1e9:6.2f} {m['gradients'] / 1e9:6.2f} "
+            print(f"{name:22s} {m['model'] / 1e9:6.2f} {m['gradients'] / 1e9:6.2f} "
                   f"{m['inner_optimizer'] / 1e9:6.2f} {m['outer'] / 1e9:6.2f} "
+                  f"{(m['comm'] + m['staging']) / 1e9:6.2f} "
                   f"{p['state_bytes'] / 1e9:6.2f} {p['peak_bytes'] / 1e9:6.2f} "
                   f"{p['ratio']:10.2f} {r['checkpoint']:9.1f}s {r['seconds']:5.0f}s",
                   flush=True)
@@ -152,8 +174,9 @@ def parse() -> argparse.Namespace:
     p.add_argument("--model", default="300m", help="the model (default 300m)")
     p.add_argument("--steps", type=int, default=6, help="inner steps (default 6: 3 rounds)")
     p.add_argument("--workers", type=int, default=2, help="workers (default 2)")
-    p.add_argument("--methods", nargs="*", choices=["diloco", "streaming", "data_parallel"],
-                   help="only these methods (default: all)")
+    p.add_argument("--methods", nargs="*",
+                   choices=sorted({name.split()[0] for name in METHODS}),
+                   help="only these rows, by their first word (default: all)")
     p.add_argument("--phases", action="store_true",
                    help="where one worker's memory goes, phase by phase (Linux)")
     return p.parse_args()

@@ -300,7 +300,7 @@ def test_offload_asks_for_pinned_memory_only_with_cuda(monkeypatch):
     would open a CUDA context in every process). Pinning needs an accelerator, so it and
     CUDA's presence are faked here; a model on a GPU cannot be, so ``_pinned`` is asked
     directly for that case."""
-    from loco.algorithms.streaming_diloco import _pinned
+    from loco.algorithms.buffers import pinned as _pinned
 
     pinned = []
 

@@ -251,6 +251,46 @@ def test_a_cuda_comm_times_operations_and_waits_on_the_devices_clock(fake_cuda, 
     comm.close()
 
 
+def test_checkpoint_staging_copies_on_a_side_stream_into_buffers_made_once(fake_cuda,
+                                                                         monkeypatch):
+    """A model on a GPU (CPU tensors stand in): every checkpoint's copies are queued on the
+    Stager's own stream, after an event on the training stream (the work that wrote the
+    tensors), with ``record_stream`` on each source; an event after them is what the
+    training stream waits on before it changes them and what the writer's thread waits
+    for; the page-locked buffers are allocated at the first checkpoint and reused. No
+    stream or device is synchronised."""
+    from loco import checkpoint
+
+    log = fake_cuda
+    made = []
+    monkeypatch.setattr(checkpoint, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(checkpoint, "_host_buffer", lambda like, pin: made.append(pin) or
+                        torch.empty(like.shape, dtype=like.dtype))
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: log.append(
+        ("record_stream", tuple(self.shape), stream.name)))
+    stager = checkpoint.Stager()
+    state = {"model": {"w": torch.ones(2, 3)}, "moments": [torch.arange(4.0)], "step": 1}
+    first = stager.stage(state)
+    written = next(e for e in log if e[0] == "record" and e[2] == "training")[1]
+    ready = stager.ready
+    assert ready.recorded_on == "comm"  # the side stream (the stand-in names every one so)
+    assert log.index(("wait_event", "comm", written)) < log.index(("enter_stream", "comm"))
+    assert ("record_stream", (2, 3), "comm") in log and ("record_stream", (4,), "comm") in log
+    assert log.index(("enter_stream", "comm")) < log.index(("record", ready.name, "comm"))
+    assert log[-1] == ("wait_event", "training", ready.name)  # the training stream waits
+    assert made == [True, True] and torch.equal(first["model"]["w"], state["model"]["w"])
+    state["model"]["w"].add_(1)
+    second = stager.stage(state)
+    assert made == [True, True]  # no new buffer
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()
+    assert torch.equal(second["model"]["w"], state["model"]["w"]) and second["step"] == 1
+    assert stager.ready is not ready and stager.ready.recorded_on == "comm"
+    writer = checkpoint.Writer.__new__(checkpoint.Writer)  # its thread's wait, alone
+    writer.commit_meta, writer._error = None, None
+    writer._write(2, second, None, False, stager.ready)
+    assert log[-1] == ("event_synchronize", stager.ready.name)
+
+
 def test_speed_aware_steps_time_a_gpu_tick_on_the_device_clock(fake_cuda):
     """Speed-aware local steps on a GPU: each trained tick's forward and backward passes are
     timed by two timing events on the training stream (``DeviceSpan``), read without waiting

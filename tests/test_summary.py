@@ -32,8 +32,9 @@ def test_a_runs_summary_is_the_record_and_back(run):
     # H = 4 (small_run), 8 steps, tau = 1: checkpoints at steps 5 and 8; each blocked a while
     assert content["checkpoints"] == 2 and 0 < content["checkpoint_seconds"] < 60
     memory = content["memory_bytes_per_rank"]
-    assert set(memory) == {"model", "gradients", "inner_optimizer", "outer"}
+    assert set(memory) == {"model", "gradients", "inner_optimizer", "outer", "comm", "staging"}
     assert memory["gradients"] == memory["model"] == 4 * content["model_parameters"]
+    assert memory["comm"] > 0 and memory["staging"] == 0  # FP4's kept buffers; CPU: in place
     peak = content["memory_peak_over_state"]  # the threads launcher: 2 ranks in one process
     assert peak["peak_of"] == "resident" and peak["state_bytes"] == sum(memory.values())
     assert peak["ratio"] == pytest.approx(peak["peak_bytes"] / peak["state_bytes"], abs=1e-3)
@@ -51,6 +52,8 @@ def test_an_older_summary_reads_with_its_missing_keys_none_and_others_kept(run):
     content = json.loads((run / "summary.json").read_text())
     old = {k: v for k, v in content.items()
            if k not in ("worker_ranks", "max_rss_bytes", "codec_kernel", "fast_link")}
+    old["memory_bytes_per_rank"] = {k: v for k, v in content["memory_bytes_per_rank"].items()
+                                    if k not in ("comm", "staging")}  # before they counted
     old["downstream"] = {"hellaswag": {"acc": 0.25}}  # added by another tool
     summary = Summary.from_dict(old)
     assert summary.worker_ranks is None and summary.max_rss_bytes is None

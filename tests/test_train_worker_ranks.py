@@ -91,7 +91,8 @@ def test_summary_reports_memory_and_the_metrics_both_links(runs):
     assert two["max_rss_bytes"] > 0
     memory = two["memory_bytes_per_rank"]
     if memory is not None:  # where the algorithm reports it (algo.memory_bytes())
-        assert set(memory) == {"model", "gradients", "inner_optimizer", "outer"}
+        assert set(memory) == {"model", "gradients", "inner_optimizer", "outer", "comm",
+                               "staging"}
         assert memory["model"] == 4 * two["model_parameters"]
     timed = [r for r in records_of(out) if "train_loss" in r or "eval_loss" in r]
     assert all("slow_link_bytes_sent" in r and "fast_link_bytes_sent" in r for r in timed)

@@ -287,10 +287,15 @@ def map_tensors(state: Any, leaf: Callable[[torch.Tensor, str], Any], path: str 
 
 class Stager:
     """Copies of a state's tensors in host buffers allocated once and reused by every
-    checkpoint: page-locked for tensors on a GPU, whose copies are queued without blocking
-    the host (the writer waits for one event before it reads them), so the background writer
-    reads a fixed copy while training goes on. A tensor whose shape or dtype changed gets a
-    new buffer; a ``DTensor`` (FSDP2's shards) is copied as :func:`snapshot` copies it.
+    checkpoint, so the background writer reads a fixed copy while training goes on. A
+    tensor on a GPU gets a page-locked buffer, and its copy is queued on a side stream of
+    the Stager's own: the side stream waits for an event on the caller's stream (the work
+    that wrote the tensors), the copies are queued on it without blocking the host, and the
+    caller's stream waits for the event after them (``ready``, which the writer waits for
+    too) before it runs anything that could change them. A ``DTensor`` (FSDP2's shards) is
+    staged the same way, its local shard into a buffer of its own, wrapped as a DTensor
+    with the same placements (what DCP saves). A tensor whose shape or dtype changed gets a
+    new buffer.
 
     Args:
         pinned: page-lock the buffers of tensors that are on a GPU (default True).
@@ -299,6 +304,8 @@ class Stager:
     def __init__(self, pinned: bool = True):
         self.pinned = pinned
         self._buffers: dict[str, torch.Tensor] = {}
+        self._wrapped: dict[str, torch.Tensor] = {}  # a DTensor's staged copy, by path
+        self._streams: dict[torch.device, Any] = {}
         self.ready: Any = None
         """The CUDA event after the last ``stage``'s copies (None: nothing to wait for)."""
 
@@ -309,30 +316,63 @@ class Stager:
 
     def stage(self, state: Any) -> Any:
         """``state`` with every tensor copied into its buffer (see :func:`snapshot` for the
-        structures kept). Copies from a GPU are queued on the current stream, behind the
-        work that wrote the tensors and ahead of any that changes them, so the caller goes
-        on at once; ``ready`` is then an event the reader of the buffers waits for (pass
-        it to ``Writer.save``), else None."""
-        cuda: list = []
-        out = map_tensors(state, lambda t, path: self._copy(t, path, cuda))
-        self.ready = None
-        if cuda:
-            self.ready = torch.cuda.Event()
-            self.ready.record()
+        structures kept). Copies from a GPU are queued on the side stream, behind the work
+        that wrote the tensors and ahead of any that changes them, so the caller goes on at
+        once; ``ready`` is then the event the reader of the buffers waits for (pass it to
+        ``Writer.save``), else None."""
+        queued: list = []
+        out = map_tensors(state, lambda t, path: self._copy(t, path, queued))
+        self.ready = self._queue(queued) if queued else None
         return out
 
-    def _copy(self, tensor: torch.Tensor, path: str, cuda: list) -> torch.Tensor:
+    def _copy(self, tensor: torch.Tensor, path: str, queued: list) -> torch.Tensor:
+        """``tensor``'s staged copy: its buffer (a DTensor: its local shard's, wrapped),
+        filled now from the CPU, or queued in ``queued`` (source, buffer) from a GPU."""
         t = tensor.detach()
-        if type(t) is not torch.Tensor:  # a DTensor: its own copy, with its placements
-            return snapshot(t)
+        source = t.to_local() if type(t) is not torch.Tensor else t
         buf = self._buffers.get(path)
-        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._buffers[path] = torch.empty(t.shape, dtype=t.dtype,
-                                                    pin_memory=self.pinned and t.is_cuda)
-        buf.copy_(t, non_blocking=t.is_cuda)
-        if t.is_cuda:
-            cuda.append(t)
-        return buf
+        if buf is None or buf.shape != source.shape or buf.dtype != source.dtype:
+            buf = self._buffers[path] = _host_buffer(source, self.pinned and _on_gpu(source))
+            self._wrapped.pop(path, None)
+        if _on_gpu(source):
+            queued.append((source, buf))
+        else:
+            buf.copy_(source)
+        if type(t) is torch.Tensor:
+            return buf
+        if path not in self._wrapped:  # the placements of the live DTensor, a host shard
+            self._wrapped[path] = type(t)(buf, t._spec, requires_grad=False)
+        return self._wrapped[path]
+
+    def _queue(self, queued: list) -> Any:
+        """Queue the copies from a GPU on the side stream, ordered after the caller's
+        stream; the caller's stream waits for their event, which is returned."""
+        device = queued[0][0].device
+        current = torch.cuda.current_stream(device)
+        side = self._streams.get(device)
+        if side is None:
+            side = self._streams[device] = torch.cuda.Stream(device)
+        written = torch.cuda.Event()
+        written.record(current)
+        side.wait_event(written)
+        with torch.cuda.stream(side):
+            for source, buf in queued:
+                buf.copy_(source, non_blocking=True)
+                source.record_stream(side)  # the allocator keeps it until the copy is done
+        ready = torch.cuda.Event()
+        ready.record(side)
+        current.wait_event(ready)  # nothing the caller queues next changes them before
+        return ready
+
+
+def _on_gpu(t: torch.Tensor) -> bool:
+    """Whether ``t`` is on a GPU (its copy is then queued, into page-locked memory)."""
+    return t.is_cuda
+
+
+def _host_buffer(like: torch.Tensor, pin: bool) -> torch.Tensor:
+    """An empty CPU tensor shaped like ``like``, page-locked if ``pin``."""
+    return torch.empty(like.shape, dtype=like.dtype, pin_memory=pin)
 
 
 def compact(state: Any) -> Any:

@@ -453,22 +453,35 @@ class Algorithm(Method):
         return float(bad) == 0.0
 
     def memory_bytes(self) -> dict[str, int]:
-        """Bytes of the tensors this rank holds: ``model`` (parameters and buffers, its
-        shards under FSDP2), ``gradients`` (one per trained parameter, held from the
-        backward pass to the inner step), ``inner_optimizer`` (its state) and ``outer``
-        (the outer algorithm's state and sync buffers, ``outer_tensors``; none here)."""
+        """Bytes of the tensors this rank holds, by part: ``model`` (parameters and
+        buffers, its shards under FSDP2), ``gradients`` (one per trained parameter, held
+        from the backward pass to the inner step), ``inner_optimizer`` (its state),
+        ``outer`` (the outer algorithm's state, sync buffers and spare copies,
+        ``outer_tensors``: each storage once, whole, as views of one buffer share it) and
+        ``comm`` (the buffers the algorithm's Comms keep between operations,
+        ``Comm.buffer_bytes``: ``comm`` and, for a worker of several ranks, ``inner``; and
+        the buffer its gradients are averaged in over those ranks, ``inner_buckets``)."""
         def size(tensors) -> int:
             return sum(local(t).numel() * t.element_size() for t in tensors)
         model = size(t for t in self.model.state_dict().values() if isinstance(t, torch.Tensor))
         inner = size(v for s in self.inner_optimizer.state.values() for v in s.values()
                      if isinstance(v, torch.Tensor) and v.dim() > 0)
         grads = size(p for p in self.model.parameters() if p.requires_grad)
+        storages = {}
+        for t in self.outer_tensors():
+            storage = local(t).untyped_storage()
+            storages[storage._cdata] = storage.nbytes()  # (meta tensors' data_ptr is 0)
+        comm = sum(c.buffer_bytes() for c in (self.comm, self.inner)
+                   if c is not None and hasattr(c, "buffer_bytes"))
+        buckets = getattr(self, "inner_buckets", None)
+        if buckets is not None:
+            comm += buckets.flat.numel() * buckets.flat.element_size()
         return {"model": model, "gradients": grads, "inner_optimizer": inner,
-                "outer": size(self.outer_tensors())}
+                "outer": sum(storages.values()), "comm": comm}
 
     def outer_tensors(self) -> list[torch.Tensor]:
-        """The tensors of the outer algorithm's state this rank holds, its sync buffers
-        included (for ``memory_bytes``); none here."""
+        """The tensors of the outer algorithm this rank holds between steps: its state,
+        its sync buffers and any spare copies (for ``memory_bytes``); none here."""
         return []
 
     def nonfinite(self, what: str, counter: str, step: int) -> None:

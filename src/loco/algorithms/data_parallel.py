@@ -289,6 +289,10 @@ class DataParallel(Algorithm):
         self.inner_update()  # the averaged gradient: every worker decides the same
         self.inner_steps += 1
 
+    def outer_tensors(self) -> list[torch.Tensor]:
+        """The explicit path's buffer of the gradients it averages, once made."""
+        return [] if self._wire is None else [self._wire]
+
     # ------------------------------------------------------------------ elastic membership
     def heal_state(self) -> dict:
         """The replica is the global model here: a worker that is behind receives the

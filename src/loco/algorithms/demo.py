@@ -530,8 +530,10 @@ class DeMo(Algorithm):
 
     # ------------------------------------------------------------------------- state
     def outer_tensors(self) -> list[torch.Tensor]:
-        """This worker's momenta (one fp32 vector)."""
-        return [self.momentum]
+        """This worker's momenta (one fp32 vector), and what it keeps to build and read a
+        payload: the payload positions of every group and piece, and the DCT matrices."""
+        return [self.momentum, self.value_positions, *self._dct.values(),
+                *(t for g in (*self.groups, *self.pieces) for t in (g.index_at, g.value_at))]
 
     def outer_state(self) -> dict:
         """The momenta (see

@@ -90,15 +90,16 @@ class Eager:
         return torch.sub(fragment.global_flat, out, alpha=lr, out=out)
 
     def landed(self, fragment: Any) -> None:
-        """The sync's average has arrived in ``fragment.delta``: keep the others' share of
-        it, ``Δ̄ − Δ_m / M``, for the fragment's next proxy step.
+        """The sync's average has arrived and is in ``fragment.grad`` (beside the global
+        copy): keep the others' share of it, ``Δ̄ − Δ_m / M``, for the fragment's next proxy
+        step.
 
         Args:
             fragment: the fragment whose sync landed.
         """
         others = self.others[fragment.index]
         others.copy_(self.own[:fragment.delta.numel()]).div_(self.workers)
-        torch.sub(fragment.delta.to(others.device), others, out=others)
+        torch.sub(fragment.grad, others, out=others)
 
     def missed(self, fragment: Any) -> torch.Tensor:
         """After the true outer step: what the proxy missed, ``θ^g − θ̃`` (in ``ahead``).

@@ -8,13 +8,20 @@ far; a tied head shares the embedding's tensor and is counted once.
 
 An explicit list gives each fragment as a module, a parameter name, or a list of them; every
 trainable parameter must then appear in exactly one of them.
+
+A ``Fragment`` holds one fragment's parameters and its
+outer state, as Streaming DiLoCo keeps them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
+import torch
 from torch import nn
+
+from loco.algorithms.sharding import Share, flatten_fp32
 
 PATTERNS = ("strided", "sequential")
 """How the blocks are dealt out to an integer number of fragments."""
@@ -135,3 +142,38 @@ def _explicit(fragments: Sequence, named: dict, name_of: dict) -> list[set[str]]
         raise ValueError(f"fragments: {len(missing)} parameter(s) are in no fragment ({shown}); "
                          "add their modules to one of the fragments")
     return groups
+
+
+@dataclass
+class Fragment:
+    """One fragment's parameters and outer state (this rank's share of them)."""
+
+    index: int
+    names: list[str]
+    params: list[torch.Tensor]  # θ_{m,p}: the live model parameters
+    share: Share  # what this rank owns of them (all, or 1/R for a worker of R ranks)
+    global_flat: torch.Tensor  # θ^g_p (this rank's share) in one fp32 buffer
+    global_params: list[torch.Tensor]  # views of global_flat shaped like share.views
+    delta: torch.Tensor  # Δ_{m,p} then Δ̄_p: a view of the one Δ buffer (`SyncBuffers`)
+    grad: torch.Tensor  # Δ̄_p where the outer optimizer reads it (delta itself unless offloaded)
+    outer_optimizer: torch.optim.Optimizer
+    error: torch.Tensor | None = None  # e_{m,p}: what the codec has not sent yet, beside θ^g_p
+    syncs: int = 0
+    stats: dict = field(default_factory=lambda: dict(raw_bytes=0, bytes_sent=0,
+                                                     bytes_received=0, peak_bytes=0))
+
+
+def flat_outer_state(state: dict) -> dict:
+    """An outer optimizer's ``state_dict`` for the one flat tensor it steps; a state with one
+    entry per parameter (an older checkpoint) has its momenta concatenated in order.
+
+    Args:
+        state: the ``state_dict`` of a fragment's outer SGD, as saved.
+    """
+    params = state["param_groups"][0]["params"]
+    if len(params) == 1:
+        return state
+    buffers = [state["state"].get(i, {}).get("momentum_buffer") for i in params]
+    merged = ({} if any(b is None for b in buffers)
+              else {0: {"momentum_buffer": flatten_fp32(buffers)}})
+    return {"state": merged, "param_groups": [{**state["param_groups"][0], "params": [0]}]}

@@ -31,7 +31,8 @@ from loco.algorithms.base import Algorithm
 from loco.algorithms.method import OUTER, PaperClaim, leftover_steps
 from loco.algorithms.sharding import Share, unflatten_views
 from loco.comm import Comm
-from loco.comm.codecs import get_codec
+from loco.comm.codec import Codec
+from loco.comm.codecs import CastCodec, get_codec
 from loco.comm.hostreads import allowed
 from loco.options import need, opt
 
@@ -188,10 +189,13 @@ class NoLoCo(Algorithm):
         return gossip_groups(self.seed, outer_step, self.comm.size, self.group_size)
 
     def step(self) -> None:
-        """One inner step; every H-th also takes the outer step with this worker's group."""
+        """One inner step; every H-th also takes the outer step with this worker's group,
+        after it releases the gradients (spent by the inner step; ``zero_grad()`` with its
+        default): the group's messages, two of Δ and φ per member, take their room."""
         self.inner_update()
         self.inner_steps += 1
         if self.inner_steps % self.sync_every == 0:
+            self.zero_grad()
             self.outer_step()
 
     @torch.no_grad()
@@ -219,10 +223,8 @@ class NoLoCo(Algorithm):
     def _exchange_and_step(self) -> None:
         # The profiler's ranges of an outer step (docs/profiling.md): pseudo_gradient,
         # encode, exchange (a helper thread on gloo), wait, reduce, outer_step, merge.
-        with record_function("loco/pseudo_gradient"):
-            delta = self.share.read().sub_(self.slow)  # Δ_i = θ_i − φ_i (this rank's share)
         # Rank r of each member swaps its share with rank r of the others.
-        means = self._group_means(delta, self.slow)
+        means = self._group_means(*self._payload())
         if means is None:  # elastic: healed during a retry
             return self._resume()
         mean_delta, mean_slow = means
@@ -238,17 +240,34 @@ class NoLoCo(Algorithm):
             self.restart_from_global()  # θ_i ← φ_i (skipped: back to the old φ_i)
         self.outer_steps += 1
 
-    def _group_means(self, delta: torch.Tensor, slow: torch.Tensor
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Swap Δ and φ (or their shards) with this outer step's group; their means, the
-        same bits on every member (each decodes the same bytes in the same order). None
-        when an elastic retry healed this worker. A retry forms the groups anew over the
-        members then alive."""
-        n = delta.numel()
-        with record_function("loco/encode"):
-            payload = torch.cat([self.codec.encode(delta), self.slow_codec.encode(slow)])
+    def _payload(self) -> tuple[torch.Tensor, int]:
+        """This worker's message: ``Δ_i = θ_i − φ_i`` and φ_i (this rank's share), encoded
+        one after the other in one buffer, and where φ's bytes start. A cast codec's bytes
+        (fp32, bf16) are written straight into it, Δ in fp32 formed there: no other copy
+        of the model is made."""
+        n = self.slow.numel()
         split = self.codec.encoded_nbytes(n)
+        payload = torch.empty(split + self.slow_codec.encoded_nbytes(n), dtype=torch.uint8,
+                              device=self.slow.device)
+        with record_function("loco/pseudo_gradient"):
+            into = _values(self.codec, payload[:split])
+            if into is None:  # Δ_i, then its encoding
+                delta = self.share.read().sub_(self.slow)
+            else:
+                delta = self.share.read(out=into).sub_(self.slow)
+        with record_function("loco/encode"):
+            if into is None:
+                payload[:split].copy_(self.codec.encode(delta))
+            _encode_into(self.slow_codec, self.slow, payload[split:])
+        return payload, split
 
+    def _group_means(self, payload: torch.Tensor, split: int
+                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Swap Δ and φ (``payload``, φ's bytes from ``split`` on) with this outer step's
+        group; their means, the same bits on every member (each decodes the same bytes in
+        the same order), in the first member's buffer where its bytes are fp32 values.
+        None when an elastic retry healed this worker. A retry forms the groups anew over
+        the members then alive."""
         def issue():
             group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
             return self.comm.exchange(payload, group, tag="train")
@@ -258,9 +277,10 @@ class NoLoCo(Algorithm):
             received = self.comm.settle(handle, issue)
         if received is None:
             return None
+        n = self.slow.numel()
         with record_function("loco/reduce"):  # decoded and summed one member at a time
-            return (_mean([self.codec.decode(b[:split], (n,)) for b in received]),
-                    _mean([self.slow_codec.decode(b[split:], (n,)) for b in received]))
+            return (_mean(self.codec, [b[:split] for b in received], n),
+                    _mean(self.slow_codec, [b[split:] for b in received], n))
 
     def outer_tensors(self) -> list[torch.Tensor]:
         """This rank's share of the slow weights φ and the momentum δ."""
@@ -299,12 +319,35 @@ class NoLoCo(Algorithm):
         return {"slow": (self.share, self.slow), "momentum": (self.share, self.momentum)}
 
 
-def _mean(values: list[torch.Tensor]) -> torch.Tensor:
-    """The members' values summed in order and divided by their number, in a new tensor."""
-    total = values[0].clone()
-    for v in values[1:]:
-        total.add_(v)
-    return total.div_(len(values))
+def _values(codec: Codec, buf: torch.Tensor) -> torch.Tensor | None:
+    """``buf`` (encoded bytes) as the fp32 values they are, a view, where the codec sends
+    fp32 values as they are and ``buf`` is aligned for them; else None."""
+    if isinstance(codec, CastCodec) and codec.dtype == torch.float32 \
+            and buf.storage_offset() % 4 == 0:
+        return buf.view(torch.float32)
+    return None
+
+
+def _encode_into(codec: Codec, values: torch.Tensor, out: torch.Tensor) -> None:
+    """``codec.encode(values)``'s bytes into ``out``: a cast codec's (fp32, bf16) cast
+    straight from ``values``, where ``out`` is aligned for them; another's copied."""
+    if isinstance(codec, CastCodec) and out.storage_offset() % (codec.bits // 8) == 0:
+        out.view(codec.dtype).copy_(values)
+    else:
+        out.copy_(codec.encode(values))
+
+
+def _mean(codec: Codec, messages: list[torch.Tensor], n: int) -> torch.Tensor:
+    """The members' values (``messages``, each one's encoded bytes, in member order), summed
+    in order and divided by their number, decoded one member at a time: into the first
+    member's own bytes where they are fp32 values (the received buffers are this worker's
+    to overwrite), else into the first one's decoded copy."""
+    total = _values(codec, messages[0])
+    total = codec.decode(messages[0], (n,)) if total is None else total
+    for m in messages[1:]:
+        v = _values(codec, m)
+        total.add_(codec.decode(m, (n,)) if v is None else v)
+    return total.div_(len(messages))
 
 
 def gossip_groups(seed: int, outer_step: int, workers: int, size: int) -> list[list[int]]:

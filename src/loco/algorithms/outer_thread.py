@@ -155,6 +155,11 @@ class OuterThread:
             f.outer_optimizer.state[f.global_flat]["momentum_buffer"] = stepped.momentum
         self._spares[f.global_flat.numel()] = (old_global, old_momentum, free)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The spare shadows it keeps (one global copy and momentum per fragment size, from
+        the first commit of that size on), for the memory report."""
+        return [t for spare in list(self._spares.values()) for t in spare[:2] if t is not None]
+
     def _on_stream(self) -> contextlib.AbstractContextManager:
         """CUDA: the helper's own stream (and device) for its copies and kernels."""
         if self._stream is None:

@@ -106,11 +106,17 @@ class Share:
 
     def gather(self) -> None:
         """Make every rank of the worker hold every parameter again after each wrote its
-        range (data-parallel inside: an all-gather over the fast link; otherwise nothing)."""
+        range (data-parallel inside: an all-gather over the fast link, its result copied
+        into the parameters from the gather's own buffer, one copy of the whole; otherwise
+        nothing)."""
         if self.inner is None:
             return
-        full = self.full(self.read())
-        torch._foreach_copy_(self.params, [f.to(p.dtype) for f, p in zip(full, self.params)])
+        padded = torch.zeros(self.width, dtype=torch.float32, device=local(self.params[0]).device)
+        self.read(out=padded[:self.numel])
+        full = self._gathered(padded, "train")
+        flat = [p.detach().view(-1) for p in self.params]
+        torch._foreach_copy_(flat, [f.to(p.dtype) for f, p in zip(
+            unflatten_views(full, flat), flat)])
 
     def full(self, owned: torch.Tensor, tag: str = "train") -> list[torch.Tensor]:
         """Whole tensors shaped like the parameters from every rank's owned values
@@ -131,8 +137,19 @@ class Share:
             return unflatten_views(owned, self.params)
         padded = torch.zeros(self.width, dtype=torch.float32, device=owned.device)
         padded[:owned.numel()] = owned
-        gathered = torch.cat(self.inner.all_gather(padded, tag=tag).wait())
-        return unflatten_views(gathered, self.params)
+        return unflatten_views(self._gathered(padded, tag), self.params)
+
+    def _gathered(self, padded: torch.Tensor, tag: str) -> torch.Tensor:
+        """Every rank's ``padded`` range, all-gathered over the fast link, as one flat
+        tensor: the gather's own buffer when its rows lie one after another in it (no
+        second copy), else their concatenation."""
+        rows = self.inner.all_gather(padded, tag=tag).wait()
+        first = rows[0]
+        if all(r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+               and r.storage_offset() == first.storage_offset() + i * self.width
+               and r.is_contiguous() for i, r in enumerate(rows)):
+            return first.as_strided((len(rows) * self.width,), (1,), first.storage_offset())
+        return torch.cat(rows)
 
     def logical(self, owned: torch.Tensor, mesh: DeviceMesh | None = None
                 ) -> dict[str, torch.Tensor]:

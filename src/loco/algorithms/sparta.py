@@ -310,6 +310,10 @@ class Sparta(Algorithm):
         self.inner_steps += 1
         self.averager(self.inner_steps)
 
+    def outer_tensors(self) -> list[torch.Tensor]:
+        """The sparse average's buffer of k values and the parameters' offsets."""
+        return [self.averager.values, self.averager.offsets]
+
 
 class SpartaDiLoCo(DiLoCo):
     """SPARTA + DiLoCo (EXO Gym's SPARTA-DiLoCo): DiLoCo whose replicas also average a
@@ -372,6 +376,10 @@ class SpartaDiLoCo(DiLoCo):
         stepped = super().inner_update()
         self.averager(self.inner_steps + 1)
         return stepped
+
+    def outer_tensors(self) -> list[torch.Tensor]:
+        """DiLoCo's, and the sparse average's buffer and offsets."""
+        return [*super().outer_tensors(), self.averager.values, self.averager.offsets]
 
 
 __all__ = [

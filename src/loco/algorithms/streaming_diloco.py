@@ -16,9 +16,11 @@ With P = 1, τ = 0, α = 0 and fp32 this is DiLoCo (:class:`loco.DiLoCo`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from concurrent.futures import wait as wait_for
+from contextlib import contextmanager
+from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
 
@@ -28,11 +30,14 @@ from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm
 from loco.algorithms.asynchronous import BlockStarts
+from loco.algorithms.buffers import (SyncBuffers, error_feedback, feed_back, pinned,
+                                     subtract_from, swap)
 from loco.algorithms.eager import Eager
-from loco.algorithms.fragments import PATTERNS, split_fragments
+from loco.algorithms.fragments import PATTERNS, Fragment, split_fragments
+from loco.algorithms.fragments import flat_outer_state as _flat_outer_state
 from loco.algorithms.method import OUTER, PaperClaim
 from loco.algorithms.outer_thread import OuterThread, momentum_of
-from loco.algorithms.sharding import Share, flatten_fp32, local, unflatten_views
+from loco.algorithms.sharding import Share, local, unflatten_views
 from loco.algorithms.wire import (
     GlobalCopyOptions,
     StreamingOptions,
@@ -60,25 +65,6 @@ def _fragment_spec(cfg, model: nn.Module, tied: bool) -> int | list:
     fragments = [[n for n in group if n != "embed.weight"] for group in names]
     fragments[0].append("embed.weight")
     return fragments
-
-
-@dataclass
-class Fragment:
-    """One fragment's parameters and outer state."""
-
-    index: int
-    names: list[str]
-    params: list[torch.Tensor]  # θ_{m,p}: the live model parameters
-    share: Share  # what this rank owns of them (all, or 1/R for a worker of R ranks)
-    global_flat: torch.Tensor  # θ^g_p (this rank's share) in one fp32 buffer
-    global_params: list[torch.Tensor]  # views of global_flat shaped like share.views
-    delta: torch.Tensor  # Δ_{m,p} then Δ̄_p (this rank's share), fp32, on the wire's device
-    grad: torch.Tensor  # Δ̄_p where the outer optimizer reads it (delta itself unless offloaded)
-    outer_optimizer: torch.optim.Optimizer
-    error: torch.Tensor | None = None  # e_{m,p}: what the codec has not sent yet (this share)
-    syncs: int = 0
-    stats: dict = field(default_factory=lambda: dict(raw_bytes=0, bytes_sent=0,
-                                                     bytes_received=0, peak_bytes=0))
 
 
 @dataclass
@@ -282,7 +268,6 @@ class StreamingDiLoCo(Algorithm):
         self.sync_every, self.overlap, self.alpha = sync_every, overlap, alpha
         self.pattern = pattern
         self.offload = offload
-        self._eager = eager
         self.outer_steps = 0
         """Syncs applied (or skipped) so far, over all fragments."""
         self.sync_log: list[dict] = []
@@ -294,17 +279,22 @@ class StreamingDiLoCo(Algorithm):
         by_name = dict(model.named_parameters())
         sgd = {"lr": outer_lr, "momentum": outer_momentum,
                "nesterov": nesterov and outer_momentum > 0}
-        self.fragment_list = [self._fragment(p, frag_names, by_name, outer_device, sgd)
-                              for p, frag_names in enumerate(names)]
+        # With R ranks per worker each holds and syncs 1/R: no worker sends R copies.
+        shares = [Share([by_name[n] for n in group], self.inner) for group in names]
+        # Δ lives where the Comm takes it: its device, or the global copy's when the Comm
+        # stages (an elastic worker's gloo group, its model on a GPU). One sync is in flight
+        # at a time: one Δ (and one D(C(e))) for all fragments, sized to the largest.
+        wire = outer_device if comm.stage_from is not None else comm.device
+        self.buffers = SyncBuffers([s.numel for s in shares], wire, outer_device,
+                                   self.params[0].device,
+                                   separate_grad=wire != outer_device or eager,
+                                   sent=bool(error_feedback))
+        """The buffers of the sync in flight (``loco.algorithms.buffers.SyncBuffers``)."""
+        self._sent = self.buffers.sent  # D(C(e)) of the fragment in flight
+        self.fragment_list = [self._fragment(p, group, share, outer_device, sgd)
+                              for p, (group, share) in enumerate(zip(names, shares))]
         for fragment in self.fragment_list:  # compiled now, not inside the first syncs
             self.codec.prepare(fragment.delta.numel(), comm.size, comm.device)
-            if error_feedback:
-                fragment.error = torch.zeros_like(fragment.delta)
-        # What this worker's pseudo-gradient became on the wire, D(C(e)), for the fragment in
-        # flight (one at a time): subtracted from its error once the sync is applied.
-        self._sent = torch.zeros(max(f.delta.numel() for f in self.fragment_list)
-                                 if error_feedback else 0,
-                                 device=self.fragment_list[0].delta.device)
         self.eager = Eager(self.fragment_list, comm.size) if eager else None
         """The eager updates' state (``eager=True``), or None."""
         self.blocks: BlockStarts | None = None
@@ -317,30 +307,23 @@ class StreamingDiLoCo(Algorithm):
         # is reduced everywhere without a word.
         self._due = dict(zip(send_offsets(sync_every, count), self.fragment_list))
 
-    def _fragment(self, p: int, names: list[str], by_name: dict, outer_device: torch.device,
+    def _fragment(self, p: int, names: list[str], share: Share, outer_device: torch.device,
                   sgd: dict) -> Fragment:
-        """Fragment ``p``: its parameters, this rank's share, the global copy on
-        ``outer_device`` and its outer SGD (``sgd``: lr, momentum, Nesterov)."""
-        params = [by_name[n] for n in names]
-        # With R ranks per worker each holds and syncs 1/R: no worker sends R copies.
-        share = Share(params, self.inner)
+        """Fragment ``p``: its parameters, this rank's share, the global copy (and error
+        feedback) on ``outer_device``, its views of the sync buffers and its outer SGD
+        (``sgd``: lr, momentum, Nesterov)."""
         global_flat = share.read().to(outer_device)
         if self.offload:
-            global_flat = _pinned(global_flat, self.params[0].device)
-        global_params = unflatten_views(global_flat, share.views)
-        # Δ lives where the Comm takes it: its device, or the global copy's when the Comm
-        # stages (an elastic worker's gloo group, its model on a GPU).
-        wire = outer_device if self.comm.stage_from is not None else self.comm.device
-        delta = torch.zeros(share.numel, dtype=torch.float32, device=wire)
-        # The outer optimizer reads Δ̄ as the gradient of the global copy.
-        grad = delta if delta.device == outer_device and not self._eager else _pinned(
-            torch.zeros_like(global_flat), self.params[0].device)  # offloaded (or eager)
-        global_flat.grad = grad
+            global_flat = pinned(global_flat, self.params[0].device)
+        delta, grad = self.buffers.of(share.numel)
+        global_flat.grad = grad  # the outer optimizer reads Δ̄ as the global copy's gradient
         # One flat tensor: one fused kernel per outer step, no loop over parameters.
         optimizer = torch.optim.SGD([global_flat], **sgd,
                                     fused=outer_device.type in ("cpu", "cuda"))
-        return Fragment(p, names, params, share, global_flat, global_params, delta, grad,
-                        optimizer)
+        error = (pinned(torch.zeros_like(global_flat), self.params[0].device)
+                 if self.error_feedback else None)
+        return Fragment(p, names, share.params, share, global_flat,
+                        unflatten_views(global_flat, share.views), delta, grad, optimizer, error)
 
     # ----------------------------------------------------------------------------- the loop
     @property
@@ -405,8 +388,8 @@ class StreamingDiLoCo(Algorithm):
             scale = None
         sent = None
         if fragment.error is not None and weight:  # e ← β·e + Δ; what is sent is C(e)
-            fragment.error.mul_(self.error_feedback).add_(fragment.delta)
-            fragment.delta.copy_(fragment.error)
+            error_feedback(fragment.error, fragment.delta, self.error_feedback,
+                           self._staging(fragment))
             sent = self._sent[:fragment.delta.numel()]
         if self.eager is not None:
             self.eager.keep_own(fragment)
@@ -467,9 +450,9 @@ class StreamingDiLoCo(Algorithm):
         self._feed_back(flight)
         if not self.finite(fragment.delta, f"pseudo-gradient (fragment {fragment.index})"):
             return self._skip(fragment, flight)  # (the replica restarts: no correction)
-        self.eager.landed(fragment)
         with record_function("loco/outer_step"):
-            fragment.grad.copy_(fragment.delta)
+            fragment.grad.copy_(fragment.delta)  # where the outer step (and eager) read Δ̄
+            self.eager.landed(fragment)
             fragment.outer_optimizer.step()
         with record_function("loco/merge"):
             views = fragment.share.views
@@ -528,7 +511,13 @@ class StreamingDiLoCo(Algorithm):
         this worker sent zeros)."""
         fragment = flight.fragment
         if fragment.error is not None and flight.contributes:
-            fragment.error.sub_(self._sent[:fragment.error.numel()])
+            feed_back(fragment.error, self._sent, self._staging(fragment))
+
+    @staticmethod
+    def _staging(fragment: Fragment) -> torch.Tensor | None:
+        """Where an offloaded error feedback meets Δ on the host: Δ̄'s host buffer, free
+        at a send and before an outer step; None when both are on one device."""
+        return None if fragment.error.device == fragment.delta.device else fragment.grad
 
     def _skip(self, fragment: Fragment, flight: _InFlight) -> None:
         """A non-finite Δ̄_p: the global fragment stays; the replicas restart from it, and
@@ -602,14 +591,38 @@ class StreamingDiLoCo(Algorithm):
 
     def outer_tensors(self) -> list[torch.Tensor]:
         """This rank's share of every fragment's global copy, outer momentum, error feedback
-        and pseudo-gradient buffer (and, offloaded, Δ̄'s host buffer)."""
+        and asynchronous block start; the sync buffers (Δ, Δ̄'s host buffer, D(C(e)));
+        the eager updates' state and the outer thread's spare shadows."""
         return [t for f in self.fragment_list for t in (
-            f.global_flat, *(s["momentum_buffer"] for s in f.outer_optimizer.state.values()
-                             if s.get("momentum_buffer") is not None),
-            *([] if f.error is None else [f.error]), f.delta,
-            *([] if f.grad is f.delta else [f.grad]),
-            *([] if self.blocks is None else [self.blocks.of(f)]))] + [self._sent] + (
-                [] if self.eager is None else self.eager.tensors())
+            f.global_flat, *([] if momentum_of(f) is None else [momentum_of(f)]),
+            *([] if f.error is None else [f.error]),
+            *([] if self.blocks is None else [self.blocks.of(f)]))] + self.buffers.tensors() + (
+                [] if self.eager is None else self.eager.tensors()) + (
+                [] if self._outer is None else self._outer.tensors())
+
+    @contextmanager
+    def global_in_model(self) -> Iterator[dict[str, torch.Tensor]]:
+        """The global parameters by name, to evaluate inside the block. Offloaded or
+        FSDP2-sharded, the model's own parameters hold θ^g there: their values and the
+        global copy's are swapped piece by piece (no copy of the model on its device) and
+        swapped back after, exactly; a sync's outer step on the helper thread is waited for
+        first (it reads the global copy). Otherwise (or a worker of several ranks holding
+        the whole model, or parameters not in fp32) ``global_parameters()``."""
+        views = [(v, g) for f in self.fragment_list for v, g in zip(f.share.views,
+                                                                     f.global_params)]
+        if not ((self.offload or self.sharded)
+                and all(f.share.inner is None for f in self.fragment_list)
+                and all(v.dtype == g.dtype for v, g in views)):
+            yield self.global_parameters()
+            return
+        if self._in_flight is not None and self._in_flight.stepped is not None:
+            wait_for([self._in_flight.stepped])
+        mine, theirs = [v for v, _ in views], [g for _, g in views]
+        swap(mine, theirs)
+        try:
+            yield dict(self.model.named_parameters())
+        finally:
+            swap(mine, theirs)
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """The global copy θ^g of every synced parameter, on the parameters' device, by name
@@ -757,7 +770,7 @@ class StreamingDiLoCo(Algorithm):
 def _pseudo_gradient(f: Fragment, start: torch.Tensor | None = None) -> None:
     """Δ = θ^g − θ_m into ``f.delta`` (θ^g: ``start``, flat like the global copy, where
     given): one pass per tensor where all three are on one device; offloaded, θ^g comes
-    over in one copy."""
+    over in pieces."""
     views = f.share.views
     base = f.global_flat if start is None else start
     if base.device == f.delta.device and all(v.device == f.delta.device for v in views):
@@ -765,26 +778,7 @@ def _pseudo_gradient(f: Fragment, start: torch.Tensor | None = None) -> None:
             torch.sub(g, v, out=d)
         return
     f.share.read(out=f.delta)
-    torch.sub(base.to(f.delta.device, non_blocking=True), f.delta, out=f.delta)
-
-
-def _pinned(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``t`` (a CPU tensor) in page-locked memory when the run trains on a GPU (``device``,
-    the model's), which then copies from it asynchronously; else ``t`` itself. A CPU run on
-    a machine that has a GPU pins nothing and opens no CUDA context."""
-    return t.pin_memory() if t.device.type == "cpu" and device.type == "cuda" else t
-
-
-def _flat_outer_state(state: dict) -> dict:
-    """An outer optimizer's ``state_dict`` for the one flat tensor it steps; a state with one
-    entry per parameter (an older checkpoint) has its momenta concatenated in order."""
-    params = state["param_groups"][0]["params"]
-    if len(params) == 1:
-        return state
-    buffers = [state["state"].get(i, {}).get("momentum_buffer") for i in params]
-    merged = ({} if any(b is None for b in buffers)
-              else {0: {"momentum_buffer": flatten_fp32(buffers)}})
-    return {"state": merged, "param_groups": [{**state["param_groups"][0], "params": [0]}]}
+    subtract_from(base, f.delta)
 
 
 __all__ = ["PATTERNS", "GlobalCopyOptions", "StreamingDiLoCo", "StreamingOptions", "WireOptions",

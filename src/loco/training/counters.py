@@ -9,6 +9,7 @@ import sys
 
 import torch
 
+from loco import checkpoint
 from loco.algorithms import Algorithm
 from loco.runtime import WorkerContext
 from loco.training.speed import goodput
@@ -22,8 +23,12 @@ COUNTERS = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syn
             "throttle_seconds", "host_reads_per_step", "host_reads_per_sync")
 #: The host-read counts of ``LOCO_HOST_READS=count`` (None in the summary when not counted).
 HOST_READS = ("host_reads_per_step", "host_reads_per_sync")
-#: The parts of a rank's memory that ``algo.memory_bytes()`` reports, after ``COUNTERS``.
-MEMORY_PARTS = ("model", "gradients", "inner_optimizer", "outer")
+#: The parts of a rank's memory, after ``COUNTERS``: what ``algo.memory_bytes()`` reports
+#: (``comm`` with the pipeline's Comm added), and ``staging``, the checkpoint's host buffers.
+#: A summary written before ``comm`` and ``staging`` were counted lacks them.
+MEMORY_PARTS = ("model", "gradients", "inner_optimizer", "outer", "comm", "staging")
+#: The parts every algorithm that reports its memory gives (``comm`` is 0 where it lacks it).
+ALGORITHM_PARTS = ("model", "gradients", "inner_optimizer", "outer")
 
 
 def gather_counters(w: Worker, loop: Loop) -> list[dict]:
@@ -39,7 +44,7 @@ def gather_counters(w: Worker, loop: Loop) -> list[dict]:
     mine = ctx.comm.totals("train")
     piped = ctx.pipe.totals("train").sent_bytes if ctx.pipe is not None else 0
     fast = ctx.inner.totals("train").sent_bytes if ctx.inner is not None else 0
-    memory = memory_bytes(algo)
+    memory = memory_bytes(algo, ctx, w.stager)
     report = torch.tensor([mine.sent_bytes, mine.recv_bytes, mine.raw_bytes,
                            ctx.comm.peak_sent_bytes("train"), mine.ops, mine.seconds, mine.waited,
                            train_seconds, piped, blocked_seconds(ctx),
@@ -99,20 +104,28 @@ def applied_steps(algo: Algorithm, trained: int) -> int:
                - getattr(algo, "discarded_inner_steps", 0))
 
 
-def memory_bytes(algo: Algorithm) -> dict[str, int] | None:
-    """Bytes of the tensors this rank holds, by ``MEMORY_PARTS`` (``algo.memory_bytes()``);
-    None for an algorithm that does not report them.
+def memory_bytes(algo: Algorithm, ctx: WorkerContext | None = None,
+                 stager: checkpoint.Stager | None = None) -> dict[str, int] | None:
+    """Bytes of the tensors this rank holds, by ``MEMORY_PARTS``: ``algo.memory_bytes()``,
+    its ``comm`` with the buffers of the pipeline's Comm (``ctx.pipe``) added, and
+    ``staging``, the checkpoint's host buffers (``stager``; none on a CPU, written in
+    place); None for an algorithm that does not report them.
 
     Args:
         algo: this rank's algorithm.
+        ctx: this rank's context; default None (no pipeline Comm).
+        stager: the checkpoint's staging buffers; default None.
     """
     report = getattr(algo, "memory_bytes", None)
     if report is None:
         return None
     parts = report()
-    if not all(k in parts for k in MEMORY_PARTS):
+    if not all(k in parts for k in ALGORITHM_PARTS):
         return None
-    return {k: int(parts[k]) for k in MEMORY_PARTS}
+    pipe = getattr(ctx, "pipe", None)
+    return {**{k: int(parts[k]) for k in ALGORITHM_PARTS},
+            "comm": int(parts.get("comm", 0)) + (pipe.buffer_bytes() if pipe is not None else 0),
+            "staging": stager.nbytes if stager is not None else 0}
 
 
 def max_rss_bytes() -> int:
@@ -173,7 +186,8 @@ def link_bytes(mesh, counters: list[dict]) -> dict[str, int]:
 
 
 def memory_per_rank(counters: list[dict]) -> dict[str, int] | None:
-    """The largest ``memory_bytes`` of any rank, part by part; None when a rank has none.
+    """The largest ``memory_bytes`` of any rank, part by part (``MEMORY_PARTS``); None when
+    a rank has none.
 
     Args:
         counters: every rank's counters (:func:`gather_counters`).

@@ -4,7 +4,7 @@ validation split and ``--eval-corpus``, and at the end."""
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -85,6 +85,15 @@ def _reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
+def global_model(algo: Algorithm) -> AbstractContextManager[dict]:
+    """The global model's parameters by name, for :func:`evaluate` inside the block: the
+    algorithm's own way where it has one (``global_in_model``: an offloaded global copy is
+    swapped into the model's parameters and back, so no copy of it is made on the model's
+    device), else ``global_parameters()``."""
+    inside = getattr(algo, "global_in_model", None)
+    return inside() if inside is not None else nullcontext(algo.global_parameters())
+
+
 def held_out(corpus: Corpus) -> list[tuple[str, Any]]:
     """The held-out sets a run evaluates on, by record field: the validation split, and the
     ``--eval-corpus`` if given."""
@@ -103,10 +112,12 @@ def periodic_eval(w: Worker, loop: Loop, step: int) -> dict:
             and w.evaluates):
         return {}
     t0 = time.perf_counter()
-    losses = {name: evaluate(w.trained, w.algo.global_parameters(),
-                             eval_batches(tokens, cfg.batch_size, cfg.seq_len, cfg.eval_batches,
-                                          w.ctx.device), w.autocast, w.pipeline)
-              for name, tokens in held_out(w.corpus)}
+    with global_model(w.algo) as params:
+        losses = {name: evaluate(w.trained, params,
+                                 eval_batches(tokens, cfg.batch_size, cfg.seq_len,
+                                              cfg.eval_batches, w.ctx.device),
+                                 w.autocast, w.pipeline)
+                  for name, tokens in held_out(w.corpus)}
     loop.eval_seconds += time.perf_counter() - t0
     return {k: v for k, v in losses.items() if v is not None}
 
@@ -131,7 +142,8 @@ def final_evaluation(w: Worker) -> tuple[float | None, dict | None]:
         replicas = replica_report(w.trained, algo, w.ctx.comm, batches, w.autocast, False,
                                   w.pipeline)
     if w.evaluates:
-        final = evaluate(w.trained, algo.global_parameters(), batches, w.autocast, w.pipeline)
+        with global_model(algo) as params:
+            final = evaluate(w.trained, params, batches, w.autocast, w.pipeline)
         if replicas:
             replicas.update(global_eval_loss=final, final_eval_loss=final)
         return final, replicas
@@ -147,7 +159,8 @@ def final_extra_evaluation(w: Worker) -> float | None:
         return None
     batches = eval_batches(w.corpus.eval_extra, cfg.batch_size, cfg.seq_len,
                            cfg.final_eval_batches, w.ctx.device)
-    return evaluate(w.trained, w.algo.global_parameters(), batches, w.autocast, w.pipeline)
+    with global_model(w.algo) as params:
+        return evaluate(w.trained, params, batches, w.autocast, w.pipeline)
 
 
 @torch.no_grad()

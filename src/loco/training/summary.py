@@ -58,8 +58,12 @@ class Summary:
         fast_link_bytes_sent_per_worker: bytes sent over the fast link, the busiest worker's
             (its ranks summed).
         memory_bytes_per_rank: bytes of the tensors a rank holds by part (``model``,
-            ``gradients``, ``inner_optimizer``, ``outer``: its state and sync buffers), the
-            largest of any rank; None when the algorithm does not report them.
+            ``gradients``, ``inner_optimizer``, ``outer``: the outer algorithm's state, sync
+            buffers and spare copies; ``comm``: the buffers its Comms keep between
+            operations; ``staging``: the checkpoint's host buffers, 0 on a CPU), the
+            largest of any rank; None when the algorithm does not report them. Runs from
+            before ``comm`` and ``staging`` were counted lack those two keys (their state
+            counted the first four).
         max_rss_bytes: peak resident memory of the largest process, in bytes (threads: all
             ranks').
         memory_peak_over_state: for the rank where it is largest, ``state_bytes`` (the sum
