@@ -14,7 +14,7 @@ LAYERS = [
     ("algorithms", "runtime", "checkpoint"),
     ("config", "dashboard"),
     ("training",),
-    ("compare", "report", "harness"),
+    ("compare", "report", "harness", "plan"),
     ("cli", "__main__"),
 ]
 MAX_LINES = 800

@@ -226,8 +226,42 @@ def _simulate_parser(sub, full: bool) -> None:
         module.add_arguments(p)
 
 
+PLAN_EPILOG = """Examples:
+  loco plan --model 70b --workers 4 --worker-ranks 64 --worker-parallel fsdp --link-bandwidth 1Gbit
+  loco plan --model 300m --workers 2 --algorithm diloco --sync-every 100
+  loco plan --model 1b --algorithm ddp --link-bandwidth 100Gbit --link-latency 1ms --json
+  loco plan --model hf:configs/llama-35m --codec int8 --fragments 4"""
+
+
+def _plan_parser(sub, full: bool) -> None:
+    """``loco plan``: its own flags and every train option (with ``full``)."""
+    plan = sub.add_parser(
+        "plan", help="what a run will hold and send, before it is launched: each rank's "
+        "state by part, the bytes per sync, per step and per run, the compute utilization",
+        description="Build the run's model, optimizer and method on the meta device (nothing "
+        "is allocated, nothing is sent) and run its inner steps (two rounds of H) over a "
+        "loopback transport: print each rank's state by part (summary.json's "
+        "memory_bytes_per_rank), "
+        "the bytes each worker sends per sync, per step and for --steps over the slow link "
+        "(and inside a worker over the fast link), as the run's summary.json will count "
+        "them, and the compute utilization loco simulate utilization's model gives on the "
+        "link of --link-bandwidth and --link-latency. Takes every loco train option.",
+        epilog=PLAN_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    plan.add_argument("--json", action="store_true",
+                      help="print the plan as JSON (the state per rank under "
+                      "memory_bytes_per_rank, the run's bytes under summary.json's keys)")
+    plan.add_argument("--step-time", metavar="SECONDS", type=float, default=None,
+                      help="seconds of compute per inner step for the utilization "
+                      "(default: the Streaming DiLoCo paper's step times, interpolated by "
+                      "the model's parameters)")
+    plan.add_argument("--config", metavar="FILE", help="YAML file of options (its keys are "
+                      "the flag names); flags given here override it")
+    if full:
+        add_train_options(plan, skip=("out", "resume"))
+
+
 SUBCOMMANDS = {"train": _train_parser, "compare": _compare_parser, "report": _report_parser,
-               "eval": _eval_parser, "simulate": _simulate_parser}
+               "eval": _eval_parser, "simulate": _simulate_parser, "plan": _plan_parser}
 
 
 SIMULATIONS = {
@@ -256,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return _report(args)
     if args.command == "eval":
         return _eval(args)
+    if args.command == "plan":
+        return _plan(args)
     if args.command == "simulate":
         try:
             return _simulation(args.simulation).run(args)
@@ -429,6 +465,22 @@ def _eval(args: argparse.Namespace) -> int:
     print("\n".join(score_table(entries)))
     print(f"wrote {os.path.join(args.run_dir, 'summary.json')} (downstream) and "
           f"{os.path.join(args.run_dir, entries['downstream_setup']['results'])}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from loco.config import TrainConfig, build_config
+    from loco.plan import format_plan, plan
+
+    names = {f.name for f in TrainConfig.fields()}
+    given = {k: v for k, v in vars(args).items() if k in names}
+    code, result = _guarded("plan", lambda: plan(build_config(args.config, given),
+                                                 args.step_time))
+    if code:
+        return code
+    print(json.dumps(result, indent=2) if args.json else format_plan(result))
     return 0
 
 
