@@ -3,11 +3,18 @@ idempotence, and the edge cases (zeros, huge, tiny, non-finite). The dropping co
 dare, random_drop) share the API tests here; their own properties are in
 test_sparse_codecs.py."""
 
+import hashlib
+import json
 import math
+import os
+import random
+import struct
+from pathlib import Path
 
 import pytest
 import torch
 
+from loco.comm import codecs
 from loco.comm.codecs import get_codec
 from loco.comm.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES, SPARSE_CODEC_NAMES,
                                chunk_topk_bytes)
@@ -374,7 +381,6 @@ def test_device_probe(name):
 
 def test_device_probe_fails_loudly(monkeypatch):
     """A device that cannot run a format fails at construction, never falling back."""
-    from loco.comm import codecs
 
     def unsupported(self, y):
         raise TypeError("float8 unsupported here")
@@ -396,3 +402,163 @@ def test_decode_a_slice_at_an_odd_byte_offset(name):
     x = torch.randn(70)
     message = torch.cat([torch.zeros(3, dtype=torch.uint8), codec.encode(x)])
     assert torch.equal(codec.decode(message[3:], x.shape), codec.decode(codec.encode(x), x.shape))
+
+
+# ------------------------------------------------------------------ the wire, pinned
+WIRE_FIXTURE = Path(__file__).parent / "fixtures" / "codec_wire.json"
+REGENERATE_WIRE = os.environ.get("LOCO_REGENERATE_GOLDEN") == "1"
+WIRE_C = 16 * B  # values per row
+PINNED = (*SCALED, "int2")  # the casts' NaN bits differ between CPU capabilities (bf16)
+
+
+def _f32(words):
+    """fp32 tensor of the given bit patterns (NaN payloads kept)."""
+    return torch.tensor(words, dtype=torch.int64).to(torch.int32).view(torch.float32)
+
+
+def _words(values):
+    return [struct.unpack("<i", struct.pack("<f", v))[0] for v in values]
+
+
+def wire_rows(name):
+    """Rows of WIRE_C values covering every case of the format, built from Python's random
+    and exact arithmetic only (no torch RNG, no libm), so they are the same bits on every
+    machine and CPU capability: normal and twelve-decade data, random bit patterns (all,
+    then finite only), NaN and infinity payloads, huge and zero blocks, -0, block maxima at
+    fmt_max * 2^k and one ulp above, denormals, and every midpoint of the grid as a tie."""
+    rng = random.Random(name)
+    fmax = FMT_MAX.get(name, 3.0)
+    normal_ = [rng.gauss(0, 1) for _ in range(WIRE_C)]
+    rows = [_f32(_words(normal_)),
+            _f32(_words([v * 10 ** rng.uniform(-6, 6) for v in normal_])),
+            _f32([rng.getrandbits(32) - 2**31 for _ in range(WIRE_C)])]
+    finite = rows[-1].clone()
+    finite[~torch.isfinite(finite)] = -0.0
+    nonfinite = rows[0].clone()
+    nonfinite[[3, 40, 77, 200, 201, 300, 301, 302, 450]] = _f32(
+        [0x7FC00000, 0x7F800000, -0x800000, -0x400000, 0x7FC00001, 0x7F800001, -1,
+         0x7FFFFFFF, 0x7F800000])
+    huge = [F32_MAX, -3.3e38, 1e38, 2e37, -F32_MAX, 3.39e38, 2e38, 0.0]
+    zero_huge = [0.0] * B + [3e38 * rng.uniform(-1, 1) for _ in range(B)] + [-0.0] * B
+    zero_huge += [0.0] * (B - 1) + [-1e-3] + [rng.choice([0.0, 1.0, -0.0]) for _ in range(B)]
+    boundary = []
+    for _ in range(WIRE_C // 2):
+        k = rng.randint(-150, 127)
+        w = _words([min(fmax * 2.0 ** k, F32_MAX)])[0]
+        boundary += [w, w + rng.choice([0, 1, -1])]
+    tiny = [rng.gauss(0, 1) * 10.0 ** rng.choice([-30, -37, -38, -40, -44, -45])
+            for _ in range(WIRE_C - 4)] + [1e-45, -1e-45, 2**-126, -2**-149]
+    grid = sorted(set(GRID.get(name, ())) | {0.5, 1.0, 1.5, 0.25, 0.75, 2.0, 2.5, 127.0})
+    if name == "fp8_e4m3":
+        grid = torch.arange(127, dtype=torch.uint8).view(torch.float8_e4m3fn).float().tolist()
+    mids = [(a + b) / 2 for a, b in zip(grid, grid[1:])]
+    ties = [v for m in mids + grid for v in (m, -m)]
+    ties = [x for i in range(0, len(ties), B - 1) for x in [fmax] + ties[i:i + B - 1]]
+    # blocks of denormals only, of zeros and denormals, of -0 and a denormal (zero blocks
+    # where denormals are flushed), and a denormal amid normal values
+    subnormal = [0x1, -0x7FFFFFFF, 0x7FFFFF, 0x400000, -0x80000000, 0]
+    denormal_blocks = ([rng.choice(subnormal[:4]) for _ in range(B)]
+                       + [rng.choice(subnormal) for _ in range(2 * B)]
+                       + [-0x80000000] * (B - 1) + [0x3]
+                       + [rng.getrandbits(23) | rng.choice([0, 1 << 31]) for _ in range(B)])
+    denormal_blocks += _words([rng.gauss(0, 1e-38) for _ in range(WIRE_C - len(denormal_blocks))])
+    rows += [finite, nonfinite, _f32(denormal_blocks), _f32(_words(huge * (WIRE_C // 8))), _f32(_words(
+        zero_huge + [0.0] * (WIRE_C - len(zero_huge)))), _f32(boundary), _f32(_words(tiny)),
+             _f32(_words((ties * WIRE_C)[:WIRE_C])), torch.zeros(WIRE_C)]
+    return torch.stack(rows)
+
+
+def wire_digests(name):
+    """sha256 of the encoded bytes of wire_rows, of their decoded fp32 bits, and of the
+    decoded bits of random bytes (every scale byte, 0 and 255 included; then under scale
+    bytes in [20, 219])."""
+    codec = get_codec(name, B, kernel="eager")
+    x = wire_rows(name)
+    buf = codec.encode_rows(x)
+    rng = random.Random(name + "junk")
+    junk = torch.tensor([rng.getrandbits(8) for _ in range(buf.numel())],
+                        dtype=torch.uint8).view(buf.shape)
+    junk[:2, -(WIRE_C // B):] = torch.tensor([0, 255, 1, 254, 127, 128, 200, 50] * 2)
+    tame = junk.clone()  # the same value bytes (fp8's NaN codes too) under scales that
+    tame[:, -(WIRE_C // B):] = junk[:, -(WIRE_C // B):] % 200 + 20  # cannot overflow
+    digest = lambda t: hashlib.sha256(t.contiguous().view(torch.uint8).numpy().tobytes()
+                                      ).hexdigest()[:16]
+    return {"encoded": digest(buf), "decoded": digest(codec.decode_rows(buf, WIRE_C)),
+            "junk_decoded": digest(codec.decode_rows(junk, WIRE_C)),
+            "tame_junk_decoded": digest(codec.decode_rows(tame, WIRE_C))}
+
+
+@pytest.mark.parametrize("name", PINNED)
+def test_wire_bytes_and_decoded_bits_are_pinned(name, flush):
+    """Every scaled format's bytes and decoded fp32 bits on wire_rows, as a fixture stored
+    before any speed work: a faster encoder or decoder must give them bit for bit, with
+    and without flushed denormals. LOCO_REGENERATE_GOLDEN=1 rewrites it (a deliberate
+    change of the wire format)."""
+    key = f"{name}/{'flush' if flush else 'denormals'}"
+    got = wire_digests(name)
+    stored = json.loads(WIRE_FIXTURE.read_text()) if WIRE_FIXTURE.exists() else {}
+    if REGENERATE_WIRE:
+        stored[key] = got
+        WIRE_FIXTURE.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+    assert stored.get(key) == got, key
+
+
+# ------------------------------------------------------------- the eager path's tables
+def reference_codes(name, y):
+    """The codes by the formats' definitions (compares, as the fused kernels compute them):
+    FP4, how many grid midpoints |y| passes (a tie counts only for odd midpoints, so it
+    goes to the even code), the sign bit only for a non-zero code; int2, |y| >= 1 and the
+    sign (y < 0)."""
+    a = y.abs()
+    if name == "int2":
+        return (a >= 1).to(torch.uint8) | (y < 0).to(torch.uint8) << 1
+    grid = GRID[name]
+    k = torch.zeros_like(a, dtype=torch.uint8)
+    for i, m in enumerate((lo + hi) / 2 for lo, hi in zip(grid, grid[1:])):
+        k += (a >= m) if i % 2 else (a > m)
+    return k | ((y < 0) & (k > 0)).to(torch.uint8) << 3
+
+
+@pytest.mark.parametrize("name", ["fp4_e3m0", "fp4_e2m1", "int2"])
+def test_eager_code_table_equals_the_compares_for_every_key(name, flush):
+    """The eager encoder's code table (one lookup on y's bits) against the compares, for
+    every key of the table: each run of 2^21 bit patterns (one exponent and top two mantissa
+    bits), at its start (a tie where a midpoint lies), just after it, in its middle and at
+    its end, both signs, every finite fp32 (zeros and denormals included: under flushing
+    too, as training runs). Tolerance: exact."""
+    starts = torch.arange(1020, dtype=torch.int64) << 21  # 1020 << 21 is +inf
+    words = torch.cat([starts, starts + 1, starts + (1 << 20), starts + (1 << 21) - 1])
+    words = torch.cat([words, words | (1 << 31)])
+    y = words.to(torch.int32).view(torch.float32)
+    codec = get_codec(name, B, kernel="eager")
+    got = codec._codes(y.clone().view(1, -1))
+    assert torch.equal(got, reference_codes(name, y)), name
+
+
+@pytest.mark.parametrize("name", PINNED)
+@pytest.mark.parametrize("piece", [B, 3 * B, 1000, 1 << 30])
+def test_eager_pieces_give_the_same_bits(name, piece, monkeypatch):
+    """The eager path encodes and decodes in pieces of whole blocks (EAGER_PIECE values):
+    any piece size, one block, blocks not dividing the row, the whole tensor, gives the
+    same bytes and values, into ``out`` too. Tolerance: exact."""
+    x = wire_rows(name)
+    codec = get_codec(name, B, kernel="eager")
+    buf, values = codec.encode_rows(x), codec.decode_rows(codec.encode_rows(x), WIRE_C)
+    monkeypatch.setattr(codecs, "EAGER_PIECE", piece)
+    assert torch.equal(codec.encode_rows(x), buf)
+    out = torch.full_like(buf, 7)
+    assert codec.encode_rows(x, out=out).data_ptr() == out.data_ptr() and torch.equal(out, buf)
+    decoded = torch.full(x.shape, 7.0)
+    codec.decode_rows(buf, WIRE_C, out=decoded)
+    assert torch.equal(decoded.view(torch.int32), values.view(torch.int32))
+
+
+@pytest.mark.parametrize("name", ["fp4_e3m0", "fp4_e2m1", "int2"])
+def test_the_compares_give_the_tables_bytes(name, flush, monkeypatch):
+    """The compares and strided packing (what the fused kernels compile, and eager runs on
+    a big-endian CPU) against the tables, on wire_rows. Tolerance: exact."""
+    x = wire_rows(name)
+    codec = get_codec(name, B, kernel="eager")
+    want = codec.encode_rows(x)
+    monkeypatch.setattr(codecs, "_LITTLE_ENDIAN", False)
+    assert torch.equal(codec.encode_rows(x), want)

@@ -45,7 +45,8 @@ def test_reduce_reuses_its_buffers_and_pads_with_zeros(codec):
     of the workers' values (exact for two fp32 workers; as the codec's round trip of the
     mean of round trips otherwise), and the smaller ones allocate nothing new (the same
     buffers, whose stale tails are zeroed before use). A codec that writes straight into a
-    buffer (the bf16 cast; fused kernels) encodes and decodes into kept ones too; the
+    buffer (the bf16 cast; the scaled codecs, eager or fused) encodes and decodes into kept
+    ones too; the
     unencoded mean (fp32 too, lossless) is the group's all-reduce, which keeps none."""
     sizes = [1000, 333, 333, 1000]  # 333 = 2 chunks of 167 minus 1: padded
     out = loco.launch(scratch_worker, 2, args=(sizes, codec))
@@ -62,7 +63,7 @@ def test_reduce_reuses_its_buffers_and_pads_with_zeros(codec):
         assert out[r][1][2] == out[r][2][2] == out[r][3][2]  # no new buffer after the first
         roles = {role for role, _ in out[r][0][2]}
         kept = {"outgoing", "decoded", "mine"}  # the codec's results
-        assert kept <= roles if codec == "bf16" else not kept & roles  # fp4 here: eager
+        assert kept <= roles if codec in ("bf16", "fp4_e3m0") else not kept & roles
         assert bool(roles) == (codec in ("bf16", "fp4_e3m0"))
 
 

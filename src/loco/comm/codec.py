@@ -180,9 +180,10 @@ class Codec:
     @property
     def writes_into(self) -> bool:
         """Whether ``encode_rows``/``decode_rows`` with ``out`` write straight into it (a
-        fused kernel, or a cast, which is one copy either way) rather than compute a new
-        tensor and copy it in (eager scaled codecs: an extra pass, which a caller that
-        keeps buffers only to save allocations should not pay)."""
+        fused kernel; a cast, which is one copy either way; a scaled codec's eager path,
+        whose last pass stores there) rather than compute a new tensor and copy it in (the
+        dropping codecs: an extra pass, which a caller that keeps buffers only to save
+        allocations should not pay)."""
         return self.kernel == "fused" or (type(self)._encode_rows_into
                                            is not Codec._encode_rows_into)
 

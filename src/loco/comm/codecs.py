@@ -16,6 +16,7 @@ measurements: ``docs/codecs.md``.
 from __future__ import annotations
 
 import math
+import struct
 import sys
 
 import torch
@@ -24,11 +25,15 @@ from loco.comm.chunked import DEFAULT_CHUNK, DEFAULT_CHUNK_KEEP, ChunkTopKCodec
 from loco.comm.codec import F32_MAX, Codec
 from loco.comm.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES, DEFAULT_KEEP,
                                SPARSE_CODEC_NAMES)
+from loco.comm.hostreads import allowed
 from loco.comm.kernels import choose_kernel
 from loco.comm.sparse import RandomDropCodec, TopKCodec, check_sparse
 
 MAX_BLOCK = 65536
 """The largest ``block`` a scaled codec accepts."""
+EAGER_PIECE = 1 << 16
+"""Values (all rows together) per piece of the scaled codecs' eager path on the CPU, so that
+a piece's temporaries stay in the cache ("The eager path" in ``docs/codecs.md``)."""
 _LITTLE_ENDIAN = sys.byteorder == "little"
 NONFINITE_SCALE = 255
 """The scale byte of a block that held a NaN or an infinity (E8M0's NaN); it decodes as NaN."""
@@ -71,6 +76,11 @@ def _branch_free(t: torch.Tensor) -> bool:
     return torch.compiler.is_compiling() or t.device.type != "cpu"
 
 
+def _bits(v: float) -> int:
+    """The bits of fp32 ``v`` as an unsigned int."""
+    return struct.unpack("<I", struct.pack("<f", v))[0]
+
+
 def _pow2(byte: torch.Tensor) -> torch.Tensor:
     # an E8M0 byte shifted into the fp32 exponent field is exactly 2^(byte - 127), with no
     # exp2 rounding and no denormal to flush (bytes are in [1, 254]; NONFINITE_SCALE gives inf)
@@ -87,11 +97,18 @@ class ScaledCodec(Codec):
         super().__init__(name, block)
         self._f, self._F = math.frexp(self.fmt_max)  # fmt_max = f * 2^F, f in [0.5, 1)
         self._M = int((2 * self._f - 1) * 2**23)  # f's mantissa field (exact: f has few bits)
+        self._tables = {}  # (kind, device) -> the eager path's lookup table there
 
-    def _encode_rows(self, x):
+    def _scales(self, x):
+        """(x as (rows, blocks, block), the bytes of the scales it is divided by, the scale
+        bytes sent): a block that held a NaN or an infinity is divided as zeros and sent
+        under NONFINITE_SCALE."""
         rows, c = x.shape
         xb = x.reshape(rows, c // self.block, self.block)
-        amax = xb.abs().amax(dim=-1)
+        # max |x| as the larger of |max x| and |min x|: two reads of x, no |x| written. Where
+        # the two could differ (a block of zeros and denormals, which flushing counts as 0)
+        # both give e = -126, and both are 0 exactly where every value == 0.
+        amax = absmax = torch.maximum(xb.amax(dim=-1).abs(), xb.amin(dim=-1).abs())
         bad = ~torch.isfinite(amax)  # NaN propagates through amax: one check per block
         # Eager on the CPU skips the masking when no block is bad (rare: such blocks are sent
         # as zeros under the NaN scale byte); a fused kernel, and any accelerator, always
@@ -112,28 +129,145 @@ class ScaledCodec(Codec):
         e = (bits >> 23) - (126 + self._F) + ((bits & 0x7FFFFF) > self._M).to(torch.int32)
         e = e.clamp_(-126, 127)
         scale_bytes = (e + 127).to(torch.uint8)
-        y = (xb / _pow2(scale_bytes).unsqueeze(-1)).view(rows, c)  # exact; |y| <= fmt_max
-        if nonfinite:
-            scale_bytes.masked_fill_(bad, NONFINITE_SCALE)
+        sent = scale_bytes.masked_fill(bad, NONFINITE_SCALE) if nonfinite else scale_bytes
+        return xb, scale_bytes, self._zero_blocks(sent, absmax)
+
+    def _encode_rows(self, x):
+        rows, c = x.shape
+        if not torch.compiler.is_compiling():  # eager: in pieces, into a new tensor
+            out = torch.empty((rows, self.row_bytes(c)), dtype=torch.uint8, device=x.device)
+            return self._encode_rows_into(x, out)
+        xb, divisor, scale_bytes = self._scales(x)
+        y = (xb / _pow2(divisor).unsqueeze(-1)).view(rows, c)  # exact; |y| <= fmt_max
         return torch.cat([self._quantize(y), scale_bytes], dim=1)
+
+    def _encode_rows_into(self, x, out):
+        if torch.compiler.is_compiling():  # one kernel, whose last store is into ``out``
+            return out.copy_(self._encode_rows(x))
+        # Eager: the scales of the whole rows, then the values in pieces of whole blocks
+        # (blocks are encoded on their own), whose temporaries stay in the CPU's cache; the
+        # value bytes go straight into ``out``.
+        xb, divisor, scale_bytes = self._scales(x)
+        divisor = _pow2(divisor).unsqueeze(-1)
+        nv = out.shape[1] - scale_bytes.shape[1]
+        out[:, nv:].copy_(scale_bytes)
+        per_block = self.block * self.bits // 8
+        for j, k in self._pieces(x):
+            y = (xb[:, j:k] / divisor[:, j:k]).view(x.shape[0], -1)  # exact; |y| <= fmt_max
+            self._quantize_into(y, out[:, j * per_block:k * per_block])
+        return out
+
+    def _pieces(self, t: torch.Tensor):
+        """Block ranges [j, k) of the eager path's pieces of ``t`` (rows, c): about
+        EAGER_PIECE values of all rows together on the CPU, the whole rows elsewhere."""
+        rows, c = t.shape
+        blocks = c // self.block
+        step = max(1, blocks)
+        if t.device.type == "cpu":
+            step = max(1, EAGER_PIECE // max(1, rows * self.block))
+        return [(j, min(j + step, blocks)) for j in range(0, blocks, step)]
+
+    def _quantize_into(self, y: torch.Tensor, out: torch.Tensor) -> None:
+        out.copy_(self._quantize(y))  # eager; a codec that can writes its last pass there
+
+    def _zero_blocks(self, scale_bytes: torch.Tensor, absmax: torch.Tensor) -> torch.Tensor:
+        return scale_bytes  # the scale bytes of blocks whose absmax is 0 (int2: byte 0)
+
+    def _table(self, kind: str, device: torch.device) -> torch.Tensor:
+        """The eager path's lookup table ``kind`` on ``device``, made once per device: made
+        on the CPU (its host reads are of CPU tensors) and, for a GPU, copied from
+        page-locked memory without blocking, so that the first operation using it (on the
+        communication thread, mid-step) does not wait for the device."""
+        if (kind, device) not in self._tables:
+            with allowed("host"):
+                table = self._make_table(kind)
+            if torch.device(device).type == "cuda":
+                table = table.pin_memory().to(device, non_blocking=True)
+            self._tables[kind, device] = table.to(device)
+        return self._tables[kind, device]
+
+    def _make_table(self, kind: str) -> torch.Tensor:
+        if kind != "codes":
+            raise KeyError(kind)
+        # key = 2q + (r > 0) for the magnitude's bits q * 2^21 + r, 2048 more if positive
+        # (see _codes); every midpoint is a multiple of 2^21 in bits, so all of a key's
+        # values lie on the same side of each one, and its code is that of its smallest.
+        assert all(not _bits(m) & 0x1FFFFF for m in self._thresholds())
+        keys = torch.arange(2048, dtype=torch.int64)
+        values = ((keys >> 1 << 21) + (keys & 1)).to(torch.int32).view(torch.float32)
+        return torch.tensor([self._code(v, negative) for negative in (True, False)
+                             for v in values.tolist()], dtype=torch.uint8)
+
+    def _codes(self, y: torch.Tensor) -> torch.Tensor:
+        """Eager: the code of each value of ``y`` (uint8, flattened; ``y`` is overwritten),
+        by one table lookup on its bits, the same as the compares of ``_quantize`` (tested
+        on every key). With u = y's bits as int32, the key (u >> 21) + ((u + 2^21 - 1) >> 21),
+        floor plus ceiling of u / 2^21, tells a tie (u a multiple of 2^21) from the values
+        just above it; for |y| <= fmt_max (no NaN) it lies in [-2048, 2048), negative where
+        y's sign bit is set."""
+        u = y.view(torch.int32)
+        key = u >> 21
+        u += 0x1FFFFF  # in place: y is this encode's own, and not needed after this
+        u >>= 21
+        key += u
+        key += 2048
+        return self._table("codes", y.device).index_select(0, key.view(-1))  # flat
+
+    def _thresholds(self) -> list[float]:  # the magnitudes at which the code changes
+        raise NotImplementedError
+
+    def _code(self, v: float, negative: bool) -> int:  # the code of -v (negative) or v
+        raise NotImplementedError
 
     def _decode_rows(self, buf, c):
         rows, nv = buf.shape[0], c * self.bits // 8
+        if not _branch_free(buf):  # eager on the CPU: into a new tensor
+            out = torch.empty((rows, c), dtype=torch.float32, device=buf.device)
+            return self._decode_rows_into(buf, c, out)
         y = self._dequantize(buf[:, :nv], c).view(rows, c // self.block, self.block)
-        scales = buf[:, nv:]
-        out = (y * _pow2(scales).unsqueeze(-1)).clamp_(-F32_MAX, F32_MAX)
+        out = y * _pow2(buf[:, nv:]).unsqueeze(-1)
+        return self._finish(out, buf[:, :nv], buf[:, nv:]).view(rows, c)
+
+    def _decode_rows_into(self, buf, c, out):
+        if _branch_free(out):  # one kernel, whose last store is into ``out``
+            return out.copy_(self._decode_rows(buf, c))
+        # Eager on the CPU: in pieces of whole blocks, each straight into ``out``
+        rows, nv = buf.shape[0], c * self.bits // 8
+        blocks = out.view(rows, c // self.block, self.block)  # out is contiguous here
+        scales = _pow2(buf[:, nv:]).unsqueeze(-1)
+        per_block = self.block * self.bits // 8
+        for j, k in self._pieces(out):
+            q = buf[:, j * per_block:k * per_block]
+            y = self._dequantize(q, (k - j) * self.block).view(rows, k - j, self.block)
+            torch.mul(y, scales[:, j:k], out=blocks[:, j:k])
+        self._finish(blocks, buf[:, :nv], buf[:, nv:])
+        return out
+
+    def _finish(self, out, q, scales):
+        """``out`` (rows, blocks, block) = q * 2^e, finished in place: clamped to fp32's range
+        and NaN throughout a non-finite block."""
         # q * 2^e is exact, except that it can round up past fp32 max (to +-inf, clamped
         # here) and that results below 2^-126 become 0 under torch.set_flush_denormal(True).
         # A NONFINITE_SCALE block is 0 * inf = NaN; it is then written as the one quiet NaN
         # (0x7FC00000), since which NaN 0 * inf and clamp give depends on the hardware and the
-        # kernel. Eager does so only when such a block exists; fused always (no branch).
-        bad = (scales == NONFINITE_SCALE).unsqueeze(-1)
-        nan_codes = self._nan_codes(buf[:, :nv])  # fp8's NaN codes (never encoded) likewise
-        if nan_codes is not None:
-            bad = bad | nan_codes.view(rows, c // self.block, self.block)
-        if _branch_free(out) or bool(bad.any()):
-            out = out.masked_fill_(bad, math.nan)
-        return out.view(rows, c)
+        # kernel; fp8's NaN codes (never encoded) likewise. Fused, both always run (no
+        # branch). Eager on the CPU reads the largest scale byte first: |q| <= 2^F, so a byte
+        # of at most 254 - F cannot overflow and is not NONFINITE_SCALE, and clamping and
+        # masking would change no bit (the common case: both are skipped).
+        branch_free = _branch_free(out)
+        if branch_free or (scales.numel() and int(scales.amax()) > 254 - self._F):
+            out.clamp_(-F32_MAX, F32_MAX)
+            bad = (scales == NONFINITE_SCALE).unsqueeze(-1)
+            if (nan_codes := self._nan_codes(q)) is not None:
+                bad = bad | nan_codes.view(out.shape)
+            if branch_free or bool(bad.any()):
+                out.masked_fill_(bad, math.nan)
+        elif self._any_nan_code(q):
+            out.masked_fill_(self._nan_codes(q).view(out.shape), math.nan)
+        return out
+
+    def _any_nan_code(self, q: torch.Tensor) -> bool:  # eager: one host read, if any
+        return False
 
     def _nan_codes(self, q: torch.Tensor) -> torch.Tensor | None:  # value bytes -> NaN where
         return None
@@ -152,10 +286,22 @@ class Fp8Codec(ScaledCodec):
         return y.to(torch.float8_e4m3fn).view(torch.uint8)
 
     def _dequantize(self, q, c):
-        return q.view(torch.float8_e4m3fn).to(torch.float32)
+        if torch.compiler.is_compiling():
+            return q.view(torch.float8_e4m3fn).to(torch.float32)
+        # Eager: a gather from the 256 codes' values, several times faster than the cast
+        values = self._table("values", q.device).index_select(0, q.to(torch.int32).view(-1))
+        return values.view(q.shape)
+
+    def _make_table(self, kind):
+        if kind != "values":
+            return super()._make_table(kind)
+        return torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).to(torch.float32)
 
     def _nan_codes(self, q):  # E4M3FN's NaN is S.1111.111; the encoder never writes it
         return (q & 0x7F) == 0x7F
+
+    def _any_nan_code(self, q):
+        return q.numel() > 0 and int((q & 0x7F).amax()) == 0x7F
 
 
 class Int8Codec(ScaledCodec):
@@ -176,22 +322,32 @@ class Fp4Codec(ScaledCodec):
         super().__init__(name, block)
         self._grid = grid
         self._mid = [(lo + hi) / 2 for lo, hi in zip(grid, grid[1:])]  # exact in fp32
-        g = torch.tensor(grid, dtype=torch.float32)
-        self._values = torch.cat([g, -g])  # code -> value
-        self._tables = {}  # per device, so CUDA does not copy the table on every call
 
-    def _quantize(self, y):
+    def _thresholds(self):
+        return self._mid
+
+    def _code(self, v, negative):
+        k = sum((v >= m) if i % 2 else (v > m) for i, m in enumerate(self._mid))
+        return k | (8 if negative and k else 0)
+
+    def _make_table(self, kind):
+        if kind != "pairs":
+            return super()._make_table(kind)
+        g = torch.tensor(self._grid, dtype=torch.float32)
+        values = torch.cat([g, -g])  # code -> value
+        # byte -> the values of its two codes, low nibble first, as one 8-byte word
+        return torch.stack([values.repeat(16), values.repeat_interleave(16)], dim=-1
+                           ).view(torch.int64).view(256)
+
+    def _quantize(self, y):  # fused (and eager on a big-endian CPU)
         # k = how many midpoints lie below |y|. Midpoint i separates codes i and i + 1; when
-        # |y| hits it exactly it counts only for odd i, so ties go to the even code. Seven
-        # compares beat torch.bucketize plus a tie lookup by 2x on CPU.
+        # |y| hits it exactly it counts only for odd i, so ties go to the even code.
         a = y.abs()
-        # k <= 7 in any integer type: uint8 is fastest eager, int32 vectorizes when fused
-        dt = torch.int32 if torch.compiler.is_compiling() else torch.uint8
         # Compares, not a bit-level rounding: some AVX2 builds miscompile that (docs/codecs.md).
-        k = torch.zeros_like(a, dtype=dt)
+        k = torch.zeros_like(a, dtype=torch.int32)  # int32 vectorizes when fused
         for i, m in enumerate(self._mid):
             k += (a >= m) if i % 2 else (a > m)
-        code = (k | ((y < 0) & (k > 0)).to(dt) << 3).to(torch.uint8)  # sign, but never -0
+        code = (k | ((y < 0) & (k > 0)).to(torch.int32) << 3).to(torch.uint8)  # never -0
         # element 2i goes to the low nibble of byte i, 2i + 1 to the high one
         rows, c = code.shape
         if not (torch.compiler.is_compiling() and c % 8 == 0 and c and _LITTLE_ENDIAN):
@@ -206,11 +362,20 @@ class Fp4Codec(ScaledCodec):
              | ((t >> 24) & 0xFF000000))
         return (w - ((w >> 31) << 32)).to(torch.int32).view(torch.uint8)
 
+    def _quantize_into(self, y, out):
+        """Eager, little-endian: codes by table (``_codes``), two to a byte: as int16 a pair
+        is b0 | b1 << 8, so v | v >> 4 holds b0 | b1 << 4 in its low byte, which is what
+        the uint8 ``out`` keeps."""
+        if not _LITTLE_ENDIAN:
+            return super()._quantize_into(y, out)
+        v = self._codes(y).view(torch.int16).view(y.shape[0], y.shape[1] // 2)
+        torch.bitwise_or(v >> 4, v, out=out)
+
     def _dequantize(self, q, c):
         rows = q.shape[0]
         if torch.compiler.is_compiling() and _LITTLE_ENDIAN:
             # Fused: nibbles spread into bytes through int16 and seven selects, which
-            # vectorize; the table lookup below gathers, which a fused CPU kernel runs scalar
+            # vectorize; a table lookup gathers, which a fused CPU kernel runs scalar
             # (and eager runs the selects 5x slower). Same values: the grid's, exactly.
             w = q.to(torch.int16)
             codes = ((w & 15) | ((w >> 4) << 8)).view(torch.uint8).view(rows, c).to(torch.int32)
@@ -219,11 +384,9 @@ class Fp4Codec(ScaledCodec):
             for i in range(1, 8):
                 y = torch.where(k == i, self._grid[i], y)
             return torch.where(codes >= 8, -y, y)
-        if q.device not in self._tables:
-            self._tables[q.device] = self._values.to(q.device)
-        values = self._tables[q.device]
-        codes = torch.stack([q & 15, q >> 4], dim=-1).view(-1).to(torch.int32)
-        return values.index_select(0, codes).view(rows, c)
+        # Eager: one gather per byte, of both its values (an 8-byte word)
+        words = self._table("pairs", q.device).index_select(0, q.to(torch.int32).view(-1))
+        return words.view(torch.float32).view(rows, c)
 
 
 class Int2Codec(ScaledCodec):
@@ -245,26 +408,51 @@ class Int2Codec(ScaledCodec):
     def __init__(self, name: str, block: int):
         super().__init__(name, block)
         self._values = torch.tensor([0.5, 1.5, -0.5, -1.5], dtype=torch.float32)
-        self._tables = {}
 
-    def _encode_rows(self, x):
+    def _zero_blocks(self, scale_bytes, absmax):
         # A block of zeros gets scale byte 0 (2^-127 is never a scale: e >= -126), which
-        # decodes as 0 times the levels: exact zeros, where the levels have none.
-        enc = super()._encode_rows(x)
-        rows, c = x.shape
-        zero = (x.reshape(rows, c // self.block, self.block) == 0).all(dim=-1)
-        nv = c * self.bits // 8
-        return torch.cat([enc[:, :nv], enc[:, nv:].masked_fill(zero, 0)], dim=1)
+        # decodes as 0 times the levels: exact zeros, where the levels have none. (absmax is
+        # 0 exactly where every value == 0: -0 too, and denormals where they count as 0.)
+        return scale_bytes.masked_fill(absmax == 0, 0)
 
-    def _quantize(self, y):
+    def _thresholds(self):
+        return [1.0]
+
+    def _code(self, v, negative):
+        return int(v >= 1) | (2 if negative and v > 0 else 0)  # -0 has no sign
+
+    def _make_table(self, kind):
+        values = self._values  # code -> value
+        if kind == "values":
+            return values
+        if kind != "quads":
+            return super()._make_table(kind)
+        b = torch.arange(256)  # byte -> its four values, as one 16-byte word
+        return torch.stack([values[b >> s & 3] for s in (0, 2, 4, 6)], dim=-1
+                           ).view(torch.complex128).view(256)
+
+    def _quantize(self, y):  # fused (and eager on a big-endian CPU)
         code = (y.abs() >= 1).to(torch.uint8) | (y < 0).to(torch.uint8) << 1
         return code[:, 0::4] | code[:, 1::4] << 2 | code[:, 2::4] << 4 | code[:, 3::4] << 6
 
+    def _quantize_into(self, y, out):
+        """Eager, little-endian: codes by table, four to a byte: as int32 a quad is b0 |
+        b1 << 8 | b2 << 16 | b3 << 24; t = w | w >> 6 puts b1 at bit 2 and b3 at bit 18, and
+        t | t >> 12 brings b2 and b3 to bits 4 and 6 of the low byte, which is what the
+        uint8 ``out`` keeps."""
+        if not _LITTLE_ENDIAN:
+            return super()._quantize_into(y, out)
+        w = self._codes(y).view(torch.int32).view(y.shape[0], y.shape[1] // 4)
+        t = w >> 6
+        t |= w
+        torch.bitwise_or(t >> 12, t, out=out)
+
     def _dequantize(self, q, c):
-        if q.device not in self._tables:
-            self._tables[q.device] = self._values.to(q.device)
-        codes = torch.stack([q & 3, (q >> 2) & 3, (q >> 4) & 3, q >> 6], dim=-1)
-        return self._tables[q.device][codes.view(q.shape[0], c).to(torch.int64)]
+        if torch.compiler.is_compiling():
+            codes = torch.stack([q & 3, (q >> 2) & 3, (q >> 4) & 3, q >> 6], dim=-1)
+            return self._table("values", q.device)[codes.view(q.shape[0], c).to(torch.int64)]
+        quads = self._table("quads", q.device).index_select(0, q.to(torch.int32).view(-1))
+        return quads.view(torch.float32).view(q.shape[0], c)
 
 
 E3M0_GRID = (0.0, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0)  # k >= 1 is 2^(k - 3)

@@ -287,7 +287,7 @@ def _coders(codec: Any, chunk: int, buffers: Buffers) -> tuple:
     values are the result."""
     if codec is None:
         return (lambda x, into: x), (lambda x, into: x)
-    if not codec.writes_into:  # eager scaled codecs: new tensors, copied where needed
+    if not codec.writes_into:  # the dropping codecs: new tensors, copied where needed
         return ((lambda x, into: codec.encode_rows(x)),
                 (lambda buf, into: codec.decode_rows(buf, chunk)))
 

@@ -41,6 +41,9 @@ class CommThread:
                 except BaseException as e:  # noqa: BLE001 - handed to whoever waits
                     if not future.done():
                         future.set_exception(e)
+            # Not kept until the next operation arrives: the operation's closure holds its
+            # tensors (a NoLoCo exchange's four message buffers, between syncs).
+            del item, future, fn
 
     def submit(self, future: Future, fn: Callable[[], None]) -> None:
         """Queue ``fn`` (which completes ``future`` itself); an exception it raises
