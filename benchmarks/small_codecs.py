@@ -10,11 +10,13 @@ drift between runs falls on all three alike); the table shows each one's median 
 slowest worker's), the median of the per-repeat ratios FP4/fp32 and each/none, the CPU time
 of the whole process per step (both workers' training and communication threads: other jobs
 on the machine change it far less than steps/s, but it leaves out waiting), and the seconds
-each worker spent building its algorithm (where a codec compiles, if it does). The target:
-FP4 at least 0.97 of fp32.
+each worker spent building its algorithm (where a codec compiles, if it does; FP4's eager
+path loads its C++ kernel there, ``loco.comm.cpu_kernels``). The target: FP4 at least 0.97
+of fp32.
 
     python benchmarks/small_codecs.py                       # 7 repeats, about 3 minutes
     LOCO_CODEC_KERNEL=eager python benchmarks/small_codecs.py --repeats 3
+    LOCO_CPU_KERNEL=0 python benchmarks/small_codecs.py --repeats 3   # eager without C++
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 from torch import nn
 
 import loco
+from loco.comm import cpu_kernels
 
 sys.path.insert(0, os.path.dirname(__file__))
 from overhead import Net  # noqa: E402  (the same model)
@@ -94,9 +97,10 @@ def main() -> None:
                 table[name].append(value)
     med = statistics.median
     kernel = os.environ.get("LOCO_CODEC_KERNEL") or "auto"
+    cxx = "on" if cpu_kernels.enabled() and cpu_kernels._library(wait=True) else "off"
     print(f"\n2 workers as threads, 2.1M parameters, Streaming DiLoCo P = 2, tau = 1, "
           f"H = {args.sync_every}, {args.steps} steps, median of {args.repeats}; "
-          f"LOCO_CODEC_KERNEL={kernel}; torch {torch.__version__}")
+          f"LOCO_CODEC_KERNEL={kernel}; C++ eager kernel {cxx}; torch {torch.__version__}")
     print("| run | steps/s | / none | CPU ms per step | build s |\n|---|---|---|---|---|")
     for name in runs:
         ratio = med([a / b for a, b in zip(rate[name], rate["none"])])

@@ -26,7 +26,8 @@ from loco.comm.comm import Comm
 from loco.comm.elastic import ElasticComm
 from loco.comm.formats import CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES
 from loco.comm.hostreads import HostReadCounter
-from loco.comm.reduce import Buffers, gather_mean, layout, reduce_mean
+from loco.comm.chunked import gather_mean
+from loco.comm.reduce import Buffers, layout, reduce_mean
 
 LIST_FORMS = {"allgather", "alltoall", "reduce_scatter", "allgather_coalesced", "gather",
               "scatter", "allreduce_coalesced"}
@@ -274,8 +275,8 @@ def test_sparseloco_sums_kept_values_in_rank_order_bit_for_bit(name, m, n):
     """Scatter-adding each worker's kept values gives, bit for bit, the sum of the dense
     decodes in rank order (NaN throughout a chunk any worker sent non-finite, a padded last
     chunk, M = 1 to 3), the echo error feedback reads is D(C(x)); the Comm keeps only the
-    gathered messages (and the padded row where n is not whole chunks), the same buffers
-    every sync, which ``buffer_bytes`` counts."""
+    messages, gathered and its own (and one chunk where n is not whole chunks: no padded
+    copy of x), the same buffers every sync, which ``buffer_bytes`` counts."""
     syncs = 2
     out = loco.launch(gather_worker, replicas=m, args=(name, n, syncs))
     codec = get_codec(name, block=64, keep=0.125)
@@ -291,9 +292,9 @@ def test_sparseloco_sums_kept_values_in_rank_order_bit_for_bit(name, m, n):
     for results, ptrs, nbytes, kept in out:
         assert ptrs[0] == ptrs[1]  # nothing allocated for the second sync
         roles = {role for role, _ in kept}
-        assert roles == ({"gathered"} | ({"padded"} if n % 64 else set()))
+        assert roles == ({"gathered", "message"} | ({"last chunk"} if n % 64 else set()))
         width = codec.padded(n)
-        assert nbytes == m * codec.row_bytes(width) + (4 * width if n % 64 else 0)
+        assert nbytes == (m + 1) * codec.row_bytes(width) + (4 * 64 if n % 64 else 0)
 
 
 def buffers_worker(ctx):

@@ -209,3 +209,33 @@ def test_a_deep_copy_of_the_model_is_not_driven_by_ddp():
         assert calls == [1] and comm.totals().ops == 1  # one bucket: the model's gradients
     finally:
         comm.close()
+
+
+class DDPWithoutForwardSyncBuffers(torch.nn.parallel.DistributedDataParallel):
+    """torch 2.11's DDP, as far as its arguments go: no ``forward_sync_buffers`` (added in
+    2.12): passing it raised a TypeError there, the DataParallel failure of the first GPU
+    check (docs/gpu.md). It records what it was given."""
+
+    given: list = []
+
+    def __init__(self, module, process_group=None, broadcast_buffers=True, init_sync=True,
+                 gradient_as_bucket_view=False, bucket_cap_mb=None):
+        self.given.append({"broadcast_buffers": broadcast_buffers, "init_sync": init_sync})
+        super().__init__(module, process_group=process_group, init_sync=init_sync,
+                         gradient_as_bucket_view=gradient_as_bucket_view,
+                         bucket_cap_mb=bucket_cap_mb, forward_sync_buffers=broadcast_buffers)
+
+
+def test_ddp_path_runs_on_a_torch_without_forward_sync_buffers(monkeypatch):
+    """On a torch whose DDP has no ``forward_sync_buffers`` (2.11, the first GPU machine's),
+    the DDP path is still taken, asks for no buffer broadcast through ``broadcast_buffers``
+    and gives the same parameters as on this torch, bit for bit."""
+    import loco.algorithms.data_parallel as dp
+    today = loco.launch(ddp_run, 2, kwargs={"steps": 2})
+    monkeypatch.setattr(dp, "DistributedDataParallel", DDPWithoutForwardSyncBuffers)
+    DDPWithoutForwardSyncBuffers.given.clear()
+    older = loco.launch(ddp_run, 2, kwargs={"steps": 2})
+    assert DDPWithoutForwardSyncBuffers.given == [{"broadcast_buffers": False,
+                                                  "init_sync": False}] * 2
+    for a, b in zip(today, older, strict=True):
+        assert a["ddp"] and b["ddp"] and max_diff(a["params"], b["params"]) == 0

@@ -284,10 +284,13 @@ class RowsComm:
     def __init__(self, other):
         self.other, self.made = other, []
 
-    def all_gather(self, tensor, tag="setup"):
+    def all_gather(self, tensor, tag="setup", keep=False):
         out = torch.stack([tensor, self.other])
         self.made.append(out)
         return type("H", (), {"wait": lambda _: list(out.unbind(0))})()
+
+    def buffer(self, role, shape, dtype):
+        return torch.empty(shape, dtype=dtype)
 
 
 def test_share_gather_copies_from_the_gathers_own_buffer():
@@ -304,6 +307,34 @@ def test_share_gather_copies_from_the_gathers_own_buffer():
                        torch.tensor([0.0, 1, 2, 3, 4, 5, 100, 101, 102, 103, 104]))
     full = share.full(torch.ones(6))
     assert full[0].untyped_storage().data_ptr() == comm.made[-1].untyped_storage().data_ptr()
+
+
+def _share_twice(ctx):
+    """Two merges of a worker of two ranks (the Comm of two threads as its fast link): the
+    parameters after each, where the gather's result lay, and the Comm's kept bytes."""
+    params = [torch.zeros(3, 2), torch.zeros(5)]  # 11 values: ranges of 6, the last padded
+    share = Share(params, ctx.comm)
+    seen = []
+    for merge in range(2):
+        for v in share.views:
+            v.fill_(10.0 * merge + ctx.rank)
+        share.gather()
+        seen.append((torch.cat([p.view(-1) for p in params]).tolist(),
+                     ctx.comm._buffers["all_gather", torch.float32].data_ptr()))
+    return seen, ctx.comm.buffer_bytes()
+
+
+def test_share_gather_gathers_into_the_fast_links_kept_buffers():
+    """``Share.gather`` (data-parallel inside, R = 2) all-gathers into the fast-link Comm's
+    kept buffer, filled from its kept input: the second merge allocates neither, both are
+    counted in ``buffer_bytes`` (what ``memory_bytes_per_rank`` adds as ``comm``), and the
+    parameters are every rank's range, in rank order."""
+    out = loco.launch(_share_twice, replicas=2, launcher="threads")
+    for seen, kept in out:
+        (first, ptr1), (second, ptr2) = seen
+        assert first == [0.0] * 6 + [1.0] * 5 and second == [10.0] * 6 + [11.0] * 5
+        assert ptr1 == ptr2
+        assert kept >= (2 * 6 + 6) * 4  # the gathered (2, 6) and the input (6,), fp32
 
 
 class NoLoCoBefore(loco.NoLoCo):

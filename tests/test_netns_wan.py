@@ -126,8 +126,11 @@ def test_elastic_workers_on_separate_hosts_rejoin(namespaces_work, tmp_path):
     res = json.loads(results.read_text())
     assert res["exit_codes"] == [0, 0, 0] and res["namespaces_left"] == []
     elastic = res["elastic"]
-    assert [loss["left"] for loss in elastic["losses"]] == [[2]]
-    assert elastic["losses"][0]["to_full_strength"] is not None  # back from a live worker
+    # Worker 2, and only it, left (a loaded machine may see its restarted process miss the
+    # quorum once more before it is back); each time it came back from a live worker.
+    lefts = [loss["left"] for loss in elastic["losses"]]
+    assert lefts and all(left == [2] for left in lefts), lefts
+    assert all(loss["to_full_strength"] is not None for loss in elastic["losses"])
     assert set(elastic["syncs_by_participants"]) == {"2", "3"}
     # a live worker served the joiner's state to worker 2's address, over the links
     served = "".join((tmp_path / "run" / "logs" / f"worker{i}.log").read_text()

@@ -7,7 +7,9 @@ before the next fragment is sent (``StreamingDiLoCo`` asserts it), so each worke
 one sync in flight at a time. One pseudo-gradient buffer Δ (on the wire's device), one buffer
 for what the codec sent (error feedback) and, where the outer optimizer reads Δ̄ elsewhere
 (offloaded, or eager updates' proxy step), one host buffer for it serve every fragment: each
-is sized to the largest fragment, and a fragment's are views of its beginning.
+is sized to the largest fragment, and a fragment's are views of its beginning. With the
+chunked top-k codec (SparseLoCo) the error feedback keeps ``C(e)``'s bytes, a few per chunk,
+rather than a dense ``D(C(e))`` (`SyncBuffers.keep_message`, `feed_back_message`).
 
 **Offloaded.** The global copy, its momentum and the error feedback live in (page-locked)
 host memory; what meets the model's values there moves in pieces of at most
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from loco.comm.chunked import subtract_flat
 from loco.comm.hostreads import allowed
 
 PIECE_VALUES = 1 << 24
@@ -54,12 +57,13 @@ class SyncBuffers:
         delta: Δ_p, then Δ̄_p, of the fragment in flight (its first ``numel`` values).
         grad: Δ̄_p where the outer optimizer reads it, or None (it reads ``delta``).
         sent: what this worker's pseudo-gradient became on the wire (empty without error
-            feedback).
+            feedback): ``D(C(e))``, fp32; or, after `keep_message`, ``C(e)``'s bytes.
     """
 
     def __init__(self, sizes: list[int], wire: torch.device, outer: torch.device,
                  compute: torch.device, separate_grad: bool, sent: bool):
         n = max(sizes)
+        self.sizes = list(sizes)
         self.delta = torch.zeros(n, dtype=torch.float32, device=wire)
         self.grad = (pinned(torch.zeros(n, dtype=torch.float32, device=outer), compute)
                      if separate_grad else None)
@@ -70,6 +74,26 @@ class SyncBuffers:
         optimizer reads Δ̄ from (``delta``'s view itself unless ``grad`` is kept)."""
         delta = self.delta[:numel]
         return delta, delta if self.grad is None else self.grad[:numel]
+
+    def keep_message(self, codec) -> bool:
+        """Keep the error feedback's ``C(e)``, the encoded bytes (a few per chunk), in
+        ``sent`` instead of the dense ``D(C(e))``, where the codec can subtract its kept values
+        from them ([`feed_back_message`][loco.algorithms.buffers.feed_back_message]): one
+        that ``gathers`` (the chunked top-k), every fragment's bytes no more than its values
+        (so a fragment's ``sent[:numel]`` holds them). Else nothing changes.
+
+        Args:
+            codec: the wire's codec.
+
+        Returns:
+            Whether ``sent`` now holds bytes.
+        """
+        nbytes = [codec.encoded_nbytes(n) for n in self.sizes]
+        if not self.sent.numel() or not codec.gathers or any(
+                b > n for b, n in zip(nbytes, self.sizes)):
+            return False
+        self.sent = torch.zeros(max(nbytes), dtype=torch.uint8, device=self.sent.device)
+        return True
 
     def tensors(self) -> list[torch.Tensor]:
         """Every buffer held, for the memory report."""
@@ -120,6 +144,24 @@ def feed_back(error: torch.Tensor, sent: torch.Tensor,
     error.sub_(sent)
 
 
+def feed_back_message(error: torch.Tensor, codec, message: torch.Tensor) -> None:
+    """``e ← e − D(C(e))`` from ``C(e)``'s bytes (`SyncBuffers.keep_message`): the codec's
+    kept values subtracted where they go, with no dense ``D(C(e))`` (``subtract_flat``); the
+    same bits as [`feed_back`][loco.algorithms.buffers.feed_back] with the decoded vector.
+
+    Args:
+        error: e, contiguous fp32.
+        codec: the chunked top-k codec that made ``message``.
+        message: ``C(e)``, uint8, at least ``codec.encoded_nbytes(e.numel())`` bytes (its
+            first are used), on any device: a few bytes per chunk come to ``error``'s.
+    """
+    message = message[:codec.encoded_nbytes(error.numel())]
+    if message.device != error.device:
+        with allowed("sync"):  # the host reads the message: at a sync
+            message = message.to(error.device)
+    subtract_flat(codec, message, error)
+
+
 def subtract_from(base: torch.Tensor, out: torch.Tensor) -> None:
     """``out ← base − out`` (θ^g − θ_m, ``out`` holding θ_m), ``base`` on another device
     (the offloaded global copy): brought over in pieces of at most ``PIECE_VALUES``, so the
@@ -155,5 +197,5 @@ def swap(mine: list[torch.Tensor], theirs: list[torch.Tensor]) -> None:
             b[start:stop].copy_(kept)
 
 
-__all__ = ["PIECE_VALUES", "SyncBuffers", "error_feedback", "feed_back", "pinned",
-           "subtract_from", "swap"]
+__all__ = ["PIECE_VALUES", "SyncBuffers", "error_feedback", "feed_back", "feed_back_message",
+           "pinned", "subtract_from", "swap"]

@@ -9,6 +9,7 @@ during the backward pass (the common case), or one explicit mean-all-reduce in `
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -134,8 +135,7 @@ class DataParallel(Algorithm):
         # collectives (the one re-bucketing after the first step) go through the Comm too.
         self.ddp = DistributedDataParallel(
             self.model, process_group=_CommGroup(self.comm), init_sync=False,
-            forward_sync_buffers=False, gradient_as_bucket_view=True,
-            bucket_cap_mb=bucket_cap_mb)
+            gradient_as_bucket_view=True, bucket_cap_mb=bucket_cap_mb, **_no_buffer_sync())
         algo = weakref.ref(self)  # the hooks must not keep the algorithm alive
 
         def hook(_, bucket):  # (DDP checks the annotations: none under __future__'s)
@@ -315,6 +315,16 @@ class DataParallel(Algorithm):
         for p in self.params:
             p.grad = torch.zeros_like(p)
         self._average()
+
+
+def _no_buffer_sync() -> dict[str, bool]:
+    """DDP's argument that turns off its buffer broadcast before each forward pass:
+    ``forward_sync_buffers`` where this torch has it (2.12 on; ``broadcast_buffers`` warns
+    there), ``broadcast_buffers`` before (torch 2.11 has no ``forward_sync_buffers``: passing
+    it is a TypeError). With ``init_sync=False`` neither syncs at construction."""
+    names = inspect.signature(DistributedDataParallel.__init__).parameters
+    return ({"forward_sync_buffers": False} if "forward_sync_buffers" in names
+            else {"broadcast_buffers": False})
 
 
 class _Done(dist._Work):

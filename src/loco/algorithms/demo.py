@@ -212,14 +212,19 @@ def group_by_plan(params: list[torch.Tensor], plans: list[Plan], opt_groups: lis
     return groups, moms
 
 
-PIECE_VALUES = 1 << 24
-"""The most values (16,777,216: 64 MB of fp32) DeMo encodes, decodes or applies at a time: its
-temporaries (coefficients, their magnitudes, the sent and summed coefficients, the inverse
-transform) are each one piece's, whatever the model's size (a chunk-row of one parameter is
-never cut, so a piece holds at least one). A group under this size is one piece. Cutting
-changes no bits where a chunk has several rows (each chunk's transform is a matrix product
-of its own); for chunks of one row (vectors: n1 = 1) the rows computed at once fold into one
-product, whose kernel and last bits depend on their number."""
+PIECE_VALUES = 1 << 22
+"""The most values (4,194,304: 16 MB of fp32) DeMo encodes, decodes or applies at a time:
+its temporaries (coefficients, their magnitudes, the sent and summed coefficients, the
+inverse transform) are each one piece's, at most two of them alive at once, whatever the
+model's size (a chunk-row of one parameter is never cut, so a piece holds at least one). A
+group under this size is one piece. Cutting changes no bits where a chunk has several rows
+(each chunk's transform is a matrix product of its own); chunks of one row (vectors) are cut
+at ``VECTOR_PIECE_VALUES`` instead."""
+
+VECTOR_PIECE_VALUES = 1 << 24
+"""The piece of a group of vectors (chunks of one row, n1 = 1): there the rows computed at
+once fold into one product, whose kernel and last bits depend on their number, so their cut
+stays what it was (16M values; no model has that many values in vectors of one shape)."""
 
 
 @dataclass
@@ -243,15 +248,18 @@ class Piece:
 
 
 def cut_pieces(groups: list[Group], limit: int | None = None) -> list[Piece]:
-    """Every group cut into pieces of whole chunk-rows, each of at most ``limit`` values (or
-    one chunk-row, if that is more). A group's chunks are numbered row-major over its
-    stacked members, so a piece's chunks are a contiguous range of them, and so are their
-    payload positions."""
-    pieces, limit = [], limit or PIECE_VALUES
+    """Every group cut into pieces of whole chunk-rows, each of at most ``limit`` values
+    (default ``PIECE_VALUES``; a group of vectors: at least ``VECTOR_PIECE_VALUES``), or one
+    chunk-row if that is more. A group's chunks are numbered row-major over its stacked
+    members, so a piece's chunks are a contiguous range of them, and so are their payload
+    positions."""
+    pieces = []
     for g in groups:
         plan = g.plan
-        per_chunk_row = plan.n1 * plan.cols
-        step = max(1, limit // per_chunk_row) * plan.n1
+        most = limit or PIECE_VALUES
+        if plan.n1 == 1:
+            most = max(most, VECTOR_PIECE_VALUES)
+        step = max(1, most // (plan.n1 * plan.cols)) * plan.n1
         per_row_chunks = plan.cols // plan.n2
         for start in range(0, plan.rows, step):
             stop = min(plan.rows, start + step)
@@ -281,6 +289,36 @@ def idct_chunks(coef: torch.Tensor, plan: Plan, c1: torch.Tensor, c2: torch.Tens
     a, b = plan.rows // plan.n1, plan.cols // plan.n2
     blocks = c1.T @ coef.reshape(a, b, plan.n1, plan.n2) @ c2
     return blocks.permute(0, 2, 1, 3).reshape(plan.rows, plan.cols)
+
+
+def as_blocks(x: torch.Tensor, plan: Plan) -> torch.Tensor:
+    """The contiguous (rows, cols) matrix ``x`` seen, without a copy, as its n1 × n2 chunks
+    (a, b, n1, n2), as [`dct_chunks`][loco.algorithms.demo.dct_chunks] cuts it: an inverse
+    transform's blocks (``C1ᵀ · Y · C2``) are added to it in place, never permuted back into
+    a copy."""
+    a, b = x.shape[0] // plan.n1, plan.cols // plan.n2
+    return x.view(a, plan.n1, b, plan.n2).permute(0, 2, 1, 3)
+
+
+def as_rows(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """M equal contiguous tensors as one (M, n) tensor: a view where they are consecutive
+    rows of one buffer (as ``Comm.all_gather`` returns them), else a copy. Only their
+    addresses are looked at (nothing is read from the device)."""
+    first, n = tensors[0], tensors[0].numel()
+    base = first.untyped_storage().data_ptr()
+    if all(t.is_contiguous() and t.untyped_storage().data_ptr() == base
+           and t.data_ptr() == first.data_ptr() + i * n * t.element_size()
+           for i, t in enumerate(tensors)):
+        return first.as_strided((len(tensors), n), (n, 1))
+    return torch.stack([t.reshape(-1) for t in tensors])
+
+
+def values_finite(raw: torch.Tensor, values: str) -> torch.Tensor:
+    """Whether every value in the uint8 rows ``raw`` (bf16 or fp32 bytes, as
+    [`encode_values`][loco.algorithms.demo.encode_values] wrote them) is finite, as a 0-d
+    bool tensor, read from the exponent bits (not all ones) without decoding to fp32."""
+    kind, mask = (torch.int16, 0x7F80) if values == "bf16" else (torch.int32, 0x7F800000)
+    return (raw.contiguous().view(kind) & mask).ne_(mask).all()
 
 
 def encode_values(vals: torch.Tensor, values: str) -> torch.Tensor:
@@ -322,7 +360,7 @@ class DeMo(Algorithm):
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
             ``max_grad_norm`` (the local gradient is clipped before it enters the momentum),
             ``init_sync``, ``on_nonfinite`` (a non-finite local gradient is, with
-            ``"skip"``, replaced by zeros for that step: the worker still takes part in the
+            ``"skip"``, zeroed in place for that step: the worker still takes part in the
             all-gather), ``inner`` (must be None or one rank).
 
     Raises:
@@ -444,27 +482,29 @@ class DeMo(Algorithm):
         # The inner optimizer is never stepped: tell a learning-rate scheduler on it that a
         # step was taken (torch's flag), so that it does not warn about the order.
         self.inner_optimizer._opt_called = True
-        stacked = torch.stack(gathered)
+        stacked = as_rows(gathered)  # the gathered buffer itself, not a copy
+        del payload, gathered
         ok = self._all_sent_finite(stacked)  # the same bytes everywhere: all decide alike
         self.skipped_on_device((~ok).to(torch.float32), "syncs")
         with record_function("loco/outer_step"):
             for piece in self.pieces:
-                self._apply(piece, self._decode(stacked, piece), ok)
+                self._apply(piece, stacked, ok)
 
     def _accumulate(self) -> None:
         """``m ← β·m + lr·g`` with the clipped local gradient (zeros for a parameter without
         one, and for all of them when the gradient is not finite: that step is counted as
-        skipped, on the device)."""
+        skipped, on the device). The gradient is the step's to change, as clipping does: a
+        non-finite one is zeroed in place (no temporary of a parameter's size)."""
         norm = self.clip_gradients()
-        finite = torch.isfinite(norm)
-        self.skipped_on_device((~finite).to(torch.float32), "inner_steps")
+        nonfinite = ~torch.isfinite(norm)
+        self.skipped_on_device(nonfinite.to(torch.float32), "inner_steps")
         self.momentum.mul_(self.decay)
         for group in self.groups:
             lr = self._lr_wd(group)[0]
             for i in group.members:
                 grad = self.params[i].grad
                 if grad is not None:
-                    grad = torch.where(finite, grad.to(self.momentum.dtype), 0.0)
+                    grad = grad.to(self.momentum.dtype).masked_fill_(nonfinite, 0.0)
                     self.moms[i].add_(grad, alpha=lr)
 
     def _encode(self) -> torch.Tensor:
@@ -473,16 +513,26 @@ class DeMo(Algorithm):
         kept coefficients (at full precision) leave the momentum. Computed piece by piece."""
         payload = torch.empty(self.payload_bytes, dtype=torch.uint8, device=self.momentum.device)
         for piece in self.pieces:
-            plan, c1, c2 = piece.plan, self._c(piece.plan.n1), self._c(piece.plan.n2)
-            coef = dct_chunks(piece.mom, plan, c1, c2)
-            # In index order: a message does not depend on how topk lists its picks.
-            idx = coef.abs().topk(plan.k, dim=1, sorted=False).indices.sort(dim=1).values
-            vals = coef.gather(1, idx)
-            payload[piece.index_at] = pack(idx, plan.bits).reshape(-1)
-            payload[piece.value_at] = encode_values(vals, self.values).reshape(-1)
-            sent = coef.zero_().scatter_(1, idx, vals)
-            piece.mom.sub_(idct_chunks(sent, plan, c1, c2))
+            self._encode_piece(piece, payload)
         return payload
+
+    def _encode_piece(self, piece: Piece, payload: torch.Tensor) -> None:
+        """One piece of ``_encode``, with at most two of
+        its temporaries alive at once: the transforms are ``idct_chunks``'s products, and
+        their blocks are subtracted from the momentum through a view, not a copy."""
+        plan, c1, c2 = piece.plan, self._c(piece.plan.n1), self._c(piece.plan.n2)
+        coef = dct_chunks(piece.mom, plan, c1, c2)
+        # In index order: a message does not depend on how topk lists its picks.
+        idx = coef.abs().topk(plan.k, dim=1, sorted=False).indices.sort(dim=1).values
+        vals = coef.gather(1, idx)
+        payload[piece.index_at] = pack(idx, plan.bits).reshape(-1)
+        payload[piece.value_at] = encode_values(vals, self.values).reshape(-1)
+        sent = coef.zero_().scatter_(1, idx, vals).view(-1, plan.cols // plan.n2, plan.n1,
+                                                        plan.n2)
+        del coef, idx, vals
+        half = c1.T @ sent
+        del sent
+        as_blocks(piece.mom, plan).sub_(half @ c2)
 
     def _all_sent_finite(self, stacked: torch.Tensor) -> torch.Tensor:
         """Whether every value in the M messages is finite, as a 0-d bool tensor (no read):
@@ -490,8 +540,7 @@ class DeMo(Algorithm):
         3.4e38, is not checked.)"""
         if self.values == "sign":
             return torch.ones((), dtype=torch.bool, device=stacked.device)
-        raw = stacked[:, self.value_positions]
-        return torch.isfinite(decode_values(raw, raw.shape[1], self.values)).all()
+        return values_finite(stacked[:, self.value_positions], self.values)
 
     def _decode(self, stacked: torch.Tensor, piece: Piece) -> torch.Tensor:
         """A piece's coefficients summed over the M messages (``stacked``, one row each),
@@ -509,13 +558,19 @@ class DeMo(Algorithm):
             total.scatter_add_(1, idx[w], vals[w])
         return total
 
-    def _apply(self, piece: Piece, total: torch.Tensor, ok: torch.Tensor) -> None:
+    def _apply(self, piece: Piece, stacked: torch.Tensor, ok: torch.Tensor) -> None:
         """``p ← p · (1 − lr·wd) − lr · sign(IDCT(total))`` for a piece's rows of every
-        parameter, where ``ok`` (a 0-d bool tensor) holds; else nothing moves."""
+        parameter, ``total`` the piece's ``_decode`` of
+        the M messages ``stacked``, where ``ok`` (a 0-d bool tensor) holds; else nothing
+        moves. At most two of the piece's temporaries are alive at once: the direction stays
+        in chunk blocks, applied through a view of each parameter's rows."""
         g, plan = piece.group, piece.plan
         lr, wd = self._lr_wd(g)
-        direction = idct_chunks(total, plan, self._c(plan.n1), self._c(plan.n2)).sign_()
-        direction = torch.where(ok, direction, 0.0)
+        total = self._decode(stacked, piece).view(-1, plan.cols // plan.n2, plan.n1, plan.n2)
+        half = self._c(plan.n1).T @ total  # idct_chunks's products, one at a time
+        del total
+        direction = (half @ self._c(plan.n2)).sign_().masked_fill_(~ok, 0.0)
+        del half
         decay = torch.where(ok, 1 - lr * wd, 1.0) if wd else None
         rows = g.plan.rows // len(g.members)  # each member's
         start, stop = piece.rows
@@ -526,7 +581,8 @@ class DeMo(Algorithm):
             p = self.params[i].view(rows, -1)[lo - j * rows:hi - j * rows]
             if decay is not None:
                 p.mul_(decay)
-            p.sub_(direction[lo - start:hi - start].to(p.dtype), alpha=lr)
+            mine = direction[(lo - start) // plan.n1:(hi - start) // plan.n1]
+            as_blocks(p, plan).sub_(mine.to(p.dtype), alpha=lr)
 
     # ------------------------------------------------------------------------- state
     def outer_tensors(self) -> list[torch.Tensor]:

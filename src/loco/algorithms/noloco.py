@@ -7,7 +7,8 @@ H inner steps:
    message (:meth:`NoLoCo.groups`);
 2. ``Δ_i = θ_i − φ_i`` (new minus old: the opposite sign to DiLoCo's);
 3. inside its group only, point to point, a worker swaps Δ and φ with its partners and forms
-   the group means in fp32;
+   the group means in fp32, piece by piece (each at most ``PIECE_BYTES``, the group's
+   messages together), so that no message is held whole;
 4. ``δ_i ← α·δ_i + β·mean_G(Δ) − γ·(φ_i − mean_G(φ))``; ``φ_i ← φ_i + δ_i``; ``θ_i ← φ_i``.
 
 The paper's printed Eq. 2 has a minus before β; its appendix and code use plus, as here.
@@ -18,6 +19,7 @@ outer step with heavy-ball momentum (α = μ, β = lr).
 
 from __future__ import annotations
 
+import functools
 import math
 import warnings
 from dataclasses import dataclass
@@ -28,12 +30,14 @@ from torch import nn
 from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm
+from loco.algorithms.buffers import PIECE_VALUES
 from loco.algorithms.method import OUTER, PaperClaim, leftover_steps
-from loco.algorithms.sharding import Share, unflatten_views
+from loco.algorithms.sharding import Share, flatten_fp32, unflatten_views
 from loco.comm import Comm
 from loco.comm.codec import Codec
 from loco.comm.codecs import CastCodec, get_codec
 from loco.comm.hostreads import allowed
+from loco.comm.reduce import PIECE_BYTES
 from loco.options import need, opt
 
 
@@ -107,6 +111,9 @@ class NoLoCo(Algorithm):
     replicas_by_default = True
     # The paper's baseline is DiLoCo with heavy-ball outer momentum, where a run has it.
     claims = (PaperClaim("loss", "diloco", 3, want={"nesterov": False}),)
+    piece_bytes = PIECE_BYTES
+    """The most bytes one piece of the exchange holds, the group's n messages together:
+    the Comm keeps one piece of this worker's message and n − 1 of the others'."""
 
     @classmethod
     def check(cls, cfg, layers: int) -> None:
@@ -174,8 +181,12 @@ class NoLoCo(Algorithm):
         self.slow = self.share.read()  # φ_i, private to this worker
         self.slow_params = unflatten_views(self.slow, self.share.views)
         self.momentum = torch.zeros_like(self.slow)  # δ_i
+        self.bounds = message_bounds(self.codec, self.slow_codec, self.slow.numel(),
+                                     group_size, self.piece_bytes)
+        """Where each piece of the message starts, and its end: ``[0, ..., numel]``."""
         for codec in (self.codec, self.slow_codec):  # compiled now, not in the first syncs
-            codec.prepare(self.slow.numel(), 1, comm.device)
+            for width in sorted({b - a for a, b in zip(self.bounds, self.bounds[1:])}):
+                codec.prepare(width, 1, comm.device)
 
     def groups(self, outer_step: int) -> list[list[int]]:
         """The groups of outer step ``outer_step``: the same on every worker, no message.
@@ -191,7 +202,7 @@ class NoLoCo(Algorithm):
     def step(self) -> None:
         """One inner step; every H-th also takes the outer step with this worker's group,
         after it releases the gradients (spent by the inner step; ``zero_grad()`` with its
-        default): the group's messages, two of Δ and φ per member, take their room."""
+        default): the outer step's ``g`` (one fp32 value per value of φ) takes their room."""
         self.inner_update()
         self.inner_steps += 1
         if self.inner_steps % self.sync_every == 0:
@@ -222,65 +233,91 @@ class NoLoCo(Algorithm):
     @torch.no_grad()
     def _exchange_and_step(self) -> None:
         # The profiler's ranges of an outer step (docs/profiling.md): pseudo_gradient,
-        # encode, exchange (a helper thread on gloo), wait, reduce, outer_step, merge.
-        # Rank r of each member swaps its share with rank r of the others.
-        means = self._group_means(*self._payload())
-        if means is None:  # elastic: healed during a retry
+        # encode, exchange, reduce (each piece, on the Comm's thread), wait, outer_step,
+        # merge. Rank r of each member swaps its share with rank r of the others.
+        step = torch.empty_like(self.slow)  # g: in the room of the released gradients
+        ok = self._gossip(step)
+        if ok is None:  # elastic: healed during a retry
             return self._resume()
-        mean_delta, mean_slow = means
-        if (self.finite(mean_delta, "pseudo-gradient")
-                and self.finite(mean_slow, "slow weights")):
-            with record_function("loco/outer_step"):  # in place, in the means' buffers
-                pull = mean_slow.sub_(self.slow).mul_(self.gamma)  # −γ (φ − mean φ)
-                g = mean_delta.mul_(self.beta).add_(pull)
-                self.momentum.mul_(self.alpha).add_(g)  # δ ← α δ + β mean(Δ) − γ (φ − mean φ)
-                self.slow.add_(torch.mul(self.momentum, self.alpha, out=pull).add_(g)
-                               if self.nesterov else self.momentum)
+        with allowed("sync"):  # both verdicts in one read
+            delta_ok, slow_ok = ok.tolist()
+        if (self.finite(step, "pseudo-gradient", delta_ok)
+                and self.finite(step, "slow weights", slow_ok)):
+            with record_function("loco/outer_step"):
+                self._apply(step)
+        del step
         with record_function("loco/merge"):
             self.restart_from_global()  # θ_i ← φ_i (skipped: back to the old φ_i)
         self.outer_steps += 1
 
-    def _payload(self) -> tuple[torch.Tensor, int]:
-        """This worker's message: ``Δ_i = θ_i − φ_i`` and φ_i (this rank's share), encoded
-        one after the other in one buffer, and where φ's bytes start. A cast codec's bytes
-        (fp32, bf16) are written straight into it, Δ in fp32 formed there: no other copy
-        of the model is made."""
-        n = self.slow.numel()
-        split = self.codec.encoded_nbytes(n)
-        payload = torch.empty(split + self.slow_codec.encoded_nbytes(n), dtype=torch.uint8,
-                              device=self.slow.device)
-        with record_function("loco/pseudo_gradient"):
-            into = _values(self.codec, payload[:split])
-            if into is None:  # Δ_i, then its encoding
-                delta = self.share.read().sub_(self.slow)
-            else:
-                delta = self.share.read(out=into).sub_(self.slow)
-        with record_function("loco/encode"):
-            if into is None:
-                payload[:split].copy_(self.codec.encode(delta))
-            _encode_into(self.slow_codec, self.slow, payload[split:])
-        return payload, split
+    def _gossip(self, step: torch.Tensor) -> torch.Tensor | None:
+        """Swap Δ and φ with this outer step's group, piece by piece
+        ([`Comm.exchange_pieces`][loco.comm.comm.Comm.exchange_pieces]), each piece's
+        ``g = β·mean(Δ) − γ·(φ − mean φ)`` into ``step``; returns whether the means of Δ and
+        of φ were finite (two bools on the device), or None when an elastic retry healed
+        this worker. A retry forms the groups anew over the members then alive and swaps
+        every piece again."""
+        issued = {}
 
-    def _group_means(self, payload: torch.Tensor, split: int
-                     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Swap Δ and φ (``payload``, φ's bytes from ``split`` on) with this outer step's
-        group; their means, the same bits on every member (each decodes the same bytes in
-        the same order), in the first member's buffer where its bytes are fp32 values.
-        None when an elastic retry healed this worker. A retry forms the groups anew over
-        the members then alive."""
         def issue():
+            ok = issued["ok"] = torch.ones(2, dtype=torch.bool, device=step.device)
             group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
-            return self.comm.exchange(payload, group, tag="train")
+            on_comm = step.device == self.comm.device
+            return self.comm.exchange_pieces(
+                self.piece_sizes(), group, self._build, functools.partial(self._consume, step, ok),
+                tag="train", tensors=[step, ok, self.slow, *self.share.views] if on_comm else [])
 
         handle = issue()
         with record_function("loco/wait"):
-            received = self.comm.settle(handle, issue)
-        if received is None:
-            return None
-        n = self.slow.numel()
+            done = self.comm.settle(handle, issue)
+        return None if done is None else issued["ok"]
+
+    def piece_sizes(self) -> list[int]:
+        """Bytes of each piece of this worker's message: piece k holds values
+        ``bounds[k]:bounds[k + 1]`` of Δ, encoded, then of φ; together the bytes of the
+        whole message (every piece but the last holds whole blocks of the codec)."""
+        return [self.codec.encoded_nbytes(hi - lo) + self.slow_codec.encoded_nbytes(hi - lo)
+                for lo, hi in zip(self.bounds, self.bounds[1:])]
+
+    def _build(self, k: int, out: torch.Tensor) -> None:
+        """Piece k of this worker's message into ``out``: ``Δ_i = θ_i − φ_i`` of its values,
+        encoded, then φ_i's. A cast codec's bytes (fp32, bf16) are written straight into
+        ``out``, Δ in fp32 formed there: no other copy of the piece is made."""
+        lo, hi = self.bounds[k], self.bounds[k + 1]
+        split, slow = self.codec.encoded_nbytes(hi - lo), self.slow[lo:hi]
+        with record_function("loco/pseudo_gradient"):
+            into = _values(self.codec, out[:split]) if out.device == slow.device else None
+            delta = flatten_fp32(_within(self.share.views, lo, hi), into).sub_(slow)
+        with record_function("loco/encode"):
+            if into is None:
+                out[:split].copy_(self.codec.encode(delta))
+            _encode_into(self.slow_codec, slow, out[split:])
+
+    def _consume(self, step: torch.Tensor, ok: torch.Tensor, k: int,
+                 pieces: list[torch.Tensor]) -> None:
+        """Piece k of every member's message (member order): the means of Δ and φ, the same
+        bits on every member (each decodes the same bytes in the same order), in the first
+        member's bytes where they are fp32 values; whether they are finite, and-ed into
+        ``ok``; ``g = (mean φ − φ)·γ + β·mean Δ`` of its values into ``step``."""
+        lo, hi = self.bounds[k], self.bounds[k + 1]
+        split = self.codec.encoded_nbytes(hi - lo)
+        pieces = [p.to(step.device) for p in pieces]  # staged: to the model's device
         with record_function("loco/reduce"):  # decoded and summed one member at a time
-            return (_mean(self.codec, [b[:split] for b in received], n),
-                    _mean(self.slow_codec, [b[split:] for b in received], n))
+            mean_delta = _mean(self.codec, [p[:split] for p in pieces], hi - lo)
+            mean_slow = _mean(self.slow_codec, [p[split:] for p in pieces], hi - lo)
+            ok.logical_and_(torch.stack([torch.isfinite(mean_delta).all(),
+                                         torch.isfinite(mean_slow).all()]))
+            pull = torch.sub(mean_slow, self.slow[lo:hi], out=step[lo:hi]).mul_(self.gamma)
+            pull.add_(mean_delta.mul_(self.beta))  # −γ (φ − mean φ) + β mean(Δ)
+
+    def _apply(self, step: torch.Tensor) -> None:
+        """``δ ← α δ + g``, ``φ ← φ + δ`` (Nesterov: ``φ + α δ + g``), ``g`` in ``step``: in
+        pieces of at most ``PIECE_VALUES`` (the look-ahead's temporary is one)."""
+        for lo in range(0, step.numel(), PIECE_VALUES):
+            at = slice(lo, lo + PIECE_VALUES)
+            g, momentum = step[at], self.momentum[at].mul_(self.alpha).add_(step[at])
+            self.slow[at].add_(torch.mul(momentum, self.alpha).add_(g) if self.nesterov
+                               else momentum)
 
     def outer_tensors(self) -> list[torch.Tensor]:
         """This rank's share of the slow weights φ and the momentum δ."""
@@ -317,6 +354,43 @@ class NoLoCo(Algorithm):
         """φ and δ: this rank's share of them (see
         [`Algorithm.outer_state`][loco.algorithms.base.Algorithm.outer_state])."""
         return {"slow": (self.share, self.slow), "momentum": (self.share, self.momentum)}
+
+
+def message_bounds(codec: Codec, slow_codec: Codec, numel: int, members: int,
+                   limit: int) -> list[int]:
+    """Where the pieces of NoLoCo's message of ``numel`` values of Δ and of φ start, and
+    its end: pieces of whole blocks of both codecs, each (Δ's bytes and φ's) at most
+    ``limit / members`` bytes (at least one block), the last the rest; one piece for a
+    codec whose blocks are not encoded on their own (the dropping ones), whose encoding
+    depends on the whole; ``[0]`` (no piece) for no values.
+
+    Args:
+        codec: Δ's wire format.
+        slow_codec: φ's (a cast).
+        numel: values of Δ and of φ, >= 0.
+        members: n, the group's size: its n messages' pieces share ``limit``.
+        limit: bytes of the n pieces together, > 0.
+    """
+    if numel == 0:
+        return [0]
+    if not codec.blockwise:
+        return [0, numel]
+    align = math.lcm(codec.align, slow_codec.align)
+    per_block = codec.encoded_nbytes(align) + slow_codec.encoded_nbytes(align)
+    width = max(1, limit // members // per_block) * align
+    return [*range(0, numel, width), numel]
+
+
+def _within(views: list[torch.Tensor], lo: int, hi: int) -> list[torch.Tensor]:
+    """The values [lo, hi) of the concatenation of ``views`` (flattened), as views where
+    each is contiguous."""
+    out, at = [], 0
+    for v in views:
+        a, b = max(lo - at, 0), min(hi - at, v.numel())
+        if a < b:
+            out.append(v.reshape(-1)[a:b])
+        at += v.numel()
+    return out
 
 
 def _values(codec: Codec, buf: torch.Tensor) -> torch.Tensor | None:

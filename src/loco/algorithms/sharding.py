@@ -107,13 +107,14 @@ class Share:
     def gather(self) -> None:
         """Make every rank of the worker hold every parameter again after each wrote its
         range (data-parallel inside: an all-gather over the fast link, its result copied
-        into the parameters from the gather's own buffer, one copy of the whole; otherwise
-        nothing)."""
+        into the parameters from the gather's own buffer; both buffers are the fast-link
+        Comm's, kept and counted, so a merge allocates nothing; otherwise nothing)."""
         if self.inner is None:
             return
-        padded = torch.zeros(self.width, dtype=torch.float32, device=local(self.params[0]).device)
+        padded = self.inner.buffer("share_gather", (self.width,), torch.float32)
+        padded[self.numel:].zero_()
         self.read(out=padded[:self.numel])
-        full = self._gathered(padded, "train")
+        full = self._gathered(padded, "train", keep=True)
         flat = [p.detach().view(-1) for p in self.params]
         torch._foreach_copy_(flat, [f.to(p.dtype) for f, p in zip(
             unflatten_views(full, flat), flat)])
@@ -139,11 +140,11 @@ class Share:
         padded[:owned.numel()] = owned
         return unflatten_views(self._gathered(padded, tag), self.params)
 
-    def _gathered(self, padded: torch.Tensor, tag: str) -> torch.Tensor:
+    def _gathered(self, padded: torch.Tensor, tag: str, keep: bool = False) -> torch.Tensor:
         """Every rank's ``padded`` range, all-gathered over the fast link, as one flat
         tensor: the gather's own buffer when its rows lie one after another in it (no
-        second copy), else their concatenation."""
-        rows = self.inner.all_gather(padded, tag=tag).wait()
+        second copy), else their concatenation; ``keep``: the Comm's kept buffer."""
+        rows = self.inner.all_gather(padded, tag=tag, keep=keep).wait()
         first = rows[0]
         if all(r.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
                and r.storage_offset() == first.storage_offset() + i * self.width

@@ -15,15 +15,21 @@ Each worker m runs H inner steps (AdamW) on its own data, then every worker:
 This is DiLoCo with the ``topk_2bit`` wire format, error feedback β = 0.95 and outer lr 1
 without momentum, and it runs through the same code; the format and the error feedback also
 work with Streaming DiLoCo's fragments and overlap (``--algorithm streaming --codec
-topk_2bit --error-feedback 0.95``).
+topk_2bit --error-feedback 0.95``). Step 4 here subtracts the kept values from the message's
+bytes, kept until the sync lands, rather than a dense decode of it (Streaming DiLoCo's way):
+the same bits, without a model-sized buffer (``SyncBuffers.keep_message``).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from loco.algorithms.buffers import feed_back_message
 from loco.algorithms.diloco import DiLoCo
 from loco.algorithms.method import PaperClaim
+from loco.comm.chunked import encode_flat
 
 
 class SparseLoCo(DiLoCo):
@@ -61,6 +67,52 @@ class SparseLoCo(DiLoCo):
         super().__init__(*args, sync_every=sync_every, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, codec=codec,
                          error_feedback=error_feedback, **kwargs)
+        self._keeps_message = self.buffers.keep_message(self.codec)
+        """Whether the error feedback keeps ``C(e)``'s bytes rather than a dense
+        ``D(C(e))`` (the chunked top-k: ``SyncBuffers.keep_message``)."""
+        self._sent = self.buffers.sent
+        self._errors_restarted = False  # elastic: e restarted at 0 under the sync in flight
+
+    def _feed_back(self, flight) -> None:
+        """e ← e − D(C(e)), from ``C(e)``'s bytes where they are kept
+        (``feed_back_message``: the same bits as the dense subtraction); after ``_resume``,
+        whose errors restart at 0 and whose ``D(C(e))`` is 0, nothing."""
+        if not self._keeps_message:
+            return super()._feed_back(flight)
+        fragment = flight.fragment
+        if fragment.error is None or not flight.contributes:
+            return
+        if self._errors_restarted:  # 0 − 0: e stays 0
+            self._errors_restarted = False
+            return
+        feed_back_message(fragment.error, self.codec, self._sent)
+
+    def _resume(self) -> None:
+        """As Streaming DiLoCo's; the errors restart at 0, so the sync in flight feeds
+        nothing back."""
+        self._errors_restarted = self._keeps_message
+        super()._resume()
+
+    def outer_state(self) -> dict:
+        """Streaming DiLoCo's, less the sync in flight's ``C(e)`` where its bytes are kept
+        (not a vector of the share's values): ``load_outer_state`` encodes e again."""
+        state = super().outer_state()
+        if self._keeps_message:
+            state.pop("in_flight.sent", None)
+        return state
+
+    def load_outer_state(self, values: dict[str, torch.Tensor]) -> None:
+        """Streaming DiLoCo's; then, with a sync in flight whose ``C(e)`` is kept as bytes,
+        those bytes made again from the loaded e (the encoding is a function of e: the
+        same bytes the Comm sent).
+
+        Args:
+            values: a vector for every name of ``outer_state()``.
+        """
+        super().load_outer_state(values)
+        flight = self._in_flight
+        if self._keeps_message and flight is not None and flight.fragment.error is not None:
+            encode_flat(self.codec, flight.fragment.error, self._sent)
 
 
 __all__ = ["SparseLoCo"]

@@ -11,9 +11,11 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.profiler import record_function
 
 from loco.comm.bits import ef_decode, ef_encode, pack, unpack
 from loco.comm.codec import Codec, check_out, zeroed_rows
+from loco.comm.hostreads import device_path
 from loco.comm.formats import (
     DEFAULT_CHUNK,
     DEFAULT_CHUNK_KEEP,
@@ -21,6 +23,11 @@ from loco.comm.formats import (
     chunk_topk_bytes,
     index_bits,
 )
+
+PIECE_VALUES = 1 << 24
+"""The most values (all rows together) a chunked top-k codec encodes, decodes or adds at
+once: the bound on its temporaries (the piece's magnitudes, 64 MiB of fp32, and a few bytes
+per chunk), whatever the size of the rows."""
 
 
 class ChunkTopKCodec(Codec):
@@ -61,18 +68,38 @@ class ChunkTopKCodec(Codec):
         return c // self.block * self.chunk_bytes
 
     def encode_rows(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Encode every row on its own, chunk by chunk (see the class).
+        """Encode every row on its own, chunk by chunk (see the class), in pieces of at most
+        ``PIECE_VALUES`` values (all rows together): each chunk's bytes depend on its values
+        only, so the pieces give the same bytes as one pass, with temporaries of one piece.
 
         Args:
-            x: fp32 ``(rows, c)``, ``c`` a multiple of ``block``.
-            out: where to copy the bytes, uint8 ``(rows, row_bytes(c))``; default None.
+            x: fp32 ``(rows, c)``, ``c`` a multiple of ``block`` (a non-contiguous ``x`` is
+                copied first).
+            out: where to write the bytes, uint8 ``(rows, row_bytes(c))``; default None.
 
         Returns:
-            uint8 ``(rows, row_bytes(c))`` (``out`` when given).
+            uint8 ``(rows, row_bytes(c))`` (``out`` when given), never aliasing ``x``.
         """
         self._check_rows(x)
-        rows = x.shape[0]
+        rows, c = x.shape
+        shape = (rows, self.row_bytes(c))
+        if out is not None:
+            check_out(self, out, shape, torch.uint8)
+        enc = out if out is not None and out.is_contiguous() else torch.empty(
+            shape, dtype=torch.uint8, device=x.device)
         chunks = x.detach().reshape(-1, self.block)
+        into = enc.view(-1, self.chunk_bytes)
+        for a, b in self._pieces(chunks.shape[0]):
+            self._encode_chunks(chunks[a:b], into[a:b])
+        return enc if out is None or enc is out else out.copy_(enc)
+
+    def _pieces(self, chunks: int):
+        """The ranges ``(a, b)`` of at most ``PIECE_VALUES`` values' chunks, of ``chunks``."""
+        step = max(1, PIECE_VALUES // self.block)
+        return [(a, min(a + step, chunks)) for a in range(0, chunks, step)]
+
+    def _encode_chunks(self, chunks: torch.Tensor, into: torch.Tensor) -> None:
+        """Encode the chunks ``(n, block)`` into the contiguous uint8 ``(n, chunk_bytes)``."""
         idx = torch.topk(chunks.abs(), self.k, dim=1, sorted=False).indices.sort(dim=1).values
         v = chunks.gather(1, idx)
         mag = v.abs().double()  # sums of fp32 magnitudes near fp32's max must not overflow
@@ -87,8 +114,7 @@ class ChunkTopKCodec(Codec):
         codes = (v < 0).to(torch.int64) | hi.to(torch.int64) << 1
         where = ef_encode(idx, self.block) if self.elias_fano else pack(
             idx, index_bits(self.block))
-        enc = torch.cat([pack(codes, 2), scales, where], dim=1).view(rows, -1)
-        return enc if out is None else _into(self, out, enc)
+        torch.cat([pack(codes, 2), scales, where], dim=1, out=into)
 
     def decode_rows(self, buf: torch.Tensor, c: int,
                     out: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,11 +132,11 @@ class ChunkTopKCodec(Codec):
         out = zeroed_rows(self, buf, c, out)
         if c == 0:
             return out
-        idx, vals, bad = self._kept(buf)
         dense = out if out.is_contiguous() else torch.zeros_like(out)
         chunks = dense.view(-1, self.block)
-        chunks.scatter_(1, idx, vals)
-        chunks.masked_fill_(bad, math.nan)  # masked, not read: no wait for the device
+        for a, b, idx, vals, bad in self._kept_pieces(buf):
+            chunks[a:b].scatter_(1, idx, vals)
+            chunks[a:b].masked_fill_(bad, math.nan)  # masked, not read: no device wait
         return dense if dense is out else out.copy_(dense)
 
     def add_rows(self, buf: torch.Tensor, c: int, total: torch.Tensor) -> torch.Tensor:
@@ -128,9 +154,40 @@ class ChunkTopKCodec(Codec):
         """
         self._check_buf(buf, c)
         check_out(self, total, (buf.shape[0], c), torch.float32)
-        idx, vals, bad = self._kept(buf)
-        total.view(-1, self.block).scatter_add_(1, idx, vals.masked_fill_(bad, 0.0))
+        chunks = total.view(-1, self.block)
+        bad = torch.empty((chunks.shape[0], 1), dtype=torch.bool, device=total.device)
+        for a, b, idx, vals, piece_bad in self._kept_pieces(buf):
+            chunks[a:b].scatter_add_(1, idx, vals.masked_fill_(piece_bad, 0.0))
+            bad[a:b].copy_(piece_bad)
         return bad
+
+    def subtract_rows(self, buf: torch.Tensor, c: int, x: torch.Tensor) -> None:
+        """``x ← x − decode_rows(buf, c)``, in place, without the dense decode: the error
+        feedback's ``e ← e − D(C(e))`` from ``C(e)``'s bytes. Each kept value's negation is
+        added where it goes (``x + (−v)`` is ``x − v`` exactly, and ``x − 0`` is ``x``), and
+        a chunk that held a non-finite value has NaN subtracted throughout (as its dense
+        decode, NaN there, would): the same bits as ``x.sub_(decode_rows(buf, c))``.
+
+        Args:
+            buf: uint8 ``(rows, row_bytes(c))``.
+            c: values per row, a multiple of ``block``.
+            x: the contiguous fp32 ``(rows, c)``, updated in place.
+        """
+        self._check_buf(buf, c)
+        check_out(self, x, (buf.shape[0], c), torch.float32)
+        chunks = x.view(-1, self.block)
+        for a, b, idx, vals, bad in self._kept_pieces(buf):
+            chunks[a:b].scatter_add_(1, idx, vals.masked_fill_(bad, 0.0).neg_())
+            if device_path(x.device) or bool(bad.any()):  # CPU: a read of a CPU tensor
+                nan = torch.zeros(bad.shape, dtype=torch.float32, device=x.device)
+                chunks[a:b].sub_(nan.masked_fill_(bad, math.nan))
+
+    def _kept_pieces(self, buf: torch.Tensor):
+        """``(a, b, *_kept(chunks a to b))`` for the pieces (`_pieces`) of the rows ``buf``'s
+        chunks, one piece decoded at a time."""
+        every = buf.reshape(-1, self.chunk_bytes)  # copies only rows apart in memory
+        for a, b in self._pieces(every.shape[0]):
+            yield (a, b, *self._kept(every[a:b]))
 
     def _kept(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Per chunk of the rows ``buf``: the kept positions (int64, ``(chunks, k)``), their
@@ -139,7 +196,9 @@ class ChunkTopKCodec(Codec):
         chunks = buf.reshape(-1, self.chunk_bytes)
         nv = self._value_bytes
         codes = unpack(chunks[:, :nv], self.k, 2)
-        scales = chunks[:, nv:nv + 4].clone().view(torch.bfloat16).to(torch.float32)
+        # a packed copy (a clone of one row would keep its stride, an odd one maybe)
+        scales = chunks[:, nv:nv + 4].clone(memory_format=torch.contiguous_format)
+        scales = scales.view(torch.bfloat16).to(torch.float32)
         where = chunks[:, nv + 4:]
         idx = (ef_decode(where, self.block, self.k) if self.elias_fano
                else unpack(where, self.k, index_bits(self.block)))
@@ -154,9 +213,168 @@ class ChunkTopKCodec(Codec):
 BF16_MAX = torch.finfo(torch.bfloat16).max
 
 
-def _into(codec: Codec, out: torch.Tensor, enc: torch.Tensor) -> torch.Tensor:
-    check_out(codec, out, tuple(enc.shape), torch.uint8)
-    return out.copy_(enc)
+# ---------------------------------------------------------- a flat vector, as one padded row
+# ``codec.encode(flat)`` is one row of ``codec.padded(n)`` values, ``flat`` zero-padded. These
+# give its bytes, and use them, with no padded copy of ``flat``: its whole chunks are read and
+# written where they are, the last, partial one through a copy of one chunk.
+
+def _split(codec: ChunkTopKCodec, n: int) -> tuple[int, int]:
+    """(values in the whole chunks of ``n``, their bytes)."""
+    whole = n - n % codec.block
+    return whole, codec.row_bytes(whole)
 
 
-__all__ = ["DEFAULT_CHUNK", "DEFAULT_CHUNK_KEEP", "ChunkTopKCodec"]
+def _last_chunk(codec: ChunkTopKCodec, buffers, values: torch.Tensor | None = None,
+                device: torch.device | None = None) -> torch.Tensor:
+    """A ``(1, block)`` fp32 buffer (``buffers``' ``"last chunk"``, or new where it is None)
+    holding ``values`` then zeros (left as it was without ``values``)."""
+    shape = (1, codec.block)
+    if buffers is not None:
+        last = buffers("last chunk", shape, torch.float32)
+    else:
+        last = torch.empty(shape, dtype=torch.float32, device=device or values.device)
+    if values is not None:
+        last[0, :values.numel()].copy_(values)
+        last[0, values.numel():].zero_()
+    return last
+
+
+def encode_flat(codec: ChunkTopKCodec, flat: torch.Tensor, out: torch.Tensor,
+                buffers=None) -> torch.Tensor:
+    """``C(flat)``, the bytes of ``codec.encode(flat)``, into ``out``'s first
+    ``codec.encoded_nbytes(n)`` bytes, with no padded copy of ``flat``.
+
+    Args:
+        codec: a chunked top-k codec.
+        flat: the contiguous 1-D fp32 values, ``n`` of them, >= 1.
+        out: 1-D uint8, at least ``encoded_nbytes(n)`` bytes; on another device than
+            ``flat``, the bytes are made on ``flat``'s and copied.
+        buffers: a Comm's [`Buffers`][loco.comm.reduce.Buffers] for the one-chunk copy;
+            default None (a new one).
+
+    Returns:
+        ``out``'s first ``encoded_nbytes(n)`` bytes, as one row ``(1, encoded_nbytes(n))``.
+    """
+    n = flat.numel()
+    nbytes = codec.encoded_nbytes(n)
+    if out.device != flat.device:
+        here = torch.empty(nbytes, dtype=torch.uint8, device=flat.device)
+        return out[:nbytes].copy_(encode_flat(codec, flat, here).view(-1)).view(1, -1)
+    mine = out[:nbytes].view(1, -1)
+    whole, split = _split(codec, n)
+    if whole:
+        codec.encode_rows(flat[:whole].view(1, -1), out=mine[:, :split])
+    if whole < n:
+        codec.encode_rows(_last_chunk(codec, buffers, flat[whole:]), out=mine[:, split:])
+    return mine
+
+
+def decode_flat(codec: ChunkTopKCodec, message: torch.Tensor, out: torch.Tensor,
+                buffers=None) -> None:
+    """``D(C(flat))`` from ``message`` (``encode_flat``'s row) into ``out``, 1-D fp32 of ``n``
+    values: the first ``n`` of ``codec.decode`` of the padded row.
+
+    Args:
+        codec: the codec that made ``message``.
+        message: uint8 ``(1, encoded_nbytes(n))``.
+        out: the contiguous 1-D fp32 result.
+        buffers: as for ``encode_flat``.
+    """
+    n = out.numel()
+    whole, split = _split(codec, n)
+    if whole:
+        codec.decode_rows(message[:, :split], whole, out=out[:whole].view(1, -1))
+    if whole < n:
+        last = _last_chunk(codec, buffers, device=out.device)
+        codec.decode_rows(message[:, split:], codec.block, out=last)
+        out[whole:].copy_(last[0, :n - whole])
+
+
+def subtract_flat(codec: ChunkTopKCodec, message: torch.Tensor, x: torch.Tensor) -> None:
+    """``x ← x − D(C)``, ``message`` the bytes ``C`` of a vector of ``x``'s ``n`` values
+    (``encode_flat``'s), in place and bit for bit as ``x.sub_(decoded)`` (see
+    [`subtract_rows`][loco.comm.chunked.ChunkTopKCodec.subtract_rows]), with no
+    vector-sized temporary.
+
+    Args:
+        codec: the codec that made ``message``.
+        message: uint8, at least ``encoded_nbytes(n)`` bytes, on ``x``'s device.
+        x: the contiguous 1-D fp32 values.
+    """
+    n = x.numel()
+    whole, split = _split(codec, n)
+    message = message.reshape(1, -1)
+    if whole:
+        codec.subtract_rows(message[:, :split], whole, x[:whole].view(1, -1))
+    if whole < n:
+        last = _last_chunk(codec, None, x[whole:])
+        codec.subtract_rows(message[:, split:codec.encoded_nbytes(n)], codec.block, last)
+        x[whole:].copy_(last[0, :n - whole])
+
+
+def gather_mean(flat: torch.Tensor, codec: ChunkTopKCodec, parts: int, divisor: int,
+                buffers, all_gather, sent: torch.Tensor | None = None) -> torch.Tensor:
+    """Average ``flat`` over ``parts`` workers, in place, through one all-gather of every
+    worker's encoded ``flat`` (``encode_flat``): each adds the messages' kept values where they
+    go (``codec.add_rows``), in rank order, so all get the same bits: for every value the fp32
+    sum of the workers' kept values in rank order, divided by ``divisor``; a chunk any worker
+    sent non-finite is NaN throughout. The sum is formed in ``flat`` itself (its last, partial
+    chunk in a kept one-chunk buffer), in pieces of at most ``PIECE_VALUES`` values; this
+    worker's message and the gathered ones are kept buffers of a few bytes per chunk.
+
+    Args:
+        flat: the contiguous 1-D fp32 tensor, overwritten with the mean.
+        codec: a chunked top-k codec (one that ``gathers``).
+        parts: workers M, >= 1.
+        divisor: what the sum is divided by (the workers that contribute).
+        buffers: the Comm's [`Buffers`][loco.comm.reduce.Buffers].
+        all_gather: ``all_gather(out, tensor)``, the group's all-gather into ``out``
+            ``(parts, bytes)``.
+        sent: fp32, ``numel`` values: receives ``D(C(flat))``; or uint8 of at least
+            ``codec.encoded_nbytes(numel)`` bytes: receives ``C(flat)`` itself, the message
+            (for ``subtract_flat``); default None.
+
+    Returns:
+        ``flat``, holding the mean.
+    """
+    n = flat.numel()
+    if n == 0:
+        return flat
+    nbytes = codec.encoded_nbytes(n)
+    keeps_bytes = sent is not None and sent.dtype == torch.uint8
+    mine = sent if keeps_bytes else buffers("message", (nbytes,), torch.uint8)
+    with record_function("loco/encode"):
+        mine = encode_flat(codec, flat, mine, buffers)
+    if sent is not None and not keeps_bytes:  # flat's values are encoded: D(C(flat))
+        decode_flat(codec, mine, sent[:n], buffers)
+    gathered = buffers("gathered", (parts, nbytes), torch.uint8)
+    with record_function("loco/all_gather"):
+        if parts == 1:
+            gathered.copy_(mine)
+        else:
+            all_gather(gathered, mine[0])
+    with record_function("loco/decode"):
+        whole, split = _split(codec, n)
+        if whole:
+            _sum_into(flat[:whole].view(1, -1), codec, gathered[:, :split], divisor)
+        if whole < n:
+            last = _last_chunk(codec, buffers)
+            _sum_into(last, codec, gathered[:, split:], divisor)
+            flat[whole:].copy_(last[0, :n - whole])
+    return flat
+
+
+def _sum_into(total: torch.Tensor, codec: ChunkTopKCodec, messages: torch.Tensor,
+              divisor: int) -> None:
+    """``total`` (1, c) ← the sum of the rows of ``messages``' kept values, added in rank
+    order, NaN throughout a chunk any of them sent non-finite, divided by ``divisor``."""
+    c = total.shape[1]
+    total.zero_()
+    bad = codec.add_rows(messages[0:1], c, total)
+    for r in range(1, messages.shape[0]):
+        bad |= codec.add_rows(messages[r:r + 1], c, total)
+    total.view(bad.shape[0], -1).masked_fill_(bad, math.nan).div_(divisor)
+
+
+__all__ = ["DEFAULT_CHUNK", "DEFAULT_CHUNK_KEEP", "PIECE_VALUES", "ChunkTopKCodec",
+           "decode_flat", "encode_flat", "gather_mean", "subtract_flat"]

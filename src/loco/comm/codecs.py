@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from loco.comm import cpu_kernels
 from loco.comm.chunked import DEFAULT_CHUNK, DEFAULT_CHUNK_KEEP, ChunkTopKCodec
 from loco.comm.codec import F32_MAX, Codec
 from loco.comm.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES, DEFAULT_KEEP,
@@ -144,6 +145,8 @@ class ScaledCodec(Codec):
     def _encode_rows_into(self, x, out):
         if torch.compiler.is_compiling():  # one kernel, whose last store is into ``out``
             return out.copy_(self._encode_rows(x))
+        if cpu_kernels.encode_into(self, x, out):  # FP4, int2 on the CPU: the same bytes
+            return out
         # Eager: the scales of the whole rows, then the values in pieces of whole blocks
         # (blocks are encoded on their own), whose temporaries stay in the CPU's cache; the
         # value bytes go straight into ``out``.
@@ -231,6 +234,8 @@ class ScaledCodec(Codec):
     def _decode_rows_into(self, buf, c, out):
         if _branch_free(out):  # one kernel, whose last store is into ``out``
             return out.copy_(self._decode_rows(buf, c))
+        if cpu_kernels.decode_into(self, buf, c, out):  # FP4, int2: the same bits
+            return out
         # Eager on the CPU: in pieces of whole blocks, each straight into ``out``
         rows, nv = buf.shape[0], c * self.bits // 8
         blocks = out.view(rows, c // self.block, self.block)  # out is contiguous here

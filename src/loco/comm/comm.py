@@ -22,9 +22,11 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from loco.comm.counters import RECORDS_KEPT, CommStats, Counter, DeviceTimes, OpRecord
+from loco.comm.exchange import exchange_pieces, exchange_whole, sendrecv
 from loco.comm.handles import Aborted, Handle
 from loco.comm.hostreads import allowed
-from loco.comm.reduce import Buffers, gather_mean, layout, reduce_mean
+from loco.comm.chunked import gather_mean
+from loco.comm.reduce import Buffers, layout, reduce_mean
 from loco.comm.streams import HostStaging, streams_for
 from loco.comm.thread import CommThread
 
@@ -409,8 +411,8 @@ class Comm:
             tensor: the contiguous fp32 tensor to average, overwritten with the mean.
             tag: the tag its bytes are counted under; default ``"train"``.
             codec: the wire format (see [`get_codec`][loco.comm.codecs.get_codec]).
-            sent: as for [`all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean]: receives
-                ``D(C(tensor))``; default None.
+            sent: fp32, receives ``D(C(tensor))`` as for ``all_reduce_mean``; or uint8 of at
+                least ``codec.encoded_nbytes(n)`` bytes, ``C(tensor)`` itself; default None.
             weight: as for [`all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean].
 
         Returns:
@@ -436,6 +438,17 @@ class Comm:
                             lambda: gather_mean(flat, codec, m, divisor, self._buffers,
                                                 self._gather, sent),
                             [flat] + ([] if sent is None else [sent]))
+
+    def buffer(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A buffer this Comm keeps for a caller's ``role`` (counted in ``buffer_bytes``), as
+        the last user left it: the input of a ``keep`` all-gather (``Share.gather``).
+
+        Args:
+            role: what it is for; distinct from the Comm's own roles.
+            shape: its shape.
+            dtype: its dtype.
+        """
+        return self._buffers(role, shape, dtype)
 
     def buffer_bytes(self) -> int:
         """Bytes of the buffers this Comm keeps between operations (its reductions' and
@@ -488,24 +501,31 @@ class Comm:
 
         return self._submit("broadcast", tag, nbytes, sent, recv, run, [tensor])
 
-    def all_gather(self, tensor: torch.Tensor, tag: str = "setup") -> Handle:
+    def all_gather(self, tensor: torch.Tensor, tag: str = "setup", keep: bool = False
+                   ) -> Handle:
         """Gather one equally shaped tensor from every worker; the handle returns the list.
 
         Args:
             tensor: this worker's tensor (same shape and dtype on every worker).
             tag: the tag its bytes are counted under; default ``"setup"``.
+            keep: gather into this Comm's kept buffer (counted in ``buffer_bytes``), which
+                the next ``keep`` gather overwrites (``Share.gather``, which uses it at
+                once); default False: new tensors. A staging Comm ignores it.
 
         Returns:
-            A handle whose ``wait()`` returns M new tensors, in rank order.
+            A handle whose ``wait()`` returns M tensors, in rank order: rows of one
+                contiguous ``(M, *tensor.shape)`` tensor.
         """
         staged = self._staged((tensor,), lambda t: self.all_gather(t, tag),
                               lambda out, h: [self._staging.to_device(o) for o in out])
         if staged is not None:
             return staged
         m, nbytes = self.size, tensor.numel() * tensor.element_size()
+        shape = (m, *tensor.shape)
 
         def run():
-            out = torch.empty((m, *tensor.shape), dtype=tensor.dtype, device=tensor.device)
+            out = (self._buffers("all_gather", shape, tensor.dtype) if keep else
+                   torch.empty(shape, dtype=tensor.dtype, device=tensor.device))
             if m == 1:
                 out[0].copy_(tensor)
             else:
@@ -544,19 +564,27 @@ class Comm:
             ValueError: this worker is not in ``members``, a member out of range, or a
                 tensor not on this Comm's device.
         """
-        members = tuple(sorted(members))
-        staged = self._staged((tensor,), lambda t: self.exchange(t, members, tag),
-                              lambda out, h: [tensor if o is h[0] else self._staging.to_device(o)
-                                              for o in out])
-        if staged is not None:
-            return staged
-        if self.rank not in members:
-            raise ValueError(f"{self.name} rank {self.rank} is not in the group {members}")
-        peers = [r for r in members if r != self.rank]
-        out = {self.rank: tensor, **{r: torch.empty_like(tensor) for r in peers}}
-        return self._p2p("exchange", tag, tensor.numel() * tensor.element_size(),
-                         [(tensor, r) for r in peers], [(out[r], r) for r in peers],
-                         [out[r] for r in members])
+        return exchange_whole(self, tensor, members, tag)
+
+    def exchange_pieces(self, sizes: Sequence[int], members: Iterable[int], build, consume,
+                        tag: str = "train", tensors: Sequence[torch.Tensor] = ()) -> Handle:
+        """An [`exchange`][loco.comm.comm.Comm.exchange] of a message of pieces of ``sizes``
+        bytes, built, swapped and consumed one piece at a time by ``build(k, out)`` and
+        ``consume(k, pieces)`` on the Comm's thread: one operation, counted as ``exchange``
+        of the whole message (see [`exchange_pieces`][loco.comm.exchange.exchange_pieces]).
+
+        Args:
+            sizes: bytes of each piece, the same on every member.
+            members: the group's ranks, this one included.
+            build: ``build(k, out)`` writes piece k of this worker's message into ``out``.
+            consume: ``consume(k, pieces)`` takes piece k of every member, in rank order.
+            tag: the tag its bytes are counted under; default ``"train"``.
+            tensors: the tensors ``build`` and ``consume`` use; default none.
+
+        Returns:
+            A handle whose ``wait()`` returns the sorted members once all is consumed.
+        """
+        return exchange_pieces(self, sizes, members, build, consume, tag, tensors)
 
     def send(self, tensor: torch.Tensor, dst: int, tag: str = "train") -> Handle:
         """Send ``tensor`` to worker ``dst``, point to point, asynchronously (see
@@ -622,33 +650,7 @@ class Comm:
             ValueError: a peer out of range or this worker itself, a non-contiguous tensor,
                 or one not on this Comm's device.
         """
-        staged = self._staged([t for t, *_ in (*sends, *recvs)], lambda *h: self.sendrecv(
-            [(t, *rest) for t, (_, *rest) in zip(h, sends)],
-            [(t, *rest) for t, (_, *rest) in zip(h[len(sends):], recvs)], tag),
-            lambda out, h: [t for t, *_ in recvs], back=range(len(sends), len(sends) + len(recvs)))
-        if staged is not None:
-            return staged
-        op = "sendrecv" if sends and recvs else ("send" if sends else "recv")
-        raw = sum(t.numel() * t.element_size() for t, *_ in sends)
-        return self._p2p(op, tag, raw, sends, recvs, [t for t, *_ in recvs])
-
-    def _p2p(self, op: str, tag: str, raw: int, sends: Sequence[tuple],
-             recvs: Sequence[tuple], result: Any) -> Handle:
-        """Validate, count and post point-to-point sends and receives (see ``sendrecv``)."""
-        sends = [(t, int(p), int(rest[0]) if rest else 0) for t, p, *rest in sends]
-        recvs = [(t, int(p), int(rest[0]) if rest else 0) for t, p, *rest in recvs]
-        for t, p, _ in sends + recvs:
-            if not 0 <= p < self.size or p == self.rank:
-                raise ValueError(f"{self.name} rank {self.rank} cannot exchange with peer {p} "
-                                 f"(group of {self.size})")
-            if not t.is_contiguous():
-                raise ValueError(f"{op} needs contiguous tensors")
-        nbytes = lambda t: t.numel() * t.element_size()  # noqa: E731
-        sent, received = sum(nbytes(t) for t, _, _ in sends), sum(nbytes(t) for t, _, _ in recvs)
-        peers = tuple(sorted({p for _, p, _ in sends + recvs} | {self.rank}))
-        return self._submit(op, tag, raw, sent, received,
-                            lambda: self._posted(self._post(sends, recvs), result),
-                            [t for t, _, _ in sends + recvs], participants=peers)
+        return sendrecv(self, sends, recvs, tag)
 
     # ----------------------------------------------------------------------- a sync's frame
     rank_order = False

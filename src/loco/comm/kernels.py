@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from loco.comm import cpu_kernels
 from loco.comm.formats import CAST_CODEC_NAMES, FUSED_CODEC_NAMES
 from loco.comm.reduce import Buffers, layout, reduce_mean
 
@@ -146,7 +147,8 @@ def choose_kernel(codec: Any, kernel: str | None, device) -> Any:
 def prepare(codec: Any, numel: int, parts: int, device) -> str:
     """[`Codec.prepare`][loco.comm.codec.Codec.prepare]: compile, now, the fused kernels of
     an all-reduce of ``numel`` values over ``parts`` workers, by running
-    [`reduce_mean`][loco.comm.reduce.reduce_mean] on zeros over a loopback.
+    [`reduce_mean`][loco.comm.reduce.reduce_mean] on zeros over a loopback; and load the
+    eager path's C++ kernel where the codec uses it (``loco.comm.cpu_kernels``).
 
     Args:
         codec: the codec.
@@ -165,6 +167,8 @@ def prepare(codec: Any, numel: int, parts: int, device) -> str:
     if not isinstance(parts, int) or isinstance(parts, bool) or parts < 1:
         raise ValueError(f"{codec}: prepare: parts must be an int >= 1, got {parts!r}")
     dev = torch.device("cpu" if device is None else device)
+    if numel:  # the eager path's C++ kernel (FP4, int2 on the CPU): loaded now, not mid-sync
+        cpu_kernels.warm(codec, dev)
     if codec._mode == "eager" or numel == 0:
         return "eager"
     if codec._mode == "auto":

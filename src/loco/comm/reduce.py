@@ -228,58 +228,6 @@ def _put(rows: torch.Tensor, flat: torch.Tensor, chunk: int, start: int) -> None
         flat[lo:hi].copy_(row[:hi - lo])
 
 
-def gather_mean(flat: torch.Tensor, codec: Any, parts: int, divisor: int, buffers: Buffers,
-                all_gather: AllGather, sent: torch.Tensor | None = None) -> torch.Tensor:
-    """Average ``flat`` over ``parts`` workers, in place, through one all-gather of every
-    worker's encoded tensor: for the formats whose kept values differ between workers
-    (SparseLoCo's top-k), which a reduce-scatter would encode a second time. Every worker
-    adds each message's kept values into the sum where they go (``codec.add_rows``), in
-    rank order, so all get the same bits: for every value, the fp32 sum of the workers' kept
-    values in rank order, divided by ``divisor``; a chunk any worker sent non-finite is NaN
-    throughout. The sum is formed in ``flat`` itself (or, when ``flat`` is not whole chunks,
-    in a kept buffer of the padded length); the messages are gathered into a kept buffer.
-
-    Args:
-        flat: the contiguous 1-D fp32 tensor, overwritten with the mean.
-        codec: a format that ``gathers``: the whole tensor is one row of
-            ``codec.padded(numel)`` values (zero-padded), and ``codec.add_rows`` adds a
-            message's kept values into a sum.
-        parts: workers M, >= 1.
-        divisor: what the sum is divided by (the workers that contribute).
-        buffers: where the operation's intermediate results are kept.
-        all_gather: as for [`reduce_mean`][loco.comm.reduce.reduce_mean].
-        sent: where to write ``D(C(flat))``, what this worker's values became on the wire;
-            default None.
-
-    Returns:
-        ``flat``, holding the mean.
-    """
-    n = flat.numel()
-    if n == 0:
-        return flat
-    width = codec.padded(n)
-    row = _rows(flat, width, buffers).view(1, width)
-    with record_function("loco/encode"):
-        mine = codec.encode_rows(row)
-    if sent is not None:  # row's values are encoded: it is free to decode into
-        sent.copy_(codec.decode_rows(mine, width, out=row).view(-1)[:n])
-    gathered = buffers("gathered", (parts, mine.shape[1]), mine.dtype)
-    with record_function("loco/all_gather"):
-        if parts == 1:
-            gathered.copy_(mine)
-        else:
-            all_gather(gathered, mine[0])
-    with record_function("loco/decode"):
-        total = row.zero_()
-        bad = codec.add_rows(gathered[0:1], width, total)
-        for r in range(1, parts):
-            bad |= codec.add_rows(gathered[r:r + 1], width, total)
-        total.view(bad.shape[0], -1).masked_fill_(bad, math.nan).div_(divisor)
-        if total.data_ptr() != flat.data_ptr():
-            flat.copy_(total.view(-1)[:n])
-    return flat
-
-
 def _coders(codec: Any, chunk: int, buffers: Buffers) -> tuple:
     """``encode(rows, into)`` and ``decode(buf, into)`` for one all-reduce. With a codec
     that writes straight into a buffer, the result goes into ``into``: a tensor, or the kept

@@ -38,8 +38,8 @@ META = torch.device("meta")
 
 
 class HostReads(TorchDispatchMode):
-    """Answers the host reads of meta tensors as a healthy run's would be: ``bool(t)`` True
-    (every value finite), a number 0 (no non-finite value, no step skipped), ``equal``
+    """Answers the host reads of meta tensors as a healthy run's would be: ``bool(t)`` and a
+    bool tensor read on the host True (every value finite), a number 0 (no non-finite value, no step skipped), ``equal``
     True (the workers agree). A small host tensor copied to the meta device and back (DDP's
     rebuilt bucket order, broadcast over the process group) keeps its values. Every other
     operation runs as it is."""
@@ -53,9 +53,19 @@ class HostReads(TorchDispatchMode):
             return True if args[0].dtype == torch.bool else 0
         if func is aten.equal.default and args[0].is_meta:
             return True
+        if (func is aten._to_copy.default and args[0].is_meta
+                and torch.device((kwargs or {}).get("device") or META).type != "meta"):
+            return self._read(args[0], kwargs)
         if func is aten.copy_.default and args[0].is_meta != args[1].is_meta:
             return self._copy(*args)
         return func(*args, **(kwargs or {}))
+
+    @staticmethod
+    def _read(src: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """A meta tensor read on the host (``tolist``, ``cpu``): True where bool, else 0."""
+        dtype = kwargs.get("dtype") or src.dtype
+        fill = torch.ones if src.dtype == torch.bool else torch.zeros
+        return fill(src.shape, dtype=dtype, device=kwargs["device"])
 
     def _copy(self, dst: torch.Tensor, src: torch.Tensor, *rest) -> torch.Tensor:
         """``dst.copy_(src)`` between the host and the meta device, the values kept."""
