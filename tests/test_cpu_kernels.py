@@ -218,3 +218,51 @@ def test_cached_library_name(lib):
 
     path = cpu_kernels.library_path(cpu_kernels._compiler())
     assert path.startswith(get_default_build_root()) and path.endswith(".so")
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("rows", [2, 3, 5])
+def test_decode_mean_is_decode_sum_divide(lib, monkeypatch, name, rows):
+    """The owner's step of a reduction in one pass (``decode_mean_rows``): the bits of
+    decoding every row, ``torch.add`` of rows 0 and 1, ``add_`` of the later rows in rank
+    order and ``div_(divisor)``, for divisors that divide exactly (2, 4) and that round
+    (3, 5, 7), with blocks sent non-finite, huge scales that clamp, and zeros."""
+    codec = get_codec(name, kernel="eager")
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64 * codec.block, generator=g)
+    x[:, :codec.block] *= 1e38  # scales that clamp (and sums that overflow to inf)
+    x[1, codec.block:2 * codec.block] = float("nan")  # one row's block sent non-finite
+    x[:, 2 * codec.block:3 * codec.block] = 0.0
+    buf = codec.encode_rows(x)
+    c = x.shape[1]
+    for divisor in (2, 3, 4, 5, 7):
+        decoded = codec.decode_rows(buf, c)
+        want = torch.add(decoded[0], decoded[1])
+        for row in decoded[2:]:
+            want.add_(row)
+        want.div_(divisor)
+        out = torch.full((1, c), 1.5)
+        assert codec.decode_mean_rows(buf, c, out, divisor)
+        assert _same_bits(out[0], want), (name, rows, divisor)
+    monkeypatch.setenv(cpu_kernels.ENV, "0")  # off: nothing written, the caller decodes
+    out = torch.full((1, c), 1.5)
+    assert not codec.decode_mean_rows(buf, c, out, 2) and bool((out == 1.5).all())
+
+
+def _fp4_mean(ctx, n):
+    x = torch.randn(n, generator=torch.Generator().manual_seed(ctx.rank)) * (ctx.rank + 1)
+    ctx.comm.all_reduce_mean(x, codec=get_codec("fp4_e3m0", kernel="eager")).wait()
+    return x
+
+
+def test_an_fp4_all_reduce_gives_the_same_bits_with_the_kernel(lib, monkeypatch):
+    """Three workers' FP4 mean all-reduce (encode, the owner's one-pass decode-sum-divide,
+    decode) gives every worker the bits of the PyTorch ops' reduction."""
+    import loco
+    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    eager = loco.launch(_fp4_mean, replicas=3, launcher="threads", args=(10_000,))
+    monkeypatch.setenv(cpu_kernels.ENV, "1")
+    fast = loco.launch(_fp4_mean, replicas=3, launcher="threads", args=(10_000,))
+    for a, b in zip(eager, fast, strict=True):
+        assert _same_bits(a, b) and _same_bits(a, fast[0])

@@ -190,6 +190,21 @@ class Codec:
     def _decode_rows_into(self, buf: torch.Tensor, c: int, out: torch.Tensor) -> torch.Tensor:
         return out.copy_(self._decode_rows(buf, c))
 
+    def decode_mean_rows(self, buf: torch.Tensor, c: int, out: torch.Tensor,
+                         divisor: int) -> bool:
+        """``out`` (1, c) = the mean of the rows ``buf`` encodes, in one pass where a kernel
+        can (the scaled codecs' C++ kernel on the CPU): the bits of decoding every row, adding
+        them in rank order and dividing by ``divisor``. False, nothing written, elsewhere:
+        the caller does those three steps itself.
+
+        Args:
+            buf: a uint8 tensor of shape ``(rows, row_bytes(c))``, rows >= 2.
+            c: values per row.
+            out: a contiguous fp32 tensor of shape ``(1, c)``, not overlapping ``buf``.
+            divisor: what the sum is divided by.
+        """
+        return False
+
     def decode_rows(self, buf: torch.Tensor, c: int,
                     out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode rows that [`encode_rows`][loco.comm.codec.Codec.encode_rows] made.

@@ -231,6 +231,11 @@ class ScaledCodec(Codec):
         out = y * _pow2(buf[:, nv:]).unsqueeze(-1)
         return self._finish(out, buf[:, :nv], buf[:, nv:]).view(rows, c)
 
+    def decode_mean_rows(self, buf, c, out, divisor):
+        """The C++ kernel's one pass on the CPU, eager kernels only (see the base class)."""
+        return self.kernel != "fused" and cpu_kernels.decode_mean_into(self, buf, c, out,
+                                                                       divisor)
+
     def _decode_rows_into(self, buf, c, out):
         if _branch_free(out):  # one kernel, whose last store is into ``out``
             return out.copy_(self._decode_rows(buf, c))

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from loco.comm.counters import RECORDS_KEPT, CommStats, Counter, DeviceTimes, OpRecord
-from loco.comm.exchange import exchange_pieces, exchange_whole, sendrecv
+from loco.comm.exchange import Build, Consume, exchange_pieces, exchange_whole, sendrecv
 from loco.comm.handles import Aborted, Handle
 from loco.comm.hostreads import allowed
 from loco.comm.chunked import gather_mean
@@ -566,8 +566,9 @@ class Comm:
         """
         return exchange_whole(self, tensor, members, tag)
 
-    def exchange_pieces(self, sizes: Sequence[int], members: Iterable[int], build, consume,
-                        tag: str = "train", tensors: Sequence[torch.Tensor] = ()) -> Handle:
+    def exchange_pieces(self, sizes: Sequence[int], members: Iterable[int], build: Build,
+                        consume: Consume, tag: str = "train",
+                        tensors: Sequence[torch.Tensor] = ()) -> Handle:
         """An [`exchange`][loco.comm.comm.Comm.exchange] of a message of pieces of ``sizes``
         bytes, built, swapped and consumed one piece at a time by ``build(k, out)`` and
         ``consume(k, pieces)`` on the Comm's thread: one operation, counted as ``exchange``

@@ -190,6 +190,26 @@ extern "C" CLONES void loco_decode(const uint8_t *buf, int64_t buf_stride, float
                                 outr + b * block);
     }
 }
+
+/* out (c values) = the rows' decoded values added in rank order, ((r0 + r1) + r2) + ...,
+   then divided by d: the bits of decoding every row, torch.add, add_ and div_, block by
+   block, the partial sums kept in the cache. rows >= 2; blocks of at most 256 values. */
+extern "C" CLONES void loco_decode_mean(const uint8_t *buf, int64_t buf_stride, float *out,
+                        int64_t rows, int64_t c, int64_t block, int32_t per,
+                        const uint64_t *words, int32_t F, float d) {
+    int64_t blocks = c / block, nv = c / per, bb = block / per;
+    float tmp[256];
+    for (int64_t b = 0; b < blocks; b++) {
+        float *o = out + b * block;
+        decode_block<0>(buf + b * bb, buf[nv + b], block, per, words, F, o);
+        for (int64_t r = 1; r < rows; r++) {
+            const uint8_t *qr = buf + r * buf_stride;
+            decode_block<0>(qr + b * bb, qr[nv + b], block, per, words, F, tmp);
+            for (int64_t i = 0; i < block; i++) o[i] = o[i] + tmp[i];
+        }
+        for (int64_t i = 0; i < block; i++) o[i] = o[i] / d;
+    }
+}
 """
 
 FLAGS = ["-O3", "-shared", "-fPIC", "-ffp-contract=off", "-fno-fast-math", "-x", "c++"]
@@ -289,11 +309,12 @@ def _load():
 
 
 def _typed(lib):
-    """``lib`` with its two functions' arguments typed (a missing one raises)."""
+    """``lib`` with its functions' arguments typed (a missing one raises)."""
     p, i64, i32, u32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_uint32
     lib.loco_encode.argtypes = [p, i64, p, i64, i64, i64, i64, i32, p, i32, u32, i32]
     lib.loco_decode.argtypes = [p, i64, p, i64, i64, i64, i64, i32, p, i32]
-    lib.loco_encode.restype = lib.loco_decode.restype = None
+    lib.loco_decode_mean.argtypes = [p, i64, p, i64, i64, i64, i32, p, i32, ctypes.c_float]
+    lib.loco_encode.restype = lib.loco_decode.restype = lib.loco_decode_mean.restype = None
     return lib
 
 
@@ -336,4 +357,26 @@ def decode_into(codec, buf: torch.Tensor, c: int, out: torch.Tensor) -> bool:
         values = codec._table(kind, out.device)  # per float32 values per byte, contiguous
         lib.loco_decode(buf.data_ptr(), buf.stride(0), out.data_ptr(), out.stride(0),
                         out.shape[0], c, codec.block, per, values.data_ptr(), codec._F)
+    return True
+
+
+def decode_mean_into(codec, buf: torch.Tensor, c: int, out: torch.Tensor,
+                     divisor: int) -> bool:
+    """``out`` (1, c) = the rows of ``buf`` (rows >= 2, ``row_bytes(c)`` each) decoded,
+    added in rank order and divided by ``divisor``, in one pass: the bits of
+    ``decode_into``, then ``torch.add`` of rows 0 and 1, ``add_`` of each later row and
+    ``div_(divisor)``; False (nothing written) where it cannot, as for ``encode_into``, and
+    for fewer than two rows or blocks over 256 values."""
+    if not (supports(codec, out.device) and _rows_ok(buf, out) and out.dtype == torch.float32
+            and buf.shape[0] >= 2 and out.shape[0] == 1 and codec.block <= 256
+            and out.is_contiguous()):
+        return False
+    lib = _library()
+    if lib is None:
+        return False
+    if out.numel():
+        per, kind = SPECS[codec.name]
+        values = codec._table(kind, out.device)
+        lib.loco_decode_mean(buf.data_ptr(), buf.stride(0), out.data_ptr(), buf.shape[0], c,
+                             codec.block, per, values.data_ptr(), codec._F, float(divisor))
     return True

@@ -192,8 +192,7 @@ def _reduce_rows(rows: torch.Tensor, codec: Any, parts: int, divisor: int, buffe
     with record_function("loco/all_to_all"):
         all_to_all(received.view(-1), outgoing.view(-1))
     with record_function("loco/reduce"):
-        decoded = decode(received, "decoded")
-        mine = encode(_sum_rows(decoded, buffers).div_(divisor), "mine")
+        mine = encode(_mean_rows(received, width, codec, decode, divisor, buffers), "mine")
     # Everyone decodes the same gathered bytes into ``rows``. Unencoded, they land there.
     gathered = rows if codec is None else buffers("gathered", (parts, mine.shape[1]), mine.dtype)
     with record_function("loco/all_gather"):
@@ -251,6 +250,18 @@ def _coders(codec: Any, chunk: int, buffers: Buffers) -> tuple:
         return codec.decode_rows(buf, chunk, out=out)
 
     return encode, decode
+
+
+def _mean_rows(received: torch.Tensor, c: int, codec: Any, decode: Callable, divisor: int,
+               buffers: Buffers) -> torch.Tensor:
+    """The (1, c) mean of the rows ``received`` holds (decoded by ``decode``), summed in
+    rank order then divided by ``divisor``, in the kept ``"sum"`` buffer: in one pass where
+    the codec can (``codec.decode_mean_rows``, the same bits), else decoded, summed, divided."""
+    if codec is not None and codec.writes_into and received.shape[0] >= 2:
+        total = buffers("sum", (1, c), torch.float32)
+        if codec.decode_mean_rows(received, c, total, divisor):
+            return total
+    return _sum_rows(decode(received, "decoded"), buffers).div_(divisor)
 
 
 def _sum_rows(rows: torch.Tensor, buffers: Buffers) -> torch.Tensor:
