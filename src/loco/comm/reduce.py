@@ -258,6 +258,10 @@ def _mean_rows(received: torch.Tensor, c: int, codec: Any, decode: Callable, div
     rank order then divided by ``divisor``, in the kept ``"sum"`` buffer: in one pass where
     the codec can (``codec.decode_mean_rows``, the same bits), else decoded, summed, divided."""
     if codec is not None and codec.writes_into and received.shape[0] >= 2:
+        # The decoded rows' buffer is kept either way, so that a rank's buffers (its
+        # memory_bytes_per_rank, and loco plan's, made on the meta device) do not depend on
+        # whether this CPU compiled the kernel: at most one piece.
+        buffers("decoded", (received.shape[0], c), torch.float32)
         total = buffers("sum", (1, c), torch.float32)
         if codec.decode_mean_rows(received, c, total, divisor):
             return total
