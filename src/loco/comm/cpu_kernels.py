@@ -324,15 +324,22 @@ def _rows_ok(*tensors: torch.Tensor) -> bool:
                for t in tensors)
 
 
+def _ready(codec, fp32: torch.Tensor, *others: torch.Tensor, extra: bool = True):
+    """The loaded library where the kernel can take ``codec`` on these tensors (``fp32`` the
+    float32 side; every one a row-major CPU tensor; ``extra`` the caller's own condition),
+    else None."""
+    if not (extra and supports(codec, fp32.device) and _rows_ok(fp32, *others)
+            and fp32.dtype == torch.float32):
+        return None
+    return _library()
+
+
 def encode_into(codec, x: torch.Tensor, out: torch.Tensor) -> bool:
     """Encode the fp32 rows ``x`` (rows, c) into ``out`` (rows, ``row_bytes(c)``) with the
     kernel, exactly as ``ScaledCodec._encode_rows_into``'s eager path; False (nothing
     written) where it cannot: a codec not in ``SPECS``, off the CPU, rows not of unit
     stride, the kernel off or not loaded."""
-    if not (supports(codec, x.device) and _rows_ok(x, out) and x.dtype == torch.float32):
-        return False
-    lib = _library()
-    if lib is None:
+    if (lib := _ready(codec, x, out)) is None:
         return False
     if x.numel():
         per, _ = SPECS[codec.name]
@@ -347,10 +354,7 @@ def decode_into(codec, buf: torch.Tensor, c: int, out: torch.Tensor) -> bool:
     """Decode the rows ``buf`` (rows, ``row_bytes(c)``) into the fp32 ``out`` (rows, c)
     with the kernel, exactly as ``ScaledCodec._decode_rows_into``'s eager path; False
     (nothing written) where it cannot, as for ``encode_into``."""
-    if not (supports(codec, out.device) and _rows_ok(buf, out) and out.dtype == torch.float32):
-        return False
-    lib = _library()
-    if lib is None:
+    if (lib := _ready(codec, out, buf)) is None:
         return False
     if out.numel():
         per, kind = SPECS[codec.name]
@@ -367,12 +371,8 @@ def decode_mean_into(codec, buf: torch.Tensor, c: int, out: torch.Tensor,
     ``decode_into``, then ``torch.add`` of rows 0 and 1, ``add_`` of each later row and
     ``div_(divisor)``; False (nothing written) where it cannot, as for ``encode_into``, and
     for fewer than two rows or blocks over 256 values."""
-    if not (supports(codec, out.device) and _rows_ok(buf, out) and out.dtype == torch.float32
-            and buf.shape[0] >= 2 and out.shape[0] == 1 and codec.block <= 256
-            and out.is_contiguous()):
-        return False
-    lib = _library()
-    if lib is None:
+    one_row = buf.shape[0] >= 2 and out.shape[0] == 1 and out.is_contiguous()
+    if (lib := _ready(codec, out, buf, extra=one_row and codec.block <= 256)) is None:
         return False
     if out.numel():
         per, kind = SPECS[codec.name]
