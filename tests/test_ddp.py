@@ -22,7 +22,7 @@ def sgd(model):
 
 
 def ddp_run(ctx, steps=STEPS, explicit=False, codec="fp32", clip=0.5, poison=None,
-            accumulate=False):
+            accumulate=False, aggregation="drop"):
     """DataParallel over ``steps`` steps. ``explicit``: the loop calls ``model.forward``, which
     bypasses the forward hooks, so DDP does not run and ``step()`` averages (the explicit
     path). Returns the parameters, every step's applied gradient, each worker's own gradient
@@ -30,7 +30,7 @@ def ddp_run(ctx, steps=STEPS, explicit=False, codec="fp32", clip=0.5, poison=Non
     with the step they were issued in, and when each step's last gradient was computed."""
     model = make_model()
     algo = loco.DataParallel(model, sgd(model), ctx.comm, max_grad_norm=clip, codec=codec,
-                             bucket_cap_mb=CAP, on_nonfinite="skip")
+                             bucket_cap_mb=CAP, on_nonfinite="skip", aggregation=aggregation)
     first = next(model.parameters())  # the token embedding: its gradient comes last
     applied, own, last_grad, issued = [], [], [], []
     for t in range(steps):
@@ -140,11 +140,17 @@ def test_bf16_gradients_round_as_stated():
 
 def test_nonfinite_gradient_from_backward_reaches_every_worker():
     """A NaN that arises in one worker's backward pass is averaged into every worker's
-    gradient: both skip that step alike and stay identical."""
-    out = loco.launch(ddp_run, 2, kwargs={"poison": (1, 2)})
+    gradient (the plain mean): both skip that step alike and stay identical. With the
+    default guard that worker's gradient is left out instead: nothing is skipped, and the
+    workers stay identical."""
+    out = loco.launch(ddp_run, 2, kwargs={"poison": (1, 2), "aggregation": "mean"})
     for r in out:
         assert r["ddp"] and r["skipped"] == {"inner_steps": 1, "syncs": 0}
     assert max_diff(out[0]["params"], out[1]["params"]) == 0
+    guarded = loco.launch(ddp_run, 2, kwargs={"poison": (1, 2)})
+    for r in guarded:
+        assert r["skipped"] == {"inner_steps": 0, "syncs": 0}
+    assert max_diff(guarded[0]["params"], guarded[1]["params"]) == 0
 
 
 def test_no_sync_accumulates_locally_and_averages_once():

@@ -216,3 +216,22 @@ def test_an_elastic_run_that_lost_every_worker_resumes_from_its_lead_checkpoint(
     logged = [r["step"] for r in records if "train_loss" in r]
     assert logged == sorted(set(logged)) and logged[-1] == 100  # cut at the checkpoint
     assert checkpoint.latest(str(out))["step"] == 100
+
+
+def test_a_silent_worker_is_lost_and_the_others_train_on(corpus, tmp_path):
+    """``--inject 3:silent@10``: worker 3's process ends without a word before step 10, and
+    again each time it is restarted and rejoins; it is counted lost, and the others finish."""
+    import json
+
+    from test_cli import small_run
+
+    from loco.cli import main
+
+    out = tmp_path / "run"
+    assert main(small_run(corpus, out, "--workers", "4", "--steps", "16", "--elastic",
+                          "--launcher", "processes", "--max-restarts", "0",
+                          "--checkpoint-every", "0", "--final-eval-batches", "2",
+                          "--inject", "3:silent@10")) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    assert [loss["left"] for loss in summary["elastic"]["losses"]] == [[3]]
+    assert summary["guard"]["injected"] == ["3:silent@10"]

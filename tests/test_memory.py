@@ -72,6 +72,9 @@ def accounted(algo) -> tuple[int, int, dict]:
     found = {k: v for k, v in storages(held_tensors(algo, skip)).items() if k not in own}
     kept = sum(b.numel() * b.element_size() for c in (algo.comm, algo.inner) if c is not None
                for b in c._buffers.values())
+    guard = algo.comm.shield.guard  # the guard's counters and digests' history
+    kept += sum(t.numel() * t.element_size() for t in (
+        guard.counts, guard.first, guard.last, guard.acted, guard.peak, guard._history))
     buckets = getattr(algo, "inner_buckets", None)  # the gradients' average inside a worker
     if buckets is not None:
         kept += buckets.flat.untyped_storage().nbytes()
@@ -80,7 +83,8 @@ def accounted(algo) -> tuple[int, int, dict]:
 
 
 CASES = {
-    "diloco": (loco.DiLoCo, dict(sync_every=H)),
+    "diloco_plain": (loco.DiLoCo, dict(sync_every=H, aggregation="mean")),  # first: the
+    "diloco": (loco.DiLoCo, dict(sync_every=H)),  # Comm's buffers are kept for the rest
     "diloco_fp4_error_feedback_offload": (loco.DiLoCo, dict(sync_every=H, codec="fp4_e3m0",
                                                             error_feedback=0.9, offload=True)),
     "diloco_eager": (loco.DiLoCo, dict(sync_every=H, eager=True)),
@@ -124,7 +128,10 @@ def test_memory_bytes_counts_every_tensor_the_algorithm_and_its_comm_keep():
     for name, (outer, kept, memory) in got.items():
         assert memory["outer"] == outer, name
         assert memory["comm"] == kept, name
-    assert got["ddp"][2]["outer"] == 0 and got["diloco"][2]["comm"] == 0  # native all-reduce
+    assert got["ddp"][2]["outer"] == 0
+    # the plain mean is the transport's own all-reduce: nothing kept but the guard's
+    # counters; the guard's reduce-scatter keeps its buffers
+    assert got["diloco_plain"][2]["comm"] < 8192 < got["diloco"][2]["comm"]
     assert got["streaming_fp4"][2]["comm"] > 0  # FP4's kept reduction buffers
 
 

@@ -68,10 +68,14 @@ def test_reduction_carries_nonfinite_to_every_worker(codec, bad):
 
 
 def build(ctx, model, method: str, codec: str, policy: str, **extra):
+    """The method with the plain mean (``aggregation="mean"``): with the default guard a
+    non-finite contribution of one worker is left out of the average, and nothing is
+    skipped (tests/test_guard.py); what this file tests is the average that carries it."""
     opt = make_optimizer(model)
+    extra.setdefault("aggregation", "mean")
     if method == "noloco":
         return loco.NoLoCo(model, opt, ctx.comm, sync_every=H, codec=codec, warn=False,
-                           on_nonfinite=policy)
+                           on_nonfinite=policy, **extra)
     if method == "diloco" and codec == "fp32":
         return loco.DiLoCo(model, opt, ctx.comm, sync_every=H, on_nonfinite=policy, **extra)
     fragments, overlap, alpha = METHODS[method]
@@ -207,7 +211,8 @@ def test_noloco_group_agrees(policy, codec):
 
 def ddp_poisoned_worker(ctx, policy, steps, poison_at):
     model = make_model()
-    algo = loco.DataParallel(model, make_optimizer(model), ctx.comm, on_nonfinite=policy)
+    algo = loco.DataParallel(model, make_optimizer(model), ctx.comm, on_nonfinite=policy,
+                             aggregation="mean")  # the plain mean (see ``build``)
     moved = []
     for t in range(1, steps + 1):
         x, y = batch(ctx.rank, t)

@@ -16,7 +16,8 @@ from loco.config import ConfigError, TrainConfig, profile_steps, resume_config
 ALL_REDUCE_PHASES = {"loco/pseudo_gradient", "loco/encode", "loco/all_to_all", "loco/reduce",
                      "loco/all_gather", "loco/decode", "loco/wait", "loco/outer_step",
                      "loco/merge"}
-#: DiLoCo's fp32 sync: the group's own all-reduce, nothing to encode.
+#: DiLoCo's fp32 sync with the plain mean (``--aggregation mean``): the group's own
+#: all-reduce, nothing to encode.
 NATIVE_PHASES = {"loco/pseudo_gradient", "loco/all_reduce", "loco/wait", "loco/outer_step",
                  "loco/merge"}
 #: NoLoCo's: a point-to-point exchange in place of the all-reduce's collectives.
@@ -66,11 +67,15 @@ def test_streaming_trace_holds_every_phase_of_the_profiled_steps_only(corpus, tm
     assert resume_config(str(out), {"profile": "2-3"}).profile == "2-3"
 
 
-@pytest.mark.parametrize("algorithm,phases", [("diloco", NATIVE_PHASES),
-                                              ("noloco", NOLOCO_PHASES)])
-def test_diloco_and_noloco_traces_hold_their_phases(algorithm, phases, corpus, tmp_path):
+@pytest.mark.parametrize("algorithm,extra,phases", [
+    ("diloco", ("--aggregation", "mean"), NATIVE_PHASES),
+    # the guard reduces where it sees every worker's rows: loco's reduce-scatter
+    ("diloco", (), ALL_REDUCE_PHASES),
+    ("noloco", (), NOLOCO_PHASES)])
+def test_diloco_and_noloco_traces_hold_their_phases(algorithm, extra, phases, corpus,
+                                                    tmp_path):
     out = tmp_path / "run"
-    assert main(run(corpus, out, "--algorithm", algorithm, "--profile", "4")) == 0
+    assert main(run(corpus, out, "--algorithm", algorithm, "--profile", "4", *extra)) == 0
     names = {name for name, _ in loco_ranges(trace_events(out))}
     assert phases | {"loco/step#4", "loco/inner_step"} <= names
     assert not any(n.startswith("loco/step#") and n != "loco/step#4" for n in names)

@@ -163,9 +163,11 @@ def test_nonfinite_gradient_skip_counts_and_keeps_parameters_finite(algorithm, c
                                                                     tmp_path, monkeypatch):
     out = tmp_path / "run"
     monkeypatch.setenv("LOCO_FAULT", "1:6:nan")
-    assert main(job(corpus, out, "--algorithm", algorithm, "--on-nonfinite", "skip")) == 0
+    assert main(job(corpus, out, "--algorithm", algorithm, "--on-nonfinite", "skip",
+                    "--aggregation", "mean")) == 0
     summary = json.loads((out / "summary.json").read_text())
-    # DataParallel averages the NaN into both workers' gradient: both skip step 6.
+    # DataParallel averages the NaN into both workers' gradient (the plain mean; the guard
+    # would leave worker 1's out: tests/test_ddp.py): both skip step 6.
     assert summary["nonfinite_skipped"]["inner_steps"] == (2 if algorithm == "ddp" else 1)
     assert math.isfinite(summary["final_eval_loss"])
     for rank in range(2):
@@ -191,7 +193,8 @@ def test_nonfinite_pseudo_gradient_is_skipped_before_the_global_parameters():
         torch.manual_seed(0)
         model = torch.nn.Linear(4, 4)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        algo = DiLoCo(model, opt, ctx.comm, sync_every=2, on_nonfinite="skip")
+        algo = DiLoCo(model, opt, ctx.comm, sync_every=2, on_nonfinite="skip",
+                      aggregation="mean")  # (the guard would leave worker 1's Δ out)
         before = {k: v.clone() for k, v in algo.global_parameters().items()}
         for step in range(2):
             model(torch.ones(2, 4)).sum().backward()

@@ -13,7 +13,7 @@ from workers import batch, make_model, make_optimizer
 import loco
 from loco.algorithms import buffers
 from loco.comm import chunked
-from loco.comm import comm as comm_module
+from loco.comm import means as comm_module  # where the all-gather mean is issued
 from loco.comm.codecs import get_codec
 
 CODECS = [("topk_2bit", 64, 0.125), ("topk_2bit_packed", 64, 0.125), ("topk_2bit", 4096, None)]
@@ -127,8 +127,10 @@ def test_the_all_gather_mean_keeps_no_copy_of_the_vector(name, block, keep):
         assert r["kept"] == 3 * codec.encoded_nbytes(n) + 4 * block < n * 4 // 4
 
 
-def padded_gather_mean(flat, codec, parts, divisor, kept, all_gather, sent=None):
-    """The all-gather mean as it was: Δ padded into a kept copy, encoded whole."""
+def padded_gather_mean(flat, codec, parts, divisor, kept, all_gather, sent=None, guard=None,
+                       wire=None):
+    """The all-gather mean as it was: Δ padded into a kept copy, encoded whole (an honest
+    run: the guard, if any, has nothing to leave out, and no attack flips bits)."""
     n, width = flat.numel(), codec.padded(flat.numel())
     row = kept("padded", (1, width), torch.float32)
     row[0, :n].copy_(flat)

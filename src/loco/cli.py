@@ -79,6 +79,9 @@ def add_train_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (
         if str(f.type).startswith("bool"):
             parser.add_argument(*flags, action=argparse.BooleanOptionalAction,
                                 default=argparse.SUPPRESS, help=help_text)
+        elif f.metadata.get("repeat"):  # given again: one more entry (coerce joins them)
+            parser.add_argument(*flags, dest=f.name, action="append", default=argparse.SUPPRESS,
+                                metavar=_metavar(f), help=help_text)
         else:
             parser.add_argument(*flags, dest=f.name, type=_flag_type(f),
                                 default=argparse.SUPPRESS,

@@ -14,6 +14,7 @@ data-parallel training clips the averaged gradient, as DDP does.
 from __future__ import annotations
 
 import time
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -26,6 +27,7 @@ from loco.algorithms.buckets import GradientBuckets
 from loco.algorithms.method import Method
 from loco.algorithms.sharding import Share, flatten_fp32, is_sharded, local, unflatten_views
 from loco.comm import Comm
+from loco.comm.guard import DEFAULT_AGGREGATION, DEFAULT_FACTOR, Shield
 from loco.comm.hostreads import allowed, device_path
 
 __all__ = ["Algorithm", "NonFiniteError", "flatten_fp32", "unflatten_views"]
@@ -76,10 +78,18 @@ class Algorithm(Method):
             (default) raises [`NonFiniteError`][loco.algorithms.base.NonFiniteError] before
             it reaches a parameter; ``"skip"`` skips that inner step or sync and counts it in
             ``skipped``.
+        aggregation: how each average over ``comm`` treats the workers' contributions
+            (see [`Guard`][loco.comm.guard.Guard] and docs/security.md): ``"drop"``
+            (default), ``"clip"``, ``"trimmed"``, ``"median"`` or ``"mean"`` (no guard).
+        guard_factor: the factor of the median norm beyond which ``drop`` and ``clip``
+            act, >= 1; default 4.
+        inject: faults or attacks to play, ``--inject``'s text (e.g.
+            ``"1:scale=-50,2:nan@40"``, see [`Injector`][loco.comm.attacks.Injector]): this
+            worker plays the entries that name it; default None.
 
     Raises:
-        ValueError: ``max_grad_norm`` <= 0, or ``init_sync`` or ``on_nonfinite`` not one of
-            the values above.
+        ValueError: ``max_grad_norm`` <= 0, or ``init_sync``, ``on_nonfinite``,
+            ``aggregation``, ``guard_factor`` or ``inject`` not one of the values above.
         RuntimeError: the workers' initial state differs (checksums disagree).
     """
 
@@ -92,7 +102,9 @@ class Algorithm(Method):
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm, *,
                  max_grad_norm: float | None = None, init_sync: str = "broadcast",
-                 on_nonfinite: str = "stop", inner: Comm | None = None):
+                 on_nonfinite: str = "stop", inner: Comm | None = None,
+                 aggregation: str = DEFAULT_AGGREGATION, guard_factor: float = DEFAULT_FACTOR,
+                 inject: str | None = None):
         if on_nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"on_nonfinite must be one of {NONFINITE_POLICIES} "
                              f"(got {on_nonfinite!r})")
@@ -103,6 +115,7 @@ class Algorithm(Method):
         self.model = model
         self.inner_optimizer = inner_optimizer
         self.comm = comm
+        self._guard(comm, aggregation, guard_factor, inject)
         self.inner = inner if inner is not None and inner.size > 1 else None
         """The worker's fast-link Comm (None for a worker of one rank)."""
         self.average_inner = True
@@ -146,6 +159,17 @@ class Algorithm(Method):
             comm.register_state("algorithm", self.heal_state, self.load_heal_state)
         else:
             self._sync_initial_state(init_sync)
+
+    def _guard(self, comm: Comm, aggregation: str, factor: float, inject: str | None) -> None:
+        """Give ``comm`` this worker's shield: the guard over its averages and the attacks
+        it plays (``loco.comm.guard.Shield``), which read this algorithm's step and whether
+        every worker contributes (not where workers send zeros as they wait or join)."""
+        me = weakref.ref(self)  # (the Comm must not keep the algorithm alive)
+        comm.shield = Shield.build(aggregation, factor, inject,
+                                   getattr(comm, "worker", comm.rank), comm.workers,
+                                   comm.device, lambda: me().inner_steps if me() else 0)
+        comm.shield.all_contribute = lambda: (me() is None or me().weight_of is None) and (
+            comm.contributors == comm.size)
 
     # ----------------------------------------------------------------------- initial state
     def _sync_initial_state(self, mode: str) -> None:
@@ -526,6 +550,12 @@ class Algorithm(Method):
         Here the model's own parameters; outer algorithms return their global copy.
         """
         return dict(self.model.named_parameters())
+
+    def replicated_tensors(self) -> list[torch.Tensor]:
+        """This rank's share of the state that must be bit-identical on every worker, which
+        the replica check compares and heals (``loco.algorithms.replicas``); none here:
+        nothing is checked (the replicas differ by design, or hold no common state)."""
+        return []
 
     # -------------------------------------------------------------------------- checkpoints
     def state_dict(self, tensors: bool = True) -> dict:

@@ -23,7 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm
-from loco.algorithms.sharding import flatten_fp32, local, unflatten_views
+from loco.algorithms.sharding import Share, flatten_fp32, local, unflatten_views
 from loco.comm import Comm
 from loco.comm.codecs import get_codec
 from loco.model import StagePart
@@ -292,6 +292,10 @@ class DataParallel(Algorithm):
     def outer_tensors(self) -> list[torch.Tensor]:
         """The explicit path's buffer of the gradients it averages, once made."""
         return [] if self._wire is None else [self._wire]
+
+    def replicated_tensors(self) -> list[torch.Tensor]:
+        """This rank's share of the parameters: the replicas are the global model."""
+        return Share(self.params, self.inner).views
 
     # ------------------------------------------------------------------ elastic membership
     def heal_state(self) -> dict:

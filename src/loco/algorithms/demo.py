@@ -475,6 +475,7 @@ class DeMo(Algorithm):
             self._accumulate()
         with record_function("loco/encode"):
             payload = self._encode()
+            self._attacked(payload)
         handle = self.comm.all_gather(payload, tag="train")
         with record_function("loco/wait"):
             gathered = self.comm.settle(handle)
@@ -484,11 +485,12 @@ class DeMo(Algorithm):
         self.inner_optimizer._opt_called = True
         stacked = as_rows(gathered)  # the gathered buffer itself, not a copy
         del payload, gathered
-        ok = self._all_sent_finite(stacked)  # the same bytes everywhere: all decide alike
+        scales = self._judged(stacked)  # the same bytes everywhere: all decide alike
+        ok = self._all_sent_finite(stacked, scales)
         self.skipped_on_device((~ok).to(torch.float32), "syncs")
         with record_function("loco/outer_step"):
             for piece in self.pieces:
-                self._apply(piece, stacked, ok)
+                self._apply(piece, stacked, ok, scales)
 
     def _accumulate(self) -> None:
         """``m ← β·m + lr·g`` with the clipped local gradient (zeros for a parameter without
@@ -534,15 +536,52 @@ class DeMo(Algorithm):
         del sent
         as_blocks(piece.mom, plan).sub_(half @ c2)
 
-    def _all_sent_finite(self, stacked: torch.Tensor) -> torch.Tensor:
-        """Whether every value in the M messages is finite, as a 0-d bool tensor (no read):
-        only then is the step applied. (A sum of finite values that overflows fp32, above
-        3.4e38, is not checked.)"""
+    def _values(self, raw: torch.Tensor) -> torch.Tensor:
+        """The kept values of uint8 ``raw`` (rows of ``value_positions``' bytes), fp32."""
+        dtype = torch.bfloat16 if self.values == "bf16" else torch.float32
+        return raw.contiguous().view(dtype).to(torch.float32)
+
+    def _attacked(self, payload: torch.Tensor) -> None:
+        """This worker's injected attacks (``--inject``) on its message: on its values, then
+        on its bytes."""
+        shield = self.comm.shield
+        if shield.injector is None:
+            return
+        if self.values != "sign":
+            vals = self._values(payload[self.value_positions])
+            shield.send(vals)
+            dtype = torch.bfloat16 if self.values == "bf16" else torch.float32
+            payload[self.value_positions] = vals.to(dtype).view(torch.uint8)
+        flip = shield.wire(self.inner_steps + 1)
+        if flip is not None:
+            flip(payload)
+
+    def _judged(self, stacked: torch.Tensor) -> torch.Tensor | None:
+        """The guard's scale of each worker's message (0: left out), judged by the norm and
+        digest of its values; None without a guard, or with sign values (every message has
+        the same norm)."""
+        guard = self.comm.shield.at(self.inner_steps, self.comm.senders())
+        if guard is None or self.values == "sign":
+            return None
+        vals = self._values(stacked[:, self.value_positions])
+        norms = torch.linalg.vector_norm(vals, dim=1)
+        return guard.judge(norms, guard.digest(norms, vals.sum(dim=1), vals.shape[1]))
+
+    def _all_sent_finite(self, stacked: torch.Tensor, scales: torch.Tensor | None = None
+                         ) -> torch.Tensor:
+        """Whether every value in the M messages (those the guard keeps: ``scales`` > 0) is
+        finite, as a 0-d bool tensor (no read): only then is the step applied. (A sum of
+        finite values that overflows fp32, above 3.4e38, is not checked.)"""
         if self.values == "sign":
             return torch.ones((), dtype=torch.bool, device=stacked.device)
-        return values_finite(stacked[:, self.value_positions], self.values)
+        raw = stacked[:, self.value_positions]
+        if scales is None:
+            return values_finite(raw, self.values)
+        finite = torch.stack([values_finite(row, self.values) for row in raw])
+        return (finite | (scales == 0)).all()
 
-    def _decode(self, stacked: torch.Tensor, piece: Piece) -> torch.Tensor:
+    def _decode(self, stacked: torch.Tensor, piece: Piece,
+                scales: torch.Tensor | None = None) -> torch.Tensor:
         """A piece's coefficients summed over the M messages (``stacked``, one row each),
         per index, as (chunks, n1 · n2) fp32: worker 0's kept values scattered first, then
         worker 1's, ...: every index sums in rank order, on any device (the k indices of
@@ -550,15 +589,19 @@ class DeMo(Algorithm):
         no atomics decide the order)."""
         plan, m = piece.plan, stacked.shape[0]
         idx = unpack(stacked[:, piece.index_at].view(m * plan.chunks, -1), plan.k, plan.bits)
+        idx.clamp_(max=plan.n1 * plan.n2 - 1)  # damaged bytes stay inside their chunk
         vals = decode_values(stacked[:, piece.value_at].view(m * plan.chunks, -1), plan.k,
                              self.values)
         idx, vals = idx.view(m, plan.chunks, plan.k), vals.view(m, plan.chunks, plan.k)
         total = torch.zeros(plan.chunks, plan.n1 * plan.n2, device=self.momentum.device)
-        for w in range(m):
-            total.scatter_add_(1, idx[w], vals[w])
+        for w in range(m):  # (the guard's scale: times 1 is the same bits; 0 leaves it out)
+            kept = vals[w] if scales is None else torch.where(
+                scales[w] > 0, vals[w] * scales[w], torch.zeros_like(vals[w]))
+            total.scatter_add_(1, idx[w], kept)
         return total
 
-    def _apply(self, piece: Piece, stacked: torch.Tensor, ok: torch.Tensor) -> None:
+    def _apply(self, piece: Piece, stacked: torch.Tensor, ok: torch.Tensor,
+               scales: torch.Tensor | None = None) -> None:
         """``p ← p · (1 − lr·wd) − lr · sign(IDCT(total))`` for a piece's rows of every
         parameter, ``total`` the piece's ``_decode`` of
         the M messages ``stacked``, where ``ok`` (a 0-d bool tensor) holds; else nothing
@@ -566,7 +609,8 @@ class DeMo(Algorithm):
         in chunk blocks, applied through a view of each parameter's rows."""
         g, plan = piece.group, piece.plan
         lr, wd = self._lr_wd(g)
-        total = self._decode(stacked, piece).view(-1, plan.cols // plan.n2, plan.n1, plan.n2)
+        total = self._decode(stacked, piece, scales).view(-1, plan.cols // plan.n2, plan.n1,
+                                                          plan.n2)
         half = self._c(plan.n1).T @ total  # idct_chunks's products, one at a time
         del total
         direction = (half @ self._c(plan.n2)).sign_().masked_fill_(~ok, 0.0)
@@ -585,6 +629,11 @@ class DeMo(Algorithm):
             as_blocks(p, plan).sub_(mine.to(p.dtype), alpha=lr)
 
     # ------------------------------------------------------------------------- state
+    def replicated_tensors(self) -> list[torch.Tensor]:
+        """The parameters: every worker applies the same decoded update (the momenta are
+        each worker's own)."""
+        return Share(self.params, self.inner).views
+
     def outer_tensors(self) -> list[torch.Tensor]:
         """This worker's momenta (one fp32 vector), and what it keeps to build and read a
         payload: the payload positions of every group and piece, and the DCT matrices."""

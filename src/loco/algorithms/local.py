@@ -27,6 +27,10 @@ class Local(Algorithm):
             [`Algorithm`][loco.algorithms.base.Algorithm].
         inner: the worker's fast-link Comm (``ctx.inner``): its ranks average their
             gradients, as for [`Algorithm`][loco.algorithms.base.Algorithm]; default None.
+        aggregation: as for [`Algorithm`][loco.algorithms.base.Algorithm] (nothing is
+            averaged here: it has nothing to judge); default ``"drop"``.
+        guard_factor: as for [`Algorithm`][loco.algorithms.base.Algorithm]; default 4.
+        inject: as for [`Algorithm`][loco.algorithms.base.Algorithm]; default None.
     """
 
     name = "local"

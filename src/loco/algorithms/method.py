@@ -124,7 +124,8 @@ class Method:
                 None (a worker of one rank).
         """
         algo = cls(model, optimizer, comm, max_grad_norm=cfg.grad_clip or None,
-                   on_nonfinite=cfg.on_nonfinite, inner=inner,
+                   on_nonfinite=cfg.on_nonfinite, inner=inner, aggregation=cfg.aggregation,
+                   guard_factor=cfg.guard_factor, inject=cfg.inject,
                    **cls.kwargs(cfg, model, comm, pipeline))
         if pipeline is not None and pipeline.stages > 1:
             algo.grad_norm_fn = pipeline.grad_norm  # clip by the whole model's gradient norm

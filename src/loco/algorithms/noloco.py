@@ -288,10 +288,14 @@ class NoLoCo(Algorithm):
         with record_function("loco/pseudo_gradient"):
             into = _values(self.codec, out[:split]) if out.device == slow.device else None
             delta = flatten_fp32(_within(self.share.views, lo, hi), into).sub_(slow)
+            step = self.comm.shield.send(delta)  # an injected attack's, if any
         with record_function("loco/encode"):
             if into is None:
                 out[:split].copy_(self.codec.encode(delta))
             _encode_into(self.slow_codec, slow, out[split:])
+        flip = self.comm.shield.wire(step)
+        if flip is not None:
+            flip(out)
 
     def _consume(self, step: torch.Tensor, ok: torch.Tensor, k: int,
                  pieces: list[torch.Tensor]) -> None:
@@ -303,12 +307,30 @@ class NoLoCo(Algorithm):
         split = self.codec.encoded_nbytes(hi - lo)
         pieces = [p.to(step.device) for p in pieces]  # staged: to the model's device
         with record_function("loco/reduce"):  # decoded and summed one member at a time
-            mean_delta = _mean(self.codec, [p[:split] for p in pieces], hi - lo)
-            mean_slow = _mean(self.slow_codec, [p[split:] for p in pieces], hi - lo)
+            mean_delta, kept = self._mean_delta([p[:split] for p in pieces], hi - lo)
+            mean_slow = _mean(self.slow_codec, [p[split:] for p in pieces], hi - lo, kept)
             ok.logical_and_(torch.stack([torch.isfinite(mean_delta).all(),
                                          torch.isfinite(mean_slow).all()]))
             pull = torch.sub(mean_slow, self.slow[lo:hi], out=step[lo:hi]).mul_(self.gamma)
             pull.add_(mean_delta.mul_(self.beta))  # −γ (φ − mean φ) + β mean(Δ)
+
+    def _mean_delta(self, messages: list[torch.Tensor], n: int
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The group's mean Δ of a piece (``_mean``), or what the guard makes of the members'
+        Δ (in a group of two each member judges the other's by its own norm: a pair has no
+        median; in a larger one, by the median), with the members it kept (a bool per
+        member, on the device; None without a guard): a member whose Δ is left out is not
+        trusted with its φ either."""
+        group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
+        guard = self.comm.shield.at(self.inner_steps, group)
+        if guard is None or len(messages) < 2:
+            return _mean(self.codec, messages, n), None
+        rows = torch.stack([_decoded(self.codec, m, n) for m in messages])
+        total = torch.empty((1, n), dtype=torch.float32, device=rows.device)
+        trusted = group.index(self.comm.rank) if len(messages) == 2 else None
+        norms = torch.linalg.vector_norm(rows, dim=1)
+        mean = guard.combine(rows, len(messages), total, trusted=trusted)[0]
+        return mean, ~((guard.last_scales == 0) & (norms != 0))
 
     def _apply(self, step: torch.Tensor) -> None:
         """``δ ← α δ + g``, ``φ ← φ + δ`` (Nesterov: ``φ + α δ + g``), ``g`` in ``step``: in
@@ -411,17 +433,27 @@ def _encode_into(codec: Codec, values: torch.Tensor, out: torch.Tensor) -> None:
         out.copy_(codec.encode(values))
 
 
-def _mean(codec: Codec, messages: list[torch.Tensor], n: int) -> torch.Tensor:
+def _decoded(codec: Codec, message: torch.Tensor, n: int) -> torch.Tensor:
+    """A member's ``n`` values from its encoded bytes: the bytes themselves where they are
+    fp32 values, else decoded."""
+    v = _values(codec, message)
+    return codec.decode(message, (n,)) if v is None else v
+
+
+def _mean(codec: Codec, messages: list[torch.Tensor], n: int,
+          kept: torch.Tensor | None = None) -> torch.Tensor:
     """The members' values (``messages``, each one's encoded bytes, in member order), summed
     in order and divided by their number, decoded one member at a time: into the first
     member's own bytes where they are fp32 values (the received buffers are this worker's
-    to overwrite), else into the first one's decoded copy."""
-    total = _values(codec, messages[0])
-    total = codec.decode(messages[0], (n,)) if total is None else total
-    for m in messages[1:]:
-        v = _values(codec, m)
-        total.add_(codec.decode(m, (n,)) if v is None else v)
-    return total.div_(len(messages))
+    to overwrite), else into the first one's decoded copy. ``kept`` (a bool per member, on
+    the device): only those members, divided by their number (all kept: the same bits)."""
+    total = _decoded(codec, messages[0], n)
+    if kept is not None:
+        total.masked_fill_(~kept[0], 0.0)
+    for i, m in enumerate(messages[1:], start=1):
+        v = _decoded(codec, m, n)
+        total.add_(v if kept is None else v.masked_fill(~kept[i], 0.0))
+    return total.div_(len(messages) if kept is None else kept.sum())
 
 
 def gossip_groups(seed: int, outer_step: int, workers: int, size: int) -> list[list[int]]:

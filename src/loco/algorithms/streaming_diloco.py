@@ -636,6 +636,11 @@ class StreamingDiLoCo(Algorithm):
         return {n: by_id[id(p)].to(p.device) if id(p) in by_id else p
                 for n, p in self.model.named_parameters()}
 
+    def replicated_tensors(self) -> list[torch.Tensor]:
+        """This rank's share of every fragment's global copy and outer momentum."""
+        return [t for f in self.fragment_list for t in (f.global_flat, momentum_of(f))
+                if t is not None]
+
     # -------------------------------------------------------------------------- checkpoints
     def state_dict(self, tensors: bool = True) -> dict:
         """The base state plus every fragment's global copy and outer optimizer, and the

@@ -135,20 +135,30 @@ def ef_decode(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
             checked with ``torch._assert_async``: at once on the CPU, on a GPU when the
             device gets there (a device-side assertion).
     """
+    idx, valid = ef_decode_checked(buf, n, k)
+    torch._assert_async(valid.all(),
+                        f"Elias-Fano rows must hold exactly {k} set bits each (corrupt input)")
+    return idx
+
+
+def ef_decode_checked(buf: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[`ef_decode`][loco.comm.bits.ef_decode] without its assertion: the indices (a corrupt
+    row's are meaningless, but each is in ``[0, n + something)``: clamp before use), and
+    whether each row's bitmap holds exactly ``k`` set bits (bool, ``(rows,)``), for a reader
+    that must survive damaged input (a worker's message, ``loco.comm.chunked``)."""
     rows = buf.shape[0]
     if k == 0:
-        return torch.zeros(rows, 0, dtype=torch.int64, device=buf.device)
+        return (torch.zeros(rows, 0, dtype=torch.int64, device=buf.device),
+                torch.ones(rows, dtype=torch.bool, device=buf.device))
     low = ef_low_bits(n, k)
     low_bytes = packed_bytes(k, low)
     width = k + ((n - 1) >> low)
     bitmap = _bits_of(buf[:, low_bytes:low_bytes + packed_bytes(width, 1)], width)
     count = bitmap.cumsum(dim=1)  # int64: the set bits up to and including each bit
-    torch._assert_async((count[:, -1] == k).all(),
-                        f"Elias-Fano rows must hold exactly {k} set bits each (corrupt input)")
     nth = torch.arange(1, k + 1, device=buf.device).expand(rows, k).contiguous()
     high = torch.searchsorted(count, nth) - (nth - 1)
-    return (high << low) | unpack(buf[:, :low_bytes], k, low)
+    return (high << low) | unpack(buf[:, :low_bytes], k, low), count[:, -1] == k
 
 
-__all__ = ["ef_bytes", "ef_decode", "ef_encode", "ef_low_bits", "pack", "packed_bytes",
+__all__ = ["ef_bytes", "ef_decode", "ef_decode_checked", "ef_encode", "ef_low_bits", "pack", "packed_bytes",
            "unpack"]

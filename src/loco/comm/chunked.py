@@ -8,12 +8,14 @@ reduce-scatter would encode it a second time): these codecs are all-gathered
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import torch
 from torch.profiler import record_function
 
-from loco.comm.bits import ef_decode, ef_encode, pack, unpack
+from loco.comm.bits import ef_decode_checked, ef_encode, pack, unpack
 from loco.comm.codec import Codec, check_out, zeroed_rows
 from loco.comm.hostreads import device_path
 from loco.comm.formats import (
@@ -139,7 +141,24 @@ class ChunkTopKCodec(Codec):
             chunks[a:b].masked_fill_(bad, math.nan)  # masked, not read: no device wait
         return dense if dense is out else out.copy_(dense)
 
-    def add_rows(self, buf: torch.Tensor, c: int, total: torch.Tensor) -> torch.Tensor:
+    def row_stats(self, buf: torch.Tensor, c: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's squared norm and sum of values (fp32, ``(rows,)``), from its kept
+        values without the dense decode: NaN for a row with a non-finite chunk.
+
+        Args:
+            buf: uint8 ``(rows, row_bytes(c))``.
+            c: values per row, a multiple of ``block``.
+        """
+        self._check_buf(buf, c)
+        per_chunk = torch.empty((buf.shape[0] * (c // self.block), 2), device=buf.device)
+        for a, b, _, vals, bad in self._kept_pieces(buf):
+            vals.masked_fill_(bad, math.nan)
+            torch.stack([vals.square().sum(dim=1), vals.sum(dim=1)], dim=1, out=per_chunk[a:b])
+        sums = per_chunk.view(buf.shape[0], -1, 2).sum(dim=1)
+        return sums[:, 0], sums[:, 1]
+
+    def add_rows(self, buf: torch.Tensor, c: int, total: torch.Tensor,
+                 scale: torch.Tensor | None = None) -> torch.Tensor:
         """Add the kept values of the rows ``buf`` into ``total`` where they go (a scatter-add
         of ``k`` values per chunk: each position gets at most one), leaving out the chunks
         that held a non-finite value, which are returned for the caller to mark.
@@ -148,6 +167,8 @@ class ChunkTopKCodec(Codec):
             buf: uint8 ``(rows, row_bytes(c))``.
             c: values per row, a multiple of ``block``.
             total: the contiguous fp32 ``(rows, c)`` sum, updated in place.
+            scale: a 0-dim fp32 tensor the values are multiplied by first (a guard's clip);
+                default None.
 
         Returns:
             bool ``(rows · c / block, 1)``: the chunks that held a NaN or an infinity.
@@ -157,6 +178,8 @@ class ChunkTopKCodec(Codec):
         chunks = total.view(-1, self.block)
         bad = torch.empty((chunks.shape[0], 1), dtype=torch.bool, device=total.device)
         for a, b, idx, vals, piece_bad in self._kept_pieces(buf):
+            if scale is not None:
+                vals.mul_(scale)
             chunks[a:b].scatter_add_(1, idx, vals.masked_fill_(piece_bad, 0.0))
             bad[a:b].copy_(piece_bad)
         return bad
@@ -200,11 +223,15 @@ class ChunkTopKCodec(Codec):
         scales = chunks[:, nv:nv + 4].clone(memory_format=torch.contiguous_format)
         scales = scales.view(torch.bfloat16).to(torch.float32)
         where = chunks[:, nv + 4:]
-        idx = (ef_decode(where, self.block, self.k) if self.elias_fano
-               else unpack(where, self.k, index_bits(self.block)))
+        if self.elias_fano:  # a damaged chunk (a worker's message) reads as non-finite
+            idx, valid = ef_decode_checked(where, self.block, self.k)
+        else:
+            idx = unpack(where, self.k, index_bits(self.block))
+            valid = torch.ones(idx.shape[0], dtype=torch.bool, device=idx.device)
+        idx.clamp_(0, self.block - 1)  # damaged bytes must not write outside their chunk
         mag = torch.where(codes >= 2, scales[:, 1:2], scales[:, 0:1])
         vals = torch.where(codes & 1 == 1, -mag, mag)
-        return idx, vals, ~torch.isfinite(scales).all(dim=1, keepdim=True)
+        return idx, vals, ~(torch.isfinite(scales).all(dim=1, keepdim=True) & valid[:, None])
 
     def __repr__(self) -> str:
         return f"Codec({self.name}, block={self.block}, k={self.k})"
@@ -313,7 +340,8 @@ def subtract_flat(codec: ChunkTopKCodec, message: torch.Tensor, x: torch.Tensor)
 
 
 def gather_mean(flat: torch.Tensor, codec: ChunkTopKCodec, parts: int, divisor: int,
-                buffers, all_gather, sent: torch.Tensor | None = None) -> torch.Tensor:
+                buffers, all_gather, sent: torch.Tensor | None = None, guard=None,
+                wire=None) -> torch.Tensor:
     """Average ``flat`` over ``parts`` workers, in place, through one all-gather of every
     worker's encoded ``flat`` (``encode_flat``): each adds the messages' kept values where they
     go (``codec.add_rows``), in rank order, so all get the same bits: for every value the fp32
@@ -333,6 +361,11 @@ def gather_mean(flat: torch.Tensor, codec: ChunkTopKCodec, parts: int, divisor: 
         sent: fp32, ``numel`` values: receives ``D(C(flat))``; or uint8 of at least
             ``codec.encoded_nbytes(numel)`` bytes: receives ``C(flat)`` itself, the message
             (for ``subtract_flat``); default None.
+        guard: a [`Guard`][loco.comm.guard.Guard] that judges each message by its norm
+            and digest (``row_stats``) and scales it (0: left out) before the sum, which
+            is divided by ``divisor`` less the messages left out; default None.
+        wire: called on this worker's message before it is sent (an injected
+            ``bitflip``); default None.
 
     Returns:
         ``flat``, holding the mean.
@@ -347,6 +380,8 @@ def gather_mean(flat: torch.Tensor, codec: ChunkTopKCodec, parts: int, divisor: 
         mine = encode_flat(codec, flat, mine, buffers)
     if sent is not None and not keeps_bytes:  # flat's values are encoded: D(C(flat))
         decode_flat(codec, mine, sent[:n], buffers)
+    if wire is not None:
+        wire(mine)
     gathered = buffers("gathered", (parts, nbytes), torch.uint8)
     with record_function("loco/all_gather"):
         if parts == 1:
@@ -355,24 +390,82 @@ def gather_mean(flat: torch.Tensor, codec: ChunkTopKCodec, parts: int, divisor: 
             all_gather(gathered, mine[0])
     with record_function("loco/decode"):
         whole, split = _split(codec, n)
+        scales, divisor = _judged(codec, gathered, whole, split, divisor, guard)
+        combine = (_sum_into if guard is None or not guard.coordinatewise
+                   else functools.partial(_per_index, guard=guard))
         if whole:
-            _sum_into(flat[:whole].view(1, -1), codec, gathered[:, :split], divisor)
+            combine(flat[:whole].view(1, -1), codec, gathered[:, :split], divisor, scales)
         if whole < n:
             last = _last_chunk(codec, buffers)
-            _sum_into(last, codec, gathered[:, split:], divisor)
+            combine(last, codec, gathered[:, split:], divisor, scales)
             flat[whole:].copy_(last[0, :n - whole])
     return flat
 
 
+def _judged(codec: ChunkTopKCodec, gathered: torch.Tensor, whole: int, split: int,
+            divisor: int, guard) -> tuple[torch.Tensor | None, Any]:
+    """The guard's scale of each message (None without a guard, or one that does not scale:
+    it names the messages all the same) and the divisor less the messages it leaves out."""
+    if guard is None:
+        return None, divisor
+    parts = [(gathered[:, :split], whole)] if whole else []
+    if split < gathered.shape[1]:
+        parts.append((gathered[:, split:], codec.block))
+    stats = [codec.row_stats(m, c) for m, c in parts]
+    square = sum(s[0] for s in stats)
+    sums = sum(s[1] for s in stats)
+    norms = square.sqrt()
+    scales = guard.judge(norms, guard.digest(norms, sums, whole or codec.block))
+    if guard.coordinatewise:
+        return None, divisor
+    return scales, divisor - ((scales == 0) & (norms != 0)).sum()
+
+
+def _per_index(total: torch.Tensor, codec: ChunkTopKCodec, messages: torch.Tensor,
+               divisor: Any, scales: Any, guard: Any) -> None:
+    """``total`` (1, c) ← per index, over the values the workers that sent it sent (a
+    decoded 0 is an index not sent), as the dense formats' coordinate-wise rules are over
+    all workers: the median (the mean of the middle two of an even count), or the mean
+    without the largest and smallest ``max(1, k // 4)`` of k >= 3 values (``"trimmed"``);
+    0 where none sent it. Decoded a piece of whole chunks at a time (``PIECE_VALUES``
+    values over all the messages)."""
+    m, c = messages.shape[0], total.shape[1]
+    chunks, step = c // codec.block, max(1, PIECE_VALUES // (m * codec.block))
+    for a in range(0, chunks, step):
+        b = min(chunks, a + step)
+        rows = codec.decode_rows(messages[:, a * codec.chunk_bytes:b * codec.chunk_bytes],
+                                 (b - a) * codec.block)
+        total[0, a * codec.block:b * codec.block] = _robust_columns(rows, guard.aggregation)
+
+
+def _robust_columns(rows: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Each column's median or trimmed mean over its nonzero values (see ``_per_index``)."""
+    sent = rows != 0
+    count = sent.sum(dim=0)
+    ordered = torch.sort(rows.masked_fill(~sent, math.inf), dim=0).values
+    if aggregation == "median":
+        lo = ordered.gather(0, ((count - 1) // 2).clamp(min=0)[None])
+        hi = ordered.gather(0, (count // 2).clamp(max=rows.shape[0] - 1)[None])
+        return torch.where(count > 0, (lo[0] + hi[0]) / 2, 0.0)
+    cut = torch.where(count >= 3, (count // 4).clamp(min=1), 0)
+    rank = torch.arange(rows.shape[0], device=rows.device)[:, None]
+    kept = (rank >= cut) & (rank < count - cut)
+    total = torch.where(kept, ordered, 0.0).sum(dim=0)
+    return torch.where(count > 0, total / (count - 2 * cut).clamp(min=1), 0.0)
+
+
 def _sum_into(total: torch.Tensor, codec: ChunkTopKCodec, messages: torch.Tensor,
-              divisor: int) -> None:
-    """``total`` (1, c) ← the sum of the rows of ``messages``' kept values, added in rank
-    order, NaN throughout a chunk any of them sent non-finite, divided by ``divisor``."""
+              divisor: Any, scales: torch.Tensor | None = None) -> None:
+    """``total`` (1, c) ← the sum of the rows of ``messages``' kept values (each times its
+    ``scales`` entry, where given: 0 leaves it out), added in rank order, NaN throughout a
+    chunk any of them sent non-finite, divided by ``divisor``."""
     c = total.shape[1]
     total.zero_()
-    bad = codec.add_rows(messages[0:1], c, total)
-    for r in range(1, messages.shape[0]):
-        bad |= codec.add_rows(messages[r:r + 1], c, total)
+    bad = torch.zeros((c // codec.block, 1), dtype=torch.bool, device=total.device)
+    for r in range(messages.shape[0]):  # (times 1: the same bits; times 0: nothing added)
+        scale = None if scales is None else scales[r]
+        kept = codec.add_rows(messages[r:r + 1], c, total, scale)
+        bad |= kept if scale is None else kept & (scale != 0)
     total.view(bad.shape[0], -1).masked_fill_(bad, math.nan).div_(divisor)
 
 

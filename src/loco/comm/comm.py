@@ -22,11 +22,13 @@ import torch.distributed as dist
 from torch.profiler import record_function
 
 from loco.comm.counters import RECORDS_KEPT, CommStats, Counter, DeviceTimes, OpRecord
+from loco.comm.guard import Shield
+from loco.comm.means import issue_all_gather_mean, issue_all_reduce_mean, reduce_on_thread
+from loco.comm.seal import mac_bytes, sealed
 from loco.comm.exchange import Build, Consume, exchange_pieces, exchange_whole, sendrecv
 from loco.comm.handles import Aborted, Handle
 from loco.comm.hostreads import allowed
-from loco.comm.chunked import gather_mean
-from loco.comm.reduce import Buffers, layout, reduce_mean
+from loco.comm.reduce import Buffers
 from loco.comm.streams import HostStaging, streams_for
 from loco.comm.thread import CommThread
 
@@ -103,6 +105,11 @@ class Comm:
         self.workers = size
         """M, the workers of the job at full strength (``size`` may be fewer in an
         [`ElasticComm`][loco.comm.elastic.ElasticComm])."""
+        self.job_key = None
+        """The job key whose MACs training payloads carry (``loco.comm.seal``), or None."""
+        self.sealed_ops = 0  # training operations tagged so far: their sequence numbers
+        self.shield = Shield()
+        """The guard over its averages and this worker's attacks (set by the algorithm)."""
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
@@ -371,29 +378,19 @@ class Comm:
             t, tag, codec, s, weight), lambda _, h: tensor.view(-1), back=(0, 1))
         if staged is not None:
             return staged
-        if not tensor.is_contiguous():
-            raise ValueError("all_reduce_mean needs a contiguous tensor")
-        flat = tensor.view(-1)
-        if codec is not None and flat.dtype != torch.float32:
-            raise ValueError(f"all_reduce_mean with codec {codec.name} needs an fp32 tensor "
-                             f"(got {flat.dtype})")
-        if weight is not None:
-            flat.mul_(weight)
-        if codec is not None and codec.name == "fp32":  # lossless: the unencoded mean
-            codec = None
-        m, n, b = self.size, flat.numel(), flat.element_size()
-        chunk, row_bytes = layout(n, m, codec, b)
-        wire = 2 * (m - 1) * row_bytes
-        divisor = self.contributors
-        # Two dependent phases (reduce-scatter, then all-gather): two latencies on a link.
-        return self._submit("all_reduce_mean", tag, n * b, wire, wire,
-                            lambda: self._reduce_mean(flat, chunk, codec, m, divisor, sent),
-                            [flat] + ([] if sent is None else [sent]), phases=2)
+        return issue_all_reduce_mean(self, tensor, tag, codec, sent, weight)
 
     def _reduce_mean(self, flat: torch.Tensor, chunk: int, codec: Codec | None, m: int,
-                     divisor: int, sent: torch.Tensor | None = None) -> torch.Tensor:
-        return reduce_mean(flat, chunk, codec, m, divisor, self._buffers, self._all_to_all,
-                           self._gather, sent, None if self.rank_order else self._sum)
+                     divisor: int, sent: torch.Tensor | None = None,
+                     step: int | None = None) -> torch.Tensor:
+        """On the communication thread: an average's reduction among ``m`` workers
+        (``loco.comm.means``; ``step`` None: not a training average)."""
+        return reduce_on_thread(self, flat, chunk, codec, m, divisor, sent, step)
+
+    def senders(self) -> list[int]:
+        """The worker each rank of the group is (the ranks themselves; an elastic quorum's
+        members)."""
+        return list(range(self.size))
 
     def all_gather_mean(self, tensor: torch.Tensor, tag: str = "train", codec: Codec = None,
                         sent: torch.Tensor | None = None, weight: float | None = None
@@ -425,19 +422,7 @@ class Comm:
             t, tag, codec, s, weight), lambda _, h: tensor.view(-1), back=(0, 1))
         if staged is not None:
             return staged
-        if not tensor.is_contiguous() or tensor.dtype != torch.float32 or codec is None:
-            raise ValueError("all_gather_mean needs a contiguous fp32 tensor and a codec (got "
-                             f"{tensor.dtype}, contiguous={tensor.is_contiguous()}, {codec})")
-        flat = tensor.view(-1)
-        if weight is not None:
-            flat.mul_(weight)
-        m, n = self.size, flat.numel()
-        wire = (m - 1) * codec.row_bytes(codec.padded(n)) if n else 0
-        divisor = self.contributors
-        return self._submit("all_gather_mean", tag, n * 4, wire, wire,
-                            lambda: gather_mean(flat, codec, m, divisor, self._buffers,
-                                                self._gather, sent),
-                            [flat] + ([] if sent is None else [sent]))
+        return issue_all_gather_mean(self, tensor, tag, codec, sent, weight)
 
     def buffer(self, role: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A buffer this Comm keeps for a caller's ``role`` (counted in ``buffer_bytes``), as
@@ -456,7 +441,9 @@ class Comm:
         staging Comm (``stage_from``) keeps none of its own: its host copies are made per
         operation (from PyTorch's caching host allocator) and dropped after it."""
         kept = list(self._buffers.values())  # one step under the GIL: the thread may add
-        return sum(b.numel() * b.element_size() for b in kept)
+        guard = self.shield.guard  # its counters and the digests' history
+        return sum(b.numel() * b.element_size() for b in kept) + (
+            guard.nbytes() if guard is not None else 0)
 
     def _all_to_all(self, received: torch.Tensor, outgoing: torch.Tensor) -> None:
         """The group's all-to-all of two flat buffers of equal size (``all_to_all_single``)."""
@@ -528,12 +515,15 @@ class Comm:
                    torch.empty(shape, dtype=tensor.dtype, device=tensor.device))
             if m == 1:
                 out[0].copy_(tensor)
-            else:
-                self._gather(out, tensor.contiguous())
+            else:  # (a training gather carries MACs with a job key: a forged one fails it)
+                sealed(self, train, None, None, self._gather, "a message")[1](
+                    out, tensor.contiguous())
             return list(out.unbind(0))
 
-        return self._submit("all_gather", tag, nbytes, (m - 1) * nbytes, (m - 1) * nbytes, run,
-                            [tensor])
+        train = 0 if tag == "train" else None
+        wire = (m - 1) * nbytes + (mac_bytes(m - 1) if self.job_key is not None and train == 0
+                                   else 0)
+        return self._submit("all_gather", tag, nbytes, wire, wire, run, [tensor])
 
     def _gather(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
         """The group's all-gather of the contiguous ``tensor`` into ``out``, contiguous, of

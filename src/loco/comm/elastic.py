@@ -28,10 +28,14 @@ them waiting on a neighbour in a ring until the timeout.
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import os
 import re
+import secrets
 import time
+import urllib.error
+import urllib.parse
 import urllib.request
 import warnings
 from collections.abc import Callable
@@ -40,6 +44,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
+from loco.comm.auth import (AdmissionError, AuthError, JobKey, admit, context, open_state,
+                            proves_request, request_proof, seal_state)
 from loco.comm.comm import Comm
 from loco.comm.handles import Aborted, Handle
 from loco.comm.hostreads import allowed
@@ -50,6 +56,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("loco.elastic")
 
 _STORE_KEY = "loco/elastic/store"
+
+PROOF_HEADER = "X-Loco-Key-Proof"
+"""The HTTP header in which a joiner proves the job key to the worker it fetches state from."""
 
 MEMBERSHIP_TAG = "membership"
 """Tag of the small exchanges of the quorum and the commit (who contributes, who succeeded)."""
@@ -101,14 +110,85 @@ def start_lighthouse(min_workers: int, heartbeat_timeout: float = 1.0,
 def _transport(host: str, timeout: datetime.timedelta):
     """torchft's HTTP checkpoint transport (a joiner fetches a live worker's state from
     it), advertised at ``host`` rather than at this machine's host name, which the other
-    workers may not resolve."""
-    from torchft.checkpointing.http_transport import HTTPTransport
+    workers may not resolve.
+
+    Once its ``key`` is set (``ElasticComm.use_key``) it serves the state sealed
+    ([`seal_state`][loco.comm.auth.seal_state], bound to the step and this server's
+    address) and only to a request that proves the key (``PROOF_HEADER``, each proof used
+    once); a joiner deserialises what it fetches only after checking its tag, and a state
+    that fails raises an [`AuthError`][loco.comm.auth.AuthError] naming its sender.
+    """
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+    from torchft.checkpointing.http_transport import HTTPTransport, _to_cpu
 
     class HostTransport(HTTPTransport):
+        key: JobKey | None = None
+
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, **kwargs)
+            self._sealed, self._proofs = b"", set()
+            self._server.RequestHandlerClass = _keyed_handler(
+                self._server.RequestHandlerClass, self)
+
         def address(self) -> str:
             return f"http://{host}:{self._server.socket.getsockname()[1]}/checkpoint/"
 
+        def send_checkpoint(self, dst_ranks, step, state_dict, timeout) -> None:
+            if self.key is None:
+                return super().send_checkpoint(dst_ranks, step, state_dict, timeout)
+            values, spec = tree_flatten(state_dict)
+            self._sealed = seal_state(self.key, tree_unflatten(_to_cpu(values, False), spec),
+                                      context("state", step, self.address()))
+            self._proofs = set()
+            self.allow_checkpoint(step)
+
+        def recv_checkpoint(self, src_rank, metadata, step, timeout):
+            if self.key is None:
+                return super().recv_checkpoint(src_rank, metadata, step, timeout)
+            url = f"{metadata}{step}/full"
+            proof = request_proof(self.key, urllib.parse.urlparse(url).path)
+            request = urllib.request.Request(url, headers={PROOF_HEADER: proof})
+            try:
+                with urllib.request.urlopen(request, timeout=timeout.total_seconds()) as r:
+                    body = r.read()
+            except urllib.error.HTTPError as e:
+                if e.code != 403:
+                    raise
+                raise AuthError(f"the worker at {metadata} refused to send its state: this "
+                                "process's job key differs from the job's") from None
+            return open_state(self.key, body, context("state", step, metadata),
+                              f"the worker at {metadata} (quorum rank {src_rank})")
+
     return HostTransport(timeout=timeout, num_chunks=0)
+
+
+def _keyed_handler(base: type, transport: Any) -> type:
+    """torchft's request handler ``base``, which, once ``transport.key`` is set, answers
+    only ``GET /checkpoint/STEP/full`` of the step served, with the sealed state, to a
+    request that proves the key (403 otherwise, and a warning naming the client)."""
+
+    class KeyedHandler(base):
+        def do_GET(self) -> None:
+            if transport.key is None:
+                return super().do_GET()
+            with transport._checkpoint_lock.r_lock():  # waits until a state is served
+                if not proves_request(transport.key, self.headers.get(PROOF_HEADER),
+                                      self.path, transport._proofs):
+                    log.warning("elastic: refused the state to %s, which did not prove the "
+                                "job key", self.client_address[0])
+                    self.send_error(403, "prove the job key")
+                    return
+                if self.path != f"/checkpoint/{transport._step}/full":
+                    self.send_error(400, f"serving /checkpoint/{transport._step}/full only")
+                    return
+                body = transport._sealed
+                self.send_response(200)
+                self.send_header("Content-type", "application/octet-stream")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+    return KeyedHandler
 
 
 def _group_class():
@@ -173,13 +253,20 @@ class ElasticComm(Comm):
         self.shard = shard
         store_host, store_port = self._worker_store(host, shard, shards, store, td)
         self._members_group = _group_class()(timeout=td)
+        self._transport = _transport(host, td)
+        self._key: JobKey | None = None  # the job key (use_key), unbound
+        self._admitted = None  # the group whose members last proved it
+        self._session: JobKey | None = None  # the key bound to that admission's session
+        self.job_key: JobKey | None = None
+        """The job key bound to the current quorum (its admission's session and the
+        quorum's agreed rows); None without a key."""
         self.manager = tft.manager.Manager(
             pg=self._members_group, load_state_dict=None, state_dict=None,
             min_replica_size=min_workers, use_async_quorum=False, timeout=td,
             quorum_timeout=td, connect_timeout=td, rank=shard, world_size=shards,
             store_addr=store_host, store_port=store_port, lighthouse_addr=lighthouse,
             replica_id=f"loco_worker_{worker}", hostname=host, init_sync=False,
-            checkpoint_transport=_transport(host, td))
+            checkpoint_transport=self._transport)
         self._incarnation = int.from_bytes(os.urandom(7), "big")  # this process's start
         self._incarnations: dict[int, int] = {}  # of the current members
         self.members: tuple[int, ...] = ()
@@ -237,6 +324,21 @@ class ElasticComm(Comm):
 
         self.manager.register_state_dict_fn(key, load, state_fn)
 
+    def use_key(self, key: bytes | JobKey) -> None:
+        """Require the job key from the next quorum on (call it before the first, ``begin``):
+        the members of every new quorum prove it ([`admit`][loco.comm.auth.admit]) before
+        anything they send counts, and a quorum with a member that cannot is refused
+        ([`AdmissionError`][loco.comm.auth.AdmissionError]); the state a joiner receives is
+        sealed by its sender, served only to a requester that proves the key, and checked
+        before it is loaded.
+
+        Args:
+            key: the job key (bytes, see [`load_key`][loco.comm.auth.load_key]) or a
+                [`JobKey`][loco.comm.auth.JobKey].
+        """
+        self._key = key if isinstance(key, JobKey) else JobKey(key)
+        self._transport.key = self._key
+
     # ------------------------------------------------------------------------------- a sync
     def begin(self) -> bool:
         """The quorum of a sync: wait (at most ``timeout``) for at least ``min_workers``
@@ -249,6 +351,9 @@ class ElasticComm(Comm):
         Raises:
             TimeoutError: no quorum of ``min_workers`` formed within ``timeout``; names
                 the workers that did not answer.
+            AuthError: with a job key (``use_key``), a member could not prove it
+                (``AdmissionError``), or the state received from a peer failed its tag;
+                names them.
         """
         started = time.monotonic()
         deadline = started + self.timeout
@@ -262,11 +367,13 @@ class ElasticComm(Comm):
                 self.manager.start_quorum(timeout=datetime.timedelta(seconds=left))
                 self.waiting = False
                 err = self.manager.errored()
+                if isinstance(getattr(err, "original_exception", None), AuthError):
+                    raise err.original_exception  # a forged state: no retry
                 if err is None:
                     self._rebind()
                     self._agree(time.monotonic() - started)
                     return self.healed and not healed_before
-            except Aborted:
+            except (Aborted, AuthError):
                 raise
             except Exception as e:  # noqa: BLE001 - no quorum in time, or a peer died in it
                 err = e
@@ -300,10 +407,14 @@ class ElasticComm(Comm):
             self.size = self._members_group.member_count
 
     def _agree(self, waited: float) -> None:
+        keyed = self._key is not None
         mine = torch.tensor([self.worker, 0 if self.healed else 1, self._incarnation,
-                             self.note], dtype=torch.int64, device=self.device)
+                             self.note, int(keyed), int(keyed and self._admitted is not
+                                                         self.group), secrets.randbits(62)],
+                            dtype=torch.int64, device=self.device)
         with allowed("sync"):  # the quorum's few numbers, read once per sync
             rows = [r.tolist() for r in self.all_gather(mine, tag=MEMBERSHIP_TAG).wait()]
+        self._admit_members(rows)
         members = tuple(r[0] for r in rows)
         incarnations = {r[0]: r[2] for r in rows}
         self.contributors = sum(r[1] for r in rows)
@@ -320,6 +431,34 @@ class ElasticComm(Comm):
                         quorum_seconds=round(waited, 3))
         if self.contributors == 0:  # every member was healed: nothing to average
             raise RuntimeError("no member of the quorum has a pseudo-gradient to contribute")
+
+    def _admit_members(self, rows: list[list[int]]) -> None:
+        """With a job key: refuse a quorum with a member that holds none; when any member's
+        group is new since it last proved the key (the rows' flag, the same on every
+        member), every member proves it again ([`admit`][loco.comm.auth.admit]). Then the
+        quorum's own key (``job_key``: the session's, bound to the quorum's rows, which
+        carry a random number from every member) and its operations numbered from 0
+        (``sealed_ops``): every member counts alike, a joiner and a healed worker too, and a
+        payload of an earlier quorum does not verify in this one.
+
+        Args:
+            rows: every member's row of the quorum, in rank order.
+
+        Raises:
+            AdmissionError: naming the workers that could not prove the key.
+        """
+        if self._key is None:
+            return
+        names = [f"worker {r[0]}" for r in rows]
+        unkeyed = [n for n, r in zip(names, rows) if not r[4]]
+        if unkeyed:
+            raise AdmissionError(f"worker {self.worker}: {', '.join(unkeyed)} joined the "
+                                 "quorum without a job key: not admitted")
+        if any(r[5] for r in rows):
+            self._session = admit(self, self._key, names)
+            self._admitted = self.group
+        quorum = hashlib.sha256(self._session.job + repr(rows).encode()).digest()
+        self.job_key, self.sealed_ops = self._session.bound(quorum), 0
 
     def commit(self, ok: bool, record: bool = True) -> bool:
         """Tell every member whether this worker's collective succeeded and learn theirs;
@@ -440,6 +579,10 @@ class ElasticComm(Comm):
 
         handle.reissue = reissue
         return handle
+
+    def senders(self) -> list[int]:
+        """The workers of the quorum, in the order of their ranks in its group."""
+        return list(self.members)
 
     def _gather(self, out: torch.Tensor, tensor: torch.Tensor) -> None:
         """All-gather as an all-to-all (``all_to_all_single``, the same bytes) into ``out``

@@ -22,6 +22,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.profiler import record_function
 
+from loco.comm.auth import TAG_BYTES
+from loco.comm.seal import exchange_seal, mac_bytes
+
 if TYPE_CHECKING:
     from loco.comm.handles import Handle
 
@@ -143,7 +146,7 @@ def exchange_pieces(comm: Comm, sizes: Sequence[int], members: Iterable[int], bu
         raise ValueError(f"exchange_pieces: piece sizes must be >= 0 (got {sizes})")
     peers = [r for r in members if r != comm.rank]
     check_peers(comm, "exchange_pieces", peers)
-    total = sum(sizes)
+    total = sum(sizes) + (mac_bytes(len(sizes)) if comm.job_key is not None else 0)
 
     def run():
         _run(comm, sizes, members, build, consume)
@@ -161,16 +164,24 @@ def _run(comm: Comm, sizes: list[int], members: tuple[int, ...], build: Build,
     if not sizes:
         return
     peers = [r for r in members if r != comm.rank]
-    stride = -(-max(sizes) // ALIGN) * ALIGN
+    seal = exchange_seal(comm, members, comm.shield.at(comm.shield.clock(), members))
+    mac = 0 if seal is None else TAG_BYTES  # each piece with its tag after it
+    stride = -(-(max(sizes) + mac) // ALIGN) * ALIGN
     out = comm._buffers("exchange_out", (stride,), torch.uint8)
     into = comm._buffers("exchange_in", (len(peers), stride), torch.uint8)
     for k, size in enumerate(sizes):
         mine, got = out[:size], [into[j, :size] for j in range(len(peers))]
         build(k, mine)
+        if seal is not None:
+            seal.tag_piece(mine, out[size:size + mac])
         with record_function("loco/exchange"):
-            works = comm._post([(mine, p, 0) for p in peers],
-                               [(g, p, 0) for g, p in zip(got, peers)])
+            works = comm._post([(out[:size + mac], p, 0) for p in peers],
+                               [(into[j, :size + mac], p, 0) for j, p in enumerate(peers)])
             for w in works:
                 w.wait()
         theirs = {comm.rank: mine, **dict(zip(peers, got))}
+        if seal is not None:
+            tags = {comm.rank: out[size:size + mac],
+                    **{p: into[j, size:size + mac] for j, p in enumerate(peers)}}
+            seal.check_pieces([theirs[r] for r in members], [tags[r] for r in members])
         consume(k, [theirs[r] for r in members])

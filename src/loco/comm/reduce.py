@@ -17,6 +17,8 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
+from loco.comm.guard import Guard
+
 
 def chunk_elems(numel: int, parts: int) -> int:
     """Values per chunk when ``numel`` values are cut into ``parts`` equal chunks:
@@ -110,7 +112,8 @@ def piece_width(chunk: int, parts: int, codec: Any, itemsize: int) -> int:
 
 def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor: int,
                 buffers: Buffers, all_to_all: AllToAll, all_gather: AllGather,
-                sent: torch.Tensor | None = None, all_reduce: AllReduce | None = None
+                sent: torch.Tensor | None = None, all_reduce: AllReduce | None = None,
+                guard: Guard | None = None, wire: Callable[[torch.Tensor], Any] | None = None
                 ) -> torch.Tensor:
     """Average ``flat`` over ``parts`` workers, in place. Unencoded, with ``all_reduce``:
     the transport's own sum (NCCL's or gloo's all-reduce, which gives every worker the same
@@ -141,6 +144,10 @@ def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor:
         all_reduce: ``all_reduce(tensor)``: the sum over the workers, in place, the same
             bits on every worker; used without a codec; default None (the all-to-all and
             all-gather above, summing in rank order).
+        guard: what combines each chunk's rows in place of their mean
+            ([`Guard.combine`][loco.comm.guard.Guard.combine]); default None (the mean).
+        wire: called on this worker's outgoing rows once encoded, before they are sent
+            (an injected ``bitflip``); default None.
 
     Returns:
         ``flat``, holding the mean.
@@ -154,7 +161,7 @@ def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor:
         with record_function("loco/all_reduce"):
             all_reduce(flat)
         return flat.div_(divisor)
-    ops = (codec, parts, divisor, buffers, all_to_all, all_gather)
+    ops = (codec, parts, divisor, buffers, all_to_all, all_gather, guard, wire)
     width = piece_width(chunk, parts, codec, flat.element_size())
     if width == chunk:
         rows = _rows(flat, parts * chunk, buffers).view(parts, chunk)
@@ -172,7 +179,8 @@ def reduce_mean(flat: torch.Tensor, chunk: int, codec: Any, parts: int, divisor:
 
 
 def _reduce_rows(rows: torch.Tensor, codec: Any, parts: int, divisor: int, buffers: Buffers,
-                 all_to_all: AllToAll, all_gather: AllGather,
+                 all_to_all: AllToAll, all_gather: AllGather, guard: Guard | None,
+                 wire: Callable[[torch.Tensor], Any] | None,
                  echo: Callable[[torch.Tensor], Any] | None) -> torch.Tensor:
     """The mean of ``rows`` (parts, c), row j reduced by worker j: in ``rows`` or a new
     tensor (returned). ``echo`` receives what this worker's rows became on the wire."""
@@ -188,11 +196,14 @@ def _reduce_rows(rows: torch.Tensor, codec: Any, parts: int, divisor: int, buffe
         outgoing = encode(rows, "outgoing")
         if echo is not None:  # before the all-to-all: the kept buffers are reused below
             echo(rows if codec is None else decode(outgoing, "echo"))
+        if wire is not None:
+            wire(outgoing)
     received = buffers("received", outgoing.shape, outgoing.dtype)
     with record_function("loco/all_to_all"):
         all_to_all(received.view(-1), outgoing.view(-1))
     with record_function("loco/reduce"):
-        mine = encode(_mean_rows(received, width, codec, decode, divisor, buffers), "mine")
+        mine = encode(_mean_rows(received, width, codec, decode, divisor, buffers, guard),
+                      "mine")
     # Everyone decodes the same gathered bytes into ``rows``. Unencoded, they land there.
     gathered = rows if codec is None else buffers("gathered", (parts, mine.shape[1]), mine.dtype)
     with record_function("loco/all_gather"):
@@ -253,10 +264,14 @@ def _coders(codec: Any, chunk: int, buffers: Buffers) -> tuple:
 
 
 def _mean_rows(received: torch.Tensor, c: int, codec: Any, decode: Callable, divisor: int,
-               buffers: Buffers) -> torch.Tensor:
+               buffers: Buffers, guard: Guard | None = None) -> torch.Tensor:
     """The (1, c) mean of the rows ``received`` holds (decoded by ``decode``), summed in
     rank order then divided by ``divisor``, in the kept ``"sum"`` buffer: in one pass where
-    the codec can (``codec.decode_mean_rows``, the same bits), else decoded, summed, divided."""
+    the codec can (``codec.decode_mean_rows``, the same bits), else decoded, summed, divided;
+    with a guard, what it combines them into."""
+    if guard is not None:
+        decoded = decode(received, "decoded")
+        return guard.combine(decoded, divisor, buffers("sum", (1, c), decoded.dtype))
     if codec is not None and codec.writes_into and received.shape[0] >= 2:
         # The decoded rows' buffer is kept either way, so that a rank's buffers (its
         # memory_bytes_per_rank, and loco plan's, made on the meta device) do not depend on

@@ -28,10 +28,11 @@ from loco.config.sections import (
     RuntimeOptions,
     TrainingOptions,
 )
+from loco.config.trust import TrustOptions
 from loco.options import ConfigError, need
 
 SECTIONS = (MethodOptions, TrainingOptions, ModelOptions, DataOptions, CommunicationOptions,
-            RuntimeOptions, LoggingOptions)
+            RuntimeOptions, TrustOptions, LoggingOptions)
 """The configuration's sections, each checking its own options."""
 
 
@@ -69,7 +70,7 @@ def canonical(values: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
-class TrainConfig(LoggingOptions, RuntimeOptions, CommunicationOptions, DataOptions,
+class TrainConfig(LoggingOptions, TrustOptions, RuntimeOptions, CommunicationOptions, DataOptions,
                   ModelOptions, TrainingOptions, *reversed(_method_sections()), MethodOptions):
     """Every option of ``loco train``, with its default: the sections of
     ``loco.config.sections`` and each registered method's own section.
@@ -151,6 +152,8 @@ def coerce(field_: dataclasses.Field, value: Any) -> Any:
         if "None" in kind:
             return None
         raise ConfigError(field_.name, "must not be empty")
+    if field_.metadata.get("repeat") and isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)  # a repeated flag, or a YAML list
     try:
         if kind.startswith("bool"):
             if not isinstance(value, bool):

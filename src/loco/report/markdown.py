@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from loco.report.attacks import attacks_section
 from loco.report.numbers import comparison
 from loco.report.papers import regime, targets
 from loco.report.runs import Run, worker_ranks
@@ -24,6 +25,7 @@ def render_markdown(runs: list[Run], numbers: dict[str, dict], plots: list[str])
     lines = ["# loco compare", ""] + intro(runs)
     lines += table(shown, shown_numbers, dict(groups) or None)
     lines += claims_table(runs)
+    lines += attacks_section(runs)
     if groups:
         lines += ["", "## Every run", "", "Each seed's run; the other tables and the sweep "
                   "plots give their means. A gap to DataParallel is to its run of the same "

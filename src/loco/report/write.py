@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 
+from loco.report.attacks import add_attacks
 from loco.report.cells import value_cell
 from loco.report.markdown import render_markdown
 from loco.report.numbers import baseline, comparison
@@ -27,6 +28,7 @@ def write_report(runs: list[Run], out: str) -> dict[str, dict]:
 
     os.makedirs(out, exist_ok=True)
     numbers = comparison(runs, out)
+    add_attacks(numbers, runs)  # attacked runs: compare.attack
     plots = (frontier_plot(runs, out) + plot_comparison(runs, out)
              + sweep_plots(seed_means(runs), out))
     _write(os.path.join(out, "compare.json"), json.dumps(numbers, indent=2) + "\n")

@@ -83,3 +83,22 @@ class Fault:
         if self._poison is not None:
             self._poison.remove()
             self._poison = None
+
+
+def silence(injector: Any, step: int) -> None:
+    """``--inject WORKER:silent[@STEP]`` (``loco.comm.attacks``): from inner step STEP on
+    this worker never sends again; its process ends at once without a word. An elastic run
+    (which ``silent`` needs) restarts it up to ``--max-restarts`` times, each restart falls
+    silent again as it rejoins, and the worker is then counted lost while the others train
+    on (the summary's ``elastic`` section names it).
+
+    Args:
+        injector: this worker's attacks (``comm.shield.injector``), or None.
+        step: the inner step about to be taken.
+    """
+    if injector is None:
+        return
+    injector.step = step
+    if injector.silent:
+        os._exit(0)
+

@@ -12,6 +12,7 @@ import torch
 from tqdm import tqdm
 
 from loco import checkpoint, hf
+from loco.comm.auth import admit, job_key
 from loco.config import TrainConfig, betas, model_dims, worker_speeds
 from loco.data import Corpus, TokenLoader
 from loco.hf import is_hf
@@ -140,6 +141,7 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     if not ctx.comm.elastic:  # (the elastic supervisor decides on its own workers)
         vitals.check_restart(restart_count())
     vitals.note(0)
+    admit_worker(ctx, cfg)  # before any state moves: only the job's members take part
     autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16"
                 else nullcontext())
     model = build_model(cfg, ctx, corpus.vocab_size)
@@ -184,6 +186,28 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
         worker.resumed_tokens = int(state["loop"].get("tokens", nominal)) if state else nominal
     worker.elastic_tokens = worker.resumed_tokens
     return worker, loop
+
+
+def admit_worker(ctx: WorkerContext, cfg: TrainConfig) -> None:
+    """With a job key (``--job-key-file``, else ``$LOCO_JOB_KEY_FILE``), the replicas prove
+    it to each other before any state moves ([`admit`][loco.comm.auth.admit]; an elastic
+    Comm does it at every new quorum, ``ElasticComm.use_key``), and ``ctx.comm.job_key`` is
+    the key bound to the admitted session. Nothing without a key.
+
+    Args:
+        ctx: this rank's context (its ``comm`` is the slow link's).
+        cfg: the run's configuration.
+
+    Raises:
+        AdmissionError: some replica could not prove the key (named).
+    """
+    key = job_key(cfg.job_key_file)
+    if key is None:
+        return
+    if ctx.comm.elastic:
+        ctx.comm.use_key(key)
+    else:
+        ctx.comm.job_key = admit(ctx.comm, key)
 
 
 def make_throttle(cfg: TrainConfig, ctx: WorkerContext) -> Throttle | None:

@@ -18,6 +18,8 @@ from loco.training.evaluation import final_evaluation, final_extra_evaluation
 from loco.training.runlog import RunLog
 from loco.training.state import last_checkpoint, local_rounds
 from loco.training.summary import Summary
+from loco.training.trust import guard_summary
+from loco.training.verify import replicas_verified
 from loco.training.worker import Loop, Worker
 
 
@@ -27,13 +29,14 @@ def finish_worker(w: Worker, loop: Loop) -> dict:
     if w.ctx.comm.elastic:
         take_lead(w)
     per_worker = gather_counters(w, loop)
+    guard = guard_summary(w)
     final_eval, replicas = final_evaluation(w)
     extra = final_extra_evaluation(w)
     last_checkpoint(w)
     write_comm_totals(w.cfg.out, w.ctx)
     if not w.main:
         return {"rank": w.ctx.rank}
-    return write_summary(w, loop, per_worker, final_eval, replicas, extra)
+    return write_summary(w, loop, per_worker, final_eval, replicas, extra, guard)
 
 
 def take_lead(w: Worker) -> None:
@@ -49,7 +52,8 @@ def take_lead(w: Worker) -> None:
 
 
 def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float | None,
-                  replicas: dict | None, extra: float | None = None) -> dict:
+                  replicas: dict | None, extra: float | None = None,
+                  guard: dict | None = None) -> dict:
     """The lead rank's last metrics record, ``summary.json`` and ``loss.png``; returns the
     summary's content (``Summary.to_dict()``).
 
@@ -60,19 +64,21 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
         final_eval: the final model's loss on the validation split.
         replicas: the replicas' report (:func:`final_evaluation`), or None.
         extra: the final model's loss on ``--eval-corpus``, or None.
+        guard: what the guard saw (``loco.training.trust.guard_summary``), or None.
     """
     ctx = w.ctx
     w.log.metric({"step": w.cfg.steps, "tokens": w.tokens_at(w.cfg.steps),
                   "eval_loss": final_eval, **({} if extra is None else {"eval_loss_extra": extra}),
                   "bytes_sent": ctx.comm.totals("train").sent_bytes,
                   **issued_link_bytes(ctx), "elapsed": time.perf_counter() - w.start})
-    summary = make_summary(w, loop, workers, final_eval, replicas, extra)
+    summary = make_summary(w, loop, workers, final_eval, replicas, extra, guard)
     w.log.finish(summary)
     return summary.to_dict()
 
 
 def make_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float | None,
-                 replicas: dict | None, extra: float | None) -> Summary:
+                 replicas: dict | None, extra: float | None, guard: dict | None = None
+                 ) -> Summary:
     """The run's summary, now (its ``wall_seconds`` end here); the arguments are
     :func:`write_summary`'s."""
     cfg, ctx, algo, corpus = w.cfg, w.ctx, w.algo, w.corpus
@@ -107,6 +113,7 @@ def make_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float |
         per_worker=workers,
         fragments=algo.fragment_stats() if hasattr(algo, "fragment_stats") else None,
         codec_kernel=codec_kernel(algo), replicas=replicas,
+        replicas_verified=replicas_verified(w, loop), guard=guard,
         corpus={"name": corpus.name, "train_tokens": len(corpus.train),
                 "val_tokens": len(corpus.val), "vocab_size": corpus.vocab_size,
                 "eval_corpus_tokens": (None if corpus.eval_extra is None

@@ -20,6 +20,7 @@ from loco.comm.handles import Aborted
 from loco.comm.hostreads import allowed
 from loco.config import profile_steps
 from loco.profiling import StepProfiler
+from loco.runtime.faults import silence
 from loco.runtime.pipeline import PipelineStage
 from loco.training.counters import blocked_seconds, issued_link_bytes
 from loco.training.errors import failure
@@ -27,6 +28,7 @@ from loco.training.evaluation import periodic_eval
 from loco.training.state import checkpoint_if_due
 from loco.training.speed import DeviceSpan
 from loco.training.summary import human_bytes
+from loco.training.verify import verify_if_due
 from loco.training.worker import Loop, Worker
 
 
@@ -49,6 +51,7 @@ def train_loop(w: Worker, loop: Loop) -> None:
                         evals = periodic_eval(w, loop, step)
                     if w.main:
                         log_step(w, loop, step, loss, syncs, spread, evals)
+                    verify_if_due(w, loop, step)  # before a checkpoint: it holds the healed state
                     with allowed("checkpoint"):
                         checkpoint_if_due(w, loop, step)
                 if counter is not None:
@@ -130,6 +133,7 @@ def inner_step(w: Worker, step: int, loop: Loop, span: DeviceSpan | None = None
     worker), the algorithm's step (which syncs when due) and the schedule's; returns the
     loss (None on pipeline stages but the last). ``span``: timing events started before
     the forward pass, stopped after the backward pass (``loop.tick_span``)."""
+    silence(w.ctx.comm.shield.injector, step)  # --inject W:silent: never sends again
     if w.fault is not None:
         if step == w.fault.step:  # a drill strikes once the last checkpoint is committed
             w.writer.wait_committed(w.ctx.comm.check_aborted)

@@ -222,6 +222,7 @@ class LocalSteps:
         self._spans: list[DeviceSpan] = []  # this round's GPU ticks not yet in busy
         self.steps = 0  # this round's trained ticks
         self._pending: Any = None  # the gather of the last round's times, in flight
+        self._shield: Any = None  # the slow link's (loco.comm.guard.Shield), from agree
         self._fixes = 0  # the round that gather fixes
         self.ticks_trained = 0  # in this run (since a resume)
         self.smoothed = 0.0  # this worker's step time, averaged over rounds (SMOOTHING)
@@ -396,6 +397,10 @@ class LocalSteps:
             mine = self.smoothed = self._smoothed()
         else:  # the probe's few times stand alone, and are not kept
             mine = self.busy / self.steps if self.steps else 0.0
+        self._shield = getattr(comm, "shield", None)  # what lies (an attack), what caps lies
+        if self._shield is not None and self._shield.injector is not None:
+            self._shield.injector.step = self._shield.clock()
+            mine = self._shield.injector.claim(mine)
         self._pending = comm.all_gather(
             torch.tensor([mine], dtype=torch.float64, device=comm.device), tag="train")
         self._fixes = fixes
@@ -409,6 +414,8 @@ class LocalSteps:
             return
         times = [float(t) for t in self._pending.wait()]
         self._pending = None
+        if self._shield is not None and self._shield.judges:
+            times = self._shield.guard.cap_claims(times)
         counts = shares(self.sync_every, times)
         if self._fixes == 0:  # the probe: round 0 past its first ticks, and round 1
             rest = shares(self.sync_every - self.probe, times)

@@ -113,6 +113,16 @@ class Summary:
             None without a codec.
         replicas: methods whose replicas differ (and ``--eval-replicas``): every replica's
             eval loss, their mean, the loss of their average; None otherwise.
+        replicas_verified: with ``--verify-every K`` (a method with replicated state): the
+            replica checks' ``every``, ``checks``, ``differed`` (``step``, ``workers`` named,
+            ``healed_from``), ``skipped``, ``bytes_sent`` and ``seconds``; None otherwise.
+        guard: what the guard did (``--aggregation``): ``aggregation``, ``factor``,
+            ``injected`` (the ``--inject`` entries) and ``detected``, one entry per worker
+            and sign (``nonfinite``, ``high``, ``low``, ``stale``, ``mac``) with the
+            ``rows`` named (each reducer counts the rows it judged), ``first_step``,
+            ``last_step`` and the ``action``; ``peak_ratio``: by worker, the largest ratio
+            of its contribution's norm to the median it was judged by; None without a
+            guard.
         corpus: the corpus's ``name``, ``train_tokens``, ``val_tokens``, ``vocab_size`` and
             ``eval_corpus_tokens``.
         device: the lead rank's device, as torch names it (``cpu``, ``cuda:0``).
@@ -173,6 +183,8 @@ class Summary:
     fragments: list[dict[str, Any]] | None = None
     codec_kernel: dict[str, Any] | None = None
     replicas: dict[str, Any] | None = None
+    replicas_verified: dict[str, Any] | None = None
+    guard: dict[str, Any] | None = None
     corpus: dict[str, Any] | None = None
     device: str | None = None
     machine: dict[str, Any] | None = None

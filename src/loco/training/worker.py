@@ -181,6 +181,8 @@ class Loop:
     """With ``LOCO_HOST_READS=count``: the most host reads one step made, by reason
     (``step``: outside the regions that may read), and ``steps_reading``: the first steps
     that read outside them (``loco.comm.hostreads``); None: not counted."""
+    replica_checks: Any = None
+    """This run's replica checks (``loco.training.verify.ReplicaChecks``); None: none yet."""
 
     def note_host_reads(self, step: int, reads) -> None:
         """Record the host reads of ``step`` (a Counter by reason)."""
