@@ -359,3 +359,20 @@ def test_sparse_per_index_statistics_are_over_the_senders_of_each_index():
                 want = float(ordered[cut:k - cut].mean())
             assert out[i].item() == pytest.approx(want, rel=1e-5, abs=1e-6), (aggregation, i)
         assert {(d["worker"], d["sign"]) for d in guard.report()} == {(2, "high")}
+
+
+def test_a_zero_contribution_where_all_are_due_is_left_out_and_not_counted():
+    """``zero`` (every worker is to contribute): the row is named ``low`` and the mean is
+    the others', not diluted to 3/4; where workers may send zeros (a weighed merge, a
+    joiner) a zero row is neither named nor counted out."""
+    rows = rows_with()
+    rows[2] = 0.0
+    guard = Guard("drop", 4.0, 4)
+    total = guard.combine(rows.clone(), 4, torch.empty(1, rows.shape[1]))
+    assert torch.allclose(total[0], (rows[0] + rows[1] + rows[3]) / 3, atol=1e-6)
+    assert [(d["worker"], d["sign"]) for d in guard.report()] == [(2, "low")]
+    waiting = Guard("drop", 4.0, 4)
+    waiting.expect_all = False
+    total = waiting.combine(rows.clone(), 3, torch.empty(1, rows.shape[1]))
+    assert torch.allclose(total[0], (rows[0] + rows[1] + rows[3]) / 3, atol=1e-6)
+    assert waiting.report() == []

@@ -330,7 +330,7 @@ class NoLoCo(Algorithm):
         trusted = group.index(self.comm.rank) if len(messages) == 2 else None
         norms = torch.linalg.vector_norm(rows, dim=1)
         mean = guard.combine(rows, len(messages), total, trusted=trusted)[0]
-        return mean, ~((guard.last_scales == 0) & (norms != 0))
+        return mean, ~guard.left_out(guard.last_scales, norms)
 
     def _apply(self, step: torch.Tensor) -> None:
         """``δ ← α δ + g``, ``φ ← φ + δ`` (Nesterov: ``φ + α δ + g``), ``g`` in ``step``: in

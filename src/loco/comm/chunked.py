@@ -418,7 +418,7 @@ def _judged(codec: ChunkTopKCodec, gathered: torch.Tensor, whole: int, split: in
     scales = guard.judge(norms, guard.digest(norms, sums, whole or codec.block))
     if guard.coordinatewise:
         return None, divisor
-    return scales, divisor - ((scales == 0) & (norms != 0)).sum()
+    return scales, divisor - guard.left_out(scales, norms).sum()
 
 
 def _per_index(total: torch.Tensor, codec: ChunkTopKCodec, messages: torch.Tensor,

@@ -197,6 +197,17 @@ class Guard:
             self.acted[liars] += 1
         return [max(t, floor) if t > 0 else t for t in seconds]
 
+    def left_out(self, scale: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
+        """The rows ``judge`` left out that the mean must not count: all of them where every
+        worker is to contribute, else those not of zeros (a worker that waits or joins sends
+        zeros, and is not counted in the first place).
+
+        Args:
+            scale: ``judge``'s scales.
+            norms: the rows' norms.
+        """
+        return (scale == 0) & ((norms != 0) | self.expect_all)
+
     def _count(self, signs: torch.Tensor) -> None:
         """Count ``signs`` (rows × ``SIGNS``) against the rows' senders."""
         every = torch.zeros(self.counts.shape, dtype=torch.bool, device=self.device)
@@ -255,7 +266,7 @@ class Guard:
         scale = self.last_scales = self.judge(norms, digests, forged, trusted)
         if self.coordinatewise:
             return self._coordinatewise(rows, total)
-        left_out = (scale == 0) & (norms != 0)  # (a row of zeros adds nothing either way)
+        left_out = self.left_out(scale, norms)
         if self.aggregation == "clip":
             rows.mul_(scale[:, None]).nan_to_num_(0.0, 0.0, 0.0)  # (NaN × 0 is NaN)
         else:
