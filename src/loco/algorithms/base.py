@@ -170,6 +170,7 @@ class Algorithm(Method):
                                    comm.device, lambda: me().inner_steps if me() else 0)
         comm.shield.all_contribute = lambda: (me() is None or me().weight_of is None) and (
             comm.contributors == comm.size)
+        comm.shield.guard.compare_past = not comm.elastic  # (a retried sync resends its rows)
 
     # ----------------------------------------------------------------------- initial state
     def _sync_initial_state(self, mode: str) -> None:

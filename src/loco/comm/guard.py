@@ -86,6 +86,9 @@ class Guard:
         self.peak = torch.zeros(size, dtype=torch.float32, device=self.device)
         """The largest ratio of a sender's finite row norm to the median it was judged by
         (what ``factor`` must stay above for an honest run to be left alone)."""
+        self.compare_past = True
+        """Whether rows are compared with their senders' past (``stale``): not in an elastic
+        run, where a sync retried after a member is lost resends the same rows."""
         self.expect_all = True
         """Whether every worker is to contribute to the next average: a row of zeros is
         then named ``low`` (else it is what a worker that waits or joins sends)."""
@@ -144,7 +147,8 @@ class Guard:
         ratio = torch.where(finite & (median > 0), norms / median, torch.zeros_like(norms))
         self.peak[self.senders] = torch.maximum(self.peak[self.senders], ratio.to(self.device))
         low = finite & (norms * self.factor < median) & (~zero | self.expect_all) & decides
-        stale = self._stale(digests) if digests is not None else torch.zeros_like(finite)
+        stale = (self._stale(digests) if digests is not None and self.compare_past
+                 else torch.zeros_like(finite))
         forged = torch.zeros_like(finite) if forged is None else forged.to(finite.device)
         signs = torch.stack([~finite & ~forged, high, low, stale, forged,
                              torch.zeros_like(finite)], dim=1)
