@@ -290,6 +290,40 @@ def test_noloco_pairs_judge_each_other_by_their_own_norm():
             < min(eval_loss(ruined[m][0]) for m in honest))
 
 
+def noloco_drifted(ctx, aggregation: str, steps: int = 40):
+    """NoLoCo where worker 1's slow weights φ (and its replica with them, so that its Δ is
+    honest) are shifted by 100 before each sync: only its φ is wrong."""
+    model = tiny_lm()
+    algo = loco.NoLoCo(model, torch.optim.AdamW(model.parameters(), lr=3e-3), ctx.comm,
+                       sync_every=10, warn=False, aggregation=aggregation)
+    for t, (x, y) in enumerate(EX.my_batches(ctx.rank, ctx.world_size, steps), start=1):
+        model(x, y).backward()
+        if ctx.rank == 1 and t % 10 == 0:
+            with torch.no_grad():
+                algo.slow.add_(100.0)
+                for p in model.parameters():
+                    p.add_(100.0)
+        algo.step()
+        algo.zero_grad()
+    return ({k: v.detach().clone() for k, v in model.state_dict().items()},
+            ctx.comm.shield.guard.report())
+
+
+def test_noloco_judges_a_members_slow_weights_with_its_pseudo_gradient():
+    """A member whose φ alone is wrong (its Δ honest) is named by every partner, which then
+    takes neither its Δ nor its φ: the honest workers end near where the guarded run of a
+    plainly poisoned partner ends, while a plain mean pulls them 35 (γ/2 × 100) away."""
+    guarded = loco.launch(noloco_drifted, replicas=4, args=("drop",))
+    named = {(d["worker"], d["sign"]) for m, (_, report) in enumerate(guarded) if m != 1
+             for d in report}
+    assert named == {(1, "high")}
+    plain = loco.launch(noloco_drifted, replicas=4, args=("mean",))
+    honest = [m for m in range(4) if m != 1]
+    assert (max(eval_loss(guarded[m][0]) for m in honest)
+            < min(eval_loss(plain[m][0]) for m in honest))
+    assert all(max(v.abs().max().item() for v in guarded[m][0].values()) < 10 for m in honest)
+
+
 @pytest.mark.parametrize("args,says", [
     (["--inject", "1:silent"], "silent needs --elastic"),
     (["--inject", "1:lie-tokens=10"], "lie-tokens needs --local-steps proportional"),
@@ -298,10 +332,10 @@ def test_attacks_that_need_a_setting_say_which(args, says, capsys, monkeypatch):
     test_bad_trust_options_are_one_line_before_any_worker(args, says, capsys, monkeypatch)
 
 
-def test_a_worker_that_claims_ten_times_its_speed_is_capped_and_named(corpus, tmp_path):
-    """Speed-aware local steps with a liar: its claimed step time is raised to the median's
-    over the factor, so it cannot take more than that share of the round (nor cut the
-    others'); the summary names it (``tokens``)."""
+def test_a_worker_that_claims_ten_times_its_speed_is_named(corpus, tmp_path):
+    """Speed-aware local steps with a liar: the summary names it (``tokens``) and no one
+    else (its claim counts as the median's: ``cap_claims``, tested above on its own, since
+    the shares here depend on how fast each thread runs today)."""
     import json
 
     out = tmp_path / "liar"
@@ -318,12 +352,21 @@ def test_a_worker_that_claims_ten_times_its_speed_is_capped_and_named(corpus, tm
     assert max(max(r) for r in summary["local_steps"]["rounds"]) <= 10
 
 
-def test_claims_are_capped_at_the_factor_times_the_median_speed():
-    """The cap itself (host values, deterministic): a claim below the median's over the
-    factor is raised to it and named; two claims cannot be judged."""
+def test_a_lying_claim_counts_as_the_median_and_the_pace_is_vouched_for():
+    """The judgement of claimed speeds (host values, deterministic): a claim faster than the
+    median's times the factor is named and counts as the median claim (the others' shares
+    stand); a lie under the factor sets the pace only ``PACE_MARGIN`` beyond the next
+    fastest claim, unnamed; honest unequal speeds (two equally fast) pass unchanged; two
+    claims cannot be judged."""
+    from loco.comm.guard import PACE_MARGIN
+
     guard = Guard("drop", 4.0, 4)
-    assert guard.cap_claims([1.0, 0.01, 1.2, 0.9]) == [1.0, 0.25, 1.2, 0.9]
+    assert guard.cap_claims([1.0, 0.01, 1.2, 0.9]) == [1.0, 1.0, 1.2, 0.9]
     assert [(d["worker"], d["sign"]) for d in guard.report()] == [(1, "tokens")]
+    quiet = Guard("drop", 4.0, 4)
+    assert quiet.cap_claims([1.0, 0.4, 1.2, 0.9]) == [1.0, 0.9 / PACE_MARGIN, 1.2, 0.9]
+    assert quiet.report() == []
+    assert quiet.cap_claims([1.0, 1.0, 2.0, 3.0]) == [1.0, 1.0, 2.0, 3.0]
     assert guard.cap_claims([1.0, 0.0, 0.01, 0.0]) == [1.0, 0.0, 0.01, 0.0]
 
 

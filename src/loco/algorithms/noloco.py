@@ -307,30 +307,36 @@ class NoLoCo(Algorithm):
         split = self.codec.encoded_nbytes(hi - lo)
         pieces = [p.to(step.device) for p in pieces]  # staged: to the model's device
         with record_function("loco/reduce"):  # decoded and summed one member at a time
-            mean_delta, kept = self._mean_delta([p[:split] for p in pieces], hi - lo)
-            mean_slow = _mean(self.slow_codec, [p[split:] for p in pieces], hi - lo, kept)
+            mean_delta, mean_slow = self._means([p[:split] for p in pieces],
+                                                [p[split:] for p in pieces], lo, hi)
             ok.logical_and_(torch.stack([torch.isfinite(mean_delta).all(),
                                          torch.isfinite(mean_slow).all()]))
             pull = torch.sub(mean_slow, self.slow[lo:hi], out=step[lo:hi]).mul_(self.gamma)
             pull.add_(mean_delta.mul_(self.beta))  # −γ (φ − mean φ) + β mean(Δ)
 
-    def _mean_delta(self, messages: list[torch.Tensor], n: int
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """The group's mean Δ of a piece (``_mean``), or what the guard makes of the members'
-        Δ (in a group of two each member judges the other's by its own norm: a pair has no
-        median; in a larger one, by the median), with the members it kept (a bool per
-        member, on the device; None without a guard): a member whose Δ is left out is not
-        trusted with its φ either."""
+    def _means(self, deltas: list[torch.Tensor], slows: list[torch.Tensor], lo: int, hi: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The group's means of Δ and φ over values ``lo:hi`` (``_mean``; ``deltas`` and
+        ``slows``: each member's encoded bytes), or what the guard makes of them. The guard
+        judges each member by what its message does to this worker's step, the norm of
+        ``β·Δ_j + γ·(φ_j − φ_i)`` (this worker's own: ``β·Δ_i``), so that a φ that is
+        flipped or forged is caught as a Δ is: in a group of two each member judges the
+        other by itself (a pair has no median), in a larger one by the median. A member
+        left out counts in neither mean."""
+        n = hi - lo
         group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
         guard = self.comm.shield.at(self.inner_steps, group)
-        if guard is None or len(messages) < 2:
-            return _mean(self.codec, messages, n), None
-        rows = torch.stack([_decoded(self.codec, m, n) for m in messages])
+        if guard is None or len(deltas) < 2:
+            return _mean(self.codec, deltas, n), _mean(self.slow_codec, slows, n)
+        rows = torch.stack([_decoded(self.codec, m, n) for m in deltas])
+        pulls = torch.stack([_decoded(self.slow_codec, m, n) for m in slows])
+        pulls.sub_(self.slow[lo:hi]).mul_(self.gamma).add_(rows, alpha=self.beta)
+        effects = torch.linalg.vector_norm(pulls, dim=1)
+        del pulls
+        trusted = group.index(self.comm.rank) if len(deltas) == 2 else None
         total = torch.empty((1, n), dtype=torch.float32, device=rows.device)
-        trusted = group.index(self.comm.rank) if len(messages) == 2 else None
-        norms = torch.linalg.vector_norm(rows, dim=1)
-        mean = guard.combine(rows, len(messages), total, trusted=trusted)[0]
-        return mean, ~guard.left_out(guard.last_scales, norms)
+        mean = guard.combine(rows, len(deltas), total, trusted=trusted, effects=effects)[0]
+        return mean, _mean(self.slow_codec, slows, n, ~guard.last_left_out)
 
     def _apply(self, step: torch.Tensor) -> None:
         """``δ ← α δ + g``, ``φ ← φ + δ`` (Nesterov: ``φ + α δ + g``), ``g`` in ``step``: in

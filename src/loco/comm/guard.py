@@ -16,7 +16,8 @@ and a digest on the device, and compares them with the others' and with the send
 - ``stale``: exactly what the same sender sent before (one of its last ``HISTORY`` rows);
 - ``mac``: a payload whose MAC failed (``loco.comm.auth``), marked by the caller;
 - ``tokens``: a worker that claims to train more than ``factor`` times as fast as the
-  median worker, for a token-weighted merge (``cap_claims``): its claim is capped there.
+  median worker, for a token-weighted merge (``cap_claims``): its claim counts as the
+  median's.
 
 What it does with them is ``aggregation``: ``drop`` leaves out every named row and divides
 by the rows kept; ``clip`` scales a high row down to ``factor``
@@ -46,6 +47,10 @@ DEFAULT_FACTOR = 4.0
 docs/security.md, "Choosing the default")."""
 SIGNS = ("nonfinite", "high", "low", "stale", "mac", "tokens")
 """What the guard names a contribution for, in the order of its counters."""
+PACE_MARGIN = 1.5
+"""How much faster than the next fastest worker the fastest claim may set a round's pace
+(``Guard.cap_claims``): one worker's claim alone cannot cut the others' steps by more than
+a third."""
 HISTORY = 256
 """Digests of each sender's past rows that a new row is compared with (``stale``)."""
 STALE_MIN = 64
@@ -98,6 +103,9 @@ class Guard:
         """Rows whose MAC failed, for the next ``judge`` (set by ``loco.comm.seal``)."""
         self.last_scales: torch.Tensor | None = None
         """The scale ``combine`` gave each row of the last average it formed."""
+        self.last_left_out: torch.Tensor | None = None
+        """Which rows of the last average ``combine`` formed it did not count
+        (``left_out``)."""
         self._history = torch.full((size, HISTORY, 2), float("nan"), device=self.device)
         self._next = 0
 
@@ -176,30 +184,38 @@ class Guard:
         return order.index_select(0, at)[0].clamp(min=0.0)
 
     def cap_claims(self, seconds: list[float]) -> list[float]:
-        """Cap claimed speeds: each claim raised to at least the median claim over
-        ``factor``, and named ``tokens`` where it was below. No worker can claim to train
-        more than ``factor`` times as fast as the median one, so none can claim more than
-        that share of a token-weighted merge (nor cut the others' steps by more).
+        """Judge claimed speeds (``--local-steps proportional``), from which a round's
+        steps are shared and a token-weighted merge weighs: a claim faster than the median
+        claim times ``factor`` is named ``tokens`` and counts as the median's (a lie is
+        void, not capped: a worker that claims to be 10 times as fast trains the median
+        worker's share, and the others' shares stand); and the fastest claim left sets the
+        round's pace only as far as ``PACE_MARGIN`` beyond the next fastest (one worker
+        alone cannot cut every other one's steps by more, whatever it claims below the
+        factor). The speeds cannot be checked (every worker waits for the slowest at a
+        sync, so no one sees who arrived last); what a lie can do is bounded.
 
         Args:
             seconds: every worker's claimed seconds per step, host values (gathered and
                 read already); 0: unknown.
 
         Returns:
-            The claims, capped.
+            The claims as the schedule takes them.
         """
         known = sorted(t for t in seconds if t > 0)
         if len(known) < 3:  # two cannot tell which of them lies
             return list(seconds)
-        floor = known[len(known) // 2] / self.factor
-        liars = [m for m, t in enumerate(seconds) if 0 < t < floor]
+        median = known[len(known) // 2]
+        liars = [m for m, t in enumerate(seconds) if 0 < t < median / self.factor]
         if liars:
             signs = torch.zeros((len(seconds), len(SIGNS)), dtype=torch.bool)
             signs[liars, SIGNS.index("tokens")] = True
             self.senders = list(range(len(seconds)))
             self._count(signs)
             self.acted[liars] += 1
-        return [max(t, floor) if t > 0 else t for t in seconds]
+        claims = [median if m in liars else t for m, t in enumerate(seconds)]
+        fastest, second = sorted(t for t in claims if t > 0)[:2]
+        pace = max(fastest, second / PACE_MARGIN)
+        return [max(t, pace) if t > 0 else t for t in claims]
 
     def left_out(self, scale: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         """The rows ``judge`` left out that the mean must not count: all of them where every
@@ -249,8 +265,8 @@ class Guard:
 
     # ---------------------------------------------------------------------- combining
     def combine(self, rows: torch.Tensor, divisor: int, total: torch.Tensor,
-                forged: torch.Tensor | None = None, trusted: int | None = None
-                ) -> torch.Tensor:
+                forged: torch.Tensor | None = None, trusted: int | None = None,
+                effects: torch.Tensor | None = None) -> torch.Tensor:
         """The guarded mean of ``rows``: ``drop``/``clip``: the rows kept (scaled) summed in
         rank order and divided by ``divisor`` less the rows left out; ``trimmed``/
         ``median``: coordinate-wise over all rows.
@@ -261,16 +277,20 @@ class Guard:
             total: the ``(1, c)`` result, of ``rows``' dtype.
             forged: as for ``judge``.
             trusted: as for ``judge``.
+            effects: the norms to judge the rows by, where a message holds more than the
+                rows averaged (NoLoCo: what each member's Δ and φ together do to the
+                judge's step); default: the rows' own norms.
 
         Returns:
-            ``total``.
+            ``total``; ``last_scales`` and ``last_left_out`` say what became of each row.
         """
         norms = torch.linalg.vector_norm(rows, dim=1)
         digests = self.digest(norms, rows.sum(dim=1), rows.shape[1])
-        scale = self.last_scales = self.judge(norms, digests, forged, trusted)
+        scale = self.last_scales = self.judge(norms if effects is None else effects, digests,
+                                              forged, trusted)
+        left_out = self.last_left_out = self.left_out(scale, norms)
         if self.coordinatewise:
             return self._coordinatewise(rows, total)
-        left_out = self.left_out(scale, norms)
         if self.aggregation == "clip":
             rows.mul_(scale[:, None]).nan_to_num_(0.0, 0.0, 0.0)  # (NaN × 0 is NaN)
         else:
