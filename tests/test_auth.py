@@ -6,6 +6,7 @@ receives, and the per-quorum admission of an elastic job."""
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import socket
 import subprocess
@@ -252,13 +253,28 @@ def test_loco_train_with_a_key(corpus, tmp_path, monkeypatch):
     assert main(small_run(corpus, tmp_path / "run", "--steps", "4", "--job-key-file",
                           path)) == 0
     assert _counting.calls == 2  # each of the 2 workers
+    # --encrypt: the same run, bit for bit (the payloads are decrypted as they arrive)
+    assert main(small_run(corpus, tmp_path / "secret", "--steps", "4", "--job-key-file",
+                          path, "--encrypt")) == 0
+    assert _counting.keys and all(k.encrypt for k in _counting.keys[2:])
+    losses = [json.loads((tmp_path / run / "summary.json").read_text())["final_eval_loss"]
+              for run in ("run", "secret")]
+    assert losses[0] == losses[1]
+
+
+def test_encrypt_without_a_key_stops_before_any_worker(capsys, monkeypatch):
+    from test_cli import test_bad_input_is_one_clear_line_and_exit_2 as one_line
+
+    monkeypatch.delenv("LOCO_JOB_KEY_FILE", raising=False)
+    one_line(["--encrypt"], "--encrypt", "needs a job key", capsys, monkeypatch)
 
 
 def _counting(fn):
-    _counting.calls = 0
+    _counting.calls, _counting.keys = 0, []
 
     def wrapped(*a, **k):
         _counting.calls += 1
+        _counting.keys.append(a[1])
         return fn(*a, **k)
     return wrapped
 

@@ -13,6 +13,7 @@ from loco.comm.codecs import get_codec
 from loco.comm.guard import Guard, Shield
 
 KEY, OTHER = JobKey(b"k" * 32), JobKey(b"z" * 32)
+SECRET = JobKey(b"k" * 32, encrypt=True)  # the same key, encrypting (--encrypt)
 
 
 def reduce(ctx, codec: str | None, key: JobKey | None, stranger: int | None = None,
@@ -26,9 +27,10 @@ def reduce(ctx, codec: str | None, key: JobKey | None, stranger: int | None = No
     return x, handle.record.sent_bytes, ctx.comm.shield.guard.report()
 
 
+@pytest.mark.parametrize("key", [KEY, SECRET], ids=["mac", "encrypted"])
 @pytest.mark.parametrize("codec", [None, "fp4_e3m0", "topk_2bit"])
-def test_a_keyed_average_is_the_unkeyed_one_with_its_tags_bytes(codec):
-    keyed = loco.launch(reduce, 4, args=(codec, KEY))
+def test_a_keyed_average_is_the_unkeyed_one_with_its_tags_bytes(codec, key):
+    keyed = loco.launch(reduce, 4, args=(codec, key))
     plain = loco.launch(reduce, 4, args=(codec, None))
     assert all(torch.equal(k[0], p[0]) for k, p in zip(keyed, plain))
     # a tag per row to each of the 3 others: both legs of a reduce-scatter, one all-gather
@@ -76,12 +78,40 @@ def gossip(ctx, key: JobKey | None, stranger: int | None = None):
     return got, h.record.sent_bytes, ctx.comm.shield.guard.forged_next
 
 
-def test_gossip_pieces_carry_macs_and_a_forged_one_is_zeroed_and_handed_to_the_guard():
-    keyed = loco.launch(gossip, 4, args=(KEY,))
+@pytest.mark.parametrize("key", [KEY, SECRET], ids=["mac", "encrypted"])
+def test_gossip_pieces_carry_macs_and_a_forged_one_is_zeroed_and_handed_to_the_guard(key):
+    keyed = loco.launch(gossip, 4, args=(key,))
     plain = loco.launch(gossip, 4, args=(None,))
     for k, p in zip(keyed, plain):
         assert all(torch.equal(a, b) for piece in (0, 1) for a, b in zip(k[0][piece], p[0][piece]))
         assert k[1] - p[1] == 2 * 32  # a tag on each of 2 pieces, to the one partner
-    forged = loco.launch(gossip, 4, args=(KEY, 1))
+    forged = loco.launch(gossip, 4, args=(key, 1))
     assert torch.equal(forged[0][0][1][1], torch.zeros(20))  # worker 1's piece, zeroed
     assert forged[0][2].tolist() == [False, True]
+
+
+def test_encrypted_rows_hide_their_bytes_and_open_only_as_sent():
+    """With encryption the bytes that go out are not the rows' (a fresh nonce each time:
+    the same rows encrypt differently), come back as the rows, and a flipped bit, another
+    row's context or another key fails."""
+    from loco.comm.seal import Seal
+
+    kept: dict = {}
+
+    def buffers(role, shape, dtype):
+        return kept.setdefault(role, torch.empty(shape, dtype=dtype))
+
+    rows = torch.arange(32, dtype=torch.float32).view(2, 16)
+    seal = Seal(SECRET, 0, [0, 1], 1, None, buffers)
+    ctx = [seal._ctx("scatter", 0, r) for r in (0, 1)]
+    sent = seal._tagged(rows, "out", ctx).clone()
+    plain = rows.view(torch.uint8).view(2, -1)
+    assert sent.shape == (2, 64 + 32) and not torch.equal(sent[:, :64], plain)
+    assert not torch.equal(seal._tagged(rows, "out", ctx)[:, :64], sent[:, :64])
+    back = torch.empty_like(rows)
+    assert seal._checked(sent, back, ctx) == [] and torch.equal(back, rows)
+    assert seal._checked(sent, back, ctx[::-1]) == [0, 1]
+    other = Seal(JobKey(b"z" * 32, encrypt=True), 0, [0, 1], 1, None, buffers)
+    assert other._checked(sent, back, ctx) == [0, 1]
+    sent[1, 3] ^= 1
+    assert seal._checked(sent, back, ctx) == [1] and torch.equal(back[1], torch.zeros(16))

@@ -1,5 +1,6 @@
 """MACs on what loco's own averages move between workers, with a job key
-(``loco.comm.auth.JobKey``): every row of a reduce-scatter's all-to-all, every row of its
+(``loco.comm.auth.JobKey``; with ``encrypt``, AES-256-GCM in their place, which hides the
+bytes and authenticates them, its nonce and tag in the MAC's 32 bytes): every row of a reduce-scatter's all-to-all, every row of its
 all-gather, every all-gathered message and every piece of a gossip exchange carries a
 32-byte HMAC-SHA256 tag bound to the operation's sequence number, its piece, its leg, the
 sender and (point to point) the receiver; a replayed or altered row fails.
@@ -49,31 +50,56 @@ class Seal:
     def _ctx(self, leg: str, sender: int, receiver: int = -1) -> bytes:
         return context("loco", self.op, self._piece, leg, sender, receiver)
 
+    def _protect(self, data: bytes, ctx: bytes) -> tuple[bytes | None, bytes]:
+        """One row's ``(body, 32-byte tag)``: ``(None, its HMAC)`` (the bytes go as they
+        are), or with encryption (``JobKey.encrypt``) the AES-GCM cipher text (as long as
+        the bytes) and its 12-byte nonce and 16-byte tag, padded."""
+        if not self.key.encrypt:
+            return None, self.key.tag(data, ctx)
+        sealed, n = self.key.seal(data, ctx), len(data)
+        return sealed[12:12 + n], (sealed[:12] + sealed[12 + n:]).ljust(TAG_BYTES, b"\0")
+
+    def _open(self, body: bytes, tag: bytes, ctx: bytes) -> bytes | None:
+        """One row's bytes from ``_protect``'s body and tag: ``body`` once its MAC holds,
+        decrypted with encryption; None where it fails."""
+        if not self.key.encrypt:
+            return body if self.key.verify(body, tag, ctx) else None
+        try:
+            return self.key.open(tag[:12] + body + tag[12:28], ctx)
+        except AuthError:
+            return None
+
     def _tagged(self, rows: torch.Tensor, role: str, contexts: list[bytes]) -> torch.Tensor:
-        """``rows`` (any dtype, ``(n, w)``) as bytes with each row's tag appended, in a kept
-        buffer ``(n, w·itemsize + 32)``."""
+        """``rows`` (any dtype, ``(n, w)``) as bytes (encrypted, with encryption) with each
+        row's tag appended, in a kept buffer ``(n, w·itemsize + 32)``."""
         raw = rows.contiguous().view(torch.uint8).view(rows.shape[0], -1)
-        out = self.buffers(role, (raw.shape[0], raw.shape[1] + TAG_BYTES), torch.uint8)
-        out[:, :raw.shape[1]].copy_(raw)
+        width = raw.shape[1]
+        out = self.buffers(role, (raw.shape[0], width + TAG_BYTES), torch.uint8)
+        out[:, :width].copy_(raw)
         with allowed("sync"):
+            host = raw.cpu().numpy()
             for i, ctx in enumerate(contexts):
-                tag = self.key.tag(raw[i].cpu().numpy().tobytes(), ctx)
-                out[i, raw.shape[1]:].copy_(torch.frombuffer(bytearray(tag), dtype=torch.uint8))
+                body, tag = self._protect(host[i].tobytes(), ctx)
+                if body is not None:
+                    out[i, :width].copy_(_bytes(body))
+                out[i, width:].copy_(_bytes(tag))
         return out
 
     def _checked(self, tagged: torch.Tensor, rows: torch.Tensor, contexts: list[bytes]
                  ) -> list[int]:
-        """Copy the payloads of ``tagged`` into ``rows`` (their bytes); the rows whose tag
-        failed (their bytes zeroed)."""
+        """Copy the payloads of ``tagged`` into ``rows`` (their bytes; decrypted, with
+        encryption); the rows whose tag failed (their bytes zeroed)."""
         raw = rows.view(torch.uint8).view(rows.shape[0], -1)
         width, bad = raw.shape[1], []
+        raw.copy_(tagged[:, :width])
         with allowed("sync"):
             host = tagged.cpu().numpy()
             for i, ctx in enumerate(contexts):
-                if not self.key.verify(host[i, :width].tobytes(), host[i, width:].tobytes(),
-                                       ctx):
+                data = self._open(host[i, :width].tobytes(), host[i, width:].tobytes(), ctx)
+                if data is None:
                     bad.append(i)
-        raw.copy_(tagged[:, :width])
+                elif self.key.encrypt:
+                    raw[i].copy_(_bytes(data))
         raw[bad] = 0
         return bad
 
@@ -90,18 +116,22 @@ class Seal:
         self.guard.forged_next = forged
 
     def tag_piece(self, piece: torch.Tensor, into: torch.Tensor) -> None:
-        """This worker's tag of an exchange's next piece.
+        """This worker's tag of an exchange's next piece (with encryption, the piece is
+        encrypted in place).
 
         Args:
             piece: the piece's uint8 bytes.
             into: where the 32-byte tag goes.
         """
-        into.copy_(self._tagged(piece.view(1, -1), "sealed piece",
-                                [self._ctx("exchange", self.me)])[0, piece.numel():])
+        tagged = self._tagged(piece.view(1, -1), "sealed piece", [self._ctx("exchange", self.me)])
+        into.copy_(tagged[0, piece.numel():])
+        if self.key.encrypt:
+            piece.copy_(tagged[0, :piece.numel()])
 
     def check_pieces(self, pieces: list[torch.Tensor], tags: list[torch.Tensor]) -> None:
-        """Check every member's piece against its tag; a failed one is zeroed and handed to
-        the guard (or fails the exchange); then on to the next piece.
+        """Check every member's piece against its tag (with encryption, decrypt it in
+        place); a failed one is zeroed and handed to the guard (or fails the exchange);
+        then on to the next piece.
 
         Args:
             pieces: every member's piece, in member order (this worker's own among them).
@@ -111,10 +141,13 @@ class Seal:
         with allowed("sync"):
             for i, (piece, tag) in enumerate(zip(pieces, tags)):
                 ctx = self._ctx("exchange", self.senders[i])
-                if not self.key.verify(piece.cpu().numpy().tobytes(),
-                                       tag.cpu().numpy().tobytes(), ctx):
+                data = self._open(piece.cpu().numpy().tobytes(), tag.cpu().numpy().tobytes(),
+                                  ctx)
+                if data is None:
                     bad.append(i)
                     piece.zero_()
+                elif self.key.encrypt:
+                    piece.copy_(_bytes(data))
         self._forged(bad, "an exchanged piece")
         self._piece += 1
 
@@ -158,6 +191,11 @@ class Seal:
             self._forged(bad, what)
             self._piece += 1
         return run
+
+
+def _bytes(data: bytes) -> torch.Tensor:
+    """``data`` as a uint8 tensor (on the host; copied where it is written)."""
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8)
 
 
 def exchange_seal(comm: Any, members: Sequence[int], guard: Any) -> Seal | None:

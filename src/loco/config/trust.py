@@ -47,6 +47,9 @@ class TrustOptions:
                                    "bytes): only processes that prove it are admitted, and "
                                    "every payload loco moves between workers carries a MAC "
                                    f"(default: ${JOB_KEY_ENV}, else none)")
+    encrypt: bool = opt(False, "with a job key: encrypt every payload loco moves between "
+                        "workers (AES-256-GCM, which also authenticates it, in place of the "
+                        "MAC; needs the 'cryptography' package: pip install 'loco[encrypt]')")
 
     def check(self) -> None:
         """The factor >= 1; every attack parses and names a worker of the run; the replica
@@ -69,6 +72,15 @@ class TrustOptions:
                  "lie-tokens needs --local-steps proportional (only a token-weighted merge "
                  "believes a worker's claim)")
         path = self.job_key_file or os.environ.get(JOB_KEY_ENV)
+        need(self, not self.encrypt or bool(path), "encrypt",
+             f"needs a job key (--job-key-file or ${JOB_KEY_ENV}): the payloads are "
+             "encrypted with it")
+        if self.encrypt:
+            try:
+                import cryptography  # noqa: F401
+            except ImportError:
+                raise ConfigError("encrypt", "needs the 'cryptography' package: pip install "
+                                  "'loco[encrypt]'") from None
         if path:
             from loco.comm.auth import load_key
 

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from loco import checkpoint, hf
-from loco.comm.auth import admit, job_key
+from loco.comm.auth import JobKey, admit, job_key
 from loco.config import TrainConfig, betas, model_dims, worker_speeds
 from loco.data import Corpus, TokenLoader
 from loco.hf import is_hf
@@ -192,7 +192,8 @@ def admit_worker(ctx: WorkerContext, cfg: TrainConfig) -> None:
     """With a job key (``--job-key-file``, else ``$LOCO_JOB_KEY_FILE``), the replicas prove
     it to each other before any state moves ([`admit`][loco.comm.auth.admit]; an elastic
     Comm does it at every new quorum, ``ElasticComm.use_key``), and ``ctx.comm.job_key`` is
-    the key bound to the admitted session. Nothing without a key.
+    the key bound to the admitted session; with ``--encrypt`` it encrypts what it
+    protects. Nothing without a key.
 
     Args:
         ctx: this rank's context (its ``comm`` is the slow link's).
@@ -201,9 +202,10 @@ def admit_worker(ctx: WorkerContext, cfg: TrainConfig) -> None:
     Raises:
         AdmissionError: some replica could not prove the key (named).
     """
-    key = job_key(cfg.job_key_file)
-    if key is None:
+    secret = job_key(cfg.job_key_file)
+    if secret is None:
         return
+    key = JobKey(secret, encrypt=cfg.encrypt)
     if ctx.comm.elastic:
         ctx.comm.use_key(key)
     else:
