@@ -163,6 +163,7 @@ def test_request_proofs_are_bound_to_the_path_and_used_once():
     assert not proves_request(k, None, "/checkpoint/3/full", seen)
     assert proves_request(k, proof, "/checkpoint/3/full", seen)
     assert not proves_request(k, proof, "/checkpoint/3/full", seen)  # a replay
+    assert not proves_request(k, proof.upper(), "/checkpoint/3/full", seen)  # respelt
 
 
 # -------------------------------------------------------------------------- admission

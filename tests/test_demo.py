@@ -67,10 +67,10 @@ def demo_worker(ctx, steps, **kw):
     algo = DeMo(model, opt, ctx.comm, max_grad_norm=CLIP, **kw)
     sent, gather = [], ctx.comm.all_gather
 
-    def spy(tensor, tag="setup"):
+    def spy(tensor, tag="setup", **kw):
         if tag == "train":
             sent.append(tensor.clone())
-        return gather(tensor, tag)
+        return gather(tensor, tag, **kw)
     ctx.comm.all_gather = spy
     names = [n for n, _ in model.named_parameters()]
     record = []

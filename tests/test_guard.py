@@ -225,6 +225,9 @@ def test_an_honest_run_with_the_guard_is_the_plain_run_bit_for_bit(codec):
     (["--inject", "1:nan", "--inject", "1:stale=0"], "integer >= 1"),
     (["--guard-factor", "0.5"], ">= 1"),
     (["--aggregation", "mode"], "'drop'"),
+    (["--algorithm", "demo", "--aggregation", "median"], "drop, clip or mean with --algorithm demo"),
+    (["--algorithm", "demo", "--demo-values", "sign", "--inject", "1:scale=2"],
+     "not with --demo-values sign"),
 ])
 def test_bad_trust_options_are_one_line_before_any_worker(args, says, capsys, monkeypatch):
     from test_cli import test_bad_input_is_one_clear_line_and_exit_2 as one_line

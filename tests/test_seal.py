@@ -115,3 +115,19 @@ def test_encrypted_rows_hide_their_bytes_and_open_only_as_sent():
     assert other._checked(sent, back, ctx) == [0, 1]
     sent[1, 3] ^= 1
     assert seal._checked(sent, back, ctx) == [1] and torch.equal(back[1], torch.zeros(16))
+
+
+def demo_keyed(ctx, stranger: int):
+    from test_guard import trained
+
+    ctx.comm.job_key = OTHER if ctx.rank == stranger else KEY
+    return trained(ctx, lambda model, comm: loco.DeMo(
+        model, torch.optim.SGD(model.parameters(), lr=3e-3), comm), 3)
+
+
+def test_a_demo_message_under_another_key_is_left_out_and_named():
+    """DeMo's all-gathered messages are contributions: one whose MAC fails is left out by
+    the guard and named ``mac`` by every honest worker, the step goes on."""
+    out = loco.launch(demo_keyed, 4, args=(2,))
+    for r in (0, 1, 3):
+        assert {(d["worker"], d["sign"]) for d in out[r][1]} == {(2, "mac")}

@@ -31,7 +31,9 @@ from loco.algorithms.base import Algorithm
 from loco.algorithms.method import PaperClaim
 from loco.algorithms.sharding import Share
 from loco.comm import Comm
+from loco.comm.attacks import VALUE_KINDS, parse_attacks
 from loco.comm.bits import pack, packed_bytes, unpack
+from loco.comm.guard import COORDINATEWISE
 from loco.options import ConfigError, need, opt
 
 VALUE_FORMATS = ("sign", "bf16", "fp32")
@@ -388,6 +390,13 @@ class DeMo(Algorithm):
         for name, ok in (("worker_ranks", cfg.worker_ranks == 1), ("stages", cfg.stages == 1)):
             need(cfg, ok, name, "must be 1 with --algorithm demo (not supported yet)")
         need(cfg, not cfg.elastic, "elastic", "is not supported with --algorithm demo")
+        need(cfg, cfg.demo_values != "sign" or not any(
+            a.kind in VALUE_KINDS for a in parse_attacks(getattr(cfg, "inject", None))),
+            "inject", "scale, noise, nan, zero and stale need values to change: not with "
+            "--demo-values sign (bitflip changes its bytes)")
+        need(cfg, getattr(cfg, "aggregation", "drop") not in COORDINATEWISE, "aggregation",
+             "must be drop, clip or mean with --algorithm demo (its messages are judged whole: "
+             "no per-coordinate statistics yet)")
 
     @classmethod
     def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
@@ -419,6 +428,9 @@ class DeMo(Algorithm):
                              f"{values!r})")
         if comm.elastic:
             raise ValueError("DeMo does not support an elastic Comm yet")
+        if kwargs.get("aggregation") in COORDINATEWISE:
+            raise ValueError(f"aggregation {kwargs['aggregation']!r} is not supported by DeMo "
+                             "yet (its messages are judged whole): use drop, clip or mean")
         inner = kwargs.get("inner")
         if inner is not None and inner.size > 1:
             raise ValueError("DeMo does not support workers of several ranks yet")
@@ -476,7 +488,7 @@ class DeMo(Algorithm):
         with record_function("loco/encode"):
             payload = self._encode()
             self._attacked(payload)
-        handle = self.comm.all_gather(payload, tag="train")
+        handle = self.comm.all_gather(payload, tag="train", judged=True)
         with record_function("loco/wait"):
             gathered = self.comm.settle(handle)
         self.inner_steps += 1
@@ -544,25 +556,31 @@ class DeMo(Algorithm):
     def _attacked(self, payload: torch.Tensor) -> None:
         """This worker's injected attacks (``--inject``) on its message: on its values, then
         on its bytes."""
-        shield = self.comm.shield
+        shield, step = self.comm.shield, self.inner_steps + 1  # (the step it is sent for)
         if shield.injector is None:
             return
-        if self.values != "sign":
+        if self.values != "sign":  # (sign values have none to attack: DeMo.check)
             vals = self._values(payload[self.value_positions])
-            shield.send(vals)
+            shield.send(vals, step)
             dtype = torch.bfloat16 if self.values == "bf16" else torch.float32
             payload[self.value_positions] = vals.to(dtype).view(torch.uint8)
-        flip = shield.wire(self.inner_steps + 1)
+        flip = shield.wire(step)
         if flip is not None:
             flip(payload)
 
     def _judged(self, stacked: torch.Tensor) -> torch.Tensor | None:
         """The guard's scale of each worker's message (0: left out), judged by the norm and
-        digest of its values; None without a guard, or with sign values (every message has
-        the same norm)."""
+        digest of its values (a message whose MAC failed, zeroed by the seal, is left
+        out and named ``mac``); None without a guard. With sign values every message has
+        the same norm: only a forged one is left out (None where there is none)."""
         guard = self.comm.shield.at(self.inner_steps, self.comm.senders())
-        if guard is None or self.values == "sign":
+        if guard is None:
             return None
+        if self.values == "sign":
+            if guard.forged_next is None:
+                return None
+            ones = torch.ones(stacked.shape[0], device=stacked.device)
+            return guard.judge(ones, None, trusted=0)
         vals = self._values(stacked[:, self.value_positions])
         norms = torch.linalg.vector_norm(vals, dim=1)
         return guard.judge(norms, guard.digest(norms, vals.sum(dim=1), vals.shape[1]))

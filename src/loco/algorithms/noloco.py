@@ -250,6 +250,10 @@ class NoLoCo(Algorithm):
             self.restart_from_global()  # θ_i ← φ_i (skipped: back to the old φ_i)
         self.outer_steps += 1
 
+    def _group(self) -> list[int]:
+        """This outer step's group of this worker (its ranks)."""
+        return next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
+
     def _gossip(self, step: torch.Tensor) -> torch.Tensor | None:
         """Swap Δ and φ with this outer step's group, piece by piece
         ([`Comm.exchange_pieces`][loco.comm.comm.Comm.exchange_pieces]), each piece's
@@ -261,7 +265,7 @@ class NoLoCo(Algorithm):
 
         def issue():
             ok = issued["ok"] = torch.ones(2, dtype=torch.bool, device=step.device)
-            group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
+            group = self._group()
             on_comm = step.device == self.comm.device
             return self.comm.exchange_pieces(
                 self.piece_sizes(), group, self._build, functools.partial(self._consume, step, ok),
@@ -322,10 +326,12 @@ class NoLoCo(Algorithm):
         ``β·Δ_j + γ·(φ_j − φ_i)`` (this worker's own: ``β·Δ_i``), so that a φ that is
         flipped or forged is caught as a Δ is: in a group of two each member judges the
         other by itself (a pair has no median), in a larger one by the median. A member
-        left out counts in neither mean."""
+        left out or clipped counts in neither mean (a clipped Δ counts scaled); with a
+        coordinate-wise aggregation φ is combined as Δ is."""
         n = hi - lo
-        group = next(g for g in self.groups(self.outer_steps) if self.comm.rank in g)
-        guard = self.comm.shield.at(self.inner_steps, group)
+        group = self._group()
+        workers = self.comm.senders()  # (an elastic quorum's ranks are not its workers)
+        guard = self.comm.shield.at(self.inner_steps, [workers[r] for r in group])
         if guard is None or len(deltas) < 2:
             return _mean(self.codec, deltas, n), _mean(self.slow_codec, slows, n)
         rows = torch.stack([_decoded(self.codec, m, n) for m in deltas])
@@ -336,7 +342,11 @@ class NoLoCo(Algorithm):
         trusted = group.index(self.comm.rank) if len(deltas) == 2 else None
         total = torch.empty((1, n), dtype=torch.float32, device=rows.device)
         mean = guard.combine(rows, len(deltas), total, trusted=trusted, effects=effects)[0]
-        return mean, _mean(self.slow_codec, slows, n, ~guard.last_left_out)
+        if guard.coordinatewise:  # φ as Δ: coordinate-wise over the members
+            phis = torch.stack([_decoded(self.slow_codec, m, n) for m in slows])
+            return mean, guard.coordinatewise_mean(phis, total.clone())[0]
+        # a member clipped (its Δ scaled down) is not trusted with its φ either
+        return mean, _mean(self.slow_codec, slows, n, guard.last_scales == 1)
 
     def _apply(self, step: torch.Tensor) -> None:
         """``δ ← α δ + g``, ``φ ← φ + δ`` (Nesterov: ``φ + α δ + g``), ``g`` in ``step``: in

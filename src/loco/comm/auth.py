@@ -436,7 +436,7 @@ def request_proof(key: JobKey, path: str) -> str:
     return nonce.hex() + "." + key.tag(path.encode(), context("state request", nonce)).hex()
 
 
-def proves_request(key: JobKey, proof: str | None, path: str, seen: set[str]) -> bool:
+def proves_request(key: JobKey, proof: str | None, path: str, seen: set[bytes]) -> bool:
     """Whether ``proof`` ([`request_proof`][loco.comm.auth.request_proof]) is a valid,
     unused proof for ``path``; a valid one is added to ``seen`` (replays fail).
 
@@ -444,15 +444,15 @@ def proves_request(key: JobKey, proof: str | None, path: str, seen: set[str]) ->
         key: the job key.
         proof: the request's header value (None: absent).
         path: the path requested.
-        seen: the proofs accepted so far (for the state being served).
+        seen: the nonces of the proofs accepted so far (for the state being served).
     """
     try:
         nonce, tag = (bytes.fromhex(p) for p in (proof or "").split("."))
     except ValueError:
         return False
-    if proof in seen or not key.verify(path.encode(), tag, context("state request", nonce)):
+    if nonce in seen or not key.verify(path.encode(), tag, context("state request", nonce)):
         return False
-    seen.add(proof)
+    seen.add(nonce)  # (the nonce, not the header: its hex can be spelt in other cases)
     return True
 
 

@@ -439,8 +439,10 @@ def _per_index(total: torch.Tensor, codec: ChunkTopKCodec, messages: torch.Tenso
 
 
 def _robust_columns(rows: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """Each column's median or trimmed mean over its nonzero values (see ``_per_index``)."""
-    sent = rows != 0
+    """Each column's median or trimmed mean over its nonzero finite values (see
+    ``_per_index``; a non-finite value is named by its message's norm and counts as not
+    sent: it would sort past the placeholders of the workers that did not send)."""
+    sent = (rows != 0) & rows.isfinite()
     count = sent.sum(dim=0)
     ordered = torch.sort(rows.masked_fill(~sent, math.inf), dim=0).values
     if aggregation == "median":

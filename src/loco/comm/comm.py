@@ -488,8 +488,8 @@ class Comm:
 
         return self._submit("broadcast", tag, nbytes, sent, recv, run, [tensor])
 
-    def all_gather(self, tensor: torch.Tensor, tag: str = "setup", keep: bool = False
-                   ) -> Handle:
+    def all_gather(self, tensor: torch.Tensor, tag: str = "setup", keep: bool = False,
+                   judged: bool = False) -> Handle:
         """Gather one equally shaped tensor from every worker; the handle returns the list.
 
         Args:
@@ -498,6 +498,9 @@ class Comm:
             keep: gather into this Comm's kept buffer (counted in ``buffer_bytes``), which
                 the next ``keep`` gather overwrites (``Share.gather``, which uses it at
                 once); default False: new tensors. A staging Comm ignores it.
+            judged: the rows are contributions the caller's guard judges (DeMo's
+                messages): with a job key, a row whose MAC fails is zeroed and handed to
+                the guard (``mac``) rather than failing the gather; default False.
 
         Returns:
             A handle whose ``wait()`` returns M tensors, in rank order: rows of one
@@ -515,8 +518,9 @@ class Comm:
                    torch.empty(shape, dtype=tensor.dtype, device=tensor.device))
             if m == 1:
                 out[0].copy_(tensor)
-            else:  # (a training gather carries MACs with a job key: a forged one fails it)
-                sealed(self, train, None, None, self._gather, "a message")[1](
+            else:  # (a training gather carries MACs with a job key: a forged one fails it,
+                guard = self.shield.guard if judged and self.shield.judges else None  # or is
+                sealed(self, train, guard, None, self._gather, "a message")[1](  # judged)
                     out, tensor.contiguous())
             return list(out.unbind(0))
 

@@ -164,7 +164,9 @@ def _run(comm: Comm, sizes: list[int], members: tuple[int, ...], build: Build,
     if not sizes:
         return
     peers = [r for r in members if r != comm.rank]
-    seal = exchange_seal(comm, members, comm.shield.at(comm.shield.clock(), members))
+    workers = comm.senders()  # (an elastic quorum's ranks are not its workers)
+    guard = comm.shield.at(comm.shield.clock(), [workers[r] for r in members])
+    seal = exchange_seal(comm, members, guard)
     mac = 0 if seal is None else TAG_BYTES  # each piece with its tag after it
     stride = -(-(max(sizes) + mac) // ALIGN) * ALIGN
     out = comm._buffers("exchange_out", (stride,), torch.uint8)

@@ -19,10 +19,11 @@ and a digest on the device, and compares them with the others' and with the send
   median worker, for a token-weighted merge (``cap_claims``): its claim counts as the
   median's.
 
-What it does with them is ``aggregation``: ``drop`` leaves out every named row and divides
-by the rows kept; ``clip`` scales a high row down to ``factor``
-times the median norm (``factor`` 1: Templar's clip of every peer to the median) and leaves
-out the others; ``trimmed`` and ``median`` are coordinate-wise (the mean without the
+What it does with them is ``aggregation``: ``drop`` leaves out every named row (a ``low``
+one only where every worker's share is equal; ``tokens`` is a claim, not a row) and divides
+by the rows kept; ``clip`` scales a high row down to ``factor`` times the median norm
+(``factor`` 1: Templar's clip of every peer to the median) and leaves out the others as
+``drop`` does; ``trimmed`` and ``median`` are coordinate-wise (the mean without the
 largest and smallest ``max(1, M // 4)`` values, or the median) over the rows, every row
 named as above but none left out; ``mean`` is no guard at all. When no row is left out or
 clipped, ``drop`` and ``clip`` give the plain mean's bits: kept rows are summed in rank order
@@ -34,6 +35,7 @@ What it decides is counted on the device (no host read at a sync) and read once,
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -41,6 +43,8 @@ import torch
 
 AGGREGATIONS = ("drop", "clip", "trimmed", "median", "mean")
 """``--aggregation``'s choices (see the module)."""
+COORDINATEWISE = ("trimmed", "median")
+"""The choices that combine coordinate by coordinate."""
 DEFAULT_AGGREGATION = "drop"
 DEFAULT_FACTOR = 4.0
 """The factor of the median norm beyond which a contribution is high (measured:
@@ -106,6 +110,9 @@ class Guard:
         self.last_left_out: torch.Tensor | None = None
         """Which rows of the last average ``combine`` formed it did not count
         (``left_out``)."""
+        self._forged = torch.zeros(size, dtype=torch.bool, device=self.device)
+        """The rows the last ``judge`` was told were forged (zeroed by the seal: left out
+        even where zeros are not named)."""
         self._history = torch.full((size, HISTORY, 2), float("nan"), device=self.device)
         self._next = 0
 
@@ -123,7 +130,7 @@ class Guard:
     @property
     def coordinatewise(self) -> bool:
         """Whether it combines coordinate by coordinate (``trimmed``, ``median``)."""
-        return self.aggregation in ("trimmed", "median")
+        return self.aggregation in COORDINATEWISE
 
     # ------------------------------------------------------------------------ judging
     def judge(self, norms: torch.Tensor, digests: torch.Tensor | None = None,
@@ -145,8 +152,20 @@ class Guard:
         """
         if forged is None and self.forged_next is not None:
             forged, self.forged_next = self.forged_next, None
+        signs, median = self._signs(norms, digests, forged, trusted)
+        self._count(signs, self.senders)
+        return self._act(signs, norms, median)
+
+    def _signs(self, norms: torch.Tensor, digests: torch.Tensor | None,
+               forged: torch.Tensor | None, trusted: int | None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's signs (rows × ``SIGNS``; a forged row, zeroed by the seal, is named
+        ``mac`` only) and the median they were judged against; notes each sender's peak
+        ratio to the median."""
         finite = torch.isfinite(norms)
         zero = norms == 0
+        forged = torch.zeros_like(finite) if forged is None else forged.to(finite.device)
+        self._forged = forged
         median = (self._median(norms, finite, zero) if trusted is None
                   else norms[trusted].nan_to_num(0.0, 0.0, 0.0))
         # fewer than three contributions cannot tell which is wrong (but one judging by itself)
@@ -154,14 +173,18 @@ class Guard:
         high = finite & (norms > self.factor * median) & decides
         ratio = torch.where(finite & (median > 0), norms / median, torch.zeros_like(norms))
         self.peak[self.senders] = torch.maximum(self.peak[self.senders], ratio.to(self.device))
-        low = finite & (norms * self.factor < median) & (~zero | self.expect_all) & decides
+        low = (finite & (norms * self.factor < median) & (~zero | self.expect_all) & decides
+               & ~forged)
         stale = (self._stale(digests) if digests is not None and self.compare_past
                  else torch.zeros_like(finite))
-        forged = torch.zeros_like(finite) if forged is None else forged.to(finite.device)
-        signs = torch.stack([~finite & ~forged, high, low, stale, forged,
-                             torch.zeros_like(finite)], dim=1)
-        self._count(signs)
-        out = ~finite | stale | forged
+        return torch.stack([~finite & ~forged, high, low, stale, forged,
+                            torch.zeros_like(finite)], dim=1), median
+
+    def _act(self, signs: torch.Tensor, norms: torch.Tensor, median: torch.Tensor
+             ) -> torch.Tensor:
+        """Each row's scale from its signs (see ``judge``), the rows acted on counted."""
+        nonfinite, high, low, stale, forged, _ = signs.unbind(1)
+        out = nonfinite | stale | forged
         if self.aggregation == "drop":  # (low: where equal shares are due; weighed merges
             out = out | high | (low & self.expect_all)  # of unequal steps only name it)
             scale = torch.ones_like(norms)
@@ -169,7 +192,7 @@ class Guard:
             scale = torch.where(high, self.factor * median / norms, torch.ones_like(norms))
         else:
             return torch.ones_like(norms)
-        self.acted[self.senders] += (out | high).to(torch.int64)
+        self.acted[self.senders] += (out | high).to(self.device, torch.int64)
         return scale.masked_fill(out, 0.0)
 
     @staticmethod
@@ -209,8 +232,7 @@ class Guard:
         if liars:
             signs = torch.zeros((len(seconds), len(SIGNS)), dtype=torch.bool)
             signs[liars, SIGNS.index("tokens")] = True
-            self.senders = list(range(len(seconds)))
-            self._count(signs)
+            self._count(signs, list(range(len(seconds))))
             self.acted[liars] += 1
         claims = [median if m in liars else t for m, t in enumerate(seconds)]
         fastest, second = sorted(t for t in claims if t > 0)[:2]
@@ -220,18 +242,21 @@ class Guard:
     def left_out(self, scale: torch.Tensor, norms: torch.Tensor) -> torch.Tensor:
         """The rows ``judge`` left out that the mean must not count: all of them where every
         worker is to contribute, else those not of zeros (a worker that waits or joins sends
-        zeros, and is not counted in the first place).
+        zeros, and is not counted in the first place) and the forged ones (zeroed by the
+        seal).
 
         Args:
             scale: ``judge``'s scales.
             norms: the rows' norms.
         """
-        return (scale == 0) & ((norms != 0) | self.expect_all)
+        return (scale == 0) & ((norms != 0) | self.expect_all | self._forged)
 
-    def _count(self, signs: torch.Tensor) -> None:
-        """Count ``signs`` (rows × ``SIGNS``) against the rows' senders."""
+    def _count(self, signs: torch.Tensor, senders: list[int]) -> None:
+        """Count ``signs`` (rows × ``SIGNS``) against the rows' ``senders`` (passed, not
+        read from ``self.senders``: the claims are judged on the training thread while
+        the Comm's thread may be judging an average)."""
         every = torch.zeros(self.counts.shape, dtype=torch.bool, device=self.device)
-        every[self.senders] = signs.to(self.device)
+        every[senders] = signs.to(self.device)
         step = torch.full_like(self.first, self.step)
         self.counts += every.to(torch.int64)
         self.first = torch.where(every & (self.first < 0), step, self.first)
@@ -289,8 +314,9 @@ class Guard:
         scale = self.last_scales = self.judge(norms if effects is None else effects, digests,
                                               forged, trusted)
         left_out = self.last_left_out = self.left_out(scale, norms)
-        if self.coordinatewise:
-            return self._coordinatewise(rows, total)
+        if self.coordinatewise:  # a forged row (zeroed) sorts last, as a NaN, not as zeros
+            return self.coordinatewise_mean(rows.masked_fill_(self._forged[:, None], math.nan),
+                                            total)
         if self.aggregation == "clip":
             rows.mul_(scale[:, None]).nan_to_num_(0.0, 0.0, 0.0)  # (NaN × 0 is NaN)
         else:
@@ -301,9 +327,11 @@ class Guard:
             torch.add(rows[0], rows[1], out=total[0])
             for row in rows[2:]:
                 total[0].add_(row)
-        return total.div_(divisor - left_out.sum())
+        return total.div_((divisor - left_out.sum()).clamp(min=1))
 
-    def _coordinatewise(self, rows: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+    def coordinatewise_mean(self, rows: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
+        """``total`` (1, c) ← ``trimmed`` or ``median`` of ``rows`` (M, c), per column (a
+        NaN sorts last: the largest)."""
         m = rows.shape[0]
         ordered = torch.sort(rows, dim=0).values  # NaN sorts last: the largest
         if self.aggregation == "median":
@@ -317,10 +345,22 @@ class Guard:
         """What it named, by sender and sign (a host read: at the end of a run): ``worker``,
         ``sign``, ``rows`` (how many of its rows, over every average this worker reduced),
         ``first_step`` and ``last_step``."""
-        counts, first, last = (t.tolist() for t in (self.counts, self.first, self.last))
-        return [{"worker": w, "sign": sign, "rows": counts[w][k], "first_step": first[w][k],
-                 "last_step": last[w][k]}
-                for w in range(len(counts)) for k, sign in enumerate(SIGNS) if counts[w][k]]
+        return named(self.counts, self.first, self.last)
+
+
+def named(counts: torch.Tensor, first: torch.Tensor, last: torch.Tensor) -> list[dict]:
+    """The rows of a guard's report (``Guard.report``; a host read) from its counters, by
+    sender and sign: ``worker``, ``sign``, ``rows``, ``first_step``, ``last_step``.
+
+    Args:
+        counts: ``(workers, len(SIGNS))`` rows named.
+        first: the first step each was named at (< 0: never).
+        last: the last step.
+    """
+    counts, first, last = (t.to(torch.int64).tolist() for t in (counts, first, last))
+    return [{"worker": w, "sign": sign, "rows": counts[w][k], "first_step": first[w][k],
+             "last_step": last[w][k]}
+            for w in range(len(counts)) for k, sign in enumerate(SIGNS) if counts[w][k]]
 
 
 class Shield:
@@ -373,14 +413,15 @@ class Shield:
         checks): loco's reduce-scatter, not the transport's own all-reduce."""
         return self.guard is not None and self.guard.active
 
-    def send(self, flat: torch.Tensor) -> int:
+    def send(self, flat: torch.Tensor, step: int | None = None) -> int:
         """On the calling thread, as an average is issued: this worker's attacks on its
         contribution; returns the step, for ``at`` and ``wire``.
 
         Args:
             flat: this worker's contribution, changed in place.
+            step: the inner step it belongs to; default the algorithm's clock.
         """
-        step = self.clock()
+        step = self.clock() if step is None else step
         if self.injector is not None:
             self.injector.step = step
             self.injector.contribution(flat)

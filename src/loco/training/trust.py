@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from loco.comm.attacks import parse_attacks
-from loco.comm.guard import SIGNS
+from loco.comm.guard import named
 from loco.training.worker import Worker
 
 #: What each aggregation does with a row named for each sign.
@@ -17,7 +17,10 @@ ACTIONS = {"drop": {"high": "left out", "low": "left out (named only in a weighe
 
 
 def action(aggregation: str, sign: str) -> str:
-    """What ``aggregation`` did with a row named for ``sign``."""
+    """What ``aggregation`` did with a row named for ``sign`` (a claimed speed named
+    ``tokens`` counts as the median's, whatever the aggregation)."""
+    if sign == "tokens":
+        return "claim counted as the median's"
     by_sign = ACTIONS.get(aggregation, {})
     return by_sign.get("*") or by_sign.get(sign, "left out")
 
@@ -43,11 +46,8 @@ def guard_summary(w: Worker) -> dict | None:
     counts = every[:, :, 0].sum(dim=0)
     first = torch.where(every[:, :, 1] < 0, torch.inf, every[:, :, 1]).min(dim=0).values
     last = every[:, :, 2].max(dim=0).values
-    detected = [{"worker": m, "sign": sign, "rows": int(counts[m, k]),
-                 "first_step": int(first[m, k]), "last_step": int(last[m, k]),
-                 "action": action(guard.aggregation, sign)}
-                for m in range(counts.shape[0]) for k, sign in enumerate(SIGNS)
-                if counts[m, k] > 0]
+    detected = [{**row, "action": action(guard.aggregation, row["sign"])}
+                for row in named(counts, first.nan_to_num(posinf=-1), last)]
     return {"aggregation": guard.aggregation, "factor": guard.factor,
             "injected": [str(a) for a in parse_attacks(w.cfg.inject)], "detected": detected,
             "peak_ratio": [round(float(p), 4) for p in peak]}
