@@ -422,3 +422,27 @@ def test_a_zero_contribution_where_all_are_due_is_left_out_and_not_counted():
     total = waiting.combine(rows.clone(), 3, torch.empty(1, rows.shape[1]))
     assert torch.allclose(total[0], (rows[0] + rows[1] + rows[3]) / 3, atol=1e-6)
     assert waiting.report() == []
+
+
+def test_a_nan_message_does_not_poison_the_per_index_statistics():
+    """SparseLoCo's per-index rules over the senders of each index: a message of NaNs is
+    not a sender (it would sort past the placeholders of those that did not send)."""
+    from loco.comm.chunked import _robust_columns
+
+    nan = float("nan")
+    rows = torch.tensor([[1.0, 0.0, 3.0], [nan, nan, nan], [2.0, 5.0, 0.0], [4.0, 7.0, 9.0]])
+    assert _robust_columns(rows, "median").tolist() == [2.0, 6.0, 6.0]
+    assert _robust_columns(rows, "trimmed").tolist() == [2.0, 6.0, 6.0]
+
+
+def test_a_forged_row_is_left_out_of_the_divisor_where_zeros_are_not_named():
+    """The seal zeroes a row whose MAC failed; where workers may send zeros (they wait or
+    join), a zero row is not counted, but a forged one is left out all the same: the mean
+    is the other rows', not diluted by it."""
+    rows = torch.tensor([[1.0, 2.0], [3.0, 4.0], [0.0, 0.0], [5.0, 6.0]])
+    guard = Guard("drop", 4.0, 4)
+    guard.expect_all = False
+    guard.forged_next = torch.tensor([False, False, True, False])
+    total = guard.combine(rows.clone(), 4, torch.empty(1, 2))
+    assert total.tolist() == [[3.0, 4.0]]
+    assert [(d["worker"], d["sign"]) for d in guard.report()] == [(2, "mac")]
