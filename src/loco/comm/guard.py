@@ -330,8 +330,15 @@ class Guard:
         return total.div_((divisor - left_out.sum()).clamp(min=1))
 
     def coordinatewise_mean(self, rows: torch.Tensor, total: torch.Tensor) -> torch.Tensor:
-        """``total`` (1, c) ← ``trimmed`` or ``median`` of ``rows`` (M, c), per column (a
-        NaN sorts last: the largest)."""
+        """``trimmed`` or ``median`` of the rows, per column.
+
+        Args:
+            rows: ``(M, c)``, one sender per row (a NaN sorts last: the largest).
+            total: the ``(1, c)`` result.
+
+        Returns:
+            ``total``.
+        """
         m = rows.shape[0]
         ordered = torch.sort(rows, dim=0).values  # NaN sorts last: the largest
         if self.aggregation == "median":
