@@ -102,11 +102,11 @@ def test_hugging_face_embeddings_and_head_go_to_adamw(kind, tmp_path):
         assert len(split_muon(last)[0]) == 7
 
 
-def reference(model):
+def reference(model, muon_lr=CFG["lr"], adjust_lr_fn="match_rms_adamw"):
     """Muon on the hidden matrices and AdamW on the rest, as two plain torch optimizers."""
     hidden, rest = split_muon(model)
-    muon = torch.optim.Muon(hidden, lr=CFG["lr"], weight_decay=CFG["weight_decay"],
-                            adjust_lr_fn="match_rms_adamw")
+    muon = torch.optim.Muon(hidden, lr=muon_lr, weight_decay=CFG["weight_decay"],
+                            adjust_lr_fn=adjust_lr_fn)
     adam = torch.optim.AdamW([{"params": [p for p in rest if p.dim() >= 2],
                                "weight_decay": CFG["weight_decay"]},
                               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}],
@@ -131,6 +131,33 @@ def test_combined_steps_equal_muon_and_adamw_stepped_apart():
         assert_same_tensors(a.state_dict(), b.state_dict())
     w1 = "blocks.0.mlp.w1.weight"
     assert not torch.equal(tiny().state_dict()[w1], a.state_dict()[w1])  # Muon moved it
+
+
+@pytest.mark.parametrize("scale, adjust_lr_fn", [("original", "original"),
+                                                ("adamw-rms", "match_rms_adamw")])
+def test_muon_has_its_own_rate_and_scaling_on_the_one_schedule(scale, adjust_lr_fn):
+    """``--muon-lr`` and ``--muon-scale``: Muon at its own rate with torch.optim.Muon's
+    ``adjust_lr_fn`` of that name, AdamW at ``--lr``, one schedule scaling both (stepped
+    apart as two plain optimizers with their own schedulers, bit for bit)."""
+    def halve(step):
+        return 0.5 ** step
+
+    a, b = tiny(), tiny()
+    combined = inner_optimizer(a, "muon", **CFG, muon_lr=0.02, muon_scale=scale)
+    schedule = torch.optim.lr_scheduler.LambdaLR(combined, halve)
+    muon, adam = reference(b, muon_lr=0.02, adjust_lr_fn=adjust_lr_fn)
+    apart = [torch.optim.lr_scheduler.LambdaLR(o, halve) for o in (muon, adam)]
+    for step in range(3):
+        train(a, combined, 1, step, schedule)
+        for opt, sched in zip((muon, adam), apart):
+            opt.zero_grad()
+        loss_of(b, step).backward()
+        for opt, sched in zip((muon, adam), apart):
+            opt.step()
+            sched.step()
+        assert_same_tensors(a.state_dict(), b.state_dict())
+    assert combined.param_groups[0]["lr"] == 0.02 * halve(3)
+    assert combined.param_groups[-1]["lr"] == CFG["lr"] * halve(3)
 
 
 @pytest.mark.numerics
@@ -215,9 +242,11 @@ def test_state_dict_resumes_bit_for_bit_with_a_schedule():
 
 
 @pytest.mark.parametrize("extra", [("--algorithm", "diloco"),
-                                   ("--algorithm", "noloco", "--stages", "2")])
+                                   ("--algorithm", "noloco", "--stages", "2"),
+                                   ("--muon-lr", "0.02", "--muon-scale", "original")])
 def test_muon_trains_end_to_end(extra, corpus, tmp_path):
-    """DiLoCo, and NoLoCo with pipeline stages (each stage's part has its own split)."""
+    """DiLoCo, NoLoCo with pipeline stages (each stage's part has its own split), and Muon
+    at its own rate and scaling (the logged lr is AdamW's, ``--lr``)."""
     out = tmp_path / "run"
     assert main(small_run(corpus, out, *extra, "--inner-optimizer", "muon",
                           "--final-eval-batches", "2")) == 0
@@ -226,6 +255,8 @@ def test_muon_trains_end_to_end(extra, corpus, tmp_path):
     losses = [r["train_loss"] for r in lines if "train_loss" in r]
     assert summary["final_eval_loss"] < 5.7 and losses[-1] < losses[0]
     assert summary["config"]["inner_optimizer"] == "muon"
+    lrs = [r["lr"] for r in lines if "lr" in r]
+    assert max(lrs) <= float(summary["config"]["lr"])
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
@@ -249,6 +280,9 @@ def test_interrupted_muon_run_resumes_bit_identical(ranks, corpus, tmp_path, mon
 
 @pytest.mark.parametrize("argv, allowed", [
     (["--inner-optimizer", "sgd"], "'adamw', 'muon'"),
+    (["--muon-lr", "0.02"], "--muon-lr: needs --inner-optimizer muon"),
+    (["--inner-optimizer", "muon", "--muon-lr", "0"], "--muon-lr: must be a number > 0"),
+    (["--inner-optimizer", "muon", "--muon-scale", "spectral"], "'adamw-rms', 'original'"),
     (["--inner-optimizer", "muon", "--worker-ranks", "2", "--worker-parallel", "fsdp",
       "--launcher", "processes"], "--worker-parallel fsdp"),
 ])
@@ -260,7 +294,7 @@ def test_bad_inner_optimizer_is_a_one_line_error(argv, allowed, corpus, tmp_path
         sys.exit(main(small_run(corpus, tmp_path, *argv)))
     assert e.value.code == 2
     err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and "--inner-optimizer" in err and allowed in err
+    assert len(err.splitlines()) == 1 and allowed in err
 
 
 def test_fsdp_refusal_names_the_option():

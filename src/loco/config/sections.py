@@ -37,6 +37,8 @@ RESUMABLE = ("launcher", "progress", "comm_timeout", "checkpoint_every", "checkp
 DTYPES = ("fp32", "bf16")
 INNER_OPTIMIZERS = ("adamw", "muon")
 """``inner_optimizer``: AdamW everywhere, or MuLoCo's Muon on the hidden matrices."""
+MUON_SCALES = ("adamw-rms", "original")
+"""``muon_scale``: torch.optim.Muon's ``adjust_lr_fn`` ``match_rms_adamw`` or ``original``."""
 
 
 def algorithm_names() -> tuple[str, ...]:
@@ -307,6 +309,17 @@ class TrainingOptions:
         "and its schedule serve both; --weight-decay on Muon's matrices and AdamW's 2-D "
         "weights. Not with --worker-parallel fsdp (Muon needs each matrix whole)",
         INNER_OPTIMIZERS)
+    muon_lr: float | None = opt(None, "Muon's own peak learning rate (--inner-optimizer muon), on "
+                                "the same warm-up and cosine schedule as --lr (AdamW's, on the "
+                                "rest); default: --lr, which --muon-scale adamw-rms makes "
+                                "serve both. MuLoCo and CCLoco sweep a separate Muon rate "
+                                "(0.02 against AdamW's 1e-3, with --muon-scale original)")
+    muon_scale: str = opt("adamw-rms", "how Muon scales its orthogonalised update "
+                          "(--inner-optimizer muon): adamw-rms (by 0.2 sqrt(max(rows, "
+                          "columns)), to AdamW's update RMS: Moonshot's 'Muon is Scalable "
+                          "for LLM Training', torch.optim.Muon's match_rms_adamw) or original "
+                          "(by sqrt(max(1, rows/columns)): Keller Jordan's Muon, as MuLoCo "
+                          "and CCLoco run it)", MUON_SCALES)
     grad_clip: float = opt(1.0, "clip the (averaged) gradient norm to this; 0 disables")
     seed: int = opt(0, "seed for weights, data order and everything random")
     eval_every: int = opt(100, "evaluate the global model every this many inner steps "
@@ -315,8 +328,8 @@ class TrainingOptions:
     final_eval_batches: int = opt(100, "at most this many batches in the final evaluation")
 
     def check(self) -> None:
-        """Counts >= 1 (``steps`` where given), ``seq_len`` >= 2, lr finite and > 0, the
-        schedule's and AdamW's ranges."""
+        """Counts >= 1 (``steps`` where given), ``seq_len`` >= 2, lr (and Muon's) finite and
+        > 0, the schedule's and AdamW's ranges; Muon's options only with Muon."""
         at_least_one(self, "steps", "batch_size", "eval_batches", "final_eval_batches")
         need(self, self.seq_len >= 2, "seq_len", "must be an integer >= 2")
         need(self, self.eval_every >= 0, "eval_every", "must be an integer >= 0")
@@ -327,6 +340,11 @@ class TrainingOptions:
         need(self, self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
         betas(self)
         check_inner_optimizer(self)
+        need(self, self.muon_lr is None or (math.isfinite(self.muon_lr) and self.muon_lr > 0),
+             "muon_lr", "must be a number > 0")
+        for name, default in (("muon_lr", None), ("muon_scale", "adamw-rms")):
+            need(self, getattr(self, name) == default or self.inner_optimizer == "muon", name,
+                 "needs --inner-optimizer muon (AdamW alone has no Muon rate or scaling)")
 
 
 @dataclass

@@ -49,14 +49,15 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
     """The inner optimizer of ``--inner-optimizer`` over ``model``'s parameters: AdamW
     (`adamw`), or MuLoCo's Muon on the hidden matrices and AdamW
     on the rest (see `inner_optimizer`), with
-    ``--lr``, ``--weight-decay`` and ``--adam-betas``.
+    ``--lr``, ``--weight-decay`` and ``--adam-betas`` (and ``--muon-lr``, ``--muon-scale``).
 
     Args:
         model: the module to train (a whole model or a pipeline stage's part).
         cfg: the run's configuration.
     """
     return inner_optimizer(model, cfg.inner_optimizer, lr=cfg.lr,
-                           weight_decay=cfg.weight_decay, betas=betas(cfg))
+                           weight_decay=cfg.weight_decay, betas=betas(cfg),
+                           muon_lr=cfg.muon_lr, muon_scale=cfg.muon_scale)
 
 
 def make_model(cfg: TrainConfig, vocab_size: int,

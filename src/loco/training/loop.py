@@ -251,8 +251,8 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
             loop.settle_losses()
         if loop.loss_count:  # (none where this worker trained no tick since the last)
             loop.shown_loss = loop.loss_sum / loop.loss_count
-        record = {**(record or {}), "step": step, "tokens": tokens,
-                  "train_loss": loop.shown_loss, "lr": w.schedule.get_last_lr()[0]}
+        record = {**(record or {}), "step": step, "tokens": tokens,  # lr: the last group's,
+                  "train_loss": loop.shown_loss, "lr": w.schedule.get_last_lr()[-1]}  # --lr
         loop.loss_sum, loop.loss_count = 0.0, 0
     if evals:
         record = {**(record or {"step": step, "tokens": tokens}), **evals}

@@ -18,7 +18,11 @@ from torch import nn
 
 MUON_LR_ADJUST = "match_rms_adamw"
 """Muon's update is scaled by 0.2 sqrt(max(rows, columns)) to AdamW's update RMS (Moonshot's
-"Muon is Scalable for LLM Training"), so one ``--lr`` and its schedule serve both."""
+"Muon is Scalable for LLM Training"), so one ``--lr`` and its schedule serve both: the
+default (``--muon-scale adamw-rms``)."""
+MUON_SCALES = {"adamw-rms": MUON_LR_ADJUST, "original": "original"}
+"""``--muon-scale``'s names for torch.optim.Muon's ``adjust_lr_fn``: ``original`` scales by
+sqrt(max(1, rows / columns)), as Keller Jordan's Muon (and MuLoCo, CCLoco) do."""
 HEAD_NAMES = ("lm_head",)
 """Names of output-head modules found by name: a Hugging Face pipeline stage
 ([`LlamaStage`][loco.hf.LlamaStage]) keeps ``lm_head`` outside any ``PreTrainedModel``."""
@@ -91,6 +95,7 @@ class MuonAdamW(torch.optim.Optimizer):
         betas: AdamW's betas.
         adjust_lr_fn: Muon's learning-rate adjustment; default
             `MUON_LR_ADJUST`.
+        muon_lr: Muon's learning rate; default None: ``lr``.
         fused: AdamW's ``fused`` (`wants_fused`); default None (torch's default).
 
     Raises:
@@ -99,11 +104,13 @@ class MuonAdamW(torch.optim.Optimizer):
 
     def __init__(self, muon: list[nn.Parameter], adamw: list[dict], *, lr: float,
                  weight_decay: float, betas: tuple[float, float],
-                 adjust_lr_fn: str = MUON_LR_ADJUST, fused: bool | None = None):
+                 adjust_lr_fn: str = MUON_LR_ADJUST, fused: bool | None = None,
+                 muon_lr: float | None = None):
         groups = [g for g in adamw if len(g["params"])]
         self.parts: list[torch.optim.Optimizer] = []
         if muon:
-            self.parts.append(torch.optim.Muon(muon, lr=lr, weight_decay=weight_decay,
+            self.parts.append(torch.optim.Muon(muon, lr=lr if muon_lr is None else muon_lr,
+                                               weight_decay=weight_decay,
                                                adjust_lr_fn=adjust_lr_fn))
         if groups:
             self.parts.append(torch.optim.AdamW(groups, lr=lr, betas=betas, fused=fused))
@@ -211,13 +218,15 @@ def muon_step_unless(muon: torch.optim.Muon, found_inf: torch.Tensor) -> None:
 
 
 def inner_optimizer(model: nn.Module, kind: str, *, lr: float, weight_decay: float,
-                    betas: tuple[float, float]) -> torch.optim.Optimizer:
+                    betas: tuple[float, float], muon_lr: float | None = None,
+                    muon_scale: str = "adamw-rms") -> torch.optim.Optimizer:
     """The inner optimizer over ``model``'s parameters.
 
     ``adamw``: ``torch.optim.AdamW`` with weight decay on the parameters of 2 or more
     dimensions only (not on norms' gains or biases), fused (`wants_fused`). ``muon``: a
     `MuonAdamW`: Muon (momentum 0.95, Nesterov, 5
-    Newton-Schulz steps, its update matched to AdamW's RMS) with ``weight_decay`` on the
+    Newton-Schulz steps, its update matched to AdamW's RMS unless ``muon_scale`` says
+    otherwise, at ``muon_lr`` where given) with ``weight_decay`` on the
     hidden matrices (`split_muon`), and the same AdamW
     as ``adamw`` on the rest (decay on the embeddings and head, none on norms and biases).
 
@@ -227,19 +236,25 @@ def inner_optimizer(model: nn.Module, kind: str, *, lr: float, weight_decay: flo
         lr: the (peak) learning rate of both.
         weight_decay: the decoupled weight decay of the matrices.
         betas: AdamW's betas.
+        muon_lr: Muon's own (peak) learning rate; default None: ``lr``.
+        muon_scale: how Muon scales its update, a key of `MUON_SCALES`; default
+            ``"adamw-rms"``.
 
     Raises:
-        ValueError: an unknown ``kind``.
+        ValueError: an unknown ``kind`` or ``muon_scale``.
     """
     if kind not in ("adamw", "muon"):
         raise ValueError(f"unknown inner optimizer {kind!r}: adamw or muon")
+    if muon_scale not in MUON_SCALES:
+        raise ValueError(f"unknown Muon scaling {muon_scale!r}: {' or '.join(MUON_SCALES)}")
     hidden, rest = split_muon(model) if kind == "muon" else ([], list(model.parameters()))
     groups = [{"params": [p for p in rest if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in rest if p.dim() < 2], "weight_decay": 0.0}]
     if kind == "adamw":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=wants_fused(model))
     return MuonAdamW(hidden, groups, lr=lr, weight_decay=weight_decay, betas=betas,
-                     fused=wants_fused(model))
+                     fused=wants_fused(model), muon_lr=muon_lr,
+                     adjust_lr_fn=MUON_SCALES[muon_scale])
 
 
 def wants_fused(model: torch.nn.Module) -> bool | None:
