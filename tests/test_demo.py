@@ -12,7 +12,7 @@ the clipped gradient, whose norm is also summed in another order). The discrete 
 are then checked against it: the implementation's top-k of each chunk must be a top-k of the
 reference's coefficients up to that bound, its values equal theirs up to it (and bf16's
 half ulp), and each parameter's new value equal the reference's, bit for bit where
-``|IDCT(sum)|`` exceeds its bound (the sign cannot differ there) and within lr (sign 0 or ±1)
+``|IDCT(mean)|`` exceeds its bound (the sign cannot differ there) and within lr (sign 0 or ±1)
 or 2·lr (opposite signs) where it does not; such values must stay rare. Measured on AVX2 and
 on ``ATEN_CPU_CAPABILITY=default``: the same top-k everywhere, momenta within a few ulps.
 """
@@ -231,11 +231,14 @@ def reference_step(steps, t, chunk, topk, values, beta, stats):
         c1, c2 = dct(n1), dct(n2)
         v, tol = torch.zeros(rows, cols), torch.zeros(rows, cols)
         for c, (i, j) in enumerate(chunk_grid(rows, cols, n1, n2)):
-            total = torch.zeros(n1 * n2)
+            # bloc97/DeMo's decompress: scatter_reduce_(..., "mean", include_self=False)
+            # over every worker's indices: each index's mean over the workers that sent it
+            total, senders = torch.zeros(n1 * n2), torch.zeros(n1 * n2)
             for idx, vals in (msg[p_i] for msg in msgs):  # summed in rank order
                 for a, b in zip(idx[c], vals[c]):
                     total[a] += b
-            total = total.reshape(n1, n2)
+                    senders[a] += 1
+            total = (total / senders.clamp(min=1)).reshape(n1, n2)
             v[i:i + n1, j:j + n2] = c1.T @ total @ c2
             tol[i:i + n1, j:j + n2] = slack(c1.T, c2.T, total)
         wd = 0.1 if p.dim() >= 2 else 0.0
@@ -261,7 +264,7 @@ def test_demo_matches_reference(workers, values):
         for name, (want, tol, v) in reference_step(records_t, t, chunk, topk, values, beta,
                                                    stats).items():
             have = records_t[0]["after"][name]
-            sure = v.abs() > tol  # the sign of IDCT(sum) is certain here
+            sure = v.abs() > tol  # the sign of IDCT(mean) is certain here
             assert torch.equal(have[sure], want[sure]), name
             assert ((have - want).abs() <= 2 * lr * (1 + 4 * EPS)).all(), name
             unsure += int((~sure).sum())

@@ -600,11 +600,12 @@ class DeMo(Algorithm):
 
     def _decode(self, stacked: torch.Tensor, piece: Piece,
                 scales: torch.Tensor | None = None) -> torch.Tensor:
-        """A piece's coefficients summed over the M messages (``stacked``, one row each),
-        per index, as (chunks, n1 · n2) fp32: worker 0's kept values scattered first, then
-        worker 1's, ...: every index sums in rank order, on any device (the k indices of
-        one worker's chunk are distinct, so no two additions of one ``scatter_add_`` meet:
-        no atomics decide the order)."""
+        """A piece's coefficients averaged per index over the messages that sent it
+        (``stacked``, one row each; a message the guard left out sends none), as
+        (chunks, n1 · n2) fp32, 0 where none did: worker 0's kept values scattered first,
+        then worker 1's, ...: every index sums in rank order, on any device (the k indices
+        of one worker's chunk are distinct, so no two additions of one ``scatter_add_``
+        meet: no atomics decide the order), then is divided by its senders' number."""
         plan, m = piece.plan, stacked.shape[0]
         idx = unpack(stacked[:, piece.index_at].view(m * plan.chunks, -1), plan.k, plan.bits)
         idx.clamp_(max=plan.n1 * plan.n2 - 1)  # damaged bytes stay inside their chunk
@@ -612,11 +613,15 @@ class DeMo(Algorithm):
                              self.values)
         idx, vals = idx.view(m, plan.chunks, plan.k), vals.view(m, plan.chunks, plan.k)
         total = torch.zeros(plan.chunks, plan.n1 * plan.n2, device=self.momentum.device)
+        senders = torch.zeros_like(total)
         for w in range(m):  # (the guard's scale: times 1 is the same bits; 0 leaves it out)
-            kept = vals[w] if scales is None else torch.where(
+            sent = torch.ones_like(vals[w]) if scales is None else (
+                (scales[w] > 0).to(vals.dtype).expand_as(vals[w]))
+            kept = vals[w] if scales is None else torch.where(  # (NaN × 0 is NaN)
                 scales[w] > 0, vals[w] * scales[w], torch.zeros_like(vals[w]))
             total.scatter_add_(1, idx[w], kept)
-        return total
+            senders.scatter_add_(1, idx[w], sent)
+        return total.div_(senders.clamp_(min=1))
 
     def _apply(self, piece: Piece, stacked: torch.Tensor, ok: torch.Tensor,
                scales: torch.Tensor | None = None) -> None:
