@@ -58,16 +58,73 @@ def test_no_fp4_claim_without_a_true_twin():
     # a DiLoCo run is no twin, and the other claims go on without one
     texts = [c.text for c in claims([fp4, run("diloco", "diloco")])]
     assert not any("streaming-fp32" in t or "1% of" in t for t in texts)
-    assert "Streaming DiLoCo eval loss within 2% of DiLoCo's" in texts
+    assert ("Streaming DiLoCo eval loss within 2% of DiLoCo's (twin: diloco, AdamW inside)"
+            in texts)
 
 
 # ------------------------------------------------------------------------------ vs Local
 @pytest.mark.parametrize("diloco,met", [(5.2, True), (5.4, False)])
 def test_diloco_must_end_below_no_communication(diloco, met):
     rows = by_text(claims([run("diloco", "diloco", diloco), run("local", "local", 5.3)]))
-    row = rows["DiLoCo eval loss below Local's (no communication)"]
+    row = rows["DiLoCo eval loss below Local's (no communication) (twin: local, AdamW inside)"]
     assert row.met is met and row.pair == (diloco, 5.3)
     assert row.measured == f"{100 * (diloco - 5.3) / 5.3:+.2f}%"
+
+
+# ------------------------------------------------------------------------------ fair twins
+DDP_CLAIM = "eval loss within 5% of {}'s"
+
+
+def test_a_muon_method_is_held_against_the_muon_twin_and_says_so():
+    """MuLoCo (DiLoCo with Muon inside) against DataParallel with Muon inside, DiLoCo with
+    AdamW inside against DataParallel with AdamW inside, whatever the order of the runs; no
+    Local with Muon inside, so MuLoCo is not held against Local at all."""
+    ddp = run("ddp", "ddp", 4.8)
+    ddp_muon = run("ddp-muon", "ddp", 4.44, inner_optimizer="muon", lr=0.03)
+    diloco = run("diloco", "diloco", 5.07)
+    muloco = run("muloco", "diloco", 4.78, inner_optimizer="muon", lr=0.03, codec="int2")
+    runs = [ddp_muon, ddp, diloco, muloco, run("local", "local", 5.3)]
+    rows = by_text(claims(runs))
+    fair = rows["muloco (DiLoCo) " + DDP_CLAIM.format("ddp-muon (DataParallel)")
+                + " (twin: ddp-muon, Muon inside)"]
+    assert fair.pair == (4.78, 4.44) and fair.measured == "+7.66%" and not fair.met
+    plain = rows["DiLoCo " + DDP_CLAIM.format("DataParallel") + " (twin: ddp, AdamW inside)"]
+    assert plain.pair == (5.07, 4.8) and plain.met is False
+    assert not any(t.startswith("muloco") and "Local" in t for t in rows)
+    assert "DiLoCo eval loss below Local's (no communication) (twin: local, AdamW inside)" in rows
+
+
+def test_an_adamw_method_takes_the_adamw_run_over_a_muon_baseline():
+    """The same inner optimizer wins over the baseline: with DataParallel's first run (its
+    baseline) Muon inside, DiLoCo with AdamW inside is held against the AdamW one."""
+    ddp_muon = run("ddp-muon", "ddp", 4.44, inner_optimizer="muon")
+    ddp_adamw = run("ddp-adamw", "ddp", 4.8, inner_optimizer="adamw")
+    diloco = run("diloco", "diloco", 5.0)
+    (row,) = [c for c in claims([ddp_muon, ddp_adamw, diloco]) if "5%" in c.text]
+    assert row.text == ("DiLoCo " + DDP_CLAIM.format("ddp-adamw (DataParallel)")
+                        + " (twin: ddp-adamw, AdamW inside)")
+    assert row.pair == (5.0, 4.8)
+
+
+def test_without_a_same_optimizer_twin_the_claim_says_it_crosses_optimizers():
+    """DeMo is its own optimizer (sign-SGD), and a DiLoCo with Muon inside has no
+    DataParallel with Muon inside here, nor does Muon with Keller Jordan's scale count as the
+    same Muon: each claim is still checked, against the baseline, and says so."""
+    ddp = run("ddp", "ddp", 4.8)
+    texts = [c.text for c in claims([ddp, run("demo", "demo", 4.7)])]
+    assert "DeMo " + DDP_CLAIM.format("DataParallel") + (
+        " (crosses optimizers: sign-SGD against AdamW in ddp)") in texts
+    assert ("DataParallel sends at least 10× the bytes of DeMo (crosses optimizers: sign-SGD "
+            "against AdamW in ddp)") in texts
+    muon = run("diloco", "diloco", 4.9, inner_optimizer="muon")
+    rows = by_text(claims([ddp, muon]))
+    row = rows["DiLoCo " + DDP_CLAIM.format("DataParallel")
+               + " (crosses optimizers: Muon against AdamW in ddp)"]
+    assert row.pair == (4.9, 4.8)
+    original = run("ddp-kj", "ddp", 4.5, inner_optimizer="muon", muon_scale="original")
+    texts = [c.text for c in claims([ddp, original, muon])]
+    assert any(t.endswith("(crosses optimizers: Muon against AdamW in ddp)") for t in texts)
+    assert not any("ddp-kj" in t for t in texts)
 
 
 # ------------------------------------------------------------------------------ routing
@@ -154,6 +211,24 @@ def test_the_evidence_preset_plans_a_run_for_every_claim():
     # the same job for every method: model, tokens, workers, seeds
     assert len({(c.model, c.steps, c.workers, c.batch_size, c.seq_len) for c in p.configs}) == 1
     assert all(sorted(c.seed for c in cfgs) == sorted(p.seeds) for cfgs in by_label.values())
+
+
+def test_the_frontier_preset_gives_muloco_its_muon_twin():
+    """``ddp-muon`` is DataParallel as the preset runs it but for Muon inside at MuLoCo's lr,
+    and MuLoCo's claim against DataParallel, on the preset's own configurations, uses it."""
+    p = compare.plan({"seed": 0}, preset="frontier")
+    cfg = {m.label: c.to_dict() for m, c in zip(p.methods, p.configs)}
+    differ = {k for k in cfg["ddp"] if cfg["ddp"][k] != cfg["ddp-muon"][k]}
+    assert differ == {"inner_optimizer", "lr", "muon_lr", "out"}
+    assert (cfg["ddp-muon"]["inner_optimizer"], cfg["ddp-muon"]["lr"]) == ("muon", 0.03)
+    assert all(cfg["ddp-muon"][k] == cfg["muloco"][k] for k in ("lr", "muon_lr", "muon_scale"))
+    losses = {"ddp": 4.80, "ddp-muon": 4.44, "diloco": 5.07, "muloco": 4.78}
+    runs = [Run(label, label, {"algorithm": cfg[label]["algorithm"], "final_eval_loss": loss,
+                               "config": cfg[label]}, []) for label, loss in losses.items()]
+    texts = [c.text for c in claims(runs)]
+    assert [t for t in texts if t.startswith("muloco") and "DataParallel" in t] == [
+        "muloco (DiLoCo) " + DDP_CLAIM.format("ddp-muon (DataParallel)")
+        + " (twin: ddp-muon, Muon inside)"]
 
 
 # ------------------------------------------------------------------------------ for real

@@ -217,7 +217,7 @@ def test_a_whole_reduction_reads_nothing_on_the_host(name, monkeypatch):
         flat = torch.randn(10_001, generator=torch.Generator().manual_seed(rank))
         sent = torch.empty_like(flat)
         if codec is not None and codec.gathers:
-            gather_mean(flat, codec, 2, 2, comm._buffers, comm._gather, sent)
+            gather_mean(codec, flat, 2, 2, comm._buffers, comm._gather, sent)
         else:
             chunk, _ = layout(flat.numel(), 2, codec, 4)
             comm._reduce_mean(flat, chunk, codec, 2, 2, sent)

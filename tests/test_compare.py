@@ -189,7 +189,7 @@ def test_peak_claim_counts_the_fragments_not_the_codec(codec, block):
         (claim, measured, ok), = [row for row in targets(peak_runs(codec, block, share))
                                   if "peak sync" in row[0]]
         assert claim == ("Streaming DiLoCo's peak sync about P=2× below DiLoCo's, from the "
-                         "fragments alone")
+                         "fragments alone (twin: diloco, AdamW inside)")
         assert ok is met, (codec, share, measured)
         assert measured.startswith(f"{share:.2f}× (")
         assert f"of it from {codec}; the largest fragment allows {share:.2f}×)" in measured

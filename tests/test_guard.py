@@ -391,7 +391,7 @@ def test_sparse_per_index_statistics_are_over_the_senders_of_each_index():
     sent = dense != 0
     for aggregation in ("median", "trimmed"):
         guard = Guard(aggregation, 4.0, m)
-        out = gather_mean(xs[0].clone(), codec, m, m, Buffers(torch.device("cpu")),
+        out = gather_mean(codec, xs[0].clone(), m, m, Buffers(torch.device("cpu")),
                           lambda o, t: o.copy_(messages), None, guard)
         for i in range(0, n, 509):  # a sample of indices, each against the reference
             values = dense[sent[:, i], i]
@@ -427,12 +427,12 @@ def test_a_zero_contribution_where_all_are_due_is_left_out_and_not_counted():
 def test_a_nan_message_does_not_poison_the_per_index_statistics():
     """SparseLoCo's per-index rules over the senders of each index: a message of NaNs is
     not a sender (it would sort past the placeholders of those that did not send)."""
-    from loco.comm.chunked import _robust_columns
+    from loco.comm.chunked import robust_columns
 
     nan = float("nan")
     rows = torch.tensor([[1.0, 0.0, 3.0], [nan, nan, nan], [2.0, 5.0, 0.0], [4.0, 7.0, 9.0]])
-    assert _robust_columns(rows, "median").tolist() == [2.0, 6.0, 6.0]
-    assert _robust_columns(rows, "trimmed").tolist() == [2.0, 6.0, 6.0]
+    assert robust_columns(rows, "median").tolist() == [2.0, 6.0, 6.0]
+    assert robust_columns(rows, "trimmed").tolist() == [2.0, 6.0, 6.0]
 
 
 def test_a_forged_row_is_left_out_of_the_divisor_where_zeros_are_not_named():

@@ -180,15 +180,18 @@ def test_loss_claims_pair_runs_of_the_same_seed():
                              ("noloco", "diloco", 3, False)):
         names = {"ddp": "DataParallel", "diloco": "DiLoCo", "streaming": "Streaming DiLoCo",
                  "noloco": "NoLoCo"}
-        measured, ok = rows[f"{names[a]} eval loss within {limit}% of {names[b]}'s"]
+        measured, ok = rows[f"{names[a]} eval loss within {limit}% of {names[b]}'s "
+                            f"(twin: {b}, AdamW inside)"]
         g = gaps(a, b)
         assert measured == (f"{sum(g) / 3:+.2f}% (seeds: {min(g):+.1f}% to {max(g):+.1f}%; "
                             f"seed spread ±{half_range(a):.1f}% / ±{half_range(b):.1f}%)")
         assert ok is met, (a, b, g)
-    assert rows["Streaming DiLoCo eval loss within 2% of DiLoCo's"][0] == (
+    assert rows["Streaming DiLoCo eval loss within 2% of DiLoCo's (twin: diloco, AdamW "
+                "inside)"][0] == (
         "-0.25% (seeds: -3.8% to +2.1%; seed spread ±1.5% / ±4.0%)")
     # Bytes are the same on every seed: their claim reads as one seed's.
-    assert rows["DataParallel sends at least 100× the bytes of Streaming DiLoCo"] == (
+    assert rows["DataParallel sends at least 100× the bytes of Streaming DiLoCo (twin: ddp, "
+                "AdamW inside)"] == (
         "200× (DataParallel's gradients in fp32)", True)
 
 
@@ -212,9 +215,11 @@ def test_claims_table_says_mixed_and_warns_about_the_spread():
     lines = claims_table(three_seeds())
     rows = {line.split(" | ")[0].lstrip("| "): line.rsplit(" | ", 1)[1].rstrip(" |")
             for line in lines if line.startswith("| ") and "within" in line}
-    assert rows == {"Streaming DiLoCo eval loss within 2% of DiLoCo's": "mixed",
-                    "DiLoCo eval loss within 5% of DataParallel's": "yes",
-                    "NoLoCo eval loss within 3% of DiLoCo's": "**no**"}
+    same = " (twin: {}, AdamW inside)"
+    assert rows == {"Streaming DiLoCo eval loss within 2% of DiLoCo's" + same.format("diloco"):
+                    "mixed",
+                    "DiLoCo eval loss within 5% of DataParallel's" + same.format("ddp"): "yes",
+                    "NoLoCo eval loss within 3% of DiLoCo's" + same.format("diloco"): "**no**"}
     assert lines[-1].endswith("A margin smaller than the seeds' spread is not a result.")
     assert "each of the 3 seeds" in lines[-1]
 

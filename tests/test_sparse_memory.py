@@ -13,7 +13,6 @@ from workers import batch, make_model, make_optimizer
 import loco
 from loco.algorithms import buffers
 from loco.comm import chunked
-from loco.comm import means as comm_module  # where the all-gather mean is issued
 from loco.comm.codecs import get_codec
 
 CODECS = [("topk_2bit", 64, 0.125), ("topk_2bit_packed", 64, 0.125), ("topk_2bit", 4096, None)]
@@ -127,7 +126,7 @@ def test_the_all_gather_mean_keeps_no_copy_of_the_vector(name, block, keep):
         assert r["kept"] == 3 * codec.encoded_nbytes(n) + 4 * block < n * 4 // 4
 
 
-def padded_gather_mean(flat, codec, parts, divisor, kept, all_gather, sent=None, guard=None,
+def padded_gather_mean(codec, flat, parts, divisor, kept, all_gather, sent=None, guard=None,
                        wire=None):
     """The all-gather mean as it was: Δ padded into a kept copy, encoded whole (an honest
     run: the guard, if any, has nothing to leave out, and no attack flips bits)."""
@@ -149,9 +148,11 @@ def padded_gather_mean(flat, codec, parts, divisor, kept, all_gather, sent=None,
 
 
 def run_worker(ctx, kw):
-    """SparseLoCo for three rounds and a step."""
+    """SparseLoCo, in loco's runs layout (the paths compared), for three rounds and a
+    step."""
     model = make_model(layers=2)
-    algo = loco.SparseLoCo(model, make_optimizer(model), ctx.comm, **kw)
+    algo = loco.SparseLoCo(model, make_optimizer(model), ctx.comm, sparse_layout="runs",
+                           sparse_values="split", sparse_mean="all", **kw)
     for t in range(3 * kw["sync_every"] + 1):
         x, y = batch(ctx.rank, t)
         model(x, y).backward()
@@ -170,8 +171,8 @@ def test_sparseloco_gives_the_parameters_and_bytes_it_gave(kw, monkeypatch):
     bit for bit and the same bytes; its outer state smaller by D(C(e)) (kept as bytes)."""
     new = loco.launch(run_worker, 2, args=(kw,))
     with monkeypatch.context() as old_paths:  # a padded copy of Δ, a dense D(C(e))
-        old_paths.setattr(comm_module, "gather_mean", padded_gather_mean)
-        old_paths.setattr(buffers.SyncBuffers, "keep_message", lambda self, codec: False)
+        old_paths.setattr(chunked.ChunkTopKCodec, "gather_mean", padded_gather_mean)
+        old_paths.setattr(buffers.SyncBuffers, "keep_message", lambda self, codecs: False)
         old = loco.launch(run_worker, 2, args=(kw,))
     n = sum(p.numel() for p in make_model(layers=2).parameters())
     codec = get_codec("topk_2bit", block=kw.get("codec_block"))

@@ -21,7 +21,7 @@ import torch
 import loco
 from loco.algorithms.fragments import split_fragments
 from workers import (batch, diloco_worker, make_model, make_optimizer, max_diff, params_of,
-                     planned_worker, reference_eager, reference_streaming, resume_worker,
+                     planned_worker, reference_streaming, resume_worker,
                      slow_reduce,
                      streaming_worker)
 
@@ -409,26 +409,6 @@ def test_the_simulator_and_training_send_fragments_at_the_same_steps():
         assert simulated(h, p) == send_offsets(h, p)
 
 
-@pytest.mark.parametrize("fragments,overlap,alpha,workers", [
-    (1, 0, 0.0, 2), (1, 11, 0.0, 3), (2, 1, 0.5, 2), (4, 2, 0.5, 3)])
-@pytest.mark.usefixtures("rank_order")
-def test_eager_updates_match_their_reference(fragments, overlap, alpha, workers):
-    """Eager updates (Kale et al. 2025) against their box in one process, bit for bit: each
-    worker moves on from a proxy step at the send (Δ_m / M and the others' share of the
-    fragment's previous average), and is corrected when the average lands τ steps later
-    (the true outer step; the same global copy on every worker); with τ > 0 the run
-    differs from the one without eager updates, with τ = 0 it is the same."""
-    steps = 2 * H + 7  # two full rounds and a partial one that ends with a sync in flight
-    kw = dict(sync_every=H, fragments=fragments, overlap=overlap, alpha=alpha, codec="fp32")
-    out = loco.launch(streaming_worker, workers, args=(steps,), kwargs={**kw, "eager": True})
-    ref = reference_eager(workers, steps, H, fragments, overlap, alpha)
-    for r in out:
-        assert max_diff(r["params"], ref) == 0
-    plain = reference_streaming(workers, steps, H, fragments, overlap, alpha)
-    # τ = 0: the correction lands in the step of the proxy, which changes nothing (ulps)
-    assert max_diff(ref, plain) > 1e-5 if overlap else max_diff(ref, plain) < 1e-6
-
-
 def test_eager_diloco_overlaps_the_round_and_refuses_what_it_cannot_do():
     """DiLoCo with eager updates waits for an average at the step before the next sync
     (τ = H − 1, α = 0); eager updates refuse an outer thread, and an elastic run."""
@@ -456,12 +436,15 @@ def test_speed_aware_local_steps_match_their_reference(fragments, overlap, alpha
     """Speed-aware local steps (Async Local-SGD's dynamic local updates) with a fixed plan
     of steps per round per worker: the workers train on their ticks only, and each
     pseudo-gradient is weighed by the steps behind it, bit for bit the reference's; the
-    weights change the run."""
+    weights change the run. The reference takes the ticks as a literal table."""
     plan = [[12, 12, 12], [12, 6, 3], [12, 4, 12]]
+    trained = [range(1, 32), [*range(1, 13), 14, 16, 18, 20, 22, 24, 27, 30],
+               [*range(1, 13), 16, 20, 24, *range(25, 32)]]
     steps = 2 * H + 7
     kw = dict(sync_every=H, fragments=fragments, overlap=overlap, alpha=alpha, codec=codec)
     out = loco.launch(planned_worker, 3, args=(steps, plan), kwargs=kw)
-    ref = reference_streaming(3, steps, H, fragments, overlap, alpha, codec, plan=plan)
+    ref = reference_streaming(3, steps, H, fragments, overlap, alpha, codec, plan=plan,
+                              trained=trained)
     for r in out:
         assert max_diff(r["params"], ref) == 0
     assert max_diff(ref, reference_streaming(3, steps, H, fragments, overlap, alpha,
@@ -475,15 +458,21 @@ def test_asynchronous_outer_steps_match_their_reference(staleness, codec, feedba
     """Asynchronous outer steps with a fixed plan: a slow worker's block spans rounds
     (sending zeros at the syncs between, its error feedback untouched), its pseudo-gradient
     taken from the global copy its block started from and token-weighted with the blocks
-    that end at the same sync; bit for bit the reference's, and not the synchronous run."""
+    that end at the same sync; bit for bit the reference's, and not the synchronous run.
+    The reference takes the ticks and the blocks as literal tables."""
     plan = [[12, 12, 12], [12, 6, 4], [12, 6, 4], [12, 6, 4], [12, 12, 4]]
+    trained = [range(1, 64), [*range(1, 13), *range(14, 49, 2), *range(49, 64)],
+               [*range(1, 13), *range(15, 61, 3), 61, 62, 63]]
+    ends = {1: [dict.fromkeys(range(5), 12), {0: 12, 2: 12, 4: 18}, {0: 12, 2: 8, 4: 8}],
+            2: [dict.fromkeys(range(5), 12), {0: 12, 2: 12, 4: 18}, {0: 12, 3: 12, 4: 4}]}
     steps = 5 * H + 3
     kw = dict(sync_every=H, fragments=1, overlap=0, alpha=0.0, codec=codec,
               error_feedback=feedback)
     out = loco.launch(planned_worker, 3, args=(steps, plan), kwargs={
         **kw, "max_staleness": staleness})
-    ref = reference_streaming(3, steps, H, 1, 0, 0.0, codec, plan=plan,
-                              error_feedback=feedback, max_staleness=staleness)
+    ref = reference_streaming(3, steps, H, 1, 0, 0.0, codec, plan=plan, trained=trained,
+                              error_feedback=feedback, max_staleness=staleness,
+                              block_ends=ends[min(staleness, 2)])  # S = 5: as S = 2
     for r in out:
         assert max_diff(r["params"], ref) == 0
     # zeros travel where a block goes on: the bytes of the synchronous run, exactly; and

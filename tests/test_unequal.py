@@ -4,8 +4,12 @@ goodput each run reports."""
 import json
 
 import pytest
+import torch
 from test_cli import small_run
+from workers import batch, make_model, max_diff, params_of, smooth_optimizer, ulps
 
+import loco
+from loco.algorithms.asynchronous import BlockStarts
 from loco.cli import main
 from loco.config import ConfigError, build_config, worker_speeds
 from loco.training import speed
@@ -45,8 +49,6 @@ class Clock:
 def test_a_slow_worker_sleeps_the_rest_of_its_longer_step(monkeypatch, factor, pause):
     """Speed s: after a step's compute of c seconds it sleeps (1/s − 1)·c, counted in the
     loop's throttle seconds; speed 1 sleeps never (and takes no time)."""
-    import torch
-
     clock = Clock(work=0.2)
     monkeypatch.setattr(speed, "time", clock)
     loop = type("Loop", (), {"throttle_seconds": 1.0})()
@@ -106,17 +108,16 @@ def test_a_run_with_a_slow_worker_records_its_speed_and_a_goodput_below_one(corp
 
 # ---------------------------------------------------------------- speed-aware local steps
 def test_a_worker_of_n_steps_trains_on_n_ticks_of_each_round_the_last_among_them():
-    """n of the H ticks, evenly, the round's last among them; in the run's first round the
-    first 3 (the probe) and the rest of n spread over the rest."""
+    """In the run's first round a worker of n steps trains the first n ticks; in a later
+    round n of the H ticks, evenly, the round's last among them (literal tables)."""
     plan = speed.LocalSteps(10, 3, 0, rounds=[[10, 5, 4], [10, 5, 3], [10, 1, 7]])
-    for worker, counts in enumerate([(10, 10, 10), (5, 5, 1), (4, 3, 7)]):
-        ticks = [t for t in range(1, 31) if plan.trains(t, worker)]
-        assert [sum(10 * r < t <= 10 * r + 10 for t in ticks) for r in range(3)] == list(counts)
-        assert {10, 20, 30} <= set(ticks)  # the round's last tick: the sync follows it
-    assert [t for t in range(1, 11) if plan.trains(t, 1)] == [1, 2, 3, 7, 10]  # probe first
-    assert [t for t in range(11, 21) if plan.trains(t, 1)] == [12, 14, 16, 18, 20]  # evenly
+    trained = [[t for t in range(1, 31) if plan.trains(t, m)] for m in range(3)]
+    assert trained == [list(range(1, 31)),
+                       [1, 2, 3, 4, 5, 12, 14, 16, 18, 20, 30],
+                       [1, 2, 3, 4, 14, 17, 20, 22, 23, 25, 26, 28, 29, 30]]
     assert plan.steps_until(30) == 10 + 5 + 4 + 10 + 5 + 3 + 10 + 1 + 7
     assert plan.steps_until(35) == plan.steps_until(30) + 3 * 5  # later rounds: H each
+    assert plan.steps_until(7) == 7 + 5 + 4
     # weights: M times the worker's share of the steps of the ticks a sync covers
     assert plan.weight(20, 10) == pytest.approx(3 * 10 / 18)
     assert speed.LocalSteps(10, 3, 2, rounds=[[10, 5, 4]]).weight(10, 10) == pytest.approx(
@@ -124,18 +125,32 @@ def test_a_worker_of_n_steps_trains_on_n_ticks_of_each_round_the_last_among_them
 
 
 class Gathers:
-    """A stand-in Comm whose all-gathers return the given times, one list per call."""
+    """A stand-in Comm whose all-gathers return the given rows, one per call, and keep what
+    this worker sent. A row arrives when ``arrived`` counts it (default: at once)."""
 
     device = "cpu"
 
-    def __init__(self, *times):
-        self.times, self.calls = list(times), 0
+    def __init__(self, *rows, arrived=None):
+        self.rows, self.sent, self.arrived, self.early = list(rows), [], arrived, 0
+        """``early``: how often this worker waited for a row that had not arrived."""
+
+    @property
+    def calls(self):
+        return len(self.sent)
 
     def all_gather(self, tensor, tag):
-        import torch
+        self.sent.append(float(tensor))
+        i, box = len(self.sent) - 1, self
 
-        values, self.calls = self.times[self.calls], self.calls + 1
-        return type("Handle", (), {"wait": lambda self: [torch.tensor([v]) for v in values]})()
+        class Handle:
+            def done(self):
+                return box.arrived is None or box.arrived > i
+
+            def wait(self):
+                if box.arrived is not None and box.arrived <= i:
+                    box.early, box.arrived = box.early + 1, i + 1
+                return [torch.tensor([v]) for v in box.rows[i]]
+        return Handle()
 
 
 def test_the_times_of_round_r_fix_round_r_plus_2_the_same_on_every_worker():
@@ -154,21 +169,289 @@ def test_the_times_of_round_r_fix_round_r_plus_2_the_same_on_every_worker():
     assert comm.calls == 2
 
 
-def test_the_first_ticks_fix_the_first_two_rounds():
-    """H >= 6: after the run's first 3 ticks (the first, a warm-up, not timed) the workers
-    agree at once on the rest of round 0 and on round 1; round 0's end fixes round 2."""
-    comm = Gathers([0.1, 0.2, 0.3], [0.1, 0.1, 0.1])
-    plan = speed.LocalSteps(12, 3, 0)
-    for t, seconds in [(1, 9.0), (2, 0.1), (3, 0.1)]:
-        assert plan.trains(t, 2)
-        plan.trained(seconds)
+def probe(plan, comm, seconds=(0.9, 0.1, 0.1)):
+    """The run's first 3 ticks of ``plan``: trained (the first, a warm-up, not timed)."""
+    for t, s in enumerate(seconds, 1):
+        assert plan.trains(t)
+        plan.trained(s)
         plan.tick_done(comm, t)
-    assert plan.rounds == [[12, 3 + 4, 3 + 3], [12, 6, 4]] and comm.calls == 1  # 4.5: even
-    assert [t for t in range(1, 13) if plan.trains(t, 2)] == [1, 2, 3, 6, 9, 12]
-    plan.tick_done(comm, 12)
+
+
+def test_a_fast_worker_trains_on_until_the_probe_times_arrive():
+    """H = 12, worker 0 the fastest of three: after the probe's 3 ticks it sends its mean
+    time (the first left out) and trains on, not waiting; the times arrive after its 7th
+    tick: its share is all 12 (``fit``: 1.02 · 12 · 0.1 / t, at least the probe's 3: 12, 6,
+    3); its steps are agreed at the first sync past the probe (a second gather; worker 1
+    trained 7 before the times reached it), and round 1 is shared by the probe's times.
+    Until then the tokens count what is known: its own ticks, the others' probe, then
+    their shares."""
+    comm = Gathers([0.1, 0.2, 0.35], [12, 7, 3], arrived=0)
+    plan = speed.LocalSteps(12, 3, 0)
+    probe(plan, comm)
+    assert comm.sent == [pytest.approx(0.1)]
+    for t in range(4, 8):
+        assert plan.trains(t)
+        plan.trained(0.1)
+        plan.tick_done(comm, t)
+    assert plan.steps_until(7) == 7 + 3 + 3 and comm.early == 0  # it never waited
+    comm.arrived = 1
+    assert plan.trains(8) and plan.first.mine == 12 and plan.steps_until(9) == 9 + 6 + 3
+    assert comm.calls == 1
+    assert plan.weight(12, 12) == pytest.approx(3 * 12 / (12 + 7 + 3))  # the sync agrees
+    assert comm.sent[1] == 12 and plan.rounds == [[12, 7, 3], [12, 6, 3]]
+    assert [t for t in range(13, 25) if plan.trains(t, 2)] == [16, 20, 24]
+
+
+@pytest.mark.parametrize("replica,arrives_after,steps", [
+    (2, 3, 3),  # the slowest: the times arrive as it sends its own; it stops at its share
+    (1, 3, 6),  # in time: its share, 6 of the round's ticks, the first 6
+    (1, 8, 8)])  # late: it trained 8 meanwhile, more than its share; all 8 count
+def test_a_slower_worker_stops_at_its_share_or_where_the_times_reached_it(replica,
+                                                                          arrives_after, steps):
+    comm = Gathers([0.1, 0.2, 0.35], [12, steps, 3] if replica == 1 else [12, 6, steps],
+                   arrived=0)
+    plan = speed.LocalSteps(12, 3, replica)
+    probe(plan, comm, (0.9, 0.35, 0.35) if replica == 2 else (0.9, 0.2, 0.2))
+    for t in range(4, 13):
+        if t == arrives_after + 1:
+            comm.arrived = 1
+        if plan.trains(t):
+            plan.trained(0.2)
+        plan.tick_done(comm, t)
+    assert plan.ticks_trained == steps and comm.sent[1] == steps
+    assert plan.rounds[0][replica] == steps
+
+
+def test_a_checkpoint_in_the_first_round_agrees_on_it_and_resumes_with_it():
+    """``settle`` (before a checkpoint) agrees on the first round; a plan built from the
+    saved rounds trains the same ticks of it as the run that went on."""
+    comm = Gathers([0.1, 0.2, 0.35], [12, 6, 3])
+    plan = speed.LocalSteps(12, 3, 1)
+    probe(plan, comm, (0.9, 0.2, 0.2))
     plan.settle()
-    assert plan.rounds[2] == [12, 12, 12]
-    assert speed.LocalSteps(12, 3, 0, rounds=[[12, 8, 6], [12, 6, 4]]).probing is False
+    resumed = speed.LocalSteps(12, 3, 1, rounds=plan.rounds)
+    assert not resumed.probing and resumed.first is None
+    assert [resumed.trains(t) for t in range(1, 25)] == [plan.trains(t) for t in range(1, 25)]
+    assert [t for t in range(1, 25) if resumed.trains(t)] == [1, 2, 3, 4, 5, 6, 14, 16, 18, 20,
+                                                               22, 24]
+
+
+def test_where_the_guard_judges_claimed_first_round_steps_are_held_to_the_times():
+    """A claim of the first round's steps counts between the worker's share and twice the
+    ticks its time fits into the slowest worker's probe (at most H): claims of 12 from
+    workers of shares 12, 6, 3 and times 0.1, 0.2, 0.35 count as 12, ceil(2.1 / 0.2) = 11
+    and ceil(2.1 / 0.35) = 6; a claim below the share counts as the share."""
+    from types import SimpleNamespace
+
+    guard = SimpleNamespace(cap_claims=lambda times: times)
+    first = speed.FirstRound(None, None, 12, 3, 0, SimpleNamespace(judges=True, guard=guard))
+    first.times, first.shares = [0.1, 0.2, 0.35], [12, 6, 3]
+    assert first.believable([12, 12, 12]) == [12, 11, 6]
+    assert first.believable([12, 1, 4]) == [12, 6, 4]
+    first.shield = None
+    assert first.believable([12, 12, 12]) == [12, 12, 12]
+
+
+# -------------------------------------------------------- against the papers, in one process
+# Speed-aware local steps are Async Local-SGD's dynamic local updates (Liu et al. 2024, arXiv
+# 2401.09135): worker m trains n_m steps a round, by its speed. Its pseudo-gradient is
+# weighed by them, and with asynchronous outer steps a worker's block of steps spans rounds
+# and merges when it ends, from the global copy it began at: Decoupled DiLoCo's
+# token-weighted merge of the contributions that arrived (arXiv 2604.21428),
+#
+#     Δ_m = θ^g(m's block start) − θ_m,   Δ̄ = Σ_m n_m Δ_m / Σ_m n_m
+#
+# (synchronous: every worker, its block the H ticks up to the send, from the current θ^g),
+# then the outer Nesterov step, and θ_m ← α θ_m + (1 − α) θ^g τ ticks later for the
+# workers whose block ended (synchronous: every one), a new block starting there. The ticks each
+# worker trains and the blocks each sync merges are literal tables, worked out by hand from
+# the rules the docs state (a worker of n steps trains the first n ticks of the run's first
+# round, then n spread evenly, each stretch's last; a block ends once it holds H steps,
+# spans S + 1 rounds or reaches the run's last round), not the library's formulas.
+
+UH = 12  # H
+OUTER_LR, OUTER_MU = 0.4, 0.5  # (μ = 0.9 here turns an ulp into thousands by round 5)
+# Streaming DiLoCo, P = 2 on the 4-block test model, dealt "strided": by name prefix; the
+# fragment sent after tick t, by t % H (the paper's send at (p + 1) H / P)
+FRAGMENTS = {1: [("",)], 2: [("embed.", "blocks.0.", "blocks.2."),
+                             ("blocks.1.", "blocks.3.", "norm.")]}
+SENDS = {1: {0: 0}, 2: {6: 0, 0: 1}}
+
+AWARE_STEPS = 3 * UH + 5  # three rounds and a part (round 3: H each)
+AWARE_ROUNDS = [[12, 5, 3], [12, 6, 1], [12, 4, 12]]  # what loco is given
+AWARE_TICKS = [  # the ticks each worker trains
+    range(1, 42),
+    [1, 2, 3, 4, 5, 14, 16, 18, 20, 22, 24, 27, 30, 33, 36, 37, 38, 39, 40, 41],
+    [1, 2, 3, 24, *range(25, 37), 37, 38, 39, 40, 41]]  # (no tick in 7..18: weight 0 at 18)
+
+ASYNC_STEPS = 5 * UH
+ASYNC_ROUNDS = [[12, 8, 5], [12, 6, 4], [12, 6, 4], [12, 6, 4], [12, 12, 4]]
+ASYNC_TICKS = [
+    range(1, 61),
+    [*range(1, 9), *range(14, 49, 2), *range(49, 61)],
+    [1, 2, 3, 4, 5, *range(15, 61, 3)]]
+BLOCKS = {  # S -> every worker's blocks: {the round whose sync ends one: its steps}
+    1: [dict.fromkeys(range(5), 12), {1: 14, 3: 12, 4: 12}, {1: 9, 3: 8, 4: 4}],
+    2: [dict.fromkeys(range(5), 12), {1: 14, 3: 12, 4: 12}, {2: 13, 4: 8}]}
+# Rounding: the reference sums Σ n_m Δ_m / N by name; loco weighs each Δ_m by M n_m / N and
+# averages, and its outer step and merge are fused kernels: an ulp or two of the values,
+# which the inner AdamW (eps 1e-3: tests/workers.py) carries on without blowing them up.
+UTOL = 16
+
+
+def planned(ctx, steps, rounds, fragments=1, overlap=0, alpha=0.0, staleness=0):
+    """DiLoCo (P = 1) or Streaming DiLoCo on the test model, AdamW with eps 1e-3, its ticks
+    and weights from loco's plan of ``rounds``; returns the global copy."""
+    model = make_model(layers=4)
+    kw = dict(sync_every=UH, codec="fp32", outer_lr=OUTER_LR, outer_momentum=OUTER_MU)
+    algo = (loco.DiLoCo(model, smooth_optimizer(model), ctx.comm, **kw) if fragments == 1 else
+            loco.StreamingDiLoCo(model, smooth_optimizer(model), ctx.comm, fragments=fragments,
+                                 overlap=overlap, alpha=alpha, **kw))
+    plan = speed.LocalSteps(UH, ctx.comm.size, ctx.rank, rounds=rounds, max_staleness=staleness,
+                            last_round=steps // UH - 1)
+    algo.weight_of = plan.weight
+    if staleness:
+        algo.keep_block_starts()
+    for t in range(1, steps + 1):
+        if plan.trains(t):
+            x, y = batch(ctx.rank, t - 1)
+            model(x, y).backward()
+            algo.step()
+            algo.zero_grad()
+        else:
+            algo.idle_step()
+    algo.flush()
+    return params_of(algo.global_parameters())
+
+
+def reference(steps, ticks, fragments=1, overlap=0, alpha=0.0, blocks=None):
+    """The boxes above in one process, the workers training at ``ticks``; with ``blocks``,
+    asynchronous outer steps (one fragment). Returns the global copy by name."""
+    M = len(ticks)
+    models = [make_model(layers=4) for _ in range(M)]
+    opts = [smooth_optimizer(m) for m in models]
+    named = [dict(m.named_parameters()) for m in models]
+    groups = [[n for n in named[0] if n.startswith(prefixes)] for prefixes in
+              FRAGMENTS[fragments]]
+    glob = {n: p.detach().clone() for n, p in named[0].items()}
+    velocity = {n: torch.zeros_like(p) for n, p in glob.items()}
+    start = [dict(glob) for _ in range(M)]  # θ^g where each worker's block began
+    held, merges = [0] * M, []  # steps in each worker's block; (tick, fragment, workers)
+    for t in range(1, steps + 1):
+        for m in range(M):
+            if t in ticks[m]:
+                x, y = batch(m, t - 1)
+                models[m](x, y).backward()
+                opts[m].step()
+                opts[m].zero_grad()
+                held[m] += 1
+        p = SENDS[fragments].get(t % UH)
+        if p is not None:
+            if blocks is None:
+                n = [sum(t - UH < u <= t for u in ticks[m]) for m in range(M)]
+                origin, merged = [glob] * M, range(M)
+            else:
+                n = [blocks[m].get(t // UH - 1, 0) for m in range(M)]
+                origin, merged = start, [m for m in range(M) if n[m]]
+                assert all(n[m] == held[m] for m in merged), "the tables disagree"
+            with torch.no_grad():
+                for name in groups[p]:
+                    mean = sum(n[m] * (origin[m][name] - named[m][name]) for m in merged
+                               ) / sum(n)
+                    velocity[name] = OUTER_MU * velocity[name] + mean
+                    glob[name] = glob[name] - OUTER_LR * (mean + OUTER_MU * velocity[name])
+            merges.append((t + overlap, p, merged))
+        for q, merged in [(q, w) for due, q, w in merges if due == t]:
+            with torch.no_grad():
+                for m in merged:
+                    for name in groups[q]:
+                        named[m][name].copy_(alpha * named[m][name] + (1 - alpha) * glob[name])
+            if blocks is not None:
+                for m in merged:
+                    start[m], held[m] = dict(glob), 0
+    return glob
+
+
+def compare(out, ref):
+    for got in out:
+        assert max_diff(got, ref) <= ulps(ref, UTOL), max_diff(got, ref)
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("fragments,overlap,alpha", [(1, 0, 0.0), (2, 1, 0.5)])
+def test_speed_aware_local_steps_match_the_box(fragments, overlap, alpha):
+    """DiLoCo and Streaming DiLoCo (P = 2, τ = 1, α = 0.5) with a plan of steps per round:
+    the workers train at the table's ticks and each pseudo-gradient weighs by its steps in
+    the H ticks up to its send; a worker with none there (worker 2 at tick 18) weighs 0 and
+    still takes the new global copy."""
+    out = loco.launch(planned, 3, args=(AWARE_STEPS, AWARE_ROUNDS, fragments, overlap, alpha))
+    compare(out, reference(AWARE_STEPS, AWARE_TICKS, fragments, overlap, alpha))
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("staleness", [1, 2])
+def test_asynchronous_outer_steps_match_the_box(staleness):
+    """DiLoCo with asynchronous outer steps, S = 1 and 2: the table's blocks merge from the
+    global copy they began at, token-weighted among those ending at the same sync."""
+    out = loco.launch(planned, 3, args=(ASYNC_STEPS, ASYNC_ROUNDS, 1, 0, 0.0, staleness))
+    compare(out, reference(ASYNC_STEPS, ASYNC_TICKS, blocks=BLOCKS[staleness]))
+
+
+def _spread_first_round(orig):
+    def trains(self, tick, worker=None):  # the first round spread like the later ones
+        n = self.round_counts((tick - 1) // self.sync_every)[
+            self.replica if worker is None else worker]
+        k = (tick - 1) % self.sync_every
+        return (k + 1) * n // self.sync_every > k * n // self.sync_every
+    return trains
+
+
+def _plain_mean(orig):
+    def weight(self, tick, span):
+        return 1.0
+    return weight
+
+
+def _late_block_end(orig):
+    def block_steps(self, r, worker):  # a block of S + 1 rounds ends a round later
+        self.max_staleness += 1
+        try:
+            return orig(self, r, worker)
+        finally:
+            self.max_staleness -= 1
+    return block_steps
+
+
+def _from_the_current_copy(orig):
+    def of(self, fragment):
+        return fragment.global_flat
+    return of
+
+
+MISTAKES = {  # name -> (the class, its method replaced, the replacement given the original)
+    "speed-aware: the first round spread like the later ones": (
+        speed.LocalSteps, "trains", _spread_first_round),
+    "speed-aware: a plain mean, not weighed by steps": (speed.LocalSteps, "weight", _plain_mean),
+    "asynchronous: a block of S + 1 rounds ends a round late": (
+        speed.LocalSteps, "block_steps", _late_block_end),
+    "asynchronous: Δ taken from the current global copy, not the block's start": (
+        BlockStarts, "of", _from_the_current_copy)}
+
+
+@pytest.mark.numerics
+@pytest.mark.parametrize("mistake", MISTAKES)
+def test_a_planted_mistake_is_caught(mistake, monkeypatch):
+    """Each mistake, planted in the library for the run, takes the global copy far outside
+    the tolerance of the box's reference: the reference can fail."""
+    cls, method, replace = MISTAKES[mistake]
+    monkeypatch.setattr(cls, method, replace(getattr(cls, method)))
+    if mistake.startswith("speed-aware"):
+        out = loco.launch(planned, 3, args=(AWARE_STEPS, AWARE_ROUNDS))
+        ref = reference(AWARE_STEPS, AWARE_TICKS)
+    else:
+        out = loco.launch(planned, 3, args=(ASYNC_STEPS, ASYNC_ROUNDS, 1, 0, 0.0, 1))
+        ref = reference(ASYNC_STEPS, ASYNC_TICKS, blocks=BLOCKS[1])
+    assert max(max_diff(got, ref) for got in out) > ulps(ref, 1e4)
 
 
 def test_asynchronous_blocks_span_rounds_until_h_steps_or_s_plus_1_rounds():
@@ -197,6 +480,21 @@ def test_local_steps_refuse_what_they_cannot_do():
         with pytest.raises(ConfigError, match=f"^--local-steps: .*{message}"):
             from loco.config.sections import check_local_steps
             check_local_steps(cfg)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_every_worker_trains_the_first_round_steps_agreed(corpus, tmp_path, staleness):
+    """H = 8 (the first round probed): whatever the times, every worker trains exactly the
+    steps of every round the summary records, and every step is applied."""
+    out = tmp_path / "run"
+    assert main(small_run(corpus, out, "--worker-speed", "1,0.25", "--algorithm", "diloco",
+                          "--local-steps", "proportional", "--steps", "16", "--sync-every",
+                          "8", "--max-staleness", str(staleness))) == 0
+    s = json.loads((out / "summary.json").read_text())
+    rounds = s["local_steps"]["rounds"]
+    for m, w in enumerate(s["per_worker"]):
+        assert w["trained_steps"] == w["applied_steps"] == rounds[0][m] + rounds[1][m]
+    assert s["tokens"] == sum(w["trained_steps"] for w in s["per_worker"]) * 4 * 32
 
 
 @pytest.mark.parametrize("speeds,slow,staleness", [("1,0.25", 1, 0), ("0.25,1", 0, 1)])

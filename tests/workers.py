@@ -274,7 +274,7 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
                         outer_lr=0.4, outer_momentum=0.9, nesterov=True, layers=4,
                         pattern="strided", block=None, data=batch, shards=1, parallel="ddp",
                         optimizer=make_optimizer, lost=None, rejoin=None, error_feedback=0.0,
-                        keep=None, plan=None, max_staleness=0):
+                        keep=None, plan=None, max_staleness=0, trained=None, block_ends=None):
     """Streaming DiLoCo as the paper's algorithm box, in one process: per-fragment
     pseudo-gradients, quantized (and the mean re-quantized) with the codec, an outer Nesterov
     step by hand, and the α-merge into each worker's moved-on parameters at t + τ_m (``overlap``
@@ -293,10 +293,10 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     mean's rows.
 
     Speed-aware local steps (``plan``: every round's steps per worker): worker m trains at
-    tick k of a round of n steps when floor((k+1) n / H) > floor(k n / H), and its
-    pseudo-gradient is scaled by M n_m / N (its share of the steps of the H ticks before
-    the send) before it is averaged. In the run's first round (H >= 6) every worker trains
-    the first 3 ticks and spreads the rest of its n over the other H - 3.
+    tick k of a round of n steps when floor((k+1) n / H) > floor(k n / H) (the run's first
+    round: its first n ticks), or at the ticks of ``trained`` (a literal table: worker m's
+    ticks, ``trained[m]``), and its pseudo-gradient is scaled by M n_m / N (its share of the
+    steps of the H ticks before the send) before it is averaged.
 
     Asynchronous outer steps (``max_staleness`` S > 0, one fragment, τ = 0): worker m's
     block gathers its rounds' steps until it holds H, or spans S + 1 rounds, or the last
@@ -304,20 +304,19 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     M n_m / N (N: the steps of every block ending there), and merges and starts a new block
     from the new θ^g; at the other syncs it sends zeros and trains on. With workers lost or
     rejoining, M and N count the workers that contribute to the sync; a joiner takes the
-    new θ^g at its sync and starts its blocks with the next round."""
+    new θ^g at its sync and starts its blocks with the next round. ``block_ends``: the
+    blocks as a literal table instead (worker m's ``{round: steps}``)."""
     lost, rejoin = lost or {}, rejoin or {}
     H = sync_every
 
     def ticks(m, t):  # the tick of a worker of fewer steps per round (plan)
+        if trained is not None:
+            return t in trained[m]
         if plan is None:
             return True
         n = plan[(t - 1) // H][m] if (t - 1) // H < len(plan) else H
         k, h = (t - 1) % H, H
-        if t <= H and H >= 6:  # the first round: 3 ticks of probe, then spread
-            if k < 3:
-                return True
-            n, k, h = n - 3, k - 3, H - 3
-        return (k + 1) * n // h > k * n // h
+        return k < n if t <= H else (k + 1) * n // h > k * n // h
 
     def ends(m):  # asynchronous: {round: steps} of every block of worker m
         out, held, age = {}, 0, 0
@@ -330,7 +329,8 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
             else:
                 age += 1
         return out
-    blocks = [ends(m) for m in range(workers)] if max_staleness else None
+    blocks = (block_ends if block_ends is not None else
+              [ends(m) for m in range(workers)] if max_staleness else None)
 
     def weight(m, t):  # over the workers that contribute to the sync sent at t
         live = [w for w in range(workers) if contributes(w, t)]
@@ -438,73 +438,6 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
                 in_flight = None
     if in_flight is not None:
         merge(in_flight[0], sorted(in_flight[3]))
-    return unflatten_named(glob, names, local[0])
-
-
-def reference_eager(workers, steps, sync_every, fragments, overlap, alpha, outer_lr=0.4,
-                    outer_momentum=0.9, layers=4):
-    """Streaming DiLoCo with eager updates (Kale et al. 2025) as its box, in one process, in
-    fp32: when fragment p is sent at step t, each worker m takes a proxy Nesterov step from
-    the global copy and its momentum (both left as they are) with Δ_m / M plus the others'
-    share of the fragment's previous average, and merges the result θ̃_m (α); τ steps later
-    the average lands: the true outer step on the global copy, each replica corrected by
-    (1 − α)(θ^g − θ̃_m), and m keeps ``mean − Δ_m / M`` for its next proxy. Returns the
-    global copy by name (the same for every worker)."""
-    from loco.algorithms.fragments import split_fragments
-
-    models = [make_model(layers=layers) for _ in range(workers)]
-    opts = [make_optimizer(m) for m in models]
-    names = split_fragments(models[0], fragments, "strided")
-    P, H, M, mu, lr = len(names), sync_every, workers, outer_momentum, outer_lr
-    local = [dict(m.named_parameters()) for m in models]
-    flat = lambda m, p: torch.cat([local[m][n].detach().reshape(-1) for n in names[p]])  # noqa: E731
-    glob = [flat(0, p) for p in range(P)]
-    momentum = [None] * P
-    others = [[torch.zeros_like(g) for g in glob] for _ in range(M)]
-    in_flight = None  # (fragment, step sent, every worker's Δ, every worker's θ̃)
-
-    def shift(m, p, target, weight):  # replica m's fragment p: lerp to target, or add to it
-        with torch.no_grad():
-            offset = 0
-            for n in names[p]:
-                w = local[m][n]
-                g = target[offset:offset + w.numel()].view_as(w)
-                if weight is None:
-                    w.copy_(g if alpha == 0 else w.lerp(g, 1 - alpha))
-                else:
-                    torch._foreach_add_([w], [g], alpha=weight)
-                offset += w.numel()
-
-    def proxy(p, grad):  # (the same ops as the library's: alpha folds into one kernel)
-        buf = grad.clone() if momentum[p] is None else momentum[p] * mu + grad
-        return torch.sub(glob[p], torch.add(grad, buf, alpha=mu), alpha=lr)
-
-    def land():
-        p, _, deltas, ahead = in_flight
-        mean = torch.stack(deltas).sum(0) / M
-        for m in range(M):
-            others[m][p] = mean - deltas[m] / M
-        with torch.no_grad():
-            momentum[p] = mean.clone() if momentum[p] is None else momentum[p].mul_(mu).add_(mean)
-            glob[p].add_(mean.add(momentum[p], alpha=mu), alpha=-lr)
-        for m in range(M):
-            shift(m, p, glob[p] - ahead[m], 1 - alpha)
-
-    for t in range(1, steps + 1):
-        for m in range(M):
-            train_steps(models[m], opts[m], m, [t - 1])
-        for p in range(P):
-            if t % H == ((p + 1) * H // P) % H:
-                deltas = [glob[p] - flat(m, p) for m in range(M)]
-                ahead = [proxy(p, deltas[m] / M + others[m][p]) for m in range(M)]
-                for m in range(M):
-                    shift(m, p, ahead[m], None)
-                in_flight = (p, t, deltas, ahead)
-        if in_flight is not None and in_flight[1] + overlap == t:
-            land()
-            in_flight = None
-    if in_flight is not None:
-        land()
     return unflatten_named(glob, names, local[0])
 
 

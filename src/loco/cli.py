@@ -388,6 +388,10 @@ def _print_layout(summary) -> None:
     if stale:
         print("asynchronous outer steps: blocks applied " + ", ".join(
             f"{n} at staleness {k}" for k, n in stale.items()))
+    if (summary.local_steps or {}).get("quorum"):
+        held, syncs = summary.local_steps["held_syncs"], len(summary.local_steps["merged"])
+        print(f"quorum {summary.local_steps['quorum']}, grace {summary.local_steps['grace']:g} "
+              f"s: {held} of {syncs} syncs held for their quorum")
     if (summary.worker_ranks or 1) > 1:
         print(f"workers of {summary.worker_ranks} ranks ({summary.worker_parallel}): "
               f"sent per worker {human_bytes(summary.slow_link_bytes_sent_per_worker)} over "

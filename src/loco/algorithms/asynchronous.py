@@ -25,13 +25,37 @@ and the outer optimizer (Nesterov) steps on it as at any sync; then the workers 
 ended restart from the new global copy, and the others go on. Every worker knows every
 block from the agreed rounds alone, so no word is spent on who sends; the global copy stays
 the same on every worker.
+
+**Quorum and grace window** (Decoupled DiLoCo's syncer, arXiv 2604.21428; ``--quorum Q``,
+``--grace SECONDS``). A block is *ready* at a sync when it holds H steps, or is *due*: it
+has seen S outer steps since it began (its staleness bound) or the run's last full round
+ends. Its *arrival* is when it became ready, in seconds from the moment its worker reached
+the sync, on that worker's clock (<= 0); a block not ready arrives at its projected
+completion, its missing steps times its worker's step time (> 0). The workers agree on the
+arrivals with one small all-gather (one float each), then every worker applies the same
+rule (``admit``):
+
+- fewer than Q blocks ready: the sync is held: nothing is sent and no outer step is taken
+  (the syncer waits for its quorum; no worker does: every block goes on), except at the
+  run's last round;
+- otherwise the sync merges every ready block, and every other block that arrives by
+  T_Q + grace (T_Q: the Q-th earliest arrival among the ready ones), with the steps it
+  holds: Decoupled DiLoCo's syncer would wait that long for it; loco does not hold the
+  others, it takes the block as it is, token-weighted by its steps.
+
+The blocks left out go on and merge at a later sync. Q = 1 without grace is the rule above
+whenever every sync has a ready block. A block's staleness is then the outer steps taken
+since it began (a held sync takes none), at most S.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+
+from loco.options import ConfigError, need
 
 
 class BlockStarts:
@@ -63,4 +87,60 @@ class BlockStarts:
         self.start[fragment.index].copy_(fragment.global_flat)
 
 
-__all__ = ["BlockStarts"]
+def admit(held: list[int], stale: list[int], arrivals: list[float], quorum: int,
+          grace: float, sync_every: int, max_staleness: int, last: bool = False
+          ) -> list[int] | None:
+    """The workers whose blocks a sync merges, by Decoupled DiLoCo's quorum and grace window
+    (see the module); None: the sync is held (fewer than ``quorum`` blocks are ready).
+
+    Args:
+        held: every worker's steps in its block so far, by worker (0: none).
+        stale: every worker's outer steps since its block began.
+        arrivals: every worker's arrival in seconds from the sync (<= 0: ready when it
+            came; > 0: its projected completion, ``inf`` where unknown).
+        quorum: Q, the fewest ready blocks a sync merges, in [1, M].
+        grace: seconds after the Q-th ready arrival within which a block not ready yet is
+            merged too, >= 0.
+        sync_every: H, the steps of a complete block.
+        max_staleness: S >= 1: a block that has seen S outer steps is due.
+        last: the run's last full round: every block with steps is due, and the sync is
+            not held.
+
+    Returns:
+        The merged workers, in order, or None.
+    """
+    due = [h > 0 and (last or s >= max_staleness) for h, s in zip(held, stale)]
+    ready = [h >= sync_every or d for h, d in zip(held, due)]
+    times = sorted(min(a, 0.0) for a, r in zip(arrivals, ready) if r)
+    if not times or (len(times) < quorum and not last):
+        return None
+    close = times[min(quorum, len(times)) - 1] + grace
+    return [m for m, (r, h, a) in enumerate(zip(ready, held, arrivals))
+            if r or (h > 0 and a <= close)]
+
+
+def check_quorum(cfg: Any) -> None:
+    """``quorum`` only with asynchronous outer steps (``max_staleness`` >= 1), in [1, M],
+    not elastic; ``grace`` only with it, a finite number >= 0.
+
+    Raises:
+        ConfigError: naming the option and what it allows.
+    """
+    if cfg.quorum is None:
+        if cfg.grace is not None:
+            raise ConfigError("grace", f"only means something with --quorum (got {cfg.grace})")
+        return
+    if not cfg.max_staleness:
+        raise ConfigError("quorum", "decides the syncs of asynchronous outer steps: add "
+                          f"--max-staleness S >= 1 (got --quorum {cfg.quorum} with "
+                          "--max-staleness 0)")
+    need(cfg, 1 <= cfg.quorum <= cfg.workers, "quorum",
+         f"must be an integer in [1, --workers {cfg.workers}]")
+    need(cfg, not cfg.elastic, "quorum", "is not supported with --elastic yet (its quorum is "
+         "--min-workers)")
+    if cfg.grace is not None:
+        need(cfg, math.isfinite(cfg.grace) and cfg.grace >= 0, "grace",
+             "must be a number of seconds >= 0")
+
+
+__all__ = ["BlockStarts", "admit", "check_quorum"]

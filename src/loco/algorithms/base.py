@@ -93,6 +93,11 @@ class Algorithm(Method):
         RuntimeError: the workers' initial state differs (checksums disagree).
     """
 
+    sync_held: Callable[[int], bool] | None = None
+    """Whether the sync due at inner step t is held back, every worker agreeing
+    (``sync_held(t)``, collective: a quorum not met, ``loco.training.quorum``): nothing is
+    sent and no outer step taken; None (default): no sync is held."""
+
     @property
     def sync_in_flight(self) -> bool:
         """Whether a sync was sent and is not applied yet (Streaming DiLoCo's fragment, for

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import torch
 
-from loco.comm.chunked import subtract_flat
 from loco.comm.hostreads import allowed
 
 PIECE_VALUES = 1 << 24
@@ -75,7 +74,7 @@ class SyncBuffers:
         delta = self.delta[:numel]
         return delta, delta if self.grad is None else self.grad[:numel]
 
-    def keep_message(self, codec) -> bool:
+    def keep_message(self, codecs: list) -> bool:
         """Keep the error feedback's ``C(e)``, the encoded bytes (a few per chunk), in
         ``sent`` instead of the dense ``D(C(e))``, where the codec can subtract its kept values
         from them ([`feed_back_message`][loco.algorithms.buffers.feed_back_message]): one
@@ -83,13 +82,13 @@ class SyncBuffers:
         (so a fragment's ``sent[:numel]`` holds them). Else nothing changes.
 
         Args:
-            codec: the wire's codec.
+            codecs: each fragment's codec, in the order of ``sizes``.
 
         Returns:
             Whether ``sent`` now holds bytes.
         """
-        nbytes = [codec.encoded_nbytes(n) for n in self.sizes]
-        if not self.sent.numel() or not codec.gathers or any(
+        nbytes = [codec.encoded_nbytes(n) for codec, n in zip(codecs, self.sizes)]
+        if not self.sent.numel() or not all(c.gathers for c in codecs) or any(
                 b > n for b, n in zip(nbytes, self.sizes)):
             return False
         self.sent = torch.zeros(max(nbytes), dtype=torch.uint8, device=self.sent.device)
@@ -159,7 +158,7 @@ def feed_back_message(error: torch.Tensor, codec, message: torch.Tensor) -> None
     if message.device != error.device:
         with allowed("sync"):  # the host reads the message: at a sync
             message = message.to(error.device)
-    subtract_flat(codec, message, error)
+    codec.subtract_flat(message, error)
 
 
 def subtract_from(base: torch.Tensor, out: torch.Tensor) -> None:

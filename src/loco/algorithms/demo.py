@@ -411,6 +411,12 @@ class DeMo(Algorithm):
                 f"{config['demo_chunk']}×{config['demo_chunk']} DCT chunks, sign-SGD")
 
     @classmethod
+    def inner_name(cls, config: dict) -> str:
+        """``sign-SGD``: DeMo is its own optimizer (its inner optimizer is never stepped),
+        so no other method's run is its twin."""
+        return "sign-SGD"
+
+    @classmethod
     def wire(cls, config: dict) -> str | None:
         """The kept coefficients: their values' format and packed indices."""
         return f"top-k DCT, {config.get('demo_values', 'bf16')} values + packed indices"

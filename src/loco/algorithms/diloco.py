@@ -13,15 +13,24 @@ no overlap, full precision and α = 0, and it runs through the same code.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from loco.algorithms.delayed_nesterov import (OuterRuleOptions, check_outer_rule, pending_state,
+                                              rule_kwargs, rule_setting, use_delayed_nesterov)
 from loco.algorithms.method import Method, PaperClaim, leftover_steps
 from loco.algorithms.streaming_diloco import StreamingDiLoCo, outer_kwargs
 from loco.algorithms.wire import WireOptions, check_wire, wire_setting, wire_warnings
 from loco.comm import Comm
+
+
+@dataclass
+class DiLoCoOptions(WireOptions, OuterRuleOptions):
+    """DiLoCo's own options: the wire (Streaming DiLoCo's P, τ and α do not apply) and
+    the outer rule."""
 
 
 class DiLoCo(StreamingDiLoCo):
@@ -49,10 +58,19 @@ class DiLoCo(StreamingDiLoCo):
         codec_keep: as for ``StreamingDiLoCo``; default None (the codec's).
         error_feedback: β of the error feedback, in [0, 1), as for ``StreamingDiLoCo``;
             default 0 (none).
-        eager: eager updates (see [`Eager`][loco.algorithms.eager.Eager]): the replica
-            moves on from a proxy outer step when the pseudo-gradient is sent, and the
-            average overlaps the whole next round (it is waited for, and the replica
-            corrected, at the step before the next sync, τ = H − 1); default False.
+        eager: eager updates (see [`Eager`][loco.algorithms.eager.Eager]): the worker
+            takes its outer step when it sends its pseudo-gradient, with it for its share
+            and the others' from an earlier round, and the average overlaps the whole next
+            round (it is waited for at the step before the next sync, τ = H − 1); default
+            False.
+        eager_variant: ``"1-outer-step"`` (the others' share from the previous round) or
+            ``"2-outer-steps"`` (from the one before); default None: the first. Only with
+            ``eager``.
+        outer_rule: ``"nesterov"`` (default: SGD with momentum, Nesterov's or heavy-ball
+            by ``nesterov``) or ``"delayed-nesterov"`` (Async Local-SGD's, see
+            [`DelayedNesterov`][loco.algorithms.delayed_nesterov.DelayedNesterov]; not
+            with ``eager``).
+        momentum_every: N of delayed Nesterov, an integer >= 1; default 1.
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
             ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
             several ranks: ``ctx.inner``).
@@ -63,7 +81,7 @@ class DiLoCo(StreamingDiLoCo):
 
     name = "diloco"
     title = "DiLoCo"
-    options = WireOptions  # none of Streaming DiLoCo's own: P = 1, τ = 0, α = 0
+    options = DiLoCoOptions  # none of Streaming DiLoCo's own: P = 1, τ = 0, α = 0
     defaults = {"sync_every": 100, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
                 "codec": "fp32", "error_feedback": 0.0}
     claims = (PaperClaim("loss", "local", 0, text="below {ref}'s (no communication)"),
@@ -86,14 +104,16 @@ class DiLoCo(StreamingDiLoCo):
 
     @classmethod
     def check(cls, cfg, layers: int) -> None:
-        """The wire's options (Streaming DiLoCo's own do not apply)."""
+        """The wire's options and the outer rule's (Streaming DiLoCo's own do not
+        apply)."""
         check_wire(cfg)
+        check_outer_rule(cfg)
 
     @classmethod
     def setting(cls, config: dict) -> str:
         """H, the outer optimizer, and the wire where it is not fp32."""
         wire = wire_setting(config)
-        return (f"H={config['sync_every']}" + cls.outer_setting(config)
+        return (f"H={config['sync_every']}" + cls.outer_setting(config) + rule_setting(config)
                 + ("" if wire == ", fp32" else wire))
 
     @classmethod
@@ -114,18 +134,42 @@ class DiLoCo(StreamingDiLoCo):
 
     @classmethod
     def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
-        """H, the outer optimizer, ``offload`` and the wire."""
-        return outer_kwargs(cfg)
+        """H, the outer optimizer and its rule, ``offload`` and the wire."""
+        return {**outer_kwargs(cfg), **rule_kwargs(cfg)}
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
                  sync_every: int = 500,
                  outer_lr: float = 0.7, outer_momentum: float = 0.9, nesterov: bool = True,
                  offload: bool = False, codec: str = "fp32", codec_block: int | None = None,
                  codec_keep: float | None = None, error_feedback: float = 0.0,
-                 eager: bool = False, **kwargs: Any):
+                 outer_rule: str = "nesterov", momentum_every: int = 1,
+                 eager: bool = False, eager_variant: str | None = None, **kwargs: Any):
+        if outer_rule not in ("nesterov", "delayed-nesterov") or outer_rule != "nesterov" and (
+                eager or kwargs.get("outer_thread")):
+            raise ValueError(f"outer_rule must be nesterov or delayed-nesterov, and nesterov "
+                             f"with eager updates or an outer thread (got {outer_rule!r})")
         super().__init__(model, inner_optimizer, comm, sync_every=sync_every, fragments=1,
                          overlap=sync_every - 1 if eager else 0, alpha=0.0, eager=eager,
+                         eager_variant=eager_variant,
                          codec=codec, codec_block=codec_block,
                          codec_keep=codec_keep, error_feedback=error_feedback,
                          outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                          offload=offload, **kwargs)
+        if outer_rule == "delayed-nesterov":
+            use_delayed_nesterov(self.fragment_list, outer_lr, outer_momentum, momentum_every)
+
+    def outer_state(self) -> dict:
+        """Streaming DiLoCo's outer state, and delayed Nesterov's buffers (see
+        [`Algorithm.outer_state`][loco.algorithms.base.Algorithm.outer_state])."""
+        return {**super().outer_state(), **pending_state(self.fragment_list)}
+
+    def replicated_tensors(self) -> list[torch.Tensor]:
+        """The global copy and outer momentum, and delayed Nesterov's buffers."""
+        return super().replicated_tensors() + self._pending()
+
+    def outer_tensors(self) -> list[torch.Tensor]:
+        """Streaming DiLoCo's, and delayed Nesterov's buffers (the memory report)."""
+        return super().outer_tensors() + self._pending()
+
+    def _pending(self) -> list[torch.Tensor]:
+        return [t for _, t in pending_state(self.fragment_list).values()]

@@ -15,6 +15,9 @@ from typing import Any, ClassVar
 #: steps (``Method.outer_defaults``).
 OUTER = ("sync_every", "outer_lr", "outer_momentum", "nesterov")
 
+#: The report's words for the values of ``inner_optimizer`` (``Method.inner_name``).
+INNER_WORDS = {"adamw": "AdamW", "muon": "Muon"}
+
 
 @dataclass(frozen=True)
 class PaperClaim:
@@ -185,6 +188,24 @@ class Method:
             config: a saved run's options.
         """
         return None
+
+    @classmethod
+    def inner_name(cls, config: dict) -> str:
+        """The inner optimizer a run steps, in the report's words: ``AdamW``, ``Muon``, or
+        ``Muon (original scale)`` where ``muon_scale`` is not the default ``adamw-rms``.
+        Runs with the same words step the same optimizer, whatever their rates (``lr``,
+        ``muon_lr``: each run's own sweep), so a claim holds a method against the reference
+        method's run with the same words, its twin (``loco.report.papers.reference``).
+
+        Args:
+            config: a saved run's options; one without ``inner_optimizer`` (an older run's)
+                stepped AdamW.
+        """
+        name = config.get("inner_optimizer") or "adamw"
+        if name != "muon":
+            return INNER_WORDS.get(name, name)
+        scale = config.get("muon_scale") or "adamw-rms"
+        return "Muon" if scale == "adamw-rms" else f"Muon ({scale} scale)"
 
     @classmethod
     def fragment_names(cls, cfg: Any, module: Any, tied: bool) -> list[list[str]]:

@@ -32,12 +32,13 @@ from loco.algorithms.base import Algorithm
 from loco.algorithms.asynchronous import BlockStarts
 from loco.algorithms.buffers import (SyncBuffers, error_feedback, feed_back, pinned,
                                      subtract_from, swap)
-from loco.algorithms.eager import Eager
+from loco.algorithms.eager import Eager, check_variant
 from loco.algorithms.fragments import PATTERNS, Fragment, split_fragments
 from loco.algorithms.fragments import flat_outer_state as _flat_outer_state
 from loco.algorithms.method import OUTER, PaperClaim
 from loco.algorithms.outer_thread import OuterThread, momentum_of
 from loco.algorithms.sharding import Share, local, unflatten_views
+from loco.algorithms.sparse_wire import SPARSE_KEYS, fragment_codecs
 from loco.algorithms.wire import (
     GlobalCopyOptions,
     StreamingOptions,
@@ -154,12 +155,16 @@ class StreamingDiLoCo(Algorithm):
             accelerator and τ >= 1. Not with an elastic ``comm`` (its syncs may be retried
             on the training thread).
         eager: eager updates (see [`Eager`][loco.algorithms.eager.Eager]): when a fragment
-            is sent the replica moves on from a proxy outer step (this worker's
-            pseudo-gradient for its share, the others' from the fragment's previous sync),
-            and is corrected when the average lands τ steps later; the global copy is the
-            same as without. Default False. Not with an elastic ``comm`` or
-            ``outer_thread``.
-        **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
+            is sent this worker takes its outer step at once, with its own pseudo-gradient
+            for its share and the others' from an earlier sync of the fragment, on its own
+            global copy (which then differs between workers). Default False. Not with an
+            elastic ``comm`` or ``outer_thread``.
+        eager_variant: ``"1-outer-step"`` (the others' share from the previous sync) or
+            ``"2-outer-steps"`` (from the one before); default None: the first. Only with
+            ``eager``.
+        **kwargs: ``sparse_layout``, ``sparse_values``, ``sparse_mean``, a chunked
+            top-k's settings ([`fragment_codecs`][loco.algorithms.sparse_wire.fragment_codecs]);
+            the rest passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
             ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
             several ranks: ``ctx.inner``).
 
@@ -175,6 +180,7 @@ class StreamingDiLoCo(Algorithm):
 
     name = "streaming"
     title = "Streaming DiLoCo"
+    sparse_defaults: dict = {}  # a chunked top-k's layout, values and mean where not given
     options = StreamingOptions
     shared = OUTER
     # H = 50, not the paper's 100, for loco train: its default job (400 steps) then has 8
@@ -253,21 +259,20 @@ class StreamingDiLoCo(Algorithm):
                  codec_keep: float | None = None, error_feedback: float = 0.0,
                  outer_lr: float = 0.4, outer_momentum: float = 0.9, nesterov: bool = True,
                  offload: bool = False, outer_thread: bool | None = None, eager: bool = False,
-                 **kwargs: Any):
+                 eager_variant: str | None = None, **kwargs: Any):
         if not isinstance(sync_every, int) or sync_every < 1:
             raise ValueError(f"sync_every (H) must be an integer >= 1 (got {sync_every!r})")
         names = split_fragments(model, fragments, pattern)
         count = len(names)
         check_arguments(sync_every, count, overlap, alpha, outer_lr, outer_momentum,
-                        outer_thread, comm.elastic, eager)
-        if not 0 <= error_feedback < 1:
-            raise ValueError(f"error_feedback (beta) must be in [0, 1) (got {error_feedback!r})")
+                        outer_thread, comm.elastic, eager, error_feedback)
+        check_variant(eager, eager_variant)
         self.error_feedback = error_feedback
         self.codec = get_codec(codec, codec_block, device=comm.device, keep=codec_keep)
+        sparse = {k: kwargs.pop(k) for k in SPARSE_KEYS if k in kwargs}
         super().__init__(model, inner_optimizer, comm, **kwargs)
         self.sync_every, self.overlap, self.alpha = sync_every, overlap, alpha
-        self.pattern = pattern
-        self.offload = offload
+        self.pattern, self.offload = pattern, offload
         self.outer_steps = 0
         """Syncs applied (or skipped) so far, over all fragments."""
         self.sync_log: list[dict] = []
@@ -281,6 +286,8 @@ class StreamingDiLoCo(Algorithm):
                "nesterov": nesterov and outer_momentum > 0}
         # With R ranks per worker each holds and syncs 1/R: no worker sends R copies.
         shares = [Share([by_name[n] for n in group], self.inner) for group in names]
+        self.codecs = fragment_codecs(self.codec, shares, **sparse,  # one per fragment
+                                      defaults=self.sparse_defaults)
         # Δ lives where the Comm takes it: its device, or the global copy's when the Comm
         # stages (an elastic worker's gloo group, its model on a GPU). One sync is in flight
         # at a time: one Δ (and one D(C(e))) for all fragments, sized to the largest.
@@ -294,8 +301,8 @@ class StreamingDiLoCo(Algorithm):
         self.fragment_list = [self._fragment(p, group, share, outer_device, sgd)
                               for p, (group, share) in enumerate(zip(names, shares))]
         for fragment in self.fragment_list:  # compiled now, not inside the first syncs
-            self.codec.prepare(fragment.delta.numel(), comm.size, comm.device)
-        self.eager = Eager(self.fragment_list, comm.size) if eager else None
+            self.codecs[fragment.index].prepare(fragment.delta.numel(), comm.size, comm.device)
+        self.eager = Eager(self.fragment_list, comm.size, eager_variant) if eager else None
         """The eager updates' state (``eager=True``), or None."""
         self.blocks: BlockStarts | None = None
         """Asynchronous outer steps' block starts (``keep_block_starts``), or None."""
@@ -344,7 +351,7 @@ class StreamingDiLoCo(Algorithm):
         self.inner_steps += 1
         t = self.inner_steps
         fragment = self._due.get(t % self.sync_every)
-        if fragment is not None:
+        if fragment is not None and not (self.sync_held and self.sync_held(t)):
             self._send(fragment, t)
         if self._in_flight is not None and self._in_flight.sent_at + self.overlap == t:
             self._apply()
@@ -393,13 +400,17 @@ class StreamingDiLoCo(Algorithm):
             sent = self._sent[:fragment.delta.numel()]
         if self.eager is not None:
             self.eager.keep_own(fragment)
-        handle = self.comm.all_reduce_mean(fragment.delta, tag="train", codec=self.codec,
+        handle = self.comm.all_reduce_mean(fragment.delta, tag="train",
+                                           codec=self.codecs[fragment.index],
                                            sent=sent, weight=scale)
         # (a worker that joins sends zeros, and takes the new global copy like any other)
         self._in_flight = _InFlight(fragment, handle, t, contributes=weight != 0 or joins)
-        if self.eager is not None:  # move on from a proxy step, with this worker's Δ
-            with record_function("loco/merge"):
-                self._merge(fragment, self.eager.proxy(fragment))
+        if self.eager is not None:  # the outer step now, with this worker's own Δ
+            with record_function("loco/outer_step"):
+                stepped = self.eager.step(fragment, self.agree)
+            if stepped:  # (Δ's buffer is in flight: the copy is not staged through it)
+                with record_function("loco/merge"):
+                    self._merge(fragment, fragment.global_flat)
         elif self._outer is not None:
             self._in_flight.stepped = self._outer.start(fragment, handle)
 
@@ -441,25 +452,17 @@ class StreamingDiLoCo(Algorithm):
         fragment.share.gather()
 
     def _landed(self, flight: _InFlight) -> None:
-        """Eager: the sync's average has arrived; the true outer step, and the replica
-        corrected by what the proxy step missed, ``(1 − α)(θ^g − θ̃)``."""
+        """Eager: the sync's average has arrived; the others' share of it is kept for the
+        fragment's outer step at a later send (its own step was taken at this one's)."""
         fragment = flight.fragment
         if flight.handle is not None:
             with record_function("loco/wait"):
                 self.comm.settle(flight.handle)
         self._feed_back(flight)
-        if not self.finite(fragment.delta, f"pseudo-gradient (fragment {fragment.index})"):
-            return self._skip(fragment, flight)  # (the replica restarts: no correction)
-        with record_function("loco/outer_step"):
-            fragment.grad.copy_(fragment.delta)  # where the outer step (and eager) read Δ̄
-            self.eager.landed(fragment)
-            fragment.outer_optimizer.step()
-        with record_function("loco/merge"):
-            views = fragment.share.views
-            missed = unflatten_views(self.eager.missed(fragment), views)
-            torch._foreach_add_(views, [d.to(v.device, v.dtype) for d, v in zip(missed, views)],
-                                alpha=1 - self.alpha)
-            fragment.share.gather()
+        finite = self.finite(fragment.delta, f"pseudo-gradient (fragment {fragment.index})")
+        self.eager.landed(fragment, finite)
+        if not finite:
+            return self._skip(fragment, flight)
         fragment.syncs += 1
         self.outer_steps += 1
         self._log(fragment, flight)
@@ -532,8 +535,9 @@ class StreamingDiLoCo(Algorithm):
 
     def _merged(self, fragment: Fragment, flight: _InFlight) -> None:
         """After the outer step: merge (asynchronous: only where this worker's block
-        ended, a new one starting from the new global copy), and count the sync."""
-        if flight.contributes:
+        ended, a new one starting from the new global copy; synchronous: every worker, one
+        with no steps behind the sync too), and count the sync."""
+        if flight.contributes or self.blocks is None:
             with record_function("loco/merge"):
                 self._merge(fragment)
             if self.blocks is not None:
@@ -544,8 +548,8 @@ class StreamingDiLoCo(Algorithm):
 
     def _merge(self, fragment: Fragment, toward: torch.Tensor | None = None) -> None:
         """θ_{m,p} ← α · θ_{m,p} + (1 − α) · θ^g_p (α = 0 copies the global value), on this
-        rank's share, or toward ``toward`` (an eager proxy step's θ̃, flat) in place of θ^g_p;
-        then the worker's ranks gather the whole fragment."""
+        rank's share, or toward ``toward`` (flat: eager, the global copy itself, not staged
+        through Δ's buffer); then the worker's ranks gather the whole fragment."""
         views = fragment.share.views
         source = (fragment.global_params if toward is None
                   else unflatten_views(toward, views))
@@ -626,7 +630,8 @@ class StreamingDiLoCo(Algorithm):
 
     def global_parameters(self) -> dict[str, torch.Tensor]:
         """The global copy θ^g of every synced parameter, on the parameters' device, by name
-        (the same on every worker); a parameter in no fragment (frozen) is the model's own.
+        (the same on every worker; eager: this worker's own); a parameter in no fragment
+        (frozen) is the model's own.
         With R ranks per worker it is collective over the worker's ranks (each holds 1/R):
         every rank of the worker calls it at once (its bytes count as ``"report"``, not
         training); under FSDP2 the values are DTensors."""
@@ -637,9 +642,10 @@ class StreamingDiLoCo(Algorithm):
                 for n, p in self.model.named_parameters()}
 
     def replicated_tensors(self) -> list[torch.Tensor]:
-        """This rank's share of every fragment's global copy and outer momentum."""
-        return [t for f in self.fragment_list for t in (f.global_flat, momentum_of(f))
-                if t is not None]
+        """This rank's share of every fragment's global copy and outer momentum; none with
+        eager updates (each worker steps its own)."""
+        return [] if self.eager is not None else [
+            t for f in self.fragment_list for t in (f.global_flat, momentum_of(f)) if t is not None]
 
     # -------------------------------------------------------------------------- checkpoints
     def state_dict(self, tensors: bool = True) -> dict:
@@ -667,7 +673,7 @@ class StreamingDiLoCo(Algorithm):
                 in_flight["delta"] = flight.fragment.delta
                 if self.eager is not None:
                     n = flight.fragment.delta.numel()
-                    in_flight.update(own=self.eager.own[:n], ahead=self.eager.ahead[:n])
+                    in_flight["own"] = self.eager.own[:n]
                 if flight.fragment.error is not None:
                     in_flight["sent"] = self._sent[:flight.fragment.delta.numel()]
         fragments = [{"syncs": f.syncs, "stats": dict(f.stats)} for f in self.fragment_list]
@@ -681,7 +687,7 @@ class StreamingDiLoCo(Algorithm):
                     s["block_start"] = self.blocks.of(f)
             else:
                 s["momentum"] = momentum_of(f) is not None
-        eager = ({"others": list(self.eager.others)} if tensors and self.eager is not None
+        eager = ({"others": [list(q) for q in self.eager.others]} if tensors and self.eager
                  else None)
         return {**super().state_dict(tensors), "outer_steps": self.outer_steps,
                 "fragments": fragments, "in_flight": in_flight, "eager": eager}
@@ -727,7 +733,6 @@ class StreamingDiLoCo(Algorithm):
             if "own" in state["in_flight"] and self.eager is not None:
                 n = fragment.delta.numel()
                 self.eager.own[:n].copy_(state["in_flight"]["own"])
-                self.eager.ahead[:n].copy_(state["in_flight"]["ahead"])
             self._in_flight = _InFlight(fragment, None, int(state["in_flight"]["sent_at"]),
                                         state["in_flight"].get("record"))
 
@@ -744,7 +749,8 @@ class StreamingDiLoCo(Algorithm):
             if f.error is not None:
                 state[f"fragment{f.index}.error"] = (f.share, f.error)
             if self.eager is not None:
-                state[f"fragment{f.index}.eager_others"] = (f.share, self.eager.others[f.index])
+                state.update({f"fragment{f.index}.{k}": (f.share, t)
+                              for k, t in self.eager.state_of(f.index).items()})
             if self.blocks is not None:
                 state[f"fragment{f.index}.block_start"] = (f.share, self.blocks.of(f))
         if self._in_flight is not None:
@@ -753,7 +759,6 @@ class StreamingDiLoCo(Algorithm):
             if self.eager is not None:
                 n = flight.delta.numel()
                 state["in_flight.own"] = (flight.share, self.eager.own[:n])
-                state["in_flight.ahead"] = (flight.share, self.eager.ahead[:n])
             if flight.error is not None:
                 state["in_flight.sent"] = (flight.share, self._sent[:flight.delta.numel()])
         return state

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from loco.algorithms.fragments import PATTERNS
-from loco.comm.formats import CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES
+from loco.comm.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES, SPARSE_LAYOUTS,
+                               SPARSE_MEANS, SPARSE_VALUES)
 from loco.options import ConfigError, need, opt
 
 
@@ -23,10 +24,14 @@ class GlobalCopyOptions:
     offload: bool = opt(False, "keep the global copy and outer optimizer state in CPU memory "
                         "(diloco, streaming)")
     eager: bool = opt(False, "eager updates (diloco, streaming; Kale et al. 2025): when a "
-                      "sync is sent, move the replica on from a proxy outer step, with this "
-                      "worker's fresh pseudo-gradient as its share of the average and the "
-                      "others' from the previous sync; correct it when the average lands "
-                      "(diloco: the average overlaps the whole round)")
+                      "sync is sent, take the outer step at once, with this worker's fresh "
+                      "pseudo-gradient as its share of the average and the others' from an "
+                      "earlier sync, on the worker's own global copy (diloco: the average "
+                      "overlaps the whole round)")
+    eager_variant: str | None = opt(None, "with --eager: 1-outer-step (the others' share "
+                                    "from the fragment's previous sync, the paper's method; "
+                                    "the default) or 2-outer-steps (from the one before)",
+                                    ("1-outer-step", "2-outer-steps"))
 
 
 @dataclass
@@ -51,6 +56,19 @@ class WireOptions(GlobalCopyOptions):
                                        "codec did not send, e <- beta e + delta, sends C(e) "
                                        "and keeps e - D(C(e)); 0: none (default: the "
                                        "method's: diloco and streaming 0, sparseloco 0.95)")
+    sparse_layout: str | None = opt(None, "where topk_2bit's chunks lie: runs of --codec-block "
+                                    "values of the flat fragment, or tiles: 2-D tiles of "
+                                    "each tensor, sides the largest divisors <= 64, 1-D "
+                                    "tensors sent whole (SparseLoCo's reference code) "
+                                    "(default: the method's)", SPARSE_LAYOUTS)
+    sparse_values: str | None = opt(None, "how topk_2bit codes its kept values: split (per "
+                                    "chunk, sign and half) or stat (per tensor, 4 bins of "
+                                    "1.5 sigma, the reference code's; needs --sparse-layout "
+                                    "tiles) (default: the method's)", SPARSE_VALUES)
+    sparse_mean: str | None = opt(None, "how topk_2bit's messages are averaged: all (over "
+                                  "the M workers, the paper's box) or senders (each "
+                                  "position over the workers that sent it, the reference "
+                                  "code's) (default: the method's)", SPARSE_MEANS)
 
 
 @dataclass
@@ -102,7 +120,9 @@ def outer_kwargs(cfg) -> dict[str, Any]:
             "outer_momentum": cfg.outer_momentum, "nesterov": cfg.nesterov,
             "offload": cfg.offload, "codec": cfg.codec, "codec_block": cfg.codec_block,
             "codec_keep": cfg.codec_keep, "error_feedback": cfg.error_feedback or 0.0,
-            "eager": cfg.eager}
+            "eager": cfg.eager, "eager_variant": cfg.eager_variant,
+            "sparse_layout": cfg.sparse_layout,
+            "sparse_values": cfg.sparse_values, "sparse_mean": cfg.sparse_mean}
 
 
 def check_wire(cfg) -> None:
@@ -121,8 +141,20 @@ def check_wire(cfg) -> None:
              + (f" and a multiple of {per_byte} with --codec {cfg.codec}" if per_byte > 1
                 else ""))
     need(cfg, 0 <= cfg.error_feedback < 1, "error_feedback", "must be in [0, 1) (0: none)")
+    for option in ("sparse_layout", "sparse_values", "sparse_mean"):
+        need(cfg, getattr(cfg, option) is None or cfg.codec in CHUNK_TOPK_CODEC_NAMES, option,
+             f"applies to --codec {' or '.join(CHUNK_TOPK_CODEC_NAMES)} (got --codec "
+             f"{cfg.codec})")
+    need(cfg, cfg.sparse_values != "stat" or cfg.sparse_layout == "tiles", "sparse_values",
+         "stat bins each tensor's values: it needs --sparse-layout tiles")
+    need(cfg, cfg.sparse_layout != "tiles" or cfg.worker_ranks == 1
+         or cfg.worker_parallel == "fsdp",
+         "sparse_layout", "tiles cut whole tensors: with --worker-ranks > 1 they need --fsdp "
+         "(each rank tiles its own shards)")
     need(cfg, not (cfg.eager and cfg.elastic), "eager", "needs a fixed group of workers (a "
          "worker's share is 1/M): leave out --elastic")
+    need(cfg, cfg.eager or cfg.eager_variant is None, "eager_variant", "applies only with "
+         "--eager")
 
 
 def wire_warnings(cfg) -> list[str]:
@@ -143,7 +175,7 @@ def wire_setting(config: dict) -> str:
 
 def check_arguments(sync_every: int, count: int, overlap: Any, alpha: float, outer_lr: float,
                      outer_momentum: float, outer_thread: Any, elastic: bool,
-                     eager: bool = False) -> None:
+                     eager: bool = False, error_feedback: float = 0.0) -> None:
     """Streaming DiLoCo's constructor's ranges (see ``StreamingDiLoCo``).
 
     Raises:
@@ -160,6 +192,8 @@ def check_arguments(sync_every: int, count: int, overlap: Any, alpha: float, out
         raise ValueError(f"alpha must be in [0, 1] (got {alpha!r})")
     if not outer_lr > 0:
         raise ValueError(f"outer_lr must be > 0 (got {outer_lr!r})")
+    if not 0 <= error_feedback < 1:
+        raise ValueError(f"error_feedback (beta) must be in [0, 1) (got {error_feedback!r})")
     if not 0 <= outer_momentum < 1:
         raise ValueError(f"outer_momentum must be in [0, 1) (got {outer_momentum!r})")
     if outer_thread not in (None, True, False):

@@ -48,20 +48,28 @@ class ChunkTopKCodec(Codec):
     as NaN throughout (as a scaled codec's block does): every worker sees it, and the sync is
     skipped or stopped alike.
 
+    A chunk whose every value is kept (``k = block``) sends no positions.
+
     Args:
         name: ``"topk_2bit"`` or ``"topk_2bit_packed"``.
         block: values per chunk, an integer in [2, 65536].
         keep: the share kept per chunk, in (0, 1]; ``k`` is computed exactly from its
             shortest decimal form.
+        k: the values kept per chunk, in [1, block], in place of ``keep``'s; default None.
+        mean: how the gathered messages are averaged (``gather_mean``): ``"all"``, the sum
+            over the workers divided by their count M (the paper's box), or ``"senders"``,
+            each position's sum divided by the workers that sent it a nonzero value
+            (the reference code's ``scatter_reduce(..., "mean")``); default ``"all"``.
     """
 
     gathers = True
     PROBE = (1.0, -2.0, 2.0, -1.0)  # two magnitudes: exact when every value is kept
 
-    def __init__(self, name: str, block: int, keep: float):
+    def __init__(self, name: str, block: int, keep: float, k: int | None = None,
+                 mean: str = "all"):
         super().__init__(name, block)
-        self.keep = keep
-        self.k = chunk_kept(block, keep)
+        self.keep, self.mean = keep, mean
+        self.k = chunk_kept(block, keep) if k is None else k
         self.elias_fano = name == "topk_2bit"
         self.chunk_bytes = chunk_topk_bytes(name, block, self.k)
         self._value_bytes = -(-2 * self.k // 8)
@@ -114,9 +122,30 @@ class ChunkTopKCodec(Codec):
         s = torch.where(torch.isfinite(s), s.clamp(max=BF16_MAX), s)  # bf16's max < fp32's
         scales = s.to(torch.bfloat16).view(torch.uint8)
         codes = (v < 0).to(torch.int64) | hi.to(torch.int64) << 1
-        where = ef_encode(idx, self.block) if self.elias_fano else pack(
-            idx, index_bits(self.block))
-        torch.cat([pack(codes, 2), scales, where], dim=1, out=into)
+        torch.cat([pack(codes, 2), scales, self._where(idx)], dim=1, out=into)
+
+    def _where(self, idx: torch.Tensor) -> torch.Tensor:
+        """The positions' bytes of chunks' sorted kept positions ``idx`` ``(n, k)``: none
+        when every value is kept, else Elias-Fano or packed."""
+        if self.k == self.block:
+            return idx.new_zeros((idx.shape[0], 0), dtype=torch.uint8)
+        if self.elias_fano:
+            return ef_encode(idx, self.block)
+        return pack(idx, index_bits(self.block))
+
+    def _positions(self, where: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kept positions (int64 ``(n, k)``, within their chunk) that ``_where`` coded,
+        and whether each chunk's code was sound (bool ``(n,)``; a damaged Elias-Fano code
+        is not)."""
+        n = where.shape[0]
+        valid = torch.ones(n, dtype=torch.bool, device=where.device)
+        if self.k == self.block:
+            idx = torch.arange(self.k, device=where.device).expand(n, -1).contiguous()
+        elif self.elias_fano:  # a damaged chunk (a worker's message) reads as non-finite
+            idx, valid = ef_decode_checked(where, self.block, self.k)
+        else:
+            idx = unpack(where, self.k, index_bits(self.block))
+        return idx.clamp_(0, self.block - 1), valid  # damaged bytes stay inside their chunk
 
     def decode_rows(self, buf: torch.Tensor, c: int,
                     out: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,7 +187,8 @@ class ChunkTopKCodec(Codec):
         return sums[:, 0], sums[:, 1]
 
     def add_rows(self, buf: torch.Tensor, c: int, total: torch.Tensor,
-                 scale: torch.Tensor | None = None) -> torch.Tensor:
+                 scale: torch.Tensor | None = None,
+                 counts: torch.Tensor | None = None) -> torch.Tensor:
         """Add the kept values of the rows ``buf`` into ``total`` where they go (a scatter-add
         of ``k`` values per chunk: each position gets at most one), leaving out the chunks
         that held a non-finite value, which are returned for the caller to mark.
@@ -169,6 +199,8 @@ class ChunkTopKCodec(Codec):
             total: the contiguous fp32 ``(rows, c)`` sum, updated in place.
             scale: a 0-dim fp32 tensor the values are multiplied by first (a guard's clip);
                 default None.
+            counts: fp32 like ``total``: 1 is added where a nonzero value is added (the
+                senders of each position, for ``mean="senders"``); default None.
 
         Returns:
             bool ``(rows · c / block, 1)``: the chunks that held a NaN or an infinity.
@@ -181,6 +213,8 @@ class ChunkTopKCodec(Codec):
             if scale is not None:
                 vals.mul_(scale)
             chunks[a:b].scatter_add_(1, idx, vals.masked_fill_(piece_bad, 0.0))
+            if counts is not None:
+                counts.view(-1, self.block)[a:b].scatter_add_(1, idx, (vals != 0).float())
             bad[a:b].copy_(piece_bad)
         return bad
 
@@ -222,16 +256,50 @@ class ChunkTopKCodec(Codec):
         # a packed copy (a clone of one row would keep its stride, an odd one maybe)
         scales = chunks[:, nv:nv + 4].clone(memory_format=torch.contiguous_format)
         scales = scales.view(torch.bfloat16).to(torch.float32)
-        where = chunks[:, nv + 4:]
-        if self.elias_fano:  # a damaged chunk (a worker's message) reads as non-finite
-            idx, valid = ef_decode_checked(where, self.block, self.k)
-        else:
-            idx = unpack(where, self.k, index_bits(self.block))
-            valid = torch.ones(idx.shape[0], dtype=torch.bool, device=idx.device)
-        idx.clamp_(0, self.block - 1)  # damaged bytes must not write outside their chunk
+        idx, valid = self._positions(chunks[:, nv + 4:])
         mag = torch.where(codes >= 2, scales[:, 1:2], scales[:, 0:1])
         vals = torch.where(codes & 1 == 1, -mag, mag)
         return idx, vals, ~(torch.isfinite(scales).all(dim=1, keepdim=True) & valid[:, None])
+
+    # A flat vector's operations (those of a codec of another layout differ: ``TiledTopK``).
+    def encode_flat(self, flat: torch.Tensor, out: torch.Tensor, buffers=None) -> torch.Tensor:
+        """[`encode_flat`][loco.comm.chunked.encode_flat] with this codec.
+
+        Args:
+            flat: the values.
+            out: where the bytes go.
+            buffers: a Comm's kept buffers, or None.
+        """
+        return encode_flat(self, flat, out, buffers)
+
+    def decode_flat(self, message: torch.Tensor, out: torch.Tensor, buffers=None) -> None:
+        """[`decode_flat`][loco.comm.chunked.decode_flat] with this codec.
+
+        Args:
+            message: ``encode_flat``'s row.
+            out: where the values go.
+            buffers: a Comm's kept buffers, or None.
+        """
+        decode_flat(self, message, out, buffers)
+
+    def subtract_flat(self, message: torch.Tensor, x: torch.Tensor) -> None:
+        """[`subtract_flat`][loco.comm.chunked.subtract_flat] with this codec.
+
+        Args:
+            message: ``encode_flat``'s bytes.
+            x: the values, updated in place.
+        """
+        subtract_flat(self, message, x)
+
+    def gather_mean(self, flat: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """[`gather_mean`][loco.comm.chunked.gather_mean] with this codec.
+
+        Args:
+            flat: the values, overwritten with the mean.
+            *args: the rest of ``gather_mean``'s arguments, from ``parts`` on.
+            **kwargs: the same, by name.
+        """
+        return gather_mean(self, flat, *args, **kwargs)
 
     def __repr__(self) -> str:
         return f"Codec({self.name}, block={self.block}, k={self.k})"
@@ -339,7 +407,7 @@ def subtract_flat(codec: ChunkTopKCodec, message: torch.Tensor, x: torch.Tensor)
         x[whole:].copy_(last[0, :n - whole])
 
 
-def gather_mean(flat: torch.Tensor, codec: ChunkTopKCodec, parts: int, divisor: int,
+def gather_mean(codec: ChunkTopKCodec, flat: torch.Tensor, parts: int, divisor: int,
                 buffers, all_gather, sent: torch.Tensor | None = None, guard=None,
                 wire=None) -> torch.Tensor:
     """Average ``flat`` over ``parts`` workers, in place, through one all-gather of every
@@ -351,8 +419,8 @@ def gather_mean(flat: torch.Tensor, codec: ChunkTopKCodec, parts: int, divisor: 
     worker's message and the gathered ones are kept buffers of a few bytes per chunk.
 
     Args:
-        flat: the contiguous 1-D fp32 tensor, overwritten with the mean.
         codec: a chunked top-k codec (one that ``gathers``).
+        flat: the contiguous 1-D fp32 tensor, overwritten with the mean.
         parts: workers M, >= 1.
         divisor: what the sum is divided by (the workers that contribute).
         buffers: the Comm's [`Buffers`][loco.comm.reduce.Buffers].
@@ -391,7 +459,7 @@ def gather_mean(flat: torch.Tensor, codec: ChunkTopKCodec, parts: int, divisor: 
     with record_function("loco/decode"):
         whole, split = _split(codec, n)
         scales, divisor = _judged(codec, gathered, whole, split, divisor, guard)
-        combine = (_sum_into if guard is None or not guard.coordinatewise
+        combine = (sum_into if guard is None or not guard.coordinatewise
                    else functools.partial(_per_index, guard=guard))
         if whole:
             combine(flat[:whole].view(1, -1), codec, gathered[:, :split], divisor, scales)
@@ -404,18 +472,30 @@ def gather_mean(flat: torch.Tensor, codec: ChunkTopKCodec, parts: int, divisor: 
 
 def _judged(codec: ChunkTopKCodec, gathered: torch.Tensor, whole: int, split: int,
             divisor: int, guard) -> tuple[torch.Tensor | None, Any]:
+    """``judge_parts`` of a flat vector's messages: its whole chunks, and its last one."""
+    parts = [(codec, gathered[:, :split], whole)] if whole else []
+    if split < gathered.shape[1]:
+        parts.append((codec, gathered[:, split:], codec.block))
+    return judge_parts(parts, whole or codec.block, divisor, guard)
+
+
+def judge_parts(parts: list, n: int, divisor: int, guard) -> tuple[torch.Tensor | None, Any]:
     """The guard's scale of each message (None without a guard, or one that does not scale:
-    it names the messages all the same) and the divisor less the messages it leaves out."""
+    it names the messages all the same) and the divisor less the messages it leaves out.
+
+    Args:
+        parts: ``(codec, bytes (M, row_bytes(c)), c)`` of each part of the messages.
+        n: the values the digest counts.
+        divisor: the workers that contribute.
+        guard: a [`Guard`][loco.comm.guard.Guard], or None.
+    """
     if guard is None:
         return None, divisor
-    parts = [(gathered[:, :split], whole)] if whole else []
-    if split < gathered.shape[1]:
-        parts.append((gathered[:, split:], codec.block))
-    stats = [codec.row_stats(m, c) for m, c in parts]
+    stats = [codec.row_stats(m, c) for codec, m, c in parts]
     square = sum(s[0] for s in stats)
     sums = sum(s[1] for s in stats)
     norms = square.sqrt()
-    scales = guard.judge(norms, guard.digest(norms, sums, whole or codec.block))
+    scales = guard.judge(norms, guard.digest(norms, sums, n))
     if guard.coordinatewise:
         return None, divisor
     return scales, divisor - guard.left_out(scales, norms).sum()
@@ -435,10 +515,10 @@ def _per_index(total: torch.Tensor, codec: ChunkTopKCodec, messages: torch.Tenso
         b = min(chunks, a + step)
         rows = codec.decode_rows(messages[:, a * codec.chunk_bytes:b * codec.chunk_bytes],
                                  (b - a) * codec.block)
-        total[0, a * codec.block:b * codec.block] = _robust_columns(rows, guard.aggregation)
+        total[0, a * codec.block:b * codec.block] = robust_columns(rows, guard.aggregation)
 
 
-def _robust_columns(rows: torch.Tensor, aggregation: str) -> torch.Tensor:
+def robust_columns(rows: torch.Tensor, aggregation: str) -> torch.Tensor:
     """Each column's median or trimmed mean over its nonzero finite values (see
     ``_per_index``; a non-finite value is named by its message's norm and counts as not
     sent: it would sort past the placeholders of the workers that did not send)."""
@@ -456,19 +536,23 @@ def _robust_columns(rows: torch.Tensor, aggregation: str) -> torch.Tensor:
     return torch.where(count > 0, total / (count - 2 * cut).clamp(min=1), 0.0)
 
 
-def _sum_into(total: torch.Tensor, codec: ChunkTopKCodec, messages: torch.Tensor,
+def sum_into(total: torch.Tensor, codec: ChunkTopKCodec, messages: torch.Tensor,
               divisor: Any, scales: torch.Tensor | None = None) -> None:
     """``total`` (1, c) ← the sum of the rows of ``messages``' kept values (each times its
     ``scales`` entry, where given: 0 leaves it out), added in rank order, NaN throughout a
-    chunk any of them sent non-finite, divided by ``divisor``."""
+    chunk any of them sent non-finite, divided by ``divisor`` (``codec.mean == "all"``) or,
+    position by position, by the messages that sent it a nonzero value (``"senders"``: 0
+    where none did)."""
     c = total.shape[1]
     total.zero_()
+    counts = torch.zeros_like(total) if codec.mean == "senders" else None
     bad = torch.zeros((c // codec.block, 1), dtype=torch.bool, device=total.device)
     for r in range(messages.shape[0]):  # (times 1: the same bits; times 0: nothing added)
         scale = None if scales is None else scales[r]
-        kept = codec.add_rows(messages[r:r + 1], c, total, scale)
+        kept = codec.add_rows(messages[r:r + 1], c, total, scale, counts)
         bad |= kept if scale is None else kept & (scale != 0)
-    total.view(bad.shape[0], -1).masked_fill_(bad, math.nan).div_(divisor)
+    total.view(bad.shape[0], -1).masked_fill_(bad, math.nan)
+    total.div_(divisor if counts is None else counts.clamp_(min=1))
 
 
 __all__ = ["DEFAULT_CHUNK", "DEFAULT_CHUNK_KEEP", "PIECE_VALUES", "ChunkTopKCodec",

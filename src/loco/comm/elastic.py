@@ -343,7 +343,8 @@ class ElasticComm(Comm):
     def begin(self) -> bool:
         """The quorum of a sync: wait (at most ``timeout``) for at least ``min_workers``
         live workers, take the new group if the membership changed, and agree on who
-        contributes (a worker just healed contributes zeros). Collective over the members.
+        contributes (a worker just healed contributes zeros). Collective over the members;
+        its time counts as waiting for training traffic (tag ``train``): for the others.
 
         Returns:
             Whether this worker was healed (its state replaced by a live worker's) here.
@@ -372,6 +373,8 @@ class ElasticComm(Comm):
                 if err is None:
                     self._rebind()
                     self._agree(time.monotonic() - started)
+                    with self._lock:  # waiting for the others, as in a collective
+                        self.stats["train"].waited += time.monotonic() - started
                     return self.healed and not healed_before
             except (Aborted, AuthError):
                 raise

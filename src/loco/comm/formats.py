@@ -72,6 +72,17 @@ def ef_bytes(n: int, k: int) -> int:
     return packed_bytes(k, low) + packed_bytes(k + ((n - 1) >> low), 1)
 
 
+SPARSE_LAYOUTS = ("runs", "tiles")
+"""Where a chunked top-k's chunks lie: runs of ``block`` values of the flat fragment (loco's
+first way, across parameters), or 2-D tiles of each tensor (the reference code's,
+[`TiledTopK`][loco.comm.tiles.TiledTopK])."""
+SPARSE_VALUES = ("split", "stat")
+"""How a chunked top-k codes its kept values in 2 bits: per chunk, the sign and which half
+of the magnitudes (loco's), or per tensor, 4 bins of 1.5σ (the reference's,
+[`StatTopK`][loco.comm.tiles.StatTopK]; tiles only)."""
+SPARSE_MEANS = ("all", "senders")
+"""How the gathered top-k messages are averaged: over all M workers (the paper's box), or
+each position over the workers that sent it (the reference code's)."""
 DEFAULT_CHUNK = 4096
 """Values per chunk of the chunked top-k codecs (SparseLoCo's and Templar's 4096)."""
 DEFAULT_CHUNK_KEEP = 1 / 64
@@ -87,12 +98,17 @@ def chunk_kept(chunk: int, keep: float) -> int:
 def chunk_topk_bytes(name: str, chunk: int, k: int) -> int:
     """Bytes of one chunk of a chunked top-k codec: ``k`` 2-bit codes, two bf16 magnitudes,
     and the ``k`` positions (Elias-Fano for ``topk_2bit``, ``index_bits(chunk)`` each for
-    ``topk_2bit_packed``).
+    ``topk_2bit_packed``; none when every value is kept, ``k = chunk``).
 
     Args:
         name: one of ``CHUNK_TOPK_CODEC_NAMES``.
         chunk: values per chunk, >= 1.
         k: values kept per chunk, in [1, chunk].
     """
-    where = ef_bytes(chunk, k) if name == "topk_2bit" else packed_bytes(k, index_bits(chunk))
+    if k == chunk:
+        where = 0
+    elif name == "topk_2bit":
+        where = ef_bytes(chunk, k)
+    else:
+        where = packed_bytes(k, index_bits(chunk))
     return packed_bytes(k, 2) + 4 + where

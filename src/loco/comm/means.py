@@ -11,7 +11,6 @@ from typing import Any
 
 import torch
 
-from loco.comm.chunked import gather_mean
 from loco.comm.handles import Handle
 from loco.comm.reduce import layout, piece_width, reduce_mean
 from loco.comm.seal import mac_bytes, sealed
@@ -104,7 +103,7 @@ def issue_all_gather_mean(comm: Comm, tensor: torch.Tensor, tag: str, codec: Any
     def run() -> torch.Tensor:  # on the Comm's thread
         guard, flip = comm.shield.around(step, comm.senders())
         gather = sealed(comm, step, guard, None, comm._gather, "a message")[1]
-        return gather_mean(flat, codec, m, divisor, comm._buffers, gather, sent, guard, flip)
+        return codec.gather_mean(flat, m, divisor, comm._buffers, gather, sent, guard, flip)
 
     return comm._submit("all_gather_mean", tag, n * 4, wire, wire, run,
                         [flat] + ([] if sent is None else [sent]))

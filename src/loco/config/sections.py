@@ -12,7 +12,9 @@ import math
 from dataclasses import dataclass
 
 from loco.algorithms import methods
+from loco.algorithms.asynchronous import check_quorum
 from loco.options import ConfigError, need, opt
+from loco.runtime.faults import ENV, Fault
 
 PATTERNS = ("strided", "sequential")
 DEFAULT_STEPS = 400
@@ -187,6 +189,23 @@ def check_asynchronous(cfg) -> None:
                               f"at a round's end, nothing in flight: not with --{name} "
                               f"{getattr(cfg, name)} (use diloco or sparseloco, or streaming "
                               "with --fragments 1 --overlap 0)")
+
+
+def check_fault(cfg) -> None:
+    """``fault`` parses as ``$LOCO_FAULT`` does, its rank one of the run's.
+
+    Raises:
+        ConfigError: naming ``fault`` and the form it takes.
+    """
+    if cfg.fault is None:
+        return
+    try:
+        fault = Fault.parse(cfg.fault)
+    except ValueError as e:
+        raise ConfigError("fault", str(e).replace(f"{ENV} ", "")) from None
+    ranks = cfg.workers * cfg.worker_ranks * cfg.stages
+    need(cfg, 0 <= fault.rank < ranks and fault.step >= 1, "fault",
+         f"RANK must be in [0, {ranks}) and STEP >= 1")
 
 
 def check_worker_layout(cfg) -> None:
@@ -534,6 +553,21 @@ class RuntimeOptions:
                              "it, token-weighted with the others that arrive there; "
                              "meanwhile it sends zeros and keeps training; 0: synchronous "
                              "(every worker sends every round's steps)")
+    quorum: int | None = opt(None, "Decoupled DiLoCo's minimum quorum (with --max-staleness): "
+                             "a sync merges only once this many workers' blocks are ready "
+                             "(H steps, or due by --max-staleness), else it is held (nothing "
+                             "sent, no outer step, every block goes on); the workers agree on "
+                             "when their blocks arrived with one small all-gather per sync "
+                             "(default: none, every ready block merges at once)")
+    grace: float | None = opt(None, "with --quorum: seconds after the quorum-th ready arrival "
+                              "within which a block not ready yet is merged too, with the "
+                              "steps it holds, token-weighted (Decoupled DiLoCo's grace "
+                              "window; loco does not wait for it) (default: 0)")
+    fault: str | None = opt(None, "a drill: one rank fails once, RANK:STEP[:KIND] as "
+                            "$LOCO_FAULT (docs/reliability.md): rank RANK fails at inner step "
+                            "STEP of a fresh run (KIND raise, exit, kill, hang or nan; default "
+                            "raise); with --elastic a worker that exits or is killed is "
+                            "restarted and rejoins (default: $LOCO_FAULT, else none)")
     on_nonfinite: str = opt("stop", "a non-finite gradient or pseudo-gradient is caught before "
                             "it reaches the parameters; stop the run (the last checkpoint is "
                             "the last good state) or skip that step or sync and count it",
@@ -553,6 +587,8 @@ class RuntimeOptions:
         need(self, 0 <= self.max_restarts <= 100, "max_restarts", "must be in [0, 100]")
         worker_speeds(self)
         check_local_steps(self)
+        check_quorum(self)
+        check_fault(self)
         check_worker_layout(self)
         check_elastic(self)
 

@@ -113,14 +113,30 @@ def twin(runs: list[Run], run: Run, also_free: tuple[str, ...] = (), **want: Any
                  and rest(r) == rest(run)), None)
 
 
+def inner(run: Run) -> str:
+    """The inner optimizer ``run`` stepped, in the report's words (``Method.inner_name``)."""
+    return run.method.inner_name(run.summary.config or {})
+
+
+def candidates(runs: list[Run], method: str, by: dict[str, Run]) -> list[Run]:
+    """The runs a claim naming ``method`` may be held against: its runs outside a sweep, and
+    its [`baseline`][loco.report.numbers.baseline] run (``by``), in report order."""
+    cls, base = methods().get(method), by.get(method)
+    return [r for r in runs if r.method is cls and (r is base or not r.sweep)]
+
+
 def reference(runs: list[Run], run: Run, claim: PaperClaim, by: dict[str, Run]
               ) -> Run | None:
     """The run a claim about ``run`` holds it against; None without one.
 
     A twin ([`twin`][loco.report.papers.twin]) holding the claim's ``want`` where ``run`` holds
-    none of it (``FP4 ≈ fp32``: a Streaming run in fp32); or the named method's run holding
-    ``want`` (NoLoCo against a DiLoCo run with heavy-ball momentum, the NoLoCo paper's),
-    else that method's baseline run.
+    none of it (``FP4 ≈ fp32``: a Streaming run in fp32). Else a run of the named method
+    with ``run``'s inner optimizer ([`inner`][loco.report.papers.inner]; MuLoCo against
+    DataParallel with Muon inside): the first holding ``want`` (NoLoCo against a DiLoCo run
+    with heavy-ball momentum, the NoLoCo paper's), else that method's baseline run, else its
+    first. Where no run of that method has ``run``'s inner optimizer, the same choice among
+    all of its runs: the comparison crosses optimizers
+    ([`twin_note`][loco.report.papers.twin_note] says so).
 
     Args:
         runs: the runs of one seed.
@@ -133,11 +149,51 @@ def reference(runs: list[Run], run: Run, claim: PaperClaim, by: dict[str, Run]
         if any(config.get(k) == v for k, v in claim.want.items()):
             return None
         return twin(runs, run, claim.free, **claim.want)
-    cls = methods().get(claim.against)
-    preferred = (next((r for r in runs if r.method is cls and not r.sweep and all(
-        r.summary.config.get(k) == v for k, v in claim.want.items())), None)
-        if claim.want else None)
-    return preferred or by.get(claim.against)
+    mine = candidates(runs, claim.against, by)
+    pool = [r for r in mine if inner(r) == inner(run)] or mine
+    wanted = [r for r in pool if claim.want and all(
+        r.summary.config.get(k) == v for k, v in claim.want.items())]
+    base = [r for r in pool if r is by.get(claim.against)]
+    return next(iter(wanted + base + pool), None)
+
+
+def twin_note(run: Run, ref: Run) -> str:
+    """What a claim naming a method says of the run it used: ``" (twin: ddp-muon, Muon
+    inside)"`` where both step the same inner optimizer, else ``" (crosses optimizers:
+    sign-SGD against AdamW in ddp)"``.
+
+    Args:
+        run: the run the claim is about.
+        ref: its [`reference`][loco.report.papers.reference].
+    """
+    mine, theirs = inner(run), inner(ref)
+    if mine == theirs:
+        return f" (twin: {ref.group}, {mine} inside)"
+    return f" (crosses optimizers: {mine} against {theirs} in {ref.group})"
+
+
+def subjects(runs: list[Run], run: Run, claim: PaperClaim, by: dict[str, Run]) -> list[Run]:
+    """The runs of ``run``'s method a claim of it holds of (``run``: its baseline).
+
+    A twin claim: every run of the method outside a sweep that has a twin. A claim naming a
+    method: ``run``, and per other inner optimizer among the method's runs outside a sweep
+    the first with it, where the named method has a run with that one too (MuLoCo, DiLoCo
+    with Muon inside, against DataParallel with Muon inside).
+
+    Args:
+        runs: the runs of one seed.
+        run: the method's baseline run.
+        claim: one of the method's claims.
+        by: each method's baseline run, by name.
+    """
+    mine = [r for r in runs if r.method is run.method and not r.sweep]
+    if claim.against == "twin":
+        return mine
+    firsts: dict[str, Run] = {}
+    for r in mine:
+        firsts.setdefault(inner(r), r)
+    theirs = {inner(r) for r in candidates(runs, claim.against, by)}
+    return [run] + [r for name, r in firsts.items() if name != inner(run) and name in theirs]
 
 
 def mean_spread(run: Run) -> float | None:
@@ -180,10 +236,10 @@ def routing_claim(runs: list[Run]) -> list[Claim]:
 
 def claims(runs: list[Run]) -> list[Claim]:
     """The papers' claims checked on the runs of one seed (or of no seed): every method's
-    declared claims (``Method.claims``) on its [`baseline`][loco.report.numbers.baseline] run
-    (a claim against a ``"twin"``: on each of its runs that has one), each against its
-    [`reference`][loco.report.papers.reference], then random routing against fixed
-    ([`routing_claim`][loco.report.papers.routing_claim]).
+    declared claims (``Method.claims``) on its [`subjects`][loco.report.papers.subjects],
+    each against its [`reference`][loco.report.papers.reference] (a claim naming a method
+    says which run it used: [`twin_note`][loco.report.papers.twin_note]), then random
+    routing against fixed ([`routing_claim`][loco.report.papers.routing_claim]).
 
     Args:
         runs: the runs, in report order, of one seed.
@@ -195,14 +251,12 @@ def claims(runs: list[Run]) -> list[Claim]:
     rows = []
     for run in by.values():
         for claim in run.method.claims:
-            # A twin claim holds of every run of the method that has a twin (DiLoCo FP4 with
-            # error feedback, MuLoCo: labelled DiLoCo runs); another of its baseline run.
-            subjects = ([r for r in runs if r.method is run.method and not r.sweep]
-                        if claim.against == "twin" else [run])
-            for subject in subjects:
+            for subject in subjects(runs, run, claim, by):
                 ref = reference(runs, subject, claim, by)
                 row = None if ref is None else CHECKS[claim.kind](subject, ref, claim)
                 if row is not None:
+                    if claim.against != "twin":
+                        row.text += twin_note(subject, ref)
                     rows.append(row)
     return rows + routing_claim(runs)
 

@@ -51,9 +51,9 @@ class Fault:
         return cls(rank, step, kind)
 
     @classmethod
-    def for_rank(cls, rank: int) -> "Fault | None":
-        """This rank's fault from the environment, or None."""
-        text = os.environ.get(ENV)
+    def for_rank(cls, rank: int, text: str | None = None) -> "Fault | None":
+        """This rank's fault from ``text`` (``--fault``), else the environment, or None."""
+        text = text or os.environ.get(ENV)
         if not text:
             return None
         fault = cls.parse(text)
@@ -76,7 +76,7 @@ class Fault:
             while True:  # until the run is aborted (threads); processes are killed
                 comm.check_aborted()
                 time.sleep(0.05)
-        raise InjectedFault(f"injected fault ({os.environ.get(ENV)})")
+        raise InjectedFault(f"injected fault ({self.rank}:{self.step}:{self.kind})")
 
     def after_backward(self, step: int, params) -> None:
         """Called after the backward pass of inner step ``step``."""

@@ -23,6 +23,7 @@ from loco.runtime.faults import Fault
 from loco.runtime.pipeline import PipelineStage
 from loco.runtime.vitals import LARGE_MODEL_BYTES, Vitals, return_freed_memory
 from loco.training.optimizers import inner_optimizer
+from loco.training.quorum import QuorumSteps, quorum_kwargs
 from loco.training.runlog import RunLog
 from loco.training.speed import LocalSteps, Throttle
 from loco.training.state import restore, restore_elastic, resume_state, seek
@@ -178,7 +179,8 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     worker = Worker(
         cfg, ctx, corpus, model, trained, pipeline, schedule, algo, loader, autocast, main,
         log=open_log(cfg, state, joined, loop) if main else None, bar=bar, writer=writer,
-        fault=Fault.for_rank(ctx.rank) if state is None and restart_count() == 0 else None,
+        fault=(Fault.for_rank(ctx.rank, cfg.fault) if state is None and restart_count() == 0
+               else None),
         resumed_from=resumed_from, start=start, vitals=vitals,
         stager=make_stager(ctx), throttle=make_throttle(cfg, ctx),
         local_steps=plan)
@@ -229,17 +231,20 @@ def make_local_steps(cfg: TrainConfig, ctx: WorkerContext, algo, loop: Loop,
     copy) starts every worker's block anew."""
     if cfg.local_steps != "proportional":
         return None
-    plan = LocalSteps(cfg.sync_every, ctx.mesh.replicas, ctx.replica, loop.local_rounds,
-                      max_staleness=cfg.max_staleness,
-                      last_round=cfg.steps // cfg.sync_every - 1,
-                      ahead=1 if cfg.method.checkpoint_delay(cfg) == 0 else 2,
-                      quorum=ctx.comm if ctx.comm.elastic else None)
+    kind, extra = LocalSteps, {"quorum": ctx.comm if ctx.comm.elastic else None}
+    if cfg.quorum is not None:  # Decoupled DiLoCo's quorum decides the syncs (not elastic)
+        kind, extra = QuorumSteps, quorum_kwargs(cfg, ctx.comm, loop.local_admitted)
+    plan = kind(cfg.sync_every, ctx.mesh.replicas, ctx.replica, rounds=loop.local_rounds,
+                max_staleness=cfg.max_staleness, last_round=cfg.steps // cfg.sync_every - 1,
+                ahead=1 if cfg.method.checkpoint_delay(cfg) == 0 else 2, **extra)
     if ctx.comm.elastic:
         ctx.comm.register_state("local_steps", plan.heal_state, plan.load_heal_state)
         if resumed:
             plan.restarts = dict.fromkeys(range(ctx.mesh.replicas),
                                           algo.inner_steps // cfg.sync_every)
     algo.weight_of = plan.weight
+    if cfg.quorum is not None:
+        algo.sync_held = plan.holds
     if cfg.max_staleness:
         algo.keep_block_starts()
     return plan

@@ -15,6 +15,7 @@ from loco.runtime.elastic import recovery_report, restart_count
 from loco.training.counters import (gather_counters, issued_link_bytes, summarize_counters,
                                     write_comm_totals)
 from loco.training.evaluation import final_evaluation, final_extra_evaluation
+from loco.training.quorum import QuorumSteps
 from loco.training.runlog import RunLog
 from loco.training.state import last_checkpoint, local_rounds
 from loco.training.summary import Summary
@@ -101,7 +102,8 @@ def make_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float |
         local_steps=None if w.local_steps is None else {
             "rounds": local_rounds(w), "max_staleness": cfg.max_staleness,
             "staleness": (w.local_steps.staleness(cfg.steps // cfg.sync_every)
-                          if cfg.max_staleness else None)},
+                          if cfg.max_staleness else None),
+            **(w.local_steps.summary() if isinstance(w.local_steps, QuorumSteps) else {})},
         elastic=(None if not ctx.comm.elastic else {
             "min_workers": ctx.comm.min_workers,
             **recovery_report(ctx.comm.events, ctx.comm.syncs, ctx.comm.workers)}),

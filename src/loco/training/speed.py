@@ -16,9 +16,11 @@ each round's end the workers gather their measured step times (one small all-gat
 every worker derives every ``n_i`` of a later round from the same numbers (the next round
 where the method waits for its sync there anyway, the one after where a sync may be in
 flight): the schedule is agreed, whatever the speeds do meanwhile. The run's first round
-is shared after its first ticks, whose times are gathered at once. A worker's
-pseudo-gradient then weighs by the steps (tokens) behind it. With asynchronous outer steps
-a worker's block of steps spans rounds (``loco.algorithms.asynchronous``).
+is shared as it goes (``FirstRound``): every worker trains its ticks one after another,
+sends its step time after the first few without waiting, and stops once it knows its
+share, so that no worker waits for a slower one's first steps. A worker's pseudo-gradient
+then weighs by the steps (tokens) behind it. With asynchronous outer steps a worker's
+block of steps spans rounds (``loco.algorithms.asynchronous``).
 
 Goodput is the share of the workers' capacity that went into committed progress: the steps
 whose pseudo-gradients were applied, over the steps each worker could have trained in the
@@ -28,6 +30,7 @@ blocked on communication).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -146,9 +149,9 @@ def goodput(counters: list[dict], ranks_of_worker: list[list[int]], held: float 
 
 
 PROBE_TICKS = 3
-"""With H >= 2 × this: the ticks of the run's first round every worker trains before their
-times are first gathered (the first left out: it warms up), so that the rest of that round
-is already shared by speed."""
+"""With H >= 2 × this, in a fresh run that is not elastic: the ticks every worker trains
+first, before it sends its step time (their mean, the first left out: it warms up) to
+share the run's first round (``FirstRound``)."""
 
 
 SLACK = 1.02
@@ -179,6 +182,77 @@ def shares(ticks: int, times: list[float]) -> list[int]:
     return [fit(ticks, fastest, t) for t in times]
 
 
+class FirstRound:
+    """The run's first round while its steps are being agreed (a fresh run that probes).
+
+    Every worker trains the round's ticks one after another from the first. After the
+    probe's p ticks it sends its step time (one all-gather, not waited for) and trains on.
+    Once it has every worker's time (the slowest worker's come last, so that one has them
+    at once) it knows its steps of the round, ``mine``: its share, as many as fit into the
+    fastest worker's H (``fit``, at least p), or the ticks it has trained meanwhile if more
+    (it could not know when to stop); it stops there. Where the steps are needed (the first
+    sync past the probe, a checkpoint, the round's end) every worker sends its own
+    (``agree``: collective, waited for), so a fast worker never waits for a slower one's
+    probe, only for the sync it would wait for anyway.
+
+    Args:
+        comm: the Comm the times travel over (and the steps, in ``agree``).
+        times: the all-gather of every worker's probe time, in flight.
+        sync_every: H.
+        probe: p, the ticks every worker trains before it sends its time.
+        replica: this worker's index.
+        shield: the Comm's shield (``loco.comm.guard.Shield``) or None: where its guard
+            judges, claimed times are capped (``Guard.cap_claims``) and claimed steps held
+            to what the times allow (``believable``).
+    """
+
+    def __init__(self, comm: Any, times: Any, sync_every: int, probe: int, replica: int,
+                 shield: Any = None):
+        self.comm, self._times, self.shield = comm, times, shield
+        self.sync_every, self.probe, self.replica = sync_every, probe, replica
+        self.times: list[float] | None = None
+        """Every worker's probe time (seconds per step; 0: unknown), once arrived."""
+        self.shares: list[int] | None = None
+        """Every worker's share of the round, ``max(p, fit(H, fastest, time))``."""
+        self.mine: int | None = None
+        """This worker's steps of the round, once it has the times."""
+
+    def heard(self, trained: int, wait: bool = False) -> bool:
+        """Whether this worker has every worker's probe time: reads them if they have
+        arrived (``wait``: waits for them) and fixes ``mine`` (its share, or ``trained``,
+        the ticks it has trained so far, if more)."""
+        if self.times is None and (wait or self._times.done()):
+            with allowed("sync"):
+                times = [float(t) for t in self._times.wait()]
+            if self.shield is not None and self.shield.judges:
+                times = self.shield.guard.cap_claims(times)
+            self.times = times
+            self.shares = [max(self.probe, n) for n in shares(self.sync_every, times)]
+            self.mine = max(self.shares[self.replica], trained)
+        return self.times is not None
+
+    def agree(self, trained: int) -> list[int]:
+        """Every worker's steps of the round (collective: every worker calls it at the same
+        point; it first waits for the times, where they have not arrived, with ``trained``
+        as in ``heard``)."""
+        self.heard(trained, wait=True)
+        mine = torch.tensor([float(self.mine)], dtype=torch.float64, device=self.comm.device)
+        with allowed("sync"):
+            claims = [round(float(n)) for n in self.comm.all_gather(mine, tag="train").wait()]
+        return self.believable(claims)
+
+    def believable(self, claims: list[int]) -> list[int]:
+        """The steps as the schedule takes them: the claims; where the guard judges, each
+        held between the worker's share and what it can have trained while the slowest
+        worker probed (twice the ticks of its time in the slowest one's p, at most H)."""
+        if self.shield is None or not self.shield.judges:
+            return claims
+        slowest, h = max(self.times), self.sync_every
+        return [min(max(n, s), max(s, min(h, math.ceil(2 * self.probe * slowest / t))
+                                    if t > 0 else h))
+                for n, s, t in zip(claims, self.shares, self.times)]
+
+
 class LocalSteps:
     """Speed-aware local steps: which ticks each worker trains on, round by round; with
     asynchronous outer steps, which syncs each worker contributes to.
@@ -188,13 +262,15 @@ class LocalSteps:
         workers: M.
         replica: this worker's index.
         rounds: the steps per round of every worker so far (one list of M per round, from a
-            checkpoint); default: none yet (a fresh run: the first round shared by the
-            speeds of its first ``PROBE_TICKS`` ticks, the second by them too).
+            checkpoint); default: none yet (a fresh run: the first round shared as it goes
+            by the times of its first ``PROBE_TICKS`` ticks, ``FirstRound``; the second by
+            them too).
         max_staleness: S, asynchronous outer steps: a worker's block of steps spans rounds
             until it holds H steps or S + 1 rounds, and its pseudo-gradient is sent at the
             sync that ends it, S outer steps old at most; 0 (default): every worker sends
             every round's steps (synchronous).
-        last_round: the run's last full round (0-based): every block ends there.
+        last_round: the run's last full round (0-based): every block ends there; -1 (a run
+            shorter than H): no probe.
         ahead: how many rounds after a round the one its times fix comes: 2 (default) where
             a sync may be in flight at a round's end (the gather is settled a round later,
             never waited for); 1 where the method waits for its sync at the round's end
@@ -211,13 +287,17 @@ class LocalSteps:
         self.sync_every, self.workers, self.replica = sync_every, workers, replica
         self.max_staleness, self.last_round, self.ahead = max_staleness, last_round, ahead
         self.quorum = quorum
-        self.probe = PROBE_TICKS if sync_every >= 2 * PROBE_TICKS and quorum is None else 0
+        self.probe = (PROBE_TICKS if sync_every >= 2 * PROBE_TICKS and quorum is None
+                      and (last_round is None or last_round >= 0) else 0)
         self.probing = rounds is None and self.probe > 0
         self.rounds = [list(r) for r in rounds or [[sync_every] * workers] * (
             1 if self.probing else 2)]
         """Every round's steps per worker, agreed so far; the times of round r fix round
-        r + ``ahead``; the first two rounds are fixed by the first ticks' times (or are H
-        each where H is too short to probe)."""
+        r + ``ahead``; a fresh run's first round is agreed after its probe
+        (``agree_first``), the second shared by the probe's times (both H each where there
+        is no probe)."""
+        self.first: FirstRound | None = None
+        """The first round's probe, from its last tick until its steps are agreed."""
         self.busy = 0.0  # this round's seconds of trained ticks, waits left out
         self._spans: list[DeviceSpan] = []  # this round's GPU ticks not yet in busy
         self.steps = 0  # this round's trained ticks
@@ -235,21 +315,40 @@ class LocalSteps:
         return self.round_counts((tick - 1) // self.sync_every)
 
     def round_counts(self, r: int) -> list[int]:
-        """Every worker's steps in round ``r`` (0-based)."""
+        """Every worker's steps in round ``r`` (0-based); the first round's agreed
+        (collective where they are not yet: ``agree_first``)."""
+        if r == 0:
+            self.agree_first()
         return self.rounds[r] if r < len(self.rounds) else [self.sync_every] * self.workers
 
     def trains(self, tick: int, worker: int | None = None) -> bool:
-        """Whether ``worker`` (default this one) trains at ``tick``: tick k (0-based in its
-        round) of a worker of n steps when ``floor((k+1)·n/H) > floor(k·n/H)``: n ticks,
-        spread evenly, the round's last among them. In the run's first round every worker
-        trains the first ``probe`` ticks and spreads the rest of its n over the rest."""
-        n, h = self.counts(tick)[self.replica if worker is None else worker], self.sync_every
-        k = (tick - 1) % h
-        if tick <= h and self.probe:
-            if k < self.probe:
-                return True
-            n, k, h = n - self.probe, k - self.probe, h - self.probe
+        """Whether ``worker`` (default this one) trains at ``tick``. In the run's first
+        round a worker of n steps trains its first n ticks (``first_steps``); in a later
+        one tick k (0-based in its round) when ``floor((k+1)·n/H) > floor(k·n/H)``: n ticks,
+        spread evenly, the round's last among them."""
+        h = self.sync_every
+        if tick <= h:
+            return tick <= self.probe or tick <= self.first_steps(worker)
+        n, k = self.counts(tick)[self.replica if worker is None else worker], (tick - 1) % h
         return (k + 1) * n // h > k * n // h
+
+    def first_steps(self, worker: int | None = None) -> int:
+        """A worker's steps in the run's first round: this one's (``worker`` None or its
+        index) as far as it knows (H while it has not the probe's times: it trains on),
+        another one's agreed (collective where they are not yet: ``agree_first``)."""
+        me = worker is None or worker == self.replica
+        if self.first is not None and me:
+            return self.first.mine if self.first.heard(self.ticks_trained) else self.sync_every
+        return self.round_counts(0)[self.replica if worker is None else worker]
+
+    def agree_first(self) -> None:
+        """Agree on every worker's steps of the run's first round (``FirstRound.agree``:
+        collective, waited for) and share the second by the probe's times; nothing where
+        they are agreed already."""
+        first, self.first = self.first, None
+        if first is not None:
+            self.rounds[0] = first.agree(self.ticks_trained)
+            self.rounds[1:] = [shares(self.sync_every, first.times)]
 
     def steps_between(self, first: int, last: int, worker: int) -> int:
         """How many of the ticks ``first``..``last`` (inclusive) ``worker`` trains on."""
@@ -325,16 +424,20 @@ class LocalSteps:
         self._spans = left
 
     def tick_done(self, comm: Any, tick: int) -> None:
-        """After every tick: at the end of the run's first probe ticks, agree on the first
-        two rounds (waited for: a few steps' difference); at a round's end, start the
-        gather that fixes the round ``ahead`` of it (``agree``; settled at once where
-        ``ahead`` is 1)."""
+        """After every tick: at the end of the run's first probe ticks, send this worker's
+        time of them (``FirstRound``, not waited for); at a round's end, start the gather
+        that fixes the round ``ahead`` of it (``agree``; settled at once where ``ahead`` is
+        1)."""
         if self.quorum is not None:
             return self.heard(tick)
         if self.probing and tick == self.probe:
             self.probing = False
-            self._gather(comm, fixes=0)
-            self.settle()
+            self._read_spans(wait=True)
+            self.smoothed = self.busy / self.steps if self.steps else 0.0  # the probe's
+            handle = self._post(comm, self.smoothed)
+            self.first = FirstRound(comm, handle, self.sync_every, self.probe, self.replica,
+                                    self._shield)
+            self.busy, self.steps = 0.0, 0
         elif tick % self.sync_every == 0:
             self.agree(comm, tick // self.sync_every - 1 + self.ahead)
             if self.ahead == 1:
@@ -391,25 +494,28 @@ class LocalSteps:
         return (SMOOTHING * self.smoothed + (1 - SMOOTHING) * mean if mean and self.smoothed
                 else mean or self.smoothed)
 
-    def _gather(self, comm: Any, fixes: int) -> None:
-        self._read_spans(wait=True)
-        if fixes:
-            mine = self.smoothed = self._smoothed()
-        else:  # the probe's few times stand alone, and are not kept
-            mine = self.busy / self.steps if self.steps else 0.0
+    def _post(self, comm: Any, seconds: float) -> Any:
+        """Start gathering every worker's step time, this one's ``seconds`` (a claim: the
+        Comm's shield may play a lie, and judges the claims); returns the handle."""
         self._shield = getattr(comm, "shield", None)  # what lies (an attack), what caps lies
         if self._shield is not None and self._shield.injector is not None:
             self._shield.injector.step = self._shield.clock()
-            mine = self._shield.injector.claim(mine)
-        self._pending = comm.all_gather(
-            torch.tensor([mine], dtype=torch.float64, device=comm.device), tag="train")
+            seconds = self._shield.injector.claim(seconds)
+        return comm.all_gather(
+            torch.tensor([seconds], dtype=torch.float64, device=comm.device), tag="train")
+
+    def _gather(self, comm: Any, fixes: int) -> None:
+        self._read_spans(wait=True)
+        mine = self.smoothed = self._smoothed()
+        self._pending = self._post(comm, mine)
         self._fixes = fixes
         self.busy, self.steps = 0.0, 0
 
     def settle(self) -> None:
-        """Fix the round(s) the gather in flight decides (waiting for it): before the next
-        gather, and before a checkpoint saves ``rounds`` (``fit``); the probe fixes the rest
-        of the first round and the second round."""
+        """Agree on the first round where it is not yet (``agree_first``), then fix the
+        round the gather in flight decides (waiting for it): before the next gather, and
+        before a checkpoint saves ``rounds`` (``fit``)."""
+        self.agree_first()
         if self._pending is None:
             return
         times = [float(t) for t in self._pending.wait()]
@@ -417,22 +523,27 @@ class LocalSteps:
         if self._shield is not None and self._shield.judges:
             times = self._shield.guard.cap_claims(times)
         counts = shares(self.sync_every, times)
-        if self._fixes == 0:  # the probe: round 0 past its first ticks, and round 1
-            rest = shares(self.sync_every - self.probe, times)
-            self.rounds[0] = [self.probe + n for n in rest]
-            self.rounds.append(counts)
-            return
         while len(self.rounds) < self._fixes:  # a checkpoint taken before the probe
             self.rounds.append([self.sync_every] * self.workers)
         self.rounds[self._fixes:] = [counts]
 
     def steps_until(self, tick: int) -> int:
-        """Steps every worker together trained in ticks 1..``tick``."""
+        """Steps every worker together trained in ticks 1..``tick``. In the run's first
+        round, while its steps are not agreed, those known so far (nothing is gathered):
+        this worker's own, another's probe, or its share once the times are in."""
         h = self.sync_every
+        if self.first is None:
+            first = self.rounds[0]
+        else:
+            first = (list(self.first.shares) if self.first.heard(self.ticks_trained)
+                     else [self.probe] * self.workers)
+            first[self.replica] = self.first_steps()
+        total = sum(min(tick, n) for n in first)
         done = tick // h
-        whole = sum(sum(self.counts(r * h + 1)) for r in range(done))
-        return whole + sum(self.steps_between(done * h + 1, tick, m) for m in range(self.workers))
+        total += sum(sum(self.round_counts(r)) for r in range(1, done))
+        return total + sum(self.steps_between(max(done * h, h) + 1, tick, m)
+                           for m in range(self.workers))
 
 
-__all__ = ["PROBE_TICKS", "SLACK", "SMOOTHING", "DeviceSpan", "LocalSteps", "Throttle", "fit",
-           "goodput", "shares"]
+__all__ = ["PROBE_TICKS", "SLACK", "SMOOTHING", "DeviceSpan", "FirstRound", "LocalSteps",
+           "Throttle", "fit", "goodput", "shares"]

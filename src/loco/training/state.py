@@ -284,6 +284,7 @@ def loop_state(w: Worker, loop: Loop, step: int) -> dict:
             "eval_seconds": loop.eval_seconds, "diagnostic_seconds": loop.diagnostic_seconds,
             "train_seconds": loop.elapsed(), "trained_steps": loop.trained_steps,
             "throttle_seconds": loop.throttle_seconds, "local_rounds": local_rounds(w),
+            "local_admitted": getattr(w.local_steps, "admitted", None),
             "metrics_bytes": w.log.tell() if w.log is not None else
             None if w.ctx.comm.elastic else 0,
             "tokens": w.tokens_at(step)}

@@ -88,7 +88,9 @@ class Summary:
         local_steps: with ``--local-steps proportional``: ``rounds``, every round's inner
             steps per worker as the workers agreed them; ``max_staleness``; with
             asynchronous outer steps, ``staleness``: how many blocks of all workers were
-            applied at each staleness (outer steps old); None otherwise.
+            applied at each staleness (outer steps old); with ``--quorum``, ``quorum``,
+            ``grace``, ``held_syncs`` and ``merged`` (every sync's merged workers, None
+            where it was held); None otherwise.
         resumed_from_step: the checkpoint's step this run resumed from; None for a fresh
             run.
         restarts: times the launcher restarted the workers.

@@ -131,7 +131,8 @@ class Worker:
 
 #: The running values a checkpoint saves (under "loop"), to continue them exactly.
 SAVED_LOOP = ("loss_sum", "loss_count", "eval_seconds", "diagnostic_seconds", "train_seconds",
-              "metrics_bytes", "trained_steps", "throttle_seconds", "local_rounds")
+              "metrics_bytes", "trained_steps", "throttle_seconds", "local_rounds",
+              "local_admitted")
 
 
 @dataclass
@@ -172,6 +173,9 @@ class Loop:
     trained_steps: int = 0
     throttle_seconds: float = 0.0
     local_rounds: list | None = None
+    local_admitted: list | None = None
+    """With ``--quorum``: every decided sync's merged workers (None: held), as at the
+    checkpoint this run resumed from."""
     last_checkpoint: float | None = None
     """``time.perf_counter()`` when this run's last checkpoint was handed over (None: none
     yet; ``--checkpoint-interval`` counts from the loop's start)."""
