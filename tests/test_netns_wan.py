@@ -118,7 +118,7 @@ def test_elastic_workers_on_separate_hosts_rejoin(namespaces_work, tmp_path):
     results = tmp_path / "netns.json"
     cmd = [sys.executable, str(SCRIPT), "--elastic", "--workers", "3", "--model", "tiny",
            "--steps", "120", "--sync-every", "4", "--kill", "2:30", "--min-workers", "2",
-           "--out", str(tmp_path / "run"), "--json", str(results), "--timeout", "150",
+           "--out", str(tmp_path / "run"), "--json", str(results), "--timeout", "300",
            "--", "--link-latency", "20ms", "--log-every", "50", "--checkpoint-every", "0",
            *SMALL_BATCHES]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
