@@ -68,7 +68,7 @@ class DiLoCo(StreamingDiLoCo):
             ``eager``.
         outer_rule: ``"nesterov"`` (default: SGD with momentum, Nesterov's or heavy-ball
             by ``nesterov``) or ``"delayed-nesterov"`` (Async Local-SGD's, see
-            [`DelayedNesterov`][loco.algorithms.delayed_nesterov.DelayedNesterov]; not
+            ``loco.algorithms.delayed_nesterov.DelayedNesterov``; not
             with ``eager``).
         momentum_every: N of delayed Nesterov, an integer >= 1; default 1.
         **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:

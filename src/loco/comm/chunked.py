@@ -262,8 +262,9 @@ class ChunkTopKCodec(Codec):
         return idx, vals, ~(torch.isfinite(scales).all(dim=1, keepdim=True) & valid[:, None])
 
     # A flat vector's operations (those of a codec of another layout differ: ``TiledTopK``).
-    def encode_flat(self, flat: torch.Tensor, out: torch.Tensor, buffers=None) -> torch.Tensor:
-        """[`encode_flat`][loco.comm.chunked.encode_flat] with this codec.
+    def encode_flat(self, flat: torch.Tensor, out: torch.Tensor,
+                    buffers: Any = None) -> torch.Tensor:
+        """The module's ``encode_flat`` with this codec.
 
         Args:
             flat: the values.
@@ -272,8 +273,9 @@ class ChunkTopKCodec(Codec):
         """
         return encode_flat(self, flat, out, buffers)
 
-    def decode_flat(self, message: torch.Tensor, out: torch.Tensor, buffers=None) -> None:
-        """[`decode_flat`][loco.comm.chunked.decode_flat] with this codec.
+    def decode_flat(self, message: torch.Tensor, out: torch.Tensor,
+                    buffers: Any = None) -> None:
+        """The module's ``decode_flat`` with this codec.
 
         Args:
             message: ``encode_flat``'s row.
@@ -283,7 +285,7 @@ class ChunkTopKCodec(Codec):
         decode_flat(self, message, out, buffers)
 
     def subtract_flat(self, message: torch.Tensor, x: torch.Tensor) -> None:
-        """[`subtract_flat`][loco.comm.chunked.subtract_flat] with this codec.
+        """The module's ``subtract_flat`` with this codec.
 
         Args:
             message: ``encode_flat``'s bytes.
@@ -292,7 +294,7 @@ class ChunkTopKCodec(Codec):
         subtract_flat(self, message, x)
 
     def gather_mean(self, flat: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """[`gather_mean`][loco.comm.chunked.gather_mean] with this codec.
+        """The module's ``gather_mean`` with this codec.
 
         Args:
             flat: the values, overwritten with the mean.

@@ -228,7 +228,7 @@ class TiledTopK(Codec):
 
     def gather_mean(self, flat: torch.Tensor, parts: int, divisor: int, buffers, all_gather,
                     sent: torch.Tensor | None = None, guard=None, wire=None) -> torch.Tensor:
-        """As [`gather_mean`][loco.comm.chunked.gather_mean], over the tiles: one all-gather
+        """As ``loco.comm.chunked.gather_mean``, over the tiles: one all-gather
         of every worker's message, the mean formed in tile order, tensor by tensor, in rank
         order (so every worker gets the same bits), and read back into ``flat``."""
         n = flat.numel()
