@@ -396,3 +396,33 @@ def test_sparseloco_defaults_are_tiles_split_and_the_senders_mean():
     assert (type(plain.codecs[0]).__name__, plain.codecs[0].mean) == ("ChunkTopKCodec", "all")
     with pytest.raises(ValueError, match="sparse_layout applies to the chunked top-k"):
         loco.DiLoCo(model, make_optimizer(model), comm, codec="int2", sparse_layout="tiles")
+
+
+def test_the_guard_leaves_out_a_garbage_message_in_the_tiled_mean():
+    """A worker whose tiled message is ×50 is named ``high`` and left out of the senders'
+    mean (the guard judges the tiled messages as it does the runs'). Mistake caught: the
+    tiled path not passing its messages' norms to the guard."""
+    from loco.comm.guard import Guard
+    from loco.comm.reduce import Buffers
+
+    shapes = _shapes()
+    codec = TiledTopK("topk_2bit", shapes, 64, K, "split", "senders")
+    n = codec.plan.numel
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(n, generator=g) for _ in range(4)]
+    xs[2] = xs[2] * 50
+    msgs = [codec.encode_flat(x, torch.empty(codec.encoded_nbytes(n), dtype=torch.uint8))
+            for x in xs]
+
+    def mean_of(rows, guard):
+        flat = xs[0].clone()
+        codec.gather_mean(flat, len(rows), len(rows), Buffers(torch.device("cpu")),
+                          lambda out, _m: out.copy_(torch.cat([msgs[r] for r in rows])),
+                          None, guard)
+        return flat
+
+    guard = Guard("drop", 4.0, 4)
+    guarded = mean_of([0, 1, 2, 3], guard)
+    honest = mean_of([0, 1, 3], None)
+    assert torch.allclose(guarded, honest, rtol=1e-6, atol=1e-7)
+    assert guard.counts[2].sum() > 0 and guard.counts[[0, 1, 3]].sum() == 0
