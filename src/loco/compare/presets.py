@@ -181,7 +181,7 @@ PRESETS: dict[str, dict[str, Any]] = {
                     "local": {"spread_every": 10}},
     },
     "hetero": {
-        "about": "workers of unequal speed over 3 seeds in about 30 minutes on a 2-core CPU: "
+        "about": "workers of unequal speed over 3 seeds in about 25 minutes on a 2-core CPU: "
                  "the tiny model on Shakespeare, 4 workers at speeds 1, 1, 0.5 and 0.33 "
                  "(--worker-speed), 4 x 128 tokens, 480 steps, H = 20 (24 rounds); "
                  "synchronous DiLoCo, DiLoCo with speed-aware local steps and with "

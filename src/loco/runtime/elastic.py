@@ -15,12 +15,12 @@ import datetime
 import logging
 import os
 import pickle
-import queue
 import socket
 import threading
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_ready
 from typing import Any, Callable
 
 import torch
@@ -140,8 +140,7 @@ def launch_elastic(fn: Callable[..., Any], args: tuple, replicas: int, timeout: 
                                   join_timeout=timeout)
     ctx = context(getattr(fn, "__module__", None))
     job = _Job(ctx, _RankSpec(fn, args, replicas, shards, lighthouse.address(), min_workers,
-                              timeout, links, "127.0.0.1", ctx.Event(), dict(os.environ)),
-               ctx.Queue())
+                              timeout, links, "127.0.0.1", ctx.Event(), dict(os.environ)))
     try:
         for w in range(replicas):
             job.start(w, 0)
@@ -191,10 +190,16 @@ class _RankSpec:
 
 class _Job:
     """The supervisor's view of an elastic job's processes: R per worker, keyed
-    (worker, shard); a worker's ranks live, die and restart together."""
+    (worker, shard); a worker's ranks live, die and restart together. Each process sends
+    its one result down a pipe of its own: a process killed mid-send (the supervisor stops
+    the ranks of a worker that lost one) breaks only its pipe, never another's (a queue
+    shared by all holds one write lock, which a process killed while writing keeps
+    forever, and every other process then hangs at exit)."""
 
-    def __init__(self, ctx, spec: _RankSpec, results):
-        self.ctx, self.spec, self.results, self.shards = ctx, spec, results, spec.shards
+    def __init__(self, ctx, spec: _RankSpec, entry: Callable | None = None):
+        self.ctx, self.spec, self.shards = ctx, spec, spec.shards
+        self.entry = entry or _entry  # a rank's process: (spec, key, restart, port, pipe)
+        self.pipes: dict[tuple[int, int], Any] = {}  # the read ends, until each one's result
         self.procs: dict[int, list] = {}
         self.stores: list = []  # each start's store of the worker's ranks, kept alive
         self.restarts: dict[int, int] = {}
@@ -210,13 +215,18 @@ class _Job:
             self.stores.append(store)
             port = store.port
         self.restarts[worker] = restart
-        self.procs[worker] = [
-            self.ctx.Process(target=_entry, args=(self.spec, (worker, r), restart, port,
-                                                  self.results),
-                             name=f"loco-worker-{worker}-{r}", daemon=True)
-            for r in range(self.shards)]
-        for p in self.procs[worker]:
+        self.procs[worker] = []
+        for r in range(self.shards):
+            if (old := self.pipes.pop((worker, r), None)) is not None:
+                old.close()  # the killed process's, never to be read
+            reader, writer = self.ctx.Pipe(duplex=False)
+            p = self.ctx.Process(target=self.entry, args=(self.spec, (worker, r), restart, port,
+                                                      writer),
+                                 name=f"loco-worker-{worker}-{r}", daemon=True)
             p.start()
+            writer.close()  # the child's alone: its death is the pipe's end
+            self.pipes[(worker, r)] = reader
+            self.procs[worker].append(p)
 
     def settled(self) -> bool:
         return all(self._finished(w) or w in self.lost or self._raised(w)
@@ -229,16 +239,20 @@ class _Job:
         return any((worker, r) in self.raised for r in range(self.shards))
 
     def collect(self, wait: float = 0.0) -> None:
-        while True:
-            try:
-                key, ok, value = (self.results.get(timeout=wait) if wait
-                                  else self.results.get_nowait())
-            except queue.Empty:
-                break
-            if ok:
-                self.done[key] = pickle.loads(value)
-            else:
-                self.raised[key] = value
+        """Take every result sent so far, waiting up to ``wait`` seconds for the first."""
+        while ready := wait_ready(list(self.pipes.values()), timeout=wait):
+            for key in [k for k, c in self.pipes.items() if c in ready]:
+                conn = self.pipes.pop(key)
+                try:
+                    _, ok, value = conn.recv()
+                except (EOFError, OSError):  # it died before sending, or while it sent
+                    continue
+                finally:
+                    conn.close()
+                if ok:
+                    self.done[key] = pickle.loads(value)
+                else:
+                    self.raised[key] = value
             wait = 0.0
         if self.done and not self.spec.job_over.is_set():
             self.spec.job_over.set()
@@ -309,6 +323,11 @@ class _Job:
                 for r in range(self.shards)]
 
 
+#: A rank's one result goes down its pipe whole: the main thread's and ``_too_late``'s
+#: sends never interleave.
+_SENDING = threading.Lock()
+
+
 def _too_late(job_over, comm, key: tuple[int, int], results) -> None:
     """Once a worker has finished the job, one still joining it (restarted too late to
     rejoin: no quorum with a live worker will come) exits cleanly, its result None."""
@@ -317,8 +336,8 @@ def _too_late(job_over, comm, key: tuple[int, int], results) -> None:
     while not (job_over.is_set() and (comm.waiting or comm.joining)):
         time.sleep(0.2)
     print(f"[loco] worker {key[0]}: the job finished while it waited to join", flush=True)
-    results.put((key, True, pickle.dumps(None)))
-    time.sleep(0.5)  # the queue's feeder thread hands the result over
+    with _SENDING:  # the pipe holds it when send returns
+        results.send((key, True, pickle.dumps(None)))
     os._exit(0)
 
 
@@ -428,7 +447,8 @@ def _worker_world(store, shard: int, shards: int, timeout: float, fast_link: Any
 def _entry(job: _RankSpec, key: tuple[int, int], restart: int, port: int | None,
            results) -> None:
     """A rank process of an elastic worker started by ``launch_elastic``: ``job.fn`` in its
-    context; the result (or the traceback) goes back through ``results``."""
+    context; the result (or the traceback) goes back through ``results``, this process's
+    own pipe to the supervisor."""
     if job.env is not None:
         adopt_environment(job.env)
     os.environ[RESTART_ENV] = str(restart)
@@ -442,10 +462,13 @@ def _entry(job: _RankSpec, key: tuple[int, int], restart: int, port: int | None,
                          daemon=True, name="loco-job-over").start()
     try:
         value = _run(job, key, store, "processes", started=watch)
-        # By value: a queue would pass tensors as shared memory this process must outlive.
-        results.put((key, True, pickle.dumps(value)))
+        # By value: tensors pickled by multiprocessing would be shared memory this process
+        # must outlive.
+        with _SENDING:
+            results.send((key, True, pickle.dumps(value)))
     except BaseException:  # the supervisor tells a cause from a consequence, and says it
-        results.put((key, False, traceback.format_exc()))
+        with _SENDING:
+            results.send((key, False, traceback.format_exc()))
         raise SystemExit(1) from None
 
 
