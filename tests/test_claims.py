@@ -127,6 +127,20 @@ def test_without_a_same_optimizer_twin_the_claim_says_it_crosses_optimizers():
     assert not any("ddp-kj" in t for t in texts)
 
 
+def test_a_run_that_lost_a_worker_is_no_reference_for_one_that_did_not():
+    """``--preset hetero``'s only DataParallel runs a failure (``ddp-fail``): DiLoCo, which
+    runs none, has no DataParallel to be held against, and the claims naming DataParallel
+    are left out; a DataParallel run without a failure beside it is taken."""
+    failing = run("ddp-fail", "ddp", 5.08, fault="1:240:exit", elastic=True)
+    diloco = run("diloco", "diloco", 5.45)
+    texts = [c.text for c in claims([failing, diloco, run("streaming", "streaming", 5.5)])]
+    assert not any("ddp-fail" in t or "DataParallel" in t for t in texts), texts
+    ddp = run("ddp", "ddp", 4.9)
+    rows = by_text(claims([failing, ddp, diloco]))
+    row = rows["DiLoCo " + DDP_CLAIM.format("DataParallel") + " (twin: ddp, AdamW inside)"]
+    assert row.pair == (5.45, 4.9)
+
+
 # ------------------------------------------------------------------------------ routing
 def pipeline(label, routing, spreads, algorithm="noloco", stages=2, seed=None, loss=5.0):
     return run(label, algorithm, loss, seed, spreads, {"stages": stages, "routing": routing},

@@ -136,7 +136,9 @@ def reference(runs: list[Run], run: Run, claim: PaperClaim, by: dict[str, Run]
     with heavy-ball momentum, the NoLoCo paper's), else that method's baseline run, else its
     first. Where no run of that method has ``run``'s inner optimizer, the same choice among
     all of its runs: the comparison crosses optimizers
-    ([`twin_note`][loco.report.papers.twin_note] says so).
+    ([`twin_note`][loco.report.papers.twin_note] says so). Only runs with ``run``'s injected
+    failure (``fault``: none, or the same) count: a run that lost a worker half-way is no
+    reference for one that did not (``--preset hetero``'s ``ddp-fail``), nor the reverse.
 
     Args:
         runs: the runs of one seed.
@@ -149,7 +151,8 @@ def reference(runs: list[Run], run: Run, claim: PaperClaim, by: dict[str, Run]
         if any(config.get(k) == v for k, v in claim.want.items()):
             return None
         return twin(runs, run, claim.free, **claim.want)
-    mine = candidates(runs, claim.against, by)
+    mine = [r for r in candidates(runs, claim.against, by)
+            if r.summary.config.get("fault") == config.get("fault")]
     pool = [r for r in mine if inner(r) == inner(run)] or mine
     wanted = [r for r in pool if claim.want and all(
         r.summary.config.get(k) == v for k, v in claim.want.items())]
