@@ -332,3 +332,30 @@ def test_the_hetero_preset_checks_goodput_wallclock_tokens_and_eager():
         ("streaming-eager-late (Streaming DiLoCo)", False)}
     assert all("(the same τ without" in c.text or "(τ = 1 without" in c.text for c in eager)
     assert len({(c["model"], c["steps"], c["workers"], c["seed"]) for c in cfg.values()}) == 1
+
+
+# ------------------------------------------------------------------------------ settings
+def test_the_setting_names_muon_inside_and_the_sparse_wire():
+    """The report's setting column says what the loss depends on: Muon inside where the
+    method's default is AdamW (never for DeMo's own sign-SGD), and a chunked top-k's layout,
+    values and mean: SparseLoCo's defaults (tiles, senders), DiLoCo's (runs, all), what was
+    given, and runs where a worker of several ranks under DDP holds no whole tensors."""
+    from loco.report.numbers import method_setting
+
+    outer = {"outer_lr": 1.0, "outer_momentum": 0.0}
+    muloco = run("muloco", "diloco", inner_optimizer="muon", codec="int2", **outer)
+    assert method_setting(muloco) == "H=10, outer lr 1, no momentum, int2, Muon inside"
+    assert "inside" not in method_setting(run("diloco", "diloco", **outer))
+    assert "inside" not in method_setting(run("demo", "demo", demo_decay=0.999, demo_topk=32,
+                                                  demo_chunk=64))
+    sparse = run("sparseloco", "sparseloco", codec="topk_2bit", error_feedback=0.95, **outer)
+    assert method_setting(sparse) == ("H=10, outer lr 1, no momentum, topk_2bit (tiles, split, "
+                                      "mean over the senders), error feedback β=0.95")
+    plain = run("d", "diloco", codec="topk_2bit", **outer)
+    assert method_setting(plain).endswith("topk_2bit (runs, split, mean over all)")
+    given = run("s", "sparseloco", codec="topk_2bit", sparse_values="stat", sparse_mean="all",
+                **outer)
+    assert "topk_2bit (tiles, stat, mean over all)" in method_setting(given)
+    ddp = run("s", "sparseloco", codec="topk_2bit", worker_ranks=2, worker_parallel="ddp",
+              **outer)
+    assert "topk_2bit (runs, split, mean over the senders)" in method_setting(ddp)

@@ -112,7 +112,7 @@ class DiLoCo(StreamingDiLoCo):
     @classmethod
     def setting(cls, config: dict) -> str:
         """H, the outer optimizer, and the wire where it is not fp32."""
-        wire = wire_setting(config)
+        wire = wire_setting(config, cls.sparse_defaults)
         return (f"H={config['sync_every']}" + cls.outer_setting(config) + rule_setting(config)
                 + ("" if wire == ", fp32" else wire))
 

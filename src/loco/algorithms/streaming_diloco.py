@@ -240,7 +240,7 @@ class StreamingDiLoCo(Algorithm):
         """H, the outer optimizer, P, τ, α and the codec."""
         mixing = config.get("mixing", config.get("alpha"))  # runs saved before the rename
         return (super().setting(config) + f", P={config['fragments']}, "
-                f"τ={config['overlap']}, α={mixing}" + wire_setting(config))
+                f"τ={config['overlap']}, α={mixing}" + wire_setting(config, cls.sparse_defaults))
 
     @classmethod
     def checkpoint_delay(cls, cfg) -> int:

@@ -167,10 +167,24 @@ def wire_warnings(cfg) -> list[str]:
     return []
 
 
-def wire_setting(config: dict) -> str:
-    """The report's words for the codec and the error feedback, ``", ..."``."""
+def wire_setting(config: dict, sparse: dict | None = None) -> str:
+    """The report's words for the codec and the error feedback, ``", ..."``; a chunked top-k
+    says its layout, values and mean: given, else the method's ``sparse`` defaults where
+    they apply (as ``fragment_codecs`` chooses: tiles need whole tensors, which a worker of
+    several ranks under DDP does not hold), else runs, split, the mean over all."""
+    codec = config.get("codec") or "fp32"
+    text = f", {codec}"
+    if codec in CHUNK_TOPK_CODEC_NAMES:
+        sparse = sparse or {}
+        ranges = (config.get("worker_ranks") or 1) > 1 and config.get("worker_parallel") != "fsdp"
+        layout = config.get("sparse_layout") or (None if ranges else
+                                                 sparse.get("sparse_layout")) or "runs"
+        values = config.get("sparse_values") or (sparse.get("sparse_values") if layout == "tiles"
+                                                 else None) or "split"
+        mean = config.get("sparse_mean") or sparse.get("sparse_mean") or "all"
+        text += f" ({layout}, {values}, mean over {'the senders' if mean == 'senders' else 'all'})"
     beta = config.get("error_feedback") or 0
-    return f", {config.get('codec') or 'fp32'}" + (f", error feedback β={beta:g}" if beta else "")
+    return text + (f", error feedback β={beta:g}" if beta else "")
 
 
 def check_arguments(sync_every: int, count: int, overlap: Any, alpha: float, outer_lr: float,

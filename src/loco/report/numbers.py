@@ -71,13 +71,16 @@ def main_metric(entry: dict) -> tuple[str, float | None] | None:
 
 
 def method_setting(run: Run) -> str:
-    """The method's own knobs in one short phrase (``Method.setting``), and its pipeline
-    stages.
+    """The method's own knobs in one short phrase (``Method.setting``), its inner optimizer
+    where it is not the method's default (``", Muon inside"``), and its pipeline stages.
 
     Args:
         run: a run.
     """
     text = run.method.setting(run.summary.config)
+    inner = run.method.inner_name(run.summary.config or {})
+    if inner != run.method.inner_name({}):
+        text += f", {inner} inside"
     if (run.summary.stages or 1) > 1:
         text += f", {run.summary.stages} stages ({run.summary.routing} routing)"
     return text
