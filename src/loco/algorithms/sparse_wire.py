@@ -45,23 +45,41 @@ def fragment_codecs(codec: Any, shares: list, sparse_layout: str | None = None,
             raise ValueError(f"{name} applies to the chunked top-k codecs (got {codec.name})")
     if not isinstance(codec, ChunkTopKCodec):
         return [codec] * len(shares)
-    defaults = defaults or {}
     whole = all(s.inner is None for s in shares)
-    if sparse_layout is None and whole:
-        sparse_layout = defaults.get("sparse_layout")
-    if sparse_values is None and sparse_layout == "tiles":
-        sparse_values = defaults.get("sparse_values")
-    codec.mean = sparse_mean or defaults.get("sparse_mean") or "all"
-    if (sparse_layout or "runs") == "runs":
-        if sparse_values == "stat":
+    layout, values, codec.mean = sparse_choice(sparse_layout, sparse_values, sparse_mean,
+                                               defaults, whole)
+    if layout == "runs":
+        if values == "stat":
             raise ValueError("sparse_values='stat' bins each tensor's values: it needs "
                              "sparse_layout='tiles'")
         return [codec] * len(shares)
-    if any(s.inner is not None for s in shares):
+    if not whole:
         raise ValueError("sparse_layout='tiles' cuts whole tensors: a worker of several "
                          "ranks needs them sharded whole (FSDP), not in ranges")
-    return [tiled_codec(codec, [v.shape for v in s.views], sparse_values or "split")
-            for s in shares]
+    return [tiled_codec(codec, [v.shape for v in s.views], values) for s in shares]
 
 
-__all__ = ["SPARSE_KEYS", "fragment_codecs"]
+def sparse_choice(layout: str | None, values: str | None, mean: str | None,
+                  defaults: dict | None, whole: bool) -> tuple[str, str, str]:
+    """The layout, values and mean a chunked top-k runs with: each as given, else the
+    method's ``defaults`` where it applies (tiles only on ``whole`` tensors, the values only
+    with tiles), else runs, split, the mean over all.
+
+    Args:
+        layout: ``sparse_layout`` as given, or None.
+        values: ``sparse_values`` as given, or None.
+        mean: ``sparse_mean`` as given, or None.
+        defaults: the method's choice of the three (SparseLoCo's), or None.
+        whole: whether the worker's shares are whole tensors (one rank, or FSDP), not
+            ranges of flat values (several ranks under DDP).
+    """
+    defaults = defaults or {}
+    if layout is None and whole:
+        layout = defaults.get("sparse_layout")
+    layout = layout or "runs"
+    if values is None and layout == "tiles":
+        values = defaults.get("sparse_values")
+    return layout, values or "split", mean or defaults.get("sparse_mean") or "all"
+
+
+__all__ = ["SPARSE_KEYS", "fragment_codecs", "sparse_choice"]

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loco.algorithms.fragments import PATTERNS
+from loco.algorithms.sparse_wire import SPARSE_KEYS, sparse_choice
 from loco.comm.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES, SPARSE_LAYOUTS,
                                SPARSE_MEANS, SPARSE_VALUES)
 from loco.options import ConfigError, need, opt
@@ -175,13 +176,9 @@ def wire_setting(config: dict, sparse: dict | None = None) -> str:
     codec = config.get("codec") or "fp32"
     text = f", {codec}"
     if codec in CHUNK_TOPK_CODEC_NAMES:
-        sparse = sparse or {}
         ranges = (config.get("worker_ranks") or 1) > 1 and config.get("worker_parallel") != "fsdp"
-        layout = config.get("sparse_layout") or (None if ranges else
-                                                 sparse.get("sparse_layout")) or "runs"
-        values = config.get("sparse_values") or (sparse.get("sparse_values") if layout == "tiles"
-                                                 else None) or "split"
-        mean = config.get("sparse_mean") or sparse.get("sparse_mean") or "all"
+        layout, values, mean = sparse_choice(*(config.get(k) for k in SPARSE_KEYS), sparse,
+                                             whole=not ranges)
         text += f" ({layout}, {values}, mean over {'the senders' if mean == 'senders' else 'all'})"
     beta = config.get("error_feedback") or 0
     return text + (f", error feedback β={beta:g}" if beta else "")
