@@ -360,19 +360,23 @@ def test_a_worker_that_claims_ten_times_its_speed_is_named(corpus, tmp_path):
 
 def test_a_lying_claim_counts_as_the_median_and_the_pace_is_vouched_for():
     """The judgement of claimed speeds (host values, deterministic): a claim faster than the
-    median's times the factor is named and counts as the median claim (the others' shares
+    lower median's times the factor is named and counts as the median claim (the others' shares
     stand); a lie under the factor sets the pace only ``PACE_MARGIN`` beyond the next
     fastest claim, unnamed; honest unequal speeds (two equally fast) pass unchanged; two
     claims cannot be judged."""
     from loco.comm.guard import PACE_MARGIN
 
     guard = Guard("drop", 4.0, 4)
-    assert guard.cap_claims([1.0, 0.01, 1.2, 0.9]) == [1.0, 1.0, 1.2, 0.9]
+    assert guard.cap_claims([1.0, 0.01, 1.2, 0.9]) == [1.0, 0.9, 1.2, 0.9]
     assert [(d["worker"], d["sign"]) for d in guard.report()] == [(1, "tokens")]
     quiet = Guard("drop", 4.0, 4)
     assert quiet.cap_claims([1.0, 0.4, 1.2, 0.9]) == [1.0, 0.9 / PACE_MARGIN, 1.2, 0.9]
     assert quiet.report() == []
     assert quiet.cap_claims([1.0, 1.0, 2.0, 3.0]) == [1.0, 1.0, 2.0, 3.0]
+    # speeds 1, 1, 0.5, 0.33 as measured in --preset hetero: the fastest is 4.3 times the
+    # upper median's speed, 1.5 times the lower's (the one judged by)
+    assert quiet.cap_claims([0.0203, 0.0298, 0.087, 0.107]) == [0.0203, 0.0298, 0.087, 0.107]
+    assert quiet.report() == []
     assert guard.cap_claims([1.0, 0.0, 0.01, 0.0]) == [1.0, 0.0, 0.01, 0.0]
 
 
