@@ -202,6 +202,21 @@ def test_a_fast_worker_trains_on_until_the_probe_times_arrive():
     assert [t for t in range(13, 25) if plan.trains(t, 2)] == [16, 20, 24]
 
 
+def test_the_first_rounds_time_counts_the_probes_ticks_as_any_other():
+    """The probe's mean (its 2nd and 3rd ticks) is only the first guess, for the first
+    round's shares: the time sent at the round's end is the mean over all its timed ticks,
+    the probe's among them, not half the probe's and half the rest's (a probe of 2 noisy
+    ticks weighed as much as the round's other 9 held a worker's shares down for rounds)."""
+    comm = Gathers([0.1, 0.2, 0.35], [12, 6, 3], [0.1, 0.2, 0.35])
+    plan = speed.LocalSteps(12, 3, 0)
+    probe(plan, comm)
+    for t in range(4, 13):
+        assert plan.trains(t)
+        plan.trained(0.4)
+        plan.tick_done(comm, t)
+    assert comm.sent == pytest.approx([0.1, 12, (2 * 0.1 + 9 * 0.4) / 11])
+
+
 @pytest.mark.parametrize("replica,arrives_after,steps", [
     (2, 3, 3),  # the slowest: the times arrive as it sends its own; it stops at its share
     (1, 3, 6),  # in time: its share, 6 of the round's ticks, the first 6

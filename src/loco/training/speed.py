@@ -433,11 +433,12 @@ class LocalSteps:
         if self.probing and tick == self.probe:
             self.probing = False
             self._read_spans(wait=True)
-            self.smoothed = self.busy / self.steps if self.steps else 0.0  # the probe's
-            handle = self._post(comm, self.smoothed)
+            # the probe's mean: the first guess at this worker's time, for the first round's
+            # shares; the round's own mean at its end counts these ticks and the later ones
+            # alike (the guess is not averaged in as if it were a round of its own)
+            handle = self._post(comm, self.busy / self.steps if self.steps else 0.0)
             self.first = FirstRound(comm, handle, self.sync_every, self.probe, self.replica,
                                     self._shield)
-            self.busy, self.steps = 0.0, 0
         elif tick % self.sync_every == 0:
             self.agree(comm, tick // self.sync_every - 1 + self.ahead)
             if self.ahead == 1:
