@@ -8,7 +8,7 @@ same run without ``--worker-speed`` and ``--local-steps``), so that both meet th
 on the machine. It prints every pair's goodputs and their ratio, then per kind the median
 of the ratios and their range: the figure docs/unequal.md tabulates, whose target is 0.95.
 
-    .venv/bin/python benchmarks/unequal_short.py              # 8 pairs each, ~6 minutes
+    .venv/bin/python benchmarks/unequal_short.py              # 8 pairs each, ~3 minutes
     .venv/bin/python benchmarks/unequal_short.py --pairs 3    # a quicker look
 """
 
