@@ -296,7 +296,7 @@ def test_speed_aware_steps_time_a_gpu_tick_on_the_device_clock(fake_cuda):
     timed by two timing events on the training stream (``DeviceSpan``), read without waiting
     while the round goes on (only the ticks the device has run) and, at the round's end,
     every one of them (an event's wait, never a stream's or the device's)."""
-    from loco.training.speed import DeviceSpan, LocalSteps
+    from loco.training.local_steps import DeviceSpan, LocalSteps
 
     log = fake_cuda
     plan = LocalSteps(sync_every=4, workers=1, replica=0, rounds=[[4]])

@@ -12,7 +12,9 @@ import loco
 from loco.algorithms.asynchronous import BlockStarts
 from loco.cli import main
 from loco.config import ConfigError, build_config, worker_speeds
-from loco.training import speed
+from loco.training import emulation
+from loco.training.goodput import goodput
+from loco.training.local_steps import FirstRound, LocalSteps, fit
 
 
 @pytest.mark.parametrize("value,workers,message", [
@@ -50,9 +52,9 @@ def test_a_slow_worker_sleeps_the_rest_of_its_longer_step(monkeypatch, factor, p
     """Speed s: after a step's compute of c seconds it sleeps (1/s − 1)·c, counted in the
     loop's throttle seconds; speed 1 sleeps never (and takes no time)."""
     clock = Clock(work=0.2)
-    monkeypatch.setattr(speed, "time", clock)
+    monkeypatch.setattr(emulation, "time", clock)
     loop = type("Loop", (), {"throttle_seconds": 1.0})()
-    with speed.Throttle(factor, torch.device("cpu")).compute(loop):
+    with emulation.Throttle(factor, torch.device("cpu")).compute(loop):
         pass
     assert clock.slept == ([] if pause is None else [pytest.approx(pause)])
     assert loop.throttle_seconds == pytest.approx(1.0 + (pause or 0))
@@ -68,23 +70,23 @@ def test_goodput_of_the_synchronous_barrier_is_the_slowest_share():
     workers wait 20 s and 15 s; goodput 40 / (30 + 30 + 15 + 10) = 4·(1/3) / (17/6)."""
     ranks = [counters(30, 20, 10, 10), counters(30, 20, 10, 10), counters(30, 10, 10, 10),
              counters(30, 0, 10, 10)]
-    g = speed.goodput(ranks, [[0], [1], [2], [3]])
+    g = goodput(ranks, [[0], [1], [2], [3]])
     assert g["total"] == pytest.approx(4 * (1 / 3) / (17 / 6), abs=1e-4)
     assert g["per_worker"] == [pytest.approx(1 / 3, abs=1e-4)] * 2 + [
         pytest.approx(2 / 3, abs=1e-4), 1.0]
     assert g["step_seconds"] == [1.0, 1.0, 2.0, 3.0]
     # steps discarded count against it; a worker of two ranks sums them
-    g = speed.goodput([counters(10, 0, 10, 5), counters(10, 0, 10, 10)], [[0, 1]])
+    g = goodput([counters(10, 0, 10, 5), counters(10, 0, 10, 10)], [[0, 1]])
     assert g["total"] == g["per_worker"][0] == 0.75
     # the lead's 2 s of evaluation, which the other waited out (blocked), leave the wall
-    g = speed.goodput([counters(10, 0, 10, 10), counters(12, 2, 10, 10)], [[0], [1]], held=2)
+    g = goodput([counters(10, 0, 10, 10), counters(12, 2, 10, 10)], [[0], [1]], held=2)
     assert g["total"] == 1.0
 
 
 def test_a_worker_trains_the_steps_that_fit_into_the_fastest_ones_round():
     """Rounded down (a step that ends late holds everyone), with 2% slack for the noise,
     at least 1, at most the ticks; all of them where the time is unknown."""
-    assert [speed.fit(20, 0.1, t) for t in (0.1, 0.2, 0.3, 0.15, 0.101, 5.0, 0.0)] == [
+    assert [fit(20, 0.1, t) for t in (0.1, 0.2, 0.3, 0.15, 0.101, 5.0, 0.0)] == [
         20, 10, 6, 13, 20, 1, 20]
 
 
@@ -110,7 +112,7 @@ def test_a_run_with_a_slow_worker_records_its_speed_and_a_goodput_below_one(corp
 def test_a_worker_of_n_steps_trains_on_n_ticks_of_each_round_the_last_among_them():
     """In the run's first round a worker of n steps trains the first n ticks; in a later
     round n of the H ticks, evenly, the round's last among them (literal tables)."""
-    plan = speed.LocalSteps(10, 3, 0, rounds=[[10, 5, 4], [10, 5, 3], [10, 1, 7]])
+    plan = LocalSteps(10, 3, 0, rounds=[[10, 5, 4], [10, 5, 3], [10, 1, 7]])
     trained = [[t for t in range(1, 31) if plan.trains(t, m)] for m in range(3)]
     assert trained == [list(range(1, 31)),
                        [1, 2, 3, 4, 5, 12, 14, 16, 18, 20, 30],
@@ -120,7 +122,7 @@ def test_a_worker_of_n_steps_trains_on_n_ticks_of_each_round_the_last_among_them
     assert plan.steps_until(7) == 7 + 5 + 4
     # weights: M times the worker's share of the steps of the ticks a sync covers
     assert plan.weight(20, 10) == pytest.approx(3 * 10 / 18)
-    assert speed.LocalSteps(10, 3, 2, rounds=[[10, 5, 4]]).weight(10, 10) == pytest.approx(
+    assert LocalSteps(10, 3, 2, rounds=[[10, 5, 4]]).weight(10, 10) == pytest.approx(
         3 * 4 / 19)
 
 
@@ -158,7 +160,7 @@ def test_the_times_of_round_r_fix_round_r_plus_2_the_same_on_every_worker():
     r + 2 ``round(H · fastest / time)`` steps (at least 1), without waiting for the gather
     (it is settled at the next round's end, or before a checkpoint)."""
     comm = Gathers([0.1, 0.2, 0.4], [0.1, 0.1, 5.0])
-    plan = speed.LocalSteps(4, 3, 0)  # H < 6: too short to probe
+    plan = LocalSteps(4, 3, 0)  # H < 6: too short to probe
     plan.trained(0.1)
     plan.tick_done(comm, 4)  # the end of round 0: gathered, not waited for
     assert plan.rounds == [[4, 4, 4]] * 2
@@ -186,7 +188,7 @@ def test_a_fast_worker_trains_on_until_the_probe_times_arrive():
     Until then the tokens count what is known: its own ticks, the others' probe, then
     their shares."""
     comm = Gathers([0.1, 0.2, 0.35], [12, 7, 3], arrived=0)
-    plan = speed.LocalSteps(12, 3, 0)
+    plan = LocalSteps(12, 3, 0)
     probe(plan, comm)
     assert comm.sent == [pytest.approx(0.1)]
     for t in range(4, 8):
@@ -208,7 +210,7 @@ def test_the_first_rounds_time_counts_the_probes_ticks_as_any_other():
     the probe's among them, not half the probe's and half the rest's (a probe of 2 noisy
     ticks weighed as much as the round's other 9 held a worker's shares down for rounds)."""
     comm = Gathers([0.1, 0.2, 0.35], [12, 6, 3], [0.1, 0.2, 0.35])
-    plan = speed.LocalSteps(12, 3, 0)
+    plan = LocalSteps(12, 3, 0)
     probe(plan, comm)
     for t in range(4, 13):
         assert plan.trains(t)
@@ -225,7 +227,7 @@ def test_a_slower_worker_stops_at_its_share_or_where_the_times_reached_it(replic
                                                                           arrives_after, steps):
     comm = Gathers([0.1, 0.2, 0.35], [12, steps, 3] if replica == 1 else [12, 6, steps],
                    arrived=0)
-    plan = speed.LocalSteps(12, 3, replica)
+    plan = LocalSteps(12, 3, replica)
     probe(plan, comm, (0.9, 0.35, 0.35) if replica == 2 else (0.9, 0.2, 0.2))
     for t in range(4, 13):
         if t == arrives_after + 1:
@@ -241,10 +243,10 @@ def test_a_checkpoint_in_the_first_round_agrees_on_it_and_resumes_with_it():
     """``settle`` (before a checkpoint) agrees on the first round; a plan built from the
     saved rounds trains the same ticks of it as the run that went on."""
     comm = Gathers([0.1, 0.2, 0.35], [12, 6, 3])
-    plan = speed.LocalSteps(12, 3, 1)
+    plan = LocalSteps(12, 3, 1)
     probe(plan, comm, (0.9, 0.2, 0.2))
     plan.settle()
-    resumed = speed.LocalSteps(12, 3, 1, rounds=plan.rounds)
+    resumed = LocalSteps(12, 3, 1, rounds=plan.rounds)
     assert not resumed.probing and resumed.first is None
     assert [resumed.trains(t) for t in range(1, 25)] == [plan.trains(t) for t in range(1, 25)]
     assert [t for t in range(1, 25) if resumed.trains(t)] == [1, 2, 3, 4, 5, 6, 14, 16, 18, 20,
@@ -259,7 +261,7 @@ def test_where_the_guard_judges_claimed_first_round_steps_are_held_to_the_times(
     from types import SimpleNamespace
 
     guard = SimpleNamespace(cap_claims=lambda times: times)
-    first = speed.FirstRound(None, None, 12, 3, 0, SimpleNamespace(judges=True, guard=guard))
+    first = FirstRound(None, None, 12, 3, 0, SimpleNamespace(judges=True, guard=guard))
     first.times, first.shares = [0.1, 0.2, 0.35], [12, 6, 3]
     assert first.believable([12, 12, 12]) == [12, 11, 6]
     assert first.believable([12, 1, 4]) == [12, 6, 4]
@@ -322,7 +324,7 @@ def planned(ctx, steps, rounds, fragments=1, overlap=0, alpha=0.0, staleness=0):
     algo = (loco.DiLoCo(model, smooth_optimizer(model), ctx.comm, **kw) if fragments == 1 else
             loco.StreamingDiLoCo(model, smooth_optimizer(model), ctx.comm, fragments=fragments,
                                  overlap=overlap, alpha=alpha, **kw))
-    plan = speed.LocalSteps(UH, ctx.comm.size, ctx.rank, rounds=rounds, max_staleness=staleness,
+    plan = LocalSteps(UH, ctx.comm.size, ctx.rank, rounds=rounds, max_staleness=staleness,
                             last_round=steps // UH - 1)
     algo.weight_of = plan.weight
     if staleness:
@@ -445,10 +447,10 @@ def _from_the_current_copy(orig):
 
 MISTAKES = {  # name -> (the class, its method replaced, the replacement given the original)
     "speed-aware: the first round spread like the later ones": (
-        speed.LocalSteps, "trains", _spread_first_round),
-    "speed-aware: a plain mean, not weighed by steps": (speed.LocalSteps, "weight", _plain_mean),
+        LocalSteps, "trains", _spread_first_round),
+    "speed-aware: a plain mean, not weighed by steps": (LocalSteps, "weight", _plain_mean),
     "asynchronous: a block of S + 1 rounds ends a round late": (
-        speed.LocalSteps, "block_steps", _late_block_end),
+        LocalSteps, "block_steps", _late_block_end),
     "asynchronous: Δ taken from the current global copy, not the block's start": (
         BlockStarts, "of", _from_the_current_copy)}
 
@@ -474,12 +476,12 @@ def test_asynchronous_blocks_span_rounds_until_h_steps_or_s_plus_1_rounds():
     or the run's last full round ends; it weighs by its steps among the blocks ending at
     that sync, and 0 at the others; the staleness of every block is counted."""
     rounds = [[12, 12, 12], [12, 6, 4], [12, 6, 4], [12, 6, 4], [12, 6, 4]]
-    plan = speed.LocalSteps(12, 3, 2, rounds=rounds, max_staleness=1, last_round=4)
+    plan = LocalSteps(12, 3, 2, rounds=rounds, max_staleness=1, last_round=4)
     assert [plan.block_steps(r, 2) for r in range(5)] == [12, 0, 8, 0, 8]
     assert [plan.block_steps(r, 1) for r in range(5)] == [12, 0, 12, 0, 12]
     assert plan.weight(12 * 3, 12) == pytest.approx(3 * 8 / (12 + 12 + 8))  # round 2
     assert plan.weight(12 * 4, 12) == 0  # round 3
-    longer = speed.LocalSteps(12, 3, 2, rounds=rounds, max_staleness=5, last_round=4)
+    longer = LocalSteps(12, 3, 2, rounds=rounds, max_staleness=5, last_round=4)
     assert [longer.block_steps(r, 2) for r in range(5)] == [12, 0, 0, 12, 4]  # last round
     assert longer.staleness(5) == {0: 1 + 5 + 1 + 1, 1: 2, 2: 1}
 
@@ -554,7 +556,7 @@ def test_where_the_sync_is_waited_for_a_rounds_times_fix_the_next_round():
     """``ahead`` 1 (nothing overlaps a round's sync): the gather at round r's end is waited
     for at once and fixes round r + 1."""
     comm = Gathers([0.1, 0.2, 0.4], [0.1, 0.1, 5.0])
-    plan = speed.LocalSteps(4, 3, 0, ahead=1)
+    plan = LocalSteps(4, 3, 0, ahead=1)
     plan.trained(0.1)
     plan.tick_done(comm, 4)
     assert plan.rounds == [[4, 4, 4], [4, 2, 1]] and comm.calls == 1
@@ -589,7 +591,7 @@ def test_elastic_plans_hear_the_quorum_and_restart_a_joiners_blocks():
     from types import SimpleNamespace
 
     quorum = SimpleNamespace(note=0, notes={}, members=(0, 1, 2), contributing=(0, 1, 2))
-    plan = speed.LocalSteps(4, 4, 0, quorum=quorum, max_staleness=2)
+    plan = LocalSteps(4, 4, 0, quorum=quorum, max_staleness=2)
     assert plan.probe == 0
     plan.trained(0.1)
     plan.tick_done(None, 1)
@@ -606,7 +608,7 @@ def test_elastic_plans_hear_the_quorum_and_restart_a_joiners_blocks():
     # round 1's sync: only worker 0's block (4 steps) ends among the 3 contributors
     assert [plan.block_steps(1, m) for m in range(3)] == [4, 0, 0]
     assert plan.weight(8, 4) == 3.0
-    joiner = speed.LocalSteps(4, 4, 3, quorum=quorum, max_staleness=2)
+    joiner = LocalSteps(4, 4, 3, quorum=quorum, max_staleness=2)
     joiner.load_heal_state(plan.heal_state())
     assert joiner.rounds == plan.rounds and joiner.restarts == {3: 2}
 
@@ -621,7 +623,7 @@ def test_a_worker_reports_its_step_time_averaged_over_rounds():
             sent.append(float(tensor))
             return super().all_gather(tensor, tag)
     comm = Recording(*[[0.1, 0.1]] * 3)
-    plan = speed.LocalSteps(4, 2, 0, ahead=1)
+    plan = LocalSteps(4, 2, 0, ahead=1)
     for seconds in (0.1, 0.3, 0.3):
         plan.trained(seconds)
         plan.tick_done(comm, 4 * (len(sent) + 1))

@@ -130,7 +130,7 @@ def planned_worker(ctx, steps, plan, max_staleness=0, resume_at=None, **kw):
     ``max_staleness``, asynchronous outer steps. Returns the global copy (``params``) and
     the bytes sent (``sent``); with ``resume_at``: also rebuilt from its state after that
     many ticks and finished again, both global copies."""
-    from loco.training.speed import LocalSteps
+    from loco.training.local_steps import LocalSteps
 
     layers = kw.pop("layers", 4)
 
@@ -646,7 +646,7 @@ def elastic_worker(ctx, steps, kill=None, **kw):
     from loco.runtime.elastic import RESTART_ENV
     from loco.runtime.fsdp import shard_worker
 
-    from loco.training.speed import LocalSteps
+    from loco.training.local_steps import LocalSteps
 
     pause = kw.pop("step_seconds", 0.0)  # slower steps: a restarted worker can catch up
     plan, staleness = kw.pop("plan", None), kw.pop("max_staleness", 0)

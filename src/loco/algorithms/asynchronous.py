@@ -3,9 +3,9 @@ slowest, and a slow worker's pseudo-gradient is applied when it arrives, at most
 steps old.
 
 With speed-aware local steps every round of H ticks ends at the same wall time for every
-worker: a worker of speed s trains about s·H of its ticks (``loco.training.speed``). Without
-asynchrony each worker sends those s·H steps at every sync. With it (``max_staleness`` S
-> 0) a worker's *block* spans rounds: it keeps training its replica past a sync until the
+worker: a worker of speed s trains about s·H of its ticks (``loco.training.local_steps``).
+Without asynchrony each worker sends those s·H steps at every sync. With it (``max_staleness``
+S > 0) a worker's *block* spans rounds: it keeps training its replica past a sync until the
 block holds H steps, or S + 1 rounds, or the run's last full round comes (Async Local-SGD's
 workers of H local steps each, Liu et al. 2024, arXiv 2401.09135). At the syncs a block
 spans the worker sends zeros (the all-reduce needs every worker: the same bytes); at the

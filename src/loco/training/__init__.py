@@ -11,7 +11,10 @@
 - ``counters``: every rank's bytes, times and memory, gathered at the end;
 - ``finish``: the end of the run and the lead rank's summary;
 - ``summary``: the summary's typed record (torch-free);
-- ``runlog``: the run directory's files; ``errors``: a worker's failure.
+- ``runlog``: the run directory's files; ``errors``: a worker's failure;
+- ``emulation``: workers of unequal speed, emulated (``--worker-speed``);
+- ``local_steps``: speed-aware local steps (``--local-steps proportional``) and their
+  blocks; ``goodput``: the share of the workers' capacity the run turned into progress.
 
 The public names below are imported on first use, so that ``loco.training.summary`` loads
 without torch.

@@ -22,10 +22,11 @@ from loco.runtime.elastic import restart_count
 from loco.runtime.faults import Fault
 from loco.runtime.pipeline import PipelineStage
 from loco.runtime.vitals import LARGE_MODEL_BYTES, Vitals, return_freed_memory
+from loco.training.emulation import Throttle
+from loco.training.local_steps import LocalSteps
 from loco.training.optimizers import inner_optimizer
 from loco.training.quorum import QuorumSteps, quorum_kwargs
 from loco.training.runlog import RunLog
-from loco.training.speed import LocalSteps, Throttle
 from loco.training.state import restore, restore_elastic, resume_state, seek
 from loco.training.worker import SAVED_LOOP, Loop, Worker
 

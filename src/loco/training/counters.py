@@ -12,7 +12,7 @@ import torch
 from loco import checkpoint
 from loco.algorithms import Algorithm
 from loco.runtime import WorkerContext
-from loco.training.speed import goodput
+from loco.training.goodput import goodput
 from loco.training.worker import Loop, Worker
 
 #: The counters every rank reports at the end, in the order of its report tensor.
@@ -206,7 +206,7 @@ def summarize_counters(ctx: WorkerContext, counters: list[dict], held: float = 0
         ctx: the lead rank's context.
         counters: every rank's counters, in rank order (:func:`gather_counters`).
         held: the lead rank's seconds of evaluation and spread diagnostic, which the others
-            wait out (see ``loco.training.speed.goodput``).
+            wait out (see ``loco.training.goodput.goodput``).
     """
     most = {k: max(c[k] for c in counters) for k in COUNTERS if k not in HOST_READS}
     per_worker = ctx.stages * ctx.mesh.shards  # rank order: worker-major

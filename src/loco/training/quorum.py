@@ -20,7 +20,7 @@ import torch
 
 from loco.algorithms.asynchronous import admit
 from loco.comm.hostreads import allowed
-from loco.training.speed import LocalSteps
+from loco.training.local_steps import LocalSteps
 
 
 class QuorumSteps(LocalSteps):
@@ -42,7 +42,7 @@ class QuorumSteps(LocalSteps):
         measure: this worker's arrival at round r's sync (``measure(r)``, seconds); default
             measured (``arrival``); tests give literal ones.
         clock: the clock a block's completion is read on; default ``time.perf_counter``.
-        **kwargs: as for [`LocalSteps`][loco.training.speed.LocalSteps] (``rounds``,
+        **kwargs: as for [`LocalSteps`][loco.training.local_steps.LocalSteps] (``rounds``,
             ``last_round``, ``ahead``; not ``quorum``: not elastic).
     """
 

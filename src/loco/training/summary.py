@@ -81,7 +81,7 @@ class Summary:
             nonfinite skip``), summed over ranks; a sync skipped by all its workers counts
             once per worker.
         goodput: the share of the workers' capacity that went into committed progress
-            (``loco.training.speed``): ``total``, ``per_worker`` and each worker's
+            (``loco.training.goodput``): ``total``, ``per_worker`` and each worker's
             ``step_seconds`` when it does not wait; None for runs before it was recorded.
         worker_speeds: the speed factors of ``--worker-speed``, one per worker; None when
             every worker ran at its own speed.

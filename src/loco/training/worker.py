@@ -17,8 +17,9 @@ from loco.runtime import WorkerContext
 from loco.runtime.faults import Fault
 from loco.runtime.pipeline import PipelineStage
 from loco.runtime.vitals import Vitals
+from loco.training.emulation import Throttle
+from loco.training.local_steps import LocalSteps
 from loco.training.runlog import RunLog
-from loco.training.speed import LocalSteps, Throttle
 
 
 @dataclass

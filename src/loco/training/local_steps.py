@@ -1,11 +1,5 @@
-"""Workers of unequal speed: emulated (``--worker-speed``), given a share of each round by
-their speed (``--local-steps proportional``), and the goodput they leave.
-
-A worker of speed ``s`` in (0, 1] makes each inner step take ``1/s`` of its natural time:
-after the step's forward and backward passes, timed as they run, it sleeps ``(1/s − 1)``
-times that time. Sleeping rather than spinning leaves the cores to the other workers, as a
-slower machine would. On a GPU the time is the device's, between two events on the
-training stream (the emulation waits for the second one: it costs the step its launch-ahead).
+"""Speed-aware local steps (``--local-steps proportional``): every worker given a share of
+each round by its speed, and, with asynchronous outer steps, its blocks of steps.
 
 With speed-aware local steps (Async Local-SGD's "dynamic local updates", Liu et al. 2024,
 arXiv 2401.09135) every round of H inner steps is H *ticks* for every worker, and worker i
@@ -22,58 +16,18 @@ share, so that no worker waits for a slower one's first steps. A worker's pseudo
 then weighs by the steps (tokens) behind it. With asynchronous outer steps a worker's
 block of steps spans rounds (``loco.algorithms.asynchronous``).
 
-Goodput is the share of the workers' capacity that went into committed progress: the steps
-whose pseudo-gradients were applied, over the steps each worker could have trained in the
-run's wall time at its own pace, never waiting (its step time without the time it was
-blocked on communication).
+On a GPU a tick's time is the device's (``DeviceSpan``); on a CPU the host's, less the time
+the step was blocked on communication.
 """
 
 from __future__ import annotations
 
 import math
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import torch
 
 from loco.comm.hostreads import allowed
-
-
-class Throttle:
-    """One worker's emulated speed.
-
-    Args:
-        speed: the factor in (0, 1]; 1 sleeps never.
-        device: where the step runs (on a GPU its time is taken with events).
-    """
-
-    def __init__(self, speed: float, device: torch.device):
-        self.speed = speed
-        self.device = device
-
-    @contextmanager
-    def compute(self, loop: Any) -> Iterator[None]:
-        """Time the step's compute inside; then sleep ``(1/speed − 1)`` times it, added to
-        ``loop.throttle_seconds``."""
-        if self.speed >= 1:
-            yield
-            return
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            yield
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1000
-        else:
-            t0 = time.perf_counter()
-            yield
-            seconds = time.perf_counter() - t0
-        pause = (1 / self.speed - 1) * seconds
-        time.sleep(pause)
-        loop.throttle_seconds += pause
 
 
 class DeviceSpan:
@@ -106,46 +60,6 @@ class DeviceSpan:
         """The span's seconds (waits for its end: call it where the host may read)."""
         self.end.synchronize()
         return self.start.elapsed_time(self.end) / 1000
-
-
-def goodput(counters: list[dict], ranks_of_worker: list[list[int]], held: float = 0.0
-            ) -> dict:
-    """The run's goodput, and each worker's.
-
-    A rank's step time when it does not wait is its training time less the time it was
-    blocked on communication, over the steps it trained; in the run's wall time (the
-    slowest rank's training time, less ``held``) it could have trained ``wall / that``
-    steps. Goodput is the steps applied (trained, less those skipped or discarded) over
-    those capacities.
-
-    Args:
-        counters: every rank's counters, with ``train_seconds``, ``blocked_seconds``,
-            ``trained_steps`` and ``applied_steps``.
-        ranks_of_worker: the ranks of each worker, by worker.
-        held: seconds the lead rank spent evaluating (and on the spread diagnostic), left
-            out of its training time, which the other workers wait out at their next
-            sync: left out of the wall time too (default 0).
-
-    Returns:
-        ``total`` and ``per_worker`` (fractions; None where a rank trained nothing) and
-            ``step_seconds`` (each worker's step time when not waiting, its slowest rank's).
-    """
-    wall = max(c["train_seconds"] for c in counters) - held
-
-    def capacity(c: dict) -> float | None:
-        busy = c["train_seconds"] - c["blocked_seconds"]
-        return wall * c["trained_steps"] / busy if busy > 0 and c["trained_steps"] else None
-
-    caps = [capacity(c) for c in counters]
-    per_worker, step_seconds = [], []
-    for ranks in ranks_of_worker:
-        cap = [caps[r] for r in ranks]
-        applied = sum(counters[r]["applied_steps"] for r in ranks)
-        per_worker.append(None if None in cap else round(applied / sum(cap), 4))
-        step_seconds.append(None if None in cap else round(wall / min(cap), 4))
-    total = (None if None in caps else
-             round(sum(c["applied_steps"] for c in counters) / sum(caps), 4))
-    return {"total": total, "per_worker": per_worker, "step_seconds": step_seconds}
 
 
 PROBE_TICKS = 3
@@ -547,4 +461,4 @@ class LocalSteps:
 
 
 __all__ = ["PROBE_TICKS", "SLACK", "SMOOTHING", "DeviceSpan", "FirstRound", "LocalSteps",
-           "Throttle", "fit", "goodput", "shares"]
+           "fit", "shares"]
