@@ -7,6 +7,8 @@
 - ``worker``: what a rank's run is made of (``Worker``) and the loop's running values;
 - ``state``: checkpoints, resuming (and resharding) from them, joining an elastic run;
 - ``loop``: the steps, their logging and the replicas' spread diagnostic;
+- ``hooks``: what a run's options add to the inner step (faults, an emulated speed,
+  speed-aware ticks, non-finite settling, an elastic run's token count);
 - ``evaluation``: the global model's, the replicas' and their average's losses;
 - ``counters``: every rank's bytes, times and memory, gathered at the end;
 - ``finish``: the end of the run and the lead rank's summary;

@@ -1,12 +1,14 @@
-"""The training loop: every step, the logging, the periodic evaluation, the replicas'
-spread diagnostic and the checkpoints when due."""
+"""The training loop: every step (a plain step: a batch, forward, backward, the algorithm's
+step and the schedule's; what the run's options add to it are hooks, ``loco.training.hooks``),
+the logging, the periodic evaluation, the replicas' spread diagnostic and the checkpoints
+when due."""
 
 from __future__ import annotations
 
 import math
 import sys
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 
 import torch
 from torch.profiler import record_function
@@ -20,13 +22,12 @@ from loco.comm.handles import Aborted
 from loco.comm.hostreads import allowed
 from loco.config import profile_steps
 from loco.profiling import StepProfiler
-from loco.runtime.faults import silence
 from loco.runtime.pipeline import PipelineStage
 from loco.training.counters import blocked_seconds, issued_link_bytes
 from loco.training.errors import failure
 from loco.training.evaluation import periodic_eval
+from loco.training.hooks import StepHooks, step_hooks
 from loco.training.state import checkpoint_if_due
-from loco.training.local_steps import DeviceSpan
 from loco.training.summary import human_bytes
 from loco.training.verify import verify_if_due
 from loco.training.worker import Loop, Worker
@@ -36,6 +37,7 @@ def train_loop(w: Worker, loop: Loop) -> None:
     """Every step of the run; a failure becomes a TrainingError naming the rank and step."""
     step = w.first
     profiler = step_profiler(w)
+    hooks = step_hooks(w, loop)
     loop.start()
     try:
         with host_read_check(w.ctx.device) as counter:
@@ -43,7 +45,7 @@ def train_loop(w: Worker, loop: Loop) -> None:
                 if w.vitals is not None:
                     w.vitals.note(step)
                 with profiler.step(step):
-                    loss = train_step(w, step, loop)
+                    loss = train_step(w, step, loop, hooks)
                     syncs = _drain(w.algo)
                     with allowed("diagnostic"):
                         spread = spread_diagnostic(w, loop, step)
@@ -100,68 +102,51 @@ def step_profiler(w: Worker) -> StepProfiler:
                         else " and every other rank's next to it")
 
 
-def train_step(w: Worker, step: int, loop: Loop) -> torch.Tensor | None:
-    """One inner step, timed for speed-aware local steps (``--local-steps proportional``,
-    and asynchronous outer steps), which may also leave it out (an idle tick: the
-    algorithm's schedule moves on)."""
-    plan = w.local_steps
-    if plan is None:
-        return inner_step(w, step, loop)
-    if w.ctx.comm.elastic:  # the steps the members of the latest sync train at this tick
-        w.elastic_tokens += (sum(plan.trains(step, m) for m in w.ctx.comm.members)
-                             * w.cfg.batch_size * w.cfg.seq_len)
-    if not plan.trains(step):
+def train_step(w: Worker, step: int, loop: Loop, hooks: StepHooks) -> torch.Tensor | None:
+    """One tick: an inner step where this worker trains at ``step``, else an idle tick
+    (speed-aware local steps leave it out: the algorithm's schedule moves on); the run's
+    hooks around it (``loco.training.hooks``). Returns the loss (None on an idle tick and on
+    pipeline stages but the last)."""
+    hooks.start(step)
+    if hooks.trains(step):
+        loss = inner_step(w, step, loop, hooks)
+    else:
         w.algo.idle_step()
         w.schedule.step()
         loss = None
-        if step == w.cfg.steps:
-            w.algo.flush()
-    elif w.ctx.device.type == "cuda":  # the device's clock: the tick's forward and backward
-        loss = inner_step(w, step, loop, span=DeviceSpan(w.ctx.device))
-        plan.trained(loop.tick_span)
-    else:
-        t0, waited = time.perf_counter(), blocked_seconds(w.ctx)
-        loss = inner_step(w, step, loop)
-        plan.trained(time.perf_counter() - t0 - (blocked_seconds(w.ctx) - waited))
-    plan.tick_done(w.ctx.comm, step)
+    if step == w.cfg.steps:
+        w.algo.flush()  # the last fragment sent must reach the evaluated global model
+    hooks.end(step)
     return loss
 
 
-def inner_step(w: Worker, step: int, loop: Loop, span: DeviceSpan | None = None
-               ) -> torch.Tensor | None:
-    """One inner step: forward, backward (then a pause, if ``--worker-speed`` slows this
-    worker), the algorithm's step (which syncs when due) and the schedule's; returns the
-    loss (None on pipeline stages but the last). ``span``: timing events started before
-    the forward pass, stopped after the backward pass (``loop.tick_span``)."""
-    silence(w.ctx.comm.shield.injector, step)  # --inject W:silent: never sends again
-    if w.fault is not None:
-        if step == w.fault.step:  # a drill strikes once the last checkpoint is committed
-            w.writer.wait_committed(w.ctx.comm.check_aborted)
-        w.fault.before_step(step, w.ctx.comm, w.algo.params)
+def inner_step(w: Worker, step: int, loop: Loop, hooks: StepHooks) -> torch.Tensor | None:
+    """One inner step: a batch, the forward and backward passes, the algorithm's step
+    (which syncs when due) and the schedule's, with the hooks' phases between them;
+    returns the loss (None on pipeline stages but the last)."""
+    hooks.before(step)
     batch = w.loader.next_batch() if w.loader is not None else None
-    with record_function("loco/forward_backward"), (
-            w.throttle.compute(loop) if w.throttle is not None else nullcontext()):
-        if w.pipeline is None:
-            with w.autocast:
-                loss = w.model(*batch)
-            loss.backward()
-        else:  # the loss arrives on the last stage only
-            loss = w.pipeline.forward_backward(batch, step)
-    if span is not None:
-        loop.tick_span = span.stop()
-    if w.fault is not None:
-        w.fault.after_backward(step, w.algo.params)
+    with record_function("loco/forward_backward"), hooks.compute(step):
+        loss = forward_backward(w, batch, step)
+    hooks.after_backward(step)
     w.algo.step()
     w.schedule.step()
     w.algo.zero_grad()
     loop.trained_steps += 1
-    if step % w.cfg.log_every == 0:  # inner steps skipped on the device, if any, read now
-        w.algo.settle_nonfinite()
-    if w.ctx.comm.elastic and w.local_steps is None:  # the quorum of the latest sync trained
-        w.elastic_tokens += (len(w.ctx.comm.members) * w.ctx.mesh.shards * w.cfg.batch_size
-                             * w.cfg.seq_len)
-    if step == w.cfg.steps:
-        w.algo.flush()  # the last fragment sent must reach the evaluated global model
+    hooks.after(step)
+    return loss
+
+
+def forward_backward(w: Worker, batch, step: int) -> torch.Tensor | None:
+    """The forward and backward passes of ``batch`` (None on later pipeline stages: they
+    receive their inputs); with pipeline stages, this stage's, its activations and
+    gradients routed between the stages' replicas. Returns the loss (on the last stage
+    only)."""
+    if w.pipeline is not None:
+        return w.pipeline.forward_backward(batch, step)
+    with w.autocast:
+        loss = w.model(*batch)
+    loss.backward()
     return loss
 
 

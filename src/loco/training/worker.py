@@ -180,8 +180,6 @@ class Loop:
     last_checkpoint: float | None = None
     """``time.perf_counter()`` when this run's last checkpoint was handed over (None: none
     yet; ``--checkpoint-interval`` counts from the loop's start)."""
-    tick_span: Any = None
-    """The last trained tick's ``DeviceSpan`` on a GPU (speed-aware local steps)."""
     host_reads: dict | None = None
     """With ``LOCO_HOST_READS=count``: the most host reads one step made, by reason
     (``step``: outside the regions that may read), and ``steps_reading``: the first steps
