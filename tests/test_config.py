@@ -72,3 +72,39 @@ def test_resume_refuses_a_changed_option_naming_all_that_may_change(tmp_path):
         resume_config(str(tmp_path), {"lr": 1.0})
     for name in RESUMABLE + LAYOUT:
         assert flag(name) in str(e.value)
+
+
+def test_a_yaml_file_nests_options_by_section(tmp_path, capsys):
+    """Options nest under their sections (a method's own under ``method``), as ``--help``
+    groups them; a key under the wrong section is refused naming its own; nothing is
+    printed for a nested file."""
+    from loco.config.groups import nest
+
+    path = tmp_path / "nested.yaml"
+    path.write_text("method: {algorithm: diloco, sync-every: 20, codec: int8}\n"
+                    "optim: {lr: 0.001}\nrun: {steps: 40}\nruntime: {workers: 2}\n"
+                    "model: {model: tiny}\n")
+    cfg = build_config(str(path), {"steps": 60})  # flags win
+    assert (cfg.algorithm, cfg.sync_every, cfg.codec, cfg.lr, cfg.steps, cfg.workers,
+            cfg.model) == ("diloco", 20, "int8", 0.001, 60, 2, "tiny")
+    assert capsys.readouterr().err == ""
+    assert nest({"lr": 0.001, "codec": "int8", "workers": 2}) == {
+        "method": {"codec": "int8"}, "optim": {"lr": 0.001}, "runtime": {"workers": 2}}
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("optim: {steps: 10, lr: 0.01}\n")
+    with pytest.raises(ConfigError, match=r"steps not in section 'optim' \(they are in: run\)"):
+        build_config(str(wrong), {})
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("run: {steps: 10}\nsteps: 20\n")
+    with pytest.raises(ConfigError, match="--steps: given twice"):
+        build_config(str(twice), {})
+
+
+def test_a_flat_yaml_file_is_read_with_one_line_on_how_to_nest_it(tmp_path, capsys):
+    path = tmp_path / "flat.yaml"
+    path.write_text("sync_every: 10\nlr: 0.01\n")
+    cfg = build_config(str(path), {})
+    assert (cfg.sync_every, cfg.lr) == (10, 0.01)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nest them under their sections" in err[0]
+    assert "method: {sync_every: ...}" in err[0] and "optim: {lr: ...}" in err[0]
