@@ -46,6 +46,9 @@ BAD_INPUTS = [
     (["--steps", "0"], "--steps", ">= 1"),
     (["--steps", "-1"], "--steps", ">= 1"),
     (["--sync-every", "0"], "--sync-every", ">= 1"),
+    (["--algorithm", "noloco", "--eager"], "--eager",
+     "applies to diloco, streaming, sparseloco, sparta_diloco only, not to --algorithm noloco"),
+    (["--algorithm", "demo", "--codec", "int8"], "--codec", "not to --algorithm demo"),
     (["--algorithm", "sgd"], "--algorithm", "diloco"),
     (["--model", "huge"], "--model", "tiny, small"),
     (["--launcher", "mpi"], "--launcher", "processes"),
@@ -276,7 +279,7 @@ def test_console_script_help_lists_every_option_by_section_and_method():
         own = {f.name for f in TrainConfig.fields()} - {f.name for s in SECTIONS
                                                          for f in dataclasses.fields(s)}
         for option in own | {"sync_every", "outer_lr", "spread_every"}:
-            assert bool(flag(option).search(text)) == (option in cls.uses()), (name, option)
+            assert bool(flag(option).search(text)) == (option in cls.takes()), (name, option)
         seen |= {f.name for f in TrainConfig.fields() if flag(f.name).search(text)}
     assert seen == {f.name for f in TrainConfig.fields()}
 

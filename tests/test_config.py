@@ -108,3 +108,28 @@ def test_a_flat_yaml_file_is_read_with_one_line_on_how_to_nest_it(tmp_path, caps
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nest them under their sections" in err[0]
     assert "method: {sync_every: ...}" in err[0] and "optim: {lr: ...}" in err[0]
+
+
+@pytest.mark.parametrize("algorithm,option,value,takers", [
+    ("noloco", "eager", True, "diloco, streaming, sparseloco, sparta_diloco"),
+    ("demo", "outer_lr", 0.5, "diloco, streaming, sparseloco, noloco, sparta_diloco"),
+    ("ddp", "codec", "int8", "diloco, streaming, sparseloco, sparta_diloco"),
+    ("diloco", "group_size", 4, "noloco"),
+    ("streaming", "final_average", True, "noloco, sparta, local")])
+def test_an_option_of_other_methods_is_refused_naming_them(algorithm, option, value, takers):
+    cfg = build_config(overrides={"algorithm": algorithm, option: value})
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert str(e.value) == (f"{flag(option)}: applies to {takers} only, not to --algorithm "
+                            f"{algorithm} (got {value!r})")
+
+
+def test_a_method_takes_its_own_options_and_its_defaults_pass_resolved():
+    validate(build_config(overrides={"algorithm": "noloco", "group_size": 4, "workers": 4,
+                                     "sync_every": 10}))
+    for algorithm in ("ddp", "demo", "local", "sparta"):  # H filled in from the method
+        validate(resolve(build_config(overrides={"algorithm": algorithm})))
+        # every method has rounds of H steps: its checkpoints and replica checks count them
+        validate(build_config(overrides={"algorithm": algorithm, "sync_every": 4}))
+    # an option's own default, given, is no setting: --no-eager with NoLoCo passes
+    validate(build_config(overrides={"algorithm": "noloco", "eager": False}))

@@ -83,7 +83,7 @@ def option_groups(algorithm: str | None = None, every_method: bool = False) -> l
     if algorithm is not None and algorithm not in methods():
         raise ConfigError("algorithm", f"must be one of {', '.join(methods())} (got "
                           f"{algorithm!r})")
-    uses = set(method(algorithm).uses()) if algorithm else None
+    uses = set(method(algorithm).takes()) if algorithm else None
     shared = {f.name for f in dataclasses.fields(MethodOptions)}
     groups = []
     for section in SECTIONS:
@@ -178,3 +178,48 @@ def nesting_hint(path: str, flat: list[str]) -> str:
     example = ", ".join(f"{where[k]}: {{{k}: ...}}" for k in flat[:2])
     return (f"{path}: flat keys are read as before; nest them under their sections (e.g. "
             f"{example}): see docs/cli.md#yaml")
+
+
+def takers(option: str) -> tuple[str, ...]:
+    """The methods an option means something to where it is some methods' only (their
+    ``Method.uses``: their own options and the shared ones they read); empty for an option
+    of every method (the model, the data, the inner optimizer, ...).
+
+    Args:
+        option: an option's field name.
+    """
+    return tuple(name for name, cls in methods().items() if option in cls.uses())
+
+
+def applies(option: str, algorithm: str) -> bool:
+    """Whether a run of ``algorithm`` may set ``option``: an option of every method, or
+    one of the method section that the method takes (``Method.takes``).
+
+    Args:
+        option: an option's field name.
+        algorithm: a registered method's name.
+    """
+    section = {f.name for f in dataclasses.fields(MethodOptions)} | {f.name for f in own_fields()}
+    return option not in section - {"algorithm"} or option in method(algorithm).takes()
+
+
+def check_applies(cfg: Any) -> None:
+    """Refuse an option set for a method it means nothing to: a value other than the
+    option's default and the method's own default (``Method.defaults``: a resolved
+    configuration passes) for an option of the method section the method does not take
+    (``Method.takes``).
+
+    Args:
+        cfg: the configuration (flat: options by field name).
+
+    Raises:
+        ConfigError: naming the option and the methods it applies to.
+    """
+    cls = method(cfg.algorithm)
+    uses = set(cls.takes())
+    for f in [f for f in dataclasses.fields(MethodOptions) if f.name != "algorithm"] + own_fields():
+        value = getattr(cfg, f.name)
+        if f.name in uses or value == f.default or value == cls.defaults.get(f.name, f.default):
+            continue
+        raise ConfigError(f.name, f"applies to {', '.join(takers(f.name))} only, not to "
+                          f"--algorithm {cfg.algorithm} (got {value!r})")

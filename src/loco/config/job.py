@@ -19,7 +19,7 @@ import yaml
 
 from loco.algorithms import method, methods
 from loco.algorithms.method import Method
-from loco.config.groups import SECTIONS, flatten, nesting_hint
+from loco.config.groups import SECTIONS, check_applies, flatten, nesting_hint
 from loco.config.sections import (
     DEFAULT_STEPS,
     CommunicationOptions,
@@ -332,7 +332,8 @@ def validate(cfg: TrainConfig) -> None:
 
     In order: every option with choices is one of them; each section checks its own
     options (``loco.config.sections``: counts >= 1 before anything is derived from them,
-    so a bad count never reaches a division); the defaults are resolved; the model's
+    so a bad count never reaches a division); an option of some methods only is not set
+    for another (``loco.config.groups.check_applies``); the defaults are resolved; the model's
     options (``validate_model``) give its blocks; ``stages`` in [1, blocks] and random
     ``routing`` only with stages; H and the steps >= 1 once resolved; ``profile`` within the
     steps; and the method's own options (``Method.check``). What needs the file system,
@@ -352,6 +353,7 @@ def validate(cfg: TrainConfig) -> None:
             need(cfg, value in allowed, f.name, f"must be one of {', '.join(allowed)}")
     for section in SECTIONS:
         section.check(cfg)
+    check_applies(cfg)
     cfg = resolve(cfg)
     layers = validate_model(cfg)
     need(cfg, 1 <= cfg.stages <= layers, "stages",

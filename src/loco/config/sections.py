@@ -269,10 +269,13 @@ class MethodOptions:
 
     algorithm: str = opt("streaming", "training method: " + ", ".join(
         f"{name} ({cls.title})" for name, cls in methods().items()), algorithm_names)
-    sync_every: int | None = opt(None, "H: inner steps between two syncs of the same "
-                                 "parameters; larger H sends fewer bytes but lets workers "
-                                 "drift further apart; for methods without syncs, the steps "
-                                 "per checkpoint round (default: the method's, the papers' "
+    sync_every: int | None = opt(None, "H: the inner steps of a round: a method with "
+                                 "syncs every H syncs the same parameters once a round "
+                                 "(larger H sends fewer bytes but lets workers drift further "
+                                 "apart); for every method, checkpoints (--checkpoint-every) "
+                                 "and replica checks (--verify-every) count rounds, also for "
+                                 "those that sync every step or never (ddp, demo, sparta, "
+                                 "local) (default: the method's, the papers' "
                                  "but for streaming, whose paper uses 100 for runs of "
                                  "thousands of steps: "
                                  f"{method_defaults('sync_every')})")
