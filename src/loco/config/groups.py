@@ -44,7 +44,7 @@ def own_fields(algorithm: str | None = None) -> list[dataclasses.Field]:
     """
     found: dict[str, dataclasses.Field] = {}
     for name, cls in methods().items():
-        if cls.options is not None and algorithm in (None, name):
+        if cls.options is not None and (algorithm is None or name == algorithm):
             found.update({f.name: f for f in dataclasses.fields(cls.options)
                           if f.name not in found})
     return list(found.values())
