@@ -199,14 +199,16 @@ def options_table() -> str:
     help), from :class:`loco.config.TrainConfig` as ``loco.cli.add_train_options`` reads it."""
     from loco.config import TrainConfig
     from loco.config import choices as config_choices
+    from loco.config.groups import section_of
 
+    where = section_of()
     rows = ["| Flag | YAML key | Default | Choices | Help |", "|---|---|---|---|---|"]
     for f in TrainConfig.fields():
         name = f.name.replace("_", "-")
         flag = f"--[no-]{name}" if str(f.type).startswith("bool") else f"--{name}"
         default = "—" if f.default is None else f"`{f.default}`"
         choices = ", ".join(f"`{c}`" for c in config_choices(f) or ()) or "—"
-        rows.append(f"| `{flag}` | `{f.name}` | {default} | {choices} | "
+        rows.append(f"| `{flag}` | `{where[f.name]}: {f.name}` | {default} | {choices} | "
                     f"{_cell(f.metadata['help'])} |")
     return "\n".join(rows)
 

@@ -1,8 +1,10 @@
 """The command line: bad input fails early and clearly; a small run writes honest files."""
 
+import dataclasses
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -44,6 +46,9 @@ BAD_INPUTS = [
     (["--steps", "0"], "--steps", ">= 1"),
     (["--steps", "-1"], "--steps", ">= 1"),
     (["--sync-every", "0"], "--sync-every", ">= 1"),
+    (["--algorithm", "noloco", "--eager"], "--eager",
+     "applies to diloco, streaming, sparseloco, sparta_diloco only, not to --algorithm noloco"),
+    (["--algorithm", "demo", "--codec", "int8"], "--codec", "not to --algorithm demo"),
     (["--algorithm", "sgd"], "--algorithm", "diloco"),
     (["--model", "huge"], "--model", "tiny, small"),
     (["--launcher", "mpi"], "--launcher", "processes"),
@@ -246,14 +251,37 @@ def test_yaml_config_and_flags_precedence(corpus, tmp_path):
     assert summary["workers"] == 2 and summary["inner_steps"] == 12  # flags win
 
 
-def test_console_script_help_lists_every_option():
-    from loco.config import TrainConfig
-
-    res = subprocess.run([sys.executable, "-m", "loco", "train", "--help"], capture_output=True,
-                         text=True, env={**os.environ, "COLUMNS": "200"})
+def _train_help(*args):
+    res = subprocess.run([sys.executable, "-m", "loco", "train", *args, "--help"],
+                         capture_output=True, text=True, env={**os.environ, "COLUMNS": "200"})
     assert res.returncode == 0
-    for f in TrainConfig.fields():
-        assert "--" + f.name.replace("_", "-") in res.stdout
+    return res.stdout.split("Options may also come from a YAML file")[0]  # not the examples
+
+
+def test_console_script_help_lists_every_option_by_section_and_method():
+    """`loco train --help` lists the sections' options in their groups and points to each
+    method's own; `--algorithm NAME --help` lists NAME's own options and the shared ones it
+    takes, and no other method's: over the methods, every option is listed."""
+    from loco.algorithms import methods
+    from loco.config import SECTIONS, TrainConfig
+
+    def flag(name):  # the option's own line of --help, not a mention in another's
+        return re.compile(rf"^ +--{name.replace('_', '-')}[ ,\n]", re.M)
+
+    text = _train_help()
+    for section in SECTIONS:
+        assert f"\n{section.section}:\n" in text
+    assert "loco train --algorithm NAME --help" in text
+    assert not flag("codec").search(text) and not flag("group_size").search(text)
+    seen = set()
+    for name, cls in methods().items():
+        text = _train_help("--algorithm", name)
+        own = {f.name for f in TrainConfig.fields()} - {f.name for s in SECTIONS
+                                                         for f in dataclasses.fields(s)}
+        for option in own | {"sync_every", "outer_lr", "spread_every"}:
+            assert bool(flag(option).search(text)) == (option in cls.takes()), (name, option)
+        seen |= {f.name for f in TrainConfig.fields() if flag(f.name).search(text)}
+    assert seen == {f.name for f in TrainConfig.fields()}
 
 
 def test_warns_when_the_last_round_never_syncs(corpus, tmp_path, capsys):

@@ -382,3 +382,15 @@ def test_report_of_nothing_is_a_clear_error(tmp_path, capsys):
         from loco.report import find_runs
 
         find_runs([str(tmp_path / "missing")])
+
+
+def test_a_shared_option_goes_to_the_runs_whose_method_takes_it(tmp_path):
+    """Options given for every run reach the methods that take them; the others run with
+    their defaults (a comparison's shared --eager is DiLoCo's, not NoLoCo's, which
+    loco train would refuse). H reaches every run: every method has rounds."""
+    plan = compare.plan({"eager": True, "spread_every": 10, "sync_every": 8,
+                         "out": str(tmp_path / "cmp")}, "ddp,diloco,noloco")
+    by = {c.algorithm: c for c in plan.configs}
+    assert (by["diloco"].eager, by["noloco"].eager, by["ddp"].eager) == (True, False, False)
+    assert (by["noloco"].spread_every, by["diloco"].spread_every) == (10, 50)
+    assert {c.sync_every for c in plan.configs} == {8}

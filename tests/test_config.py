@@ -72,3 +72,64 @@ def test_resume_refuses_a_changed_option_naming_all_that_may_change(tmp_path):
         resume_config(str(tmp_path), {"lr": 1.0})
     for name in RESUMABLE + LAYOUT:
         assert flag(name) in str(e.value)
+
+
+def test_a_yaml_file_nests_options_by_section(tmp_path, capsys):
+    """Options nest under their sections (a method's own under ``method``), as ``--help``
+    groups them; a key under the wrong section is refused naming its own; nothing is
+    printed for a nested file."""
+    from loco.config.groups import nest
+
+    path = tmp_path / "nested.yaml"
+    path.write_text("method: {algorithm: diloco, sync-every: 20, codec: int8}\n"
+                    "optim: {lr: 0.001}\nrun: {steps: 40}\nruntime: {workers: 2}\n"
+                    "model: {model: tiny}\n")
+    cfg = build_config(str(path), {"steps": 60})  # flags win
+    assert (cfg.algorithm, cfg.sync_every, cfg.codec, cfg.lr, cfg.steps, cfg.workers,
+            cfg.model) == ("diloco", 20, "int8", 0.001, 60, 2, "tiny")
+    assert capsys.readouterr().err == ""
+    assert nest({"lr": 0.001, "codec": "int8", "workers": 2}) == {
+        "method": {"codec": "int8"}, "optim": {"lr": 0.001}, "runtime": {"workers": 2}}
+    wrong = tmp_path / "wrong.yaml"
+    wrong.write_text("optim: {steps: 10, lr: 0.01}\n")
+    with pytest.raises(ConfigError, match=r"steps not in section 'optim' \(they are in: run\)"):
+        build_config(str(wrong), {})
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("run: {steps: 10}\nsteps: 20\n")
+    with pytest.raises(ConfigError, match="--steps: given twice"):
+        build_config(str(twice), {})
+
+
+def test_a_flat_yaml_file_is_read_with_one_line_on_how_to_nest_it(tmp_path, capsys):
+    path = tmp_path / "flat.yaml"
+    path.write_text("sync_every: 10\nlr: 0.01\n")
+    cfg = build_config(str(path), {})
+    assert (cfg.sync_every, cfg.lr) == (10, 0.01)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "nest them under their sections" in err[0]
+    assert "method: {sync_every: ...}" in err[0] and "optim: {lr: ...}" in err[0]
+
+
+@pytest.mark.parametrize("algorithm,option,value,takers", [
+    ("noloco", "eager", True, "diloco, streaming, sparseloco, sparta_diloco"),
+    ("demo", "outer_lr", 0.5, "diloco, streaming, sparseloco, noloco, sparta_diloco"),
+    ("ddp", "codec", "int8", "diloco, streaming, sparseloco, sparta_diloco"),
+    ("diloco", "group_size", 4, "noloco"),
+    ("streaming", "final_average", True, "noloco, sparta, local")])
+def test_an_option_of_other_methods_is_refused_naming_them(algorithm, option, value, takers):
+    cfg = build_config(overrides={"algorithm": algorithm, option: value})
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert str(e.value) == (f"{flag(option)}: applies to {takers} only, not to --algorithm "
+                            f"{algorithm} (got {value!r})")
+
+
+def test_a_method_takes_its_own_options_and_its_defaults_pass_resolved():
+    validate(build_config(overrides={"algorithm": "noloco", "group_size": 4, "workers": 4,
+                                     "sync_every": 10}))
+    for algorithm in ("ddp", "demo", "local", "sparta"):  # H filled in from the method
+        validate(resolve(build_config(overrides={"algorithm": algorithm})))
+        # every method has rounds of H steps: its checkpoints and replica checks count them
+        validate(build_config(overrides={"algorithm": algorithm, "sync_every": 4}))
+    # an option's own default, given, is no setting: --no-eager with NoLoCo passes
+    validate(build_config(overrides={"algorithm": "noloco", "eager": False}))

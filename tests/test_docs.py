@@ -96,9 +96,10 @@ def test_options_table_has_every_field(hooks):
     fields = TrainConfig.fields()
     assert len(rows) == len(fields)
     for field, row in zip(fields, rows):
-        assert f"| `{field.name}` |" in row
+        assert f": {field.name}` |" in row  # the YAML key under its section
         assert row.count("|") - row.count("\\|") == 6, row  # five cells, escaped | inside
     assert "`--[no-]progress`" in table and "`--sync-every`" in table
+    assert "| `method: sync_every` |" in table and "| `optim: lr` |" in table
     page = (REFERENCE / "config.md").read_text()
     assert hooks.MARKER in page
     assert hooks.MARKER not in hooks.on_page_markdown(page, None, None, None)

@@ -15,19 +15,22 @@ import torch
 import loco.training.job
 import loco.training.state
 from loco import checkpoint
+from loco.algorithms import method
 from loco.cli import main
 
 ALGORITHMS = ["ddp", "diloco", "streaming", "noloco"]
 
 
 def job(corpus, out, *extra):
-    """16 steps, H = 4: checkpoints at steps 4, 8, 12 and 16."""
+    """16 steps, H = 4: checkpoints at steps 4, 8, 12 and 16; the spread diagnostic every 4
+    steps where the method has one."""
     text, cache = corpus
+    algorithm = extra[extra.index("--algorithm") + 1] if "--algorithm" in extra else "streaming"
+    spread = ["--spread-every", "4"] if "spread_every" in method(algorithm).uses() else []
     return ["train", "--model", "tiny", "--workers", "2", "--steps", "16", "--sync-every", "4",
             "--seq-len", "32", "--batch-size", "4", "--vocab-size", "300", "--eval-every", "8",
-            "--eval-batches", "2", "--final-eval-batches", "4", "--log-every", "2",
-            "--spread-every", "4", "--corpus", text, "--cache-dir", cache, "--out", str(out),
-            "--no-progress", *extra]
+            "--eval-batches", "2", "--final-eval-batches", "4", "--log-every", "2", *spread,
+            "--corpus", text, "--cache-dir", cache, "--out", str(out), "--no-progress", *extra]
 
 
 def records(out):
@@ -359,6 +362,7 @@ import os, sys, torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from loco import checkpoint
+from loco.algorithms import method
 dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1] + "/store", 1), rank=0,
                         world_size=1)
 mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))

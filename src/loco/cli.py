@@ -66,59 +66,98 @@ EVAL_EPILOG = """Examples:
   loco report runs/compare-20261122-101500   # the report adds a downstream table"""
 
 
-def add_train_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
-    """One flag per TrainConfig field (the YAML keys are the same names)."""
-    from loco.config import RENAMED, TrainConfig, choices
+def add_train_options(parser: argparse.ArgumentParser, skip: tuple[str, ...] = (),
+                      algorithm: str | None = None, every_method: bool = False) -> None:
+    """One flag per TrainConfig field (the YAML keys are the same names), in ``--help``'s
+    groups by section (``loco.config.groups``): every method's own flags are parsed, the
+    listed ones are ``algorithm``'s (None: none, with a line saying how to list them).
 
-    for f in TrainConfig.fields():
-        if f.name in skip:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        flags = [flag] + ["--" + o.replace("_", "-") for o, n in RENAMED.items() if n == f.name]
-        help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
-        if str(f.type).startswith("bool"):
-            parser.add_argument(*flags, action=argparse.BooleanOptionalAction,
-                                default=argparse.SUPPRESS, help=help_text)
-        elif f.metadata.get("repeat"):  # given again: one more entry (coerce joins them)
-            parser.add_argument(*flags, dest=f.name, action="append", default=argparse.SUPPRESS,
-                                metavar=_metavar(f), help=help_text)
-        else:
-            parser.add_argument(*flags, dest=f.name, type=_flag_type(f),
-                                default=argparse.SUPPRESS,
-                                choices=choices(f),
-                                metavar=None if choices(f) else _metavar(f),
-                                help=help_text)
+    Args:
+        parser: the subcommand's parser.
+        skip: fields that get no flag.
+        algorithm: the method whose own options ``--help`` lists; default None.
+        every_method: list every method's own options (``loco compare``, whose runs may
+            be of any method); default False.
+    """
+    from loco.config.groups import option_groups
+
+    for group in option_groups(algorithm, every_method):
+        target = parser.add_argument_group(group.title, group.description or None)
+        for f in group.fields:
+            if f.name not in skip:
+                _add_flag(target, f, group.listed)
 
 
-def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+def _add_flag(group, f: dataclasses.Field, listed: bool) -> None:
+    """The flag of one option (``--no-NAME`` too for a boolean), in ``group``."""
+    from loco.config import RENAMED, choices
+
+    flag = "--" + f.name.replace("_", "-")
+    flags = [flag] + ["--" + o.replace("_", "-") for o, n in RENAMED.items() if n == f.name]
+    help_text = f.metadata["help"] + ("" if f.default is None else f" (default: {f.default})")
+    help_text = help_text if listed else argparse.SUPPRESS
+    if str(f.type).startswith("bool"):
+        group.add_argument(*flags, action=argparse.BooleanOptionalAction,
+                           default=argparse.SUPPRESS, help=help_text)
+    elif f.metadata.get("repeat"):  # given again: one more entry (coerce joins them)
+        group.add_argument(*flags, dest=f.name, action="append", default=argparse.SUPPRESS,
+                           metavar=_metavar(f), help=help_text)
+    else:
+        group.add_argument(*flags, dest=f.name, type=_flag_type(f), default=argparse.SUPPRESS,
+                           choices=choices(f), metavar=None if choices(f) else _metavar(f),
+                           help=help_text)
+
+
+def asked_algorithm(argv: list[str]) -> str | None:
+    """The method a ``--help`` asks about: ``--algorithm NAME`` (or ``=NAME``) among
+    ``argv`` next to ``--help``/``-h``, where NAME is registered; else None."""
+    if not {"--help", "-h"} & set(argv) or "--algorithm" not in " ".join(argv):
+        return None
+    from loco.algorithms import methods  # imports torch: only for a method's --help
+
+    for i, arg in enumerate(argv):
+        name = (arg.partition("=")[2] if arg.startswith("--algorithm=") else
+                argv[i + 1] if arg == "--algorithm" and i + 1 < len(argv) else None)
+        if name in methods():
+            return name
+    return None
+
+
+def build_parser(command: str | None = None, algorithm: str | None = None
+                 ) -> argparse.ArgumentParser:
     """The ``loco`` parser; only ``command``'s options are built (every subcommand's with
     None; none but the subcommands' names with ``""``).
 
     Args:
         command: the subcommand being run, None for all, ``""`` for none.
+        algorithm: the method whose own options ``loco train --help`` lists (``--algorithm
+            NAME --help``); default None (each method's own are parsed, not listed).
     """
     parser = Parser(prog="loco", description="Train language models across workers that "
                     "talk rarely and little (Streaming DiLoCo, DiLoCo, NoLoCo, data-parallel, "
                     "local), and simulate what each needs at scale.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     for name, build in SUBCOMMANDS.items():
-        build(sub, command in (None, name))
+        build(sub, command in (None, name), algorithm)
     return parser
 
 
-def _train_parser(sub, full: bool) -> None:
+def _train_parser(sub, full: bool, algorithm: str | None = None) -> None:
     """``loco train``: one flag per option (with ``full``)."""
     train = sub.add_parser("train", help="train a model (default: Streaming DiLoCo on Shakespeare)",
+                           usage="loco train [-h] [--config FILE] [--algorithm NAME] "
+                           "[OPTION ...]",
                            description="Train a language model with one of the methods and "
                            "write metrics.jsonl, summary.json and loss.png into --out.",
                            epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    train.add_argument("--config", metavar="FILE", help="YAML file of options (its keys are "
-                       "the flag names); flags given here override it")
+    train.add_argument("--config", metavar="FILE", help="YAML file of options nested by "
+                       "section, e.g. 'optim: {lr: 0.001}' (the groups below; keys are the "
+                       "flag names); flags given here override it")
     if full:
-        add_train_options(train)
+        add_train_options(train, algorithm=algorithm)
 
 
-def _compare_parser(sub, full: bool) -> None:
+def _compare_parser(sub, full: bool, algorithm: str | None = None) -> None:  # noqa: ARG001
     """``loco compare``: its own flags and every train option (with ``full``)."""
     compare = sub.add_parser(
         "compare", help="run several methods on the same job and write a side-by-side report",
@@ -165,10 +204,10 @@ def _compare_parser(sub, full: bool) -> None:
     compare.add_argument("--out", metavar="DIR", default=argparse.SUPPRESS,
                          help="directory for the report and one run directory per method "
                          "(default: runs/compare-<time>); finished runs are never overwritten")
-    add_train_options(compare, skip=("algorithm", "out", "resume"))
+    add_train_options(compare, skip=("algorithm", "out", "resume"), every_method=True)
 
 
-def _report_parser(sub, full: bool) -> None:
+def _report_parser(sub, full: bool, algorithm: str | None = None) -> None:  # noqa: ARG001
     """``loco report``."""
     report = sub.add_parser(
         "report", help="re-render a comparison's report and plots from saved runs",
@@ -181,7 +220,7 @@ def _report_parser(sub, full: bool) -> None:
                         help="where to write (default: DIR when a single directory is given)")
 
 
-def _eval_parser(sub, full: bool) -> None:
+def _eval_parser(sub, full: bool, algorithm: str | None = None) -> None:  # noqa: ARG001
     """``loco eval``."""
     evaluate = sub.add_parser(
         "eval", help="score a finished run's final model on downstream tasks "
@@ -216,7 +255,7 @@ def _eval_parser(sub, full: bool) -> None:
                           help="show lm-eval's own log messages")
 
 
-def _simulate_parser(sub, full: bool) -> None:
+def _simulate_parser(sub, full: bool, algorithm: str | None = None) -> None:  # noqa: ARG001
     """``loco simulate``: one subcommand per simulator (with ``full``)."""
     simulate = sub.add_parser("simulate", help="what each method needs at scale, without "
                               "training: compute utilization against bandwidth, and latency",
@@ -236,7 +275,7 @@ PLAN_EPILOG = """Examples:
   loco plan --model hf:configs/llama-35m --codec int8 --fragments 4"""
 
 
-def _plan_parser(sub, full: bool) -> None:
+def _plan_parser(sub, full: bool, algorithm: str | None = None) -> None:
     """``loco plan``: its own flags and every train option (with ``full``)."""
     plan = sub.add_parser(
         "plan", help="what a run will hold and send, before it is launched: each rank's "
@@ -260,7 +299,7 @@ def _plan_parser(sub, full: bool) -> None:
     plan.add_argument("--config", metavar="FILE", help="YAML file of options (its keys are "
                       "the flag names); flags given here override it")
     if full:
-        add_train_options(plan, skip=("out", "resume"))
+        add_train_options(plan, skip=("out", "resume"), algorithm=algorithm)
 
 
 SUBCOMMANDS = {"train": _train_parser, "compare": _compare_parser, "report": _report_parser,
@@ -284,7 +323,7 @@ def _simulation(name: str):
 def main(argv: list[str] | None = None) -> int:
     given = sys.argv[1:] if argv is None else argv
     command = given[0] if given and given[0] in SUBCOMMANDS else ""
-    args = build_parser(command).parse_args(argv)
+    args = build_parser(command, asked_algorithm(given)).parse_args(argv)
     if args.command == "train":
         return _train(args)
     if args.command == "compare":

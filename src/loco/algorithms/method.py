@@ -15,6 +15,10 @@ from typing import Any, ClassVar
 #: steps (``Method.outer_defaults``).
 OUTER = ("sync_every", "outer_lr", "outer_momentum", "nesterov")
 
+#: The option every method takes, whether or not its training reads it: H, the steps of a
+#: round (``Method.takes``).
+ROUND = ("sync_every",)
+
 #: The report's words for the values of ``inner_optimizer`` (``Method.inner_name``).
 INNER_WORDS = {"adamw": "AdamW", "muon": "Muon"}
 
@@ -89,6 +93,13 @@ class Method:
         section's fields and the ``shared`` ones."""
         own = tuple(f.name for f in fields(cls.options)) if cls.options else ()
         return own + cls.shared
+
+    @classmethod
+    def takes(cls) -> tuple[str, ...]:
+        """Every option of the configuration's method section a run of this method may set:
+        ``uses``, and ``ROUND`` (H, the steps of a round, which every method has:
+        checkpoints and replica checks count rounds)."""
+        return cls.uses() + tuple(n for n in ROUND if n not in cls.uses())
 
     @classmethod
     def check(cls, cfg: Any, layers: int) -> None:

@@ -12,6 +12,7 @@ from loco.compare.methods import Method, MethodError, method_option, parse_metho
 from loco.compare.presets import PRESETS
 from loco.compare.sweeps import Sweep, expand, parse_seeds, parse_sweeps, seed_sweep
 from loco.config import ConfigError, TrainConfig, algorithm_names, coerce, load_yaml
+from loco.config.groups import applies
 
 
 @dataclass
@@ -169,14 +170,15 @@ def _seeds(seeds: str | list | None, values: dict[str, Any], source: str) -> lis
 
 def _method_configs(methods: list[Method], values: dict[str, Any], out: str
                     ) -> tuple[list[TrainConfig], list[str]]:
-    """Every method's prepared TrainConfig (the shared values, then its own), and the
-    warnings they give; a bad one fails naming its label."""
+    """Every method's prepared TrainConfig (the shared values that apply to its method,
+    then its own), and the warnings they give; a bad one fails naming its label."""
     from loco.config import warnings_for
     from loco.training import prepare_config
 
     configs, warnings = [], []
     for m in methods:
-        cfg = TrainConfig(**{**values, **m.options, "algorithm": m.algorithm,
+        mine = {k: v for k, v in values.items() if applies(k, m.algorithm)}
+        cfg = TrainConfig(**{**mine, **m.options, "algorithm": m.algorithm,
                              "out": os.path.join(out, m.label), "progress": False})
         if values.get("wandb_run_name") and "wandb_run_name" not in m.options:
             # one W&B run per method: a shared name gets the label (default: the label)

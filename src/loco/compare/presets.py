@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from loco.algorithms import methods as registered
 from loco.config import algorithm_names
+from loco.config.groups import takers
 
 
 #: Options every method must share: the same model, data, seed and token budget (and the
@@ -29,8 +29,7 @@ def only_for(option: str) -> tuple[str, ...]:
     Args:
         option: an option's field name.
     """
-    users = tuple(name for name, cls in registered().items() if option in cls.uses())
-    return users or algorithm_names()
+    return takers(option) or algorithm_names()
 
 
 #: The outer optimizer for tens of outer steps, the choice of the sweeps in docs/claims.md

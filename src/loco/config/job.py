@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,22 +19,19 @@ import yaml
 
 from loco.algorithms import method, methods
 from loco.algorithms.method import Method
+from loco.config.groups import SECTIONS, check_applies, flatten, nesting_hint
 from loco.config.sections import (
     DEFAULT_STEPS,
     CommunicationOptions,
     DataOptions,
-    LoggingOptions,
     MethodOptions,
     ModelOptions,
+    OptimOptions,
+    RunOptions,
     RuntimeOptions,
-    TrainingOptions,
 )
 from loco.config.trust import TrustOptions
 from loco.options import ConfigError, need
-
-SECTIONS = (MethodOptions, TrainingOptions, ModelOptions, DataOptions, CommunicationOptions,
-            RuntimeOptions, TrustOptions, LoggingOptions)
-"""The configuration's sections, each checking its own options."""
 
 
 def _method_sections() -> tuple[type, ...]:
@@ -70,8 +68,8 @@ def canonical(values: dict[str, Any]) -> dict[str, Any]:
 
 
 @dataclass
-class TrainConfig(LoggingOptions, TrustOptions, RuntimeOptions, CommunicationOptions, DataOptions,
-                  ModelOptions, TrainingOptions, *reversed(_method_sections()), MethodOptions):
+class TrainConfig(TrustOptions, RuntimeOptions, CommunicationOptions, RunOptions, OptimOptions,
+                  DataOptions, ModelOptions, *reversed(_method_sections()), MethodOptions):
     """Every option of ``loco train``, with its default: the sections of
     ``loco.config.sections`` and each registered method's own section.
 
@@ -114,11 +112,14 @@ def choices(f: dataclasses.Field) -> tuple | None:
 
 
 def load_yaml(path: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
-    """Read a YAML config file: data only (safe_load), keys must be known options (or one of
-    ``extra``, which a command reads itself).
+    """Read a YAML config file: data only (safe_load), options nested by section
+    (``optim: {lr: 0.001}``; a flat file of older releases is read too, with one line on
+    standard error saying how to nest it), keys must be known options (or one of ``extra``,
+    which a command reads itself, at the top level).
 
     Args:
-        path: the YAML file, a mapping of option: value (keys with ``-`` or ``_``).
+        path: the YAML file, a mapping of section: {option: value} (keys with ``-`` or
+            ``_``; see [`flatten`][loco.config.groups.flatten]).
         extra: further keys allowed besides the TrainConfig fields; default none.
 
     Returns:
@@ -126,7 +127,7 @@ def load_yaml(path: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
 
     Raises:
         ConfigError: the file is missing, not valid YAML, not a mapping, or has an unknown
-            key.
+            key or one in the wrong section.
     """
     if not os.path.isfile(path):
         raise ConfigError("config", f"file not found: {path}")
@@ -136,12 +137,15 @@ def load_yaml(path: str, extra: tuple[str, ...] = ()) -> dict[str, Any]:
     except yaml.YAMLError as e:
         raise ConfigError("config", f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
     if not isinstance(data, dict):
-        raise ConfigError("config", f"{path} must hold a mapping of option: value")
+        raise ConfigError("config", f"{path} must hold a mapping of section: {{option: value}}")
+    values, flat = flatten(data, path)
     known = {f.name for f in TrainConfig.fields()} | set(extra)
-    data = canonical({str(k).replace("-", "_"): v for k, v in data.items()})
+    data = canonical(values)
     unknown = sorted(set(data) - known)
     if unknown:
         raise ConfigError("config", f"unknown option(s) in {path}: {', '.join(unknown)}")
+    if flat:
+        print(f"loco: {nesting_hint(path, flat)}", file=sys.stderr)
     return data
 
 
@@ -328,7 +332,8 @@ def validate(cfg: TrainConfig) -> None:
 
     In order: every option with choices is one of them; each section checks its own
     options (``loco.config.sections``: counts >= 1 before anything is derived from them,
-    so a bad count never reaches a division); the defaults are resolved; the model's
+    so a bad count never reaches a division); an option of some methods only is not set
+    for another (``loco.config.groups.check_applies``); the defaults are resolved; the model's
     options (``validate_model``) give its blocks; ``stages`` in [1, blocks] and random
     ``routing`` only with stages; H and the steps >= 1 once resolved; ``profile`` within the
     steps; and the method's own options (``Method.check``). What needs the file system,
@@ -348,6 +353,7 @@ def validate(cfg: TrainConfig) -> None:
             need(cfg, value in allowed, f.name, f"must be one of {', '.join(allowed)}")
     for section in SECTIONS:
         section.check(cfg)
+    check_applies(cfg)
     cfg = resolve(cfg)
     layers = validate_model(cfg)
     need(cfg, 1 <= cfg.stages <= layers, "stages",

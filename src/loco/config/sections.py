@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 from loco.algorithms import methods
 from loco.algorithms.asynchronous import check_quorum
@@ -260,14 +261,21 @@ def check_elastic(cfg) -> None:
 
 @dataclass
 class MethodOptions:
-    """The method and the options its outer loop shares with other methods (each method's own options are a section of its own, declared by its class)."""
+    """The method, and the options that several methods' outer loops share: H, the outer
+    optimizer, the replicas' spread. Each method's own options are declared by its class
+    (``Method.options``) and belong to this section too."""
+
+    section: ClassVar[str] = "method"
 
     algorithm: str = opt("streaming", "training method: " + ", ".join(
         f"{name} ({cls.title})" for name, cls in methods().items()), algorithm_names)
-    sync_every: int | None = opt(None, "H: inner steps between two syncs of the same "
-                                 "parameters; larger H sends fewer bytes but lets workers "
-                                 "drift further apart; for methods without syncs, the steps "
-                                 "per checkpoint round (default: the method's, the papers' "
+    sync_every: int | None = opt(None, "H: the inner steps of a round: a method with "
+                                 "syncs every H syncs the same parameters once a round "
+                                 "(larger H sends fewer bytes but lets workers drift further "
+                                 "apart); for every method, checkpoints (--checkpoint-every) "
+                                 "and replica checks (--verify-every) count rounds, also for "
+                                 "those that sync every step or never (ddp, demo, sparta, "
+                                 "local) (default: the method's, the papers' "
                                  "but for streaming, whose paper uses 100 for runs of "
                                  "thousands of steps: "
                                  f"{method_defaults('sync_every')})")
@@ -300,18 +308,12 @@ class MethodOptions:
 
 
 @dataclass
-class TrainingOptions:
-    """The inner optimization: budget, batch, learning-rate schedule, optimizer (AdamW or
-    Muon), clipping, seed and evaluation."""
+class OptimOptions:
+    """The inner optimization: the learning-rate schedule, the optimizer (AdamW or Muon),
+    weight decay and clipping."""
 
-    steps: int | None = opt(None, "inner steps per worker (total tokens = steps x workers x "
-                            f"batch-size x seq-len) (default: {DEFAULT_STEPS}, or what "
-                            "--tokens asks for)")
-    tokens: str | None = opt(None, "token budget instead of --steps: a count (2e7) or tokens "
-                             "per model parameter (20x, Chinchilla's ratio); the steps are "
-                             "rounded up to whole batches of all workers")
-    batch_size: int = opt(8, "sequences per worker per inner step")
-    seq_len: int = opt(128, "tokens per sequence (context length)")
+    section: ClassVar[str] = "optim"
+
     lr: float = opt(3e-3, "peak inner learning rate (AdamW's, and Muon's with "
                     "--inner-optimizer muon)")
     min_lr_ratio: float = opt(0.1, "cosine decay ends at lr x this ratio")
@@ -340,18 +342,10 @@ class TrainingOptions:
                           "(by sqrt(max(1, rows/columns)): Keller Jordan's Muon, as MuLoCo "
                           "and CCLoco run it)", MUON_SCALES)
     grad_clip: float = opt(1.0, "clip the (averaged) gradient norm to this; 0 disables")
-    seed: int = opt(0, "seed for weights, data order and everything random")
-    eval_every: int = opt(100, "evaluate the global model every this many inner steps "
-                          "(0: only at the end)")
-    eval_batches: int = opt(8, "batches per periodic evaluation")
-    final_eval_batches: int = opt(100, "at most this many batches in the final evaluation")
 
     def check(self) -> None:
-        """Counts >= 1 (``steps`` where given), ``seq_len`` >= 2, lr (and Muon's) finite and
-        > 0, the schedule's and AdamW's ranges; Muon's options only with Muon."""
-        at_least_one(self, "steps", "batch_size", "eval_batches", "final_eval_batches")
-        need(self, self.seq_len >= 2, "seq_len", "must be an integer >= 2")
-        need(self, self.eval_every >= 0, "eval_every", "must be an integer >= 0")
+        """lr (and Muon's) finite and > 0, the schedule's and AdamW's ranges; Muon's options
+        only with Muon."""
         need(self, self.warmup >= 0, "warmup", "must be an integer >= 0")
         need(self, math.isfinite(self.lr) and self.lr > 0, "lr", "must be a number > 0")
         need(self, 0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
@@ -369,6 +363,8 @@ class TrainingOptions:
 @dataclass
 class ModelOptions:
     """The model: a built-in size or a Hugging Face causal LM, its dimensions and precision."""
+
+    section: ClassVar[str] = "model"
 
     model: str = opt("small", "model size: tiny (~0.1M params, tests), small (~1.3M, CPU "
                      "default), medium (~7.5M), large (~100M), xl (~300M), or the Streaming "
@@ -401,7 +397,9 @@ class ModelOptions:
 
 @dataclass
 class DataOptions:
-    """The data: corpus, tokenizer, held-out split and cache."""
+    """The data: corpus, tokenizer, batches, held-out split and cache."""
+
+    section: ClassVar[str] = "data"
 
     corpus: str = opt("shakespeare", "training text: 'shakespeare' (bundled), a text file, "
                       "a .jsonl, .parquet or .arrow file, a glob of them ('data/*.parquet'), a "
@@ -418,9 +416,14 @@ class DataOptions:
     eval_corpus: str | None = opt(None, "a second held-out set, in any --corpus format, whose "
                                   "loss is reported next to the validation split's at every "
                                   "evaluation (eval_loss_extra) (default: none)")
+    batch_size: int = opt(8, "sequences per worker per inner step")
+    seq_len: int = opt(128, "tokens per sequence (context length)")
 
     def check(self) -> None:
-        """The held-out share in (0, 0.5]; a vocabulary of at least the byte symbols."""
+        """The held-out share in (0, 0.5]; a vocabulary of at least the byte symbols; a batch
+        of >= 1 sequences of >= 2 tokens."""
+        at_least_one(self, "batch_size")
+        need(self, self.seq_len >= 2, "seq_len", "must be an integer >= 2")
         need(self, 0 < self.val_fraction <= 0.5, "val_fraction", "must be in (0, 0.5]")
         need(self, 257 <= self.vocab_size <= 1 << 20, "vocab_size",
              "must be in [257, 1048576] (256 byte symbols plus the end-of-text token)")
@@ -429,6 +432,8 @@ class DataOptions:
 @dataclass
 class CommunicationOptions:
     """The links between workers and inside one: emulated bandwidth and latency, time-outs."""
+
+    section: ClassVar[str] = "comm"
 
     link_bandwidth: str | None = opt(None, "emulate a slow link of this rate per rank, e.g. "
                                      "100Mbit or 1Gbit: an operation moving B bytes takes at "
@@ -471,6 +476,8 @@ class CommunicationOptions:
 @dataclass
 class RuntimeOptions:
     """How the run is laid out and kept alive: M replicas, S stages, R shards, the launcher, checkpoints, restarts and elastic membership."""
+
+    section: ClassVar[str] = "runtime"
 
     workers: int = opt(4, "number of workers M (replicas), each with its own data shard")
     stages: int = opt(1, "S: pipeline stages per replica; the model's blocks are split into S "
@@ -594,8 +601,23 @@ class RuntimeOptions:
 
 
 @dataclass
-class LoggingOptions:
-    """What a run writes and shows: its directory, metrics, progress, profiles and dashboards."""
+class RunOptions:
+    """The run: its budget, seed and evaluation, and what it writes and shows (its directory,
+    metrics, progress, profiles and dashboards)."""
+
+    section: ClassVar[str] = "run"
+
+    steps: int | None = opt(None, "inner steps per worker (total tokens = steps x workers x "
+                            f"batch-size x seq-len) (default: {DEFAULT_STEPS}, or what "
+                            "--tokens asks for)")
+    tokens: str | None = opt(None, "token budget instead of --steps: a count (2e7) or tokens "
+                             "per model parameter (20x, Chinchilla's ratio); the steps are "
+                             "rounded up to whole batches of all workers")
+    seed: int = opt(0, "seed for weights, data order and everything random")
+    eval_every: int = opt(100, "evaluate the global model every this many inner steps "
+                          "(0: only at the end)")
+    eval_batches: int = opt(8, "batches per periodic evaluation")
+    final_eval_batches: int = opt(100, "at most this many batches in the final evaluation")
 
     out: str | None = opt(None, "run directory (default: runs/<algorithm>-<time>)")
     log_every: int = opt(10, "write a metrics record every this many inner steps")
@@ -619,5 +641,7 @@ class LoggingOptions:
                           "network)", ("offline", "online"))
 
     def check(self) -> None:
-        """A metrics record every >= 1 steps; ``profile`` a range of steps."""
-        at_least_one(self, "log_every")
+        """Counts >= 1 (``steps`` where given), evaluations every >= 0 steps, a metrics
+        record every >= 1 steps."""
+        at_least_one(self, "steps", "eval_batches", "final_eval_batches", "log_every")
+        need(self, self.eval_every >= 0, "eval_every", "must be an integer >= 0")

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
+from typing import ClassVar
 
 from loco.comm.attacks import parse_attacks
 from loco.comm.guard import AGGREGATIONS, DEFAULT_AGGREGATION, DEFAULT_FACTOR
@@ -18,6 +19,8 @@ JOB_KEY_ENV = "LOCO_JOB_KEY_FILE"
 @dataclass
 class TrustOptions:
     """What a run does about workers it cannot trust: how contributions are aggregated, faults and attacks to inject, how often the replicas are compared, and the job key."""
+
+    section: ClassVar[str] = "trust"
 
     aggregation: str = opt(DEFAULT_AGGREGATION, "how each average treats the workers' "
                            "contributions, judged by whoever reduces them (each chunk's "
