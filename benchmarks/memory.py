@@ -126,7 +126,7 @@ def phases(args) -> None:
     import loco.algorithms.streaming_diloco as streaming
     from loco.algorithms import base
     from loco.cli import main
-    from loco.training import build, evaluation, state
+    from loco.training import build, checkpoints, evaluation
 
     rows: dict = collections.OrderedDict()
 
@@ -151,7 +151,7 @@ def phases(args) -> None:
     wrap(base.Algorithm, "inner_update", "inner step (clip, AdamW)")
     wrap(streaming.StreamingDiLoCo, "_issue", "pseudo-gradient, send")
     wrap(streaming.StreamingDiLoCo, "_apply", "wait, outer step, merge")
-    wrap(state, "_checkpoint", "checkpoint")
+    wrap(checkpoints, "_checkpoint", "checkpoint")
     wrap(evaluation, "final_evaluation", "final evaluation")
     import torch
 

@@ -62,7 +62,7 @@ def test_resume_help_and_error_name_every_option_a_resumed_run_may_change(tmp_pa
 
 def test_resume_refuses_a_changed_option_naming_all_that_may_change(tmp_path):
     from loco import checkpoint
-    from loco.config import resume_config
+    from loco.checkpoint import resume_config
 
     cfg = build_config(overrides={"out": str(tmp_path)})
     os.makedirs(tmp_path / checkpoint.DIRNAME)

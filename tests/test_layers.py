@@ -11,8 +11,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "loco"
 #: The layers, bottom first; a module may import its own layer's and the ones below.
 LAYERS = [
     ("options", "lazy", "comm", "model", "hf", "data", "simulate", "profiling", "plot"),
-    ("algorithms", "runtime", "checkpoint"),
-    ("config", "dashboard"),
+    ("algorithms", "runtime"),
+    ("config", "dashboard", "checkpoint"),  # checkpoint: resume reads a saved TrainConfig
     ("training",),
     ("compare", "report", "harness", "plan"),
     ("cli", "__main__"),

@@ -8,8 +8,9 @@ import json
 
 import pytest
 
+from loco.checkpoint import resume_config
 from loco.cli import main
-from loco.config import ConfigError, TrainConfig, profile_steps, resume_config
+from loco.config import ConfigError, TrainConfig, profile_steps
 
 #: The ranges of one sync of DiLoCo and Streaming DiLoCo (the all-reduce's on the
 #: communication thread, the rest on the training thread).

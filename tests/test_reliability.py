@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import loco.training.job
-import loco.training.state
+import loco.training.checkpoints
 from loco import checkpoint
 from loco.algorithms import method
 from loco.cli import main
@@ -281,7 +281,7 @@ def test_checkpoint_writes_go_one_at_a_time_off_the_calling_thread(tmp_path, mon
         spans.append((t0, time.perf_counter(), threading.current_thread().name))
         return save_rank(out, step, rank, state)
 
-    monkeypatch.setattr(checkpoint, "save_rank", slow)
+    monkeypatch.setattr(checkpoint.files, "save_rank", slow)
     writer = checkpoint.Writer(str(tmp_path), 0, 1, commit_meta={"world_size": 1})
     t0 = time.perf_counter()
     writer.save(4, {"step": 4})
@@ -300,7 +300,7 @@ def test_an_in_place_write_is_done_when_save_returns_and_commits_in_the_backgrou
     out = str(tmp_path)
     written = []
     save_rank = checkpoint.save_rank
-    monkeypatch.setattr(checkpoint, "save_rank", lambda *a: (
+    monkeypatch.setattr(checkpoint.files, "save_rank", lambda *a: (
         written.append(threading.current_thread().name), save_rank(*a))[1])
     lead = checkpoint.Writer(out, 0, 2, commit_meta={"world_size": 2}, timeout=30)
     live = torch.arange(4.0)
@@ -398,8 +398,8 @@ def test_checkpoint_interval_adds_checkpoints_by_time_at_round_ends(
     """With --checkpoint-every 0 (only at the end), a tiny interval checkpoints at every
     round's end (H = 4, DiLoCo: no sync in flight), an hour at the end only."""
     steps = []
-    hand_over = loco.training.state._hand_over
-    monkeypatch.setattr(loco.training.state, "_hand_over",
+    hand_over = loco.training.checkpoints._hand_over
+    monkeypatch.setattr(loco.training.checkpoints, "_hand_over",
                         lambda w, step, *a: (steps.append(step), hand_over(w, step, *a))[1])
     out = tmp_path / "run"
     assert main(job(corpus, out, "--algorithm", "diloco", "--checkpoint-every", "0",
@@ -560,11 +560,11 @@ def test_a_checkpoint_is_copied_only_once_the_previous_one_is_written(corpus, tm
     its staging buffers (a model on a GPU; forced here on the CPU), and the lead says so."""
     import logging
 
-    from loco.training import build, state
+    from loco.training import build, checkpoints
 
     monkeypatch.setattr(build, "make_stager", lambda ctx: checkpoint.Stager())
-    slow_save, copy = checkpoint.save_rank, state.checkpoint_state
-    monkeypatch.setattr(checkpoint, "save_rank",
+    slow_save, copy = checkpoint.save_rank, checkpoints.checkpoint_state
+    monkeypatch.setattr(checkpoint.files, "save_rank",
                         lambda *a, **k: time.sleep(1.2) or slow_save(*a, **k))
     busy = []
 
@@ -573,7 +573,7 @@ def test_a_checkpoint_is_copied_only_once_the_previous_one_is_written(corpus, tm
         busy.append(thread is not None and thread.is_alive())
         return copy(w, *a, **k)
 
-    monkeypatch.setattr(state, "checkpoint_state", watched)
+    monkeypatch.setattr(checkpoints, "checkpoint_state", watched)
     with caplog.at_level(logging.WARNING, logger="loco"):
         assert main(job(corpus, tmp_path / "run", "--eval-every", "0")) == 0
     assert len(busy) == 2 * 4 and not any(busy)  # 2 ranks x checkpoints at 4, 8, 12, 16
@@ -588,7 +588,7 @@ def test_in_place_checkpoints_block_the_training_thread_for_the_write(corpus, tm
     import logging
 
     slow_save = checkpoint.save_rank
-    monkeypatch.setattr(checkpoint, "save_rank",
+    monkeypatch.setattr(checkpoint.files, "save_rank",
                         lambda *a, **k: time.sleep(0.5) or slow_save(*a, **k))
     out = tmp_path / "run"
     with caplog.at_level(logging.WARNING, logger="loco"):

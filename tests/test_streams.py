@@ -263,8 +263,8 @@ def test_checkpoint_staging_copies_on_a_side_stream_into_buffers_made_once(fake_
 
     log = fake_cuda
     made = []
-    monkeypatch.setattr(checkpoint, "_on_gpu", lambda t: True)
-    monkeypatch.setattr(checkpoint, "_host_buffer", lambda like, pin: made.append(pin) or
+    monkeypatch.setattr(checkpoint.staging, "_on_gpu", lambda t: True)
+    monkeypatch.setattr(checkpoint.staging, "_host_buffer", lambda like, pin: made.append(pin) or
                         torch.empty(like.shape, dtype=like.dtype))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: log.append(
         ("record_stream", tuple(self.shape), stream.name)))

@@ -83,7 +83,7 @@ def test_streaming_checkpoints_wait_for_the_sync_in_flight_and_write_in_the_back
                       threading.current_thread().name))
         return save_rank(out, step, rank, state)
 
-    monkeypatch.setattr(checkpoint, "save_rank", spy)
+    monkeypatch.setattr(checkpoint.files, "save_rank", spy)
     out = tmp_path / "run"
     assert main(job(corpus, out, "--algorithm", "streaming", "--fragments", "2",
                     "--overlap", "1", "--checkpoint-every", "1")) == 0
@@ -170,7 +170,7 @@ def test_a_different_tau_per_worker_checkpoints_at_one_step(corpus, tmp_path, mo
         saves.append((rank, step, state["algorithm"]["in_flight"]))
         return save_rank(out, step, rank, state)
 
-    monkeypatch.setattr(checkpoint, "save_rank", spy)
+    monkeypatch.setattr(checkpoint.files, "save_rank", spy)
     out = tmp_path / "taus"
     assert main(job(corpus, out, "--algorithm", "streaming", "--workers", "2",
                     "--sync-every", "6", "--overlap", "0,2", "--comm-timeout", "30")) == 0

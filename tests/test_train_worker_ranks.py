@@ -17,9 +17,10 @@ import torch
 import loco
 import loco.training.job
 from loco import checkpoint
+from loco.checkpoint import check_layout, resume_config
 from loco.cli import main
 from loco.comm.link import LinkSpec
-from loco.config import ConfigError, TrainConfig, check_layout, resume_config
+from loco.config import ConfigError, TrainConfig
 from loco.report import find_runs, write_report
 from test_cli import expect_error, records_of, small_run
 from test_reliability import assert_same_tensors, final_state, records

@@ -375,7 +375,8 @@ def _train(args: argparse.Namespace) -> int:
     def train():
         given = {k: v for k, v in vars(args).items() if k in names}
         if given.get("resume"):  # the saved run's options; only how it runs may change
-            from loco.config import load_yaml, resume_config
+            from loco.checkpoint import resume_config
+            from loco.config import load_yaml
 
             file_values = load_yaml(args.config) if args.config else {}
             cfg = resume_config(given.pop("resume"), {**file_values, **given})

@@ -1,5 +1,10 @@
-"""The training configuration: typed sections of options (``sections``), the whole
-configuration with its loading, defaults and checks (``job``), and resuming (``resume``)."""
+"""The training configuration: typed sections of options (``sections``), and the whole
+configuration with its loading, defaults and checks (``job``).
+
+``resume_config`` and ``check_layout`` live in ``loco.checkpoint.resume``; their names here
+are kept for code that imports them from ``loco.config``, and load that module on first use
+(nothing in this package uses them).
+"""
 
 from loco.config.job import (
     RENAMED,
@@ -18,7 +23,6 @@ from loco.config.job import (
     validate_model,
     warnings_for,
 )
-from loco.config.resume import check_layout, resume_config
 from loco.config.sections import (
     DEFAULT_STEPS,
     DTYPES,
@@ -33,6 +37,7 @@ from loco.config.sections import (
     duration_seconds,
     worker_speeds,
 )
+from loco.lazy import lazy_exports
 from loco.options import ConfigError
 
 __all__ = ["ConfigError", "DEFAULT_STEPS", "DTYPES", "LAUNCHER_NAMES", "LAYOUT", "NONFINITE",
@@ -40,3 +45,6 @@ __all__ = ["ConfigError", "DEFAULT_STEPS", "DTYPES", "LAUNCHER_NAMES", "LAYOUT",
            "algorithm_names", "betas", "build_config", "canonical", "check_layout", "choices",
            "coerce", "duration_seconds", "load_yaml", "model_dims", "profile_steps", "resolve", "resume_config",
            "steps_for_tokens", "validate", "validate_model", "warnings_for", "worker_speeds"]
+
+__getattr__, __dir__ = lazy_exports(__name__, {"check_layout": "loco.checkpoint.resume",
+                                               "resume_config": "loco.checkpoint.resume"})

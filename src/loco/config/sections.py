@@ -29,7 +29,7 @@ WORKER_PARALLEL = ("ddp", "fsdp")
 """How the ranks of one worker (``--worker-ranks``) split its replica: ddp (each holds the
 whole model and their gradients are averaged) or fsdp (FSDP2 shards the model over them)."""
 #: The worker layout a checkpoint is written for: a resumed run may change it where the
-#: checkpoint reshards (``loco.config.resume.check_layout``).
+#: checkpoint reshards (``loco.checkpoint.resume.check_layout``).
 LAYOUT = ("worker_ranks", "worker_parallel")
 #: Options a resumed run may change: how it runs, not what it computes.
 RESUMABLE = ("launcher", "progress", "comm_timeout", "checkpoint_every", "checkpoint_interval",

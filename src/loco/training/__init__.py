@@ -5,7 +5,7 @@
 - ``preflight``: the checks of what lies outside the configuration;
 - ``build``: a rank's model, optimizer, schedule, algorithm and loader (``setup_worker``);
 - ``worker``: what a rank's run is made of (``Worker``) and the loop's running values;
-- ``state``: checkpoints, resuming (and resharding) from them, joining an elastic run;
+- ``checkpoints``: a worker's checkpoints, taken through ``loco.checkpoint`` when due;
 - ``loop``: the steps, their logging and the replicas' spread diagnostic;
 - ``hooks``: what a run's options add to the inner step (faults, an emulated speed,
   speed-aware ticks, non-finite settling, an elastic run's token count);
@@ -19,7 +19,7 @@
   blocks; ``goodput``: the share of the workers' capacity the run turned into progress.
 
 The public names below are imported on first use, so that ``loco.training.summary`` loads
-without torch.
+without torch (``seek`` and ``shard_mesh`` are ``loco.checkpoint.state``'s).
 """
 
 from loco.lazy import lazy_exports
@@ -28,8 +28,9 @@ _EXPORTS = {
     "run_training": "job", "prepare_config": "job", "prepare_data": "job",
     "launch_training": "job", "check_fits": "job", "train_worker": "job",
     "setup_worker": "build", "make_model": "build", "build_model": "build", "adamw": "build",
-    "lr_lambda": "build", "Worker": "worker", "Loop": "worker", "seek": "state",
-    "shard_mesh": "state", "evaluate": "evaluation", "replica_report": "evaluation",
+    "lr_lambda": "build", "Worker": "worker", "Loop": "worker", "evaluate": "evaluation",
+    "replica_report": "evaluation", "seek": "loco.checkpoint.state",
+    "shard_mesh": "loco.checkpoint.state",
     "replica_spread": "loop", "blocked_seconds": "counters",
     "write_comm_totals": "counters", "Summary": "summary", "human_bytes": "summary",
     "RunLog": "runlog", "TrainingError": "errors",
@@ -38,4 +39,5 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(
-    __name__, {name: f"loco.training.{module}" for name, module in _EXPORTS.items()})
+    __name__, {name: module if "." in module else f"loco.training.{module}"
+               for name, module in _EXPORTS.items()})

@@ -11,7 +11,9 @@ from contextlib import nullcontext
 import torch
 from tqdm import tqdm
 
-from loco import checkpoint, hf
+from loco import hf
+from loco.checkpoint.policy import make_stager, make_writer
+from loco.checkpoint.state import restore, restore_elastic, resume_state, seek
 from loco.comm.auth import JobKey, admit, job_key
 from loco.config import TrainConfig, betas, model_dims, worker_speeds
 from loco.data import Corpus, TokenLoader
@@ -27,7 +29,6 @@ from loco.training.local_steps import LocalSteps
 from loco.training.optimizers import inner_optimizer
 from loco.training.quorum import QuorumSteps, quorum_kwargs
 from loco.training.runlog import RunLog
-from loco.training.state import restore, restore_elastic, resume_state, seek
 from loco.training.worker import SAVED_LOOP, Loop, Worker
 
 
@@ -251,13 +252,6 @@ def make_local_steps(cfg: TrainConfig, ctx: WorkerContext, algo, loop: Loop,
     return plan
 
 
-def make_stager(ctx: WorkerContext) -> checkpoint.Stager | None:
-    """Host buffers for a checkpoint of a model on a GPU (written in the background); None
-    for a model on the CPU, whose checkpoints are written in place (a copy would double the
-    process's memory: docs/memory.md)."""
-    return checkpoint.Stager() if ctx.device.type != "cpu" else None
-
-
 def make_loader(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> TokenLoader | None:
     """This rank's training batches: every rank of every worker reads its own, M x R
     readers; None on later pipeline stages (they receive their inputs).
@@ -290,30 +284,6 @@ def progress_bar(cfg: TrainConfig, ctx: WorkerContext, main: bool,
                 + (f"x{ctx.stages} stages" if ctx.stages > 1 else "")
                 + (f"x{ctx.mesh.shards} ranks" if ctx.mesh.shards > 1 else ""), unit="step",
                 disable=not (main and cfg.progress), dynamic_ncols=True)
-
-
-def make_writer(cfg: TrainConfig, ctx: WorkerContext, main: bool) -> checkpoint.Writer:
-    """This rank's background checkpoint writer. An elastic run's checkpoint is the lead's
-    (whichever worker leads then): one file per rank of that worker, each with its share;
-    otherwise a worker of R ranks saves its tensors through DCP.
-
-    Args:
-        cfg: the run's configuration.
-        ctx: this rank's context.
-        main: whether this rank is the lead rank (it commits the checkpoint's metadata).
-    """
-    elastic = ctx.comm.elastic
-    dcp = ctx.checkpoint_group is not None and not elastic
-    world = ctx.mesh.shards if elastic else ctx.world_size
-    meta = {"world_size": world, "algorithm": cfg.algorithm, "worker_ranks": cfg.worker_ranks,
-            "worker_parallel": cfg.worker_parallel, "dcp_workers": cfg.workers if dcp else 0,
-            "elastic": elastic, "config": cfg.to_dict()}
-    return checkpoint.Writer(cfg.out, ctx.shard if elastic else ctx.rank, world,
-                             timeout=cfg.comm_timeout,
-                             commit_meta=meta if main or elastic and ctx.shard == 0 else None,
-                             worker=ctx.replica if dcp else None,
-                             group=ctx.checkpoint_group if dcp else None,
-                             keep=cfg.keep_checkpoints)
 
 
 def open_log(cfg: TrainConfig, state: dict | None, joined: bool, loop: Loop) -> RunLog:

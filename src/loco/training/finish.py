@@ -17,7 +17,7 @@ from loco.training.counters import (gather_counters, issued_link_bytes, summariz
 from loco.training.evaluation import final_evaluation, final_extra_evaluation
 from loco.training.quorum import QuorumSteps
 from loco.training.runlog import RunLog
-from loco.training.state import last_checkpoint, local_rounds
+from loco.training.checkpoints import last_checkpoint, local_rounds
 from loco.training.summary import Summary
 from loco.training.trust import guard_summary
 from loco.training.verify import replicas_verified

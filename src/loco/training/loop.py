@@ -26,8 +26,8 @@ from loco.runtime.pipeline import PipelineStage
 from loco.training.counters import blocked_seconds, issued_link_bytes
 from loco.training.errors import failure
 from loco.training.evaluation import periodic_eval
+from loco.training.checkpoints import checkpoint_if_due
 from loco.training.hooks import StepHooks, step_hooks
-from loco.training.state import checkpoint_if_due
 from loco.training.summary import human_bytes
 from loco.training.verify import verify_if_due
 from loco.training.worker import Loop, Worker

@@ -12,7 +12,8 @@ import glob
 import os
 
 from loco import checkpoint
-from loco.config import ConfigError, TrainConfig, check_layout
+from loco.checkpoint import check_layout
+from loco.config import ConfigError, TrainConfig
 from loco.dashboard import missing_extras
 from loco.runtime import under_torchrun
 from loco.runtime.elastic import restart_count

@@ -1,11 +1,13 @@
-"""Resuming a run: which worker layouts can load a checkpoint, and the saved configuration
-with the options a resumed run may change (``RESUMABLE``, ``LAYOUT``)."""
+"""Resuming a run, before any rank starts: which worker layouts can load a checkpoint, and
+the saved configuration with the options a resumed run may change (``RESUMABLE``,
+``LAYOUT``)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
+from loco.checkpoint import files
 from loco.config.job import TrainConfig, canonical, coerce
 from loco.config.sections import LAYOUT, RESUMABLE, resumable_flags
 from loco.options import ConfigError
@@ -73,17 +75,15 @@ def resume_config(directory: str, given: dict[str, Any]) -> TrainConfig:
         ConfigError: no such directory, no usable checkpoint, or a changed option that is
             not resumable.
     """
-    from loco import checkpoint
-
     if not os.path.isdir(directory):
         raise ConfigError("resume", f"no such directory: {directory}")
     try:
-        meta = checkpoint.latest(directory)
-    except checkpoint.CheckpointError as e:
+        meta = files.latest(directory)
+    except files.CheckpointError as e:
         raise ConfigError("resume", str(e)) from None
     if meta is None:
         raise ConfigError("resume", f"{directory} has no checkpoint "
-                          f"({os.path.join(directory, checkpoint.DIRNAME, 'latest.json')} is "
+                          f"({os.path.join(directory, files.DIRNAME, 'latest.json')} is "
                           "missing); nothing to resume")
     saved = meta.get("config")
     if isinstance(saved, dict):
@@ -102,7 +102,7 @@ def resume_config(directory: str, given: dict[str, Any]) -> TrainConfig:
     check_layout(meta, *(values.get(k, by_name[k].default)
                          for k in (*LAYOUT, "launcher")))
     try:
-        checkpoint.check_files(directory, meta)
-    except checkpoint.CheckpointError as e:
+        files.check_files(directory, meta)
+    except files.CheckpointError as e:
         raise ConfigError("resume", str(e)) from None
     return TrainConfig(**{**values, "resume": directory, "out": directory})
