@@ -562,3 +562,30 @@ def test_the_compares_give_the_tables_bytes(name, flush, monkeypatch):
     want = codec.encode_rows(x)
     monkeypatch.setattr(int2 if name == "int2" else fp4, "LITTLE_ENDIAN", False)
     assert torch.equal(codec.encode_rows(x), want)
+
+
+@pytest.mark.parametrize("old, new, name", [
+    ("loco.comm.codec", "loco.comm.codecs.base", "Codec"),
+    ("loco.comm.formats", "loco.comm.codecs.formats", "CODEC_NAMES"),
+    ("loco.comm.sparse", "loco.comm.codecs.dropping", "TopKCodec"),
+    ("loco.comm.chunked", "loco.comm.codecs.chunk_topk", "ChunkTopKCodec"),
+    ("loco.comm.tiles", "loco.comm.codecs.tiles", "TiledTopK"),
+    ("loco.comm.bits", "loco.comm.codecs.bitpack", "pack"),
+    ("loco.comm.kernels", "loco.comm.codecs.fused", "FUSED_MIN_NUMEL"),
+    ("loco.comm.cpu_kernels", "loco.comm.codecs.cpp_kernel", "encode_into"),
+    ("loco.comm.counters", "loco.comm.accounting", "CommStats"),
+    ("loco.comm.elastic", "loco.comm.membership", "ElasticComm"),
+])
+def test_a_moved_modules_old_path_imports_for_one_release_with_a_warning(old, new, name):
+    """``from loco.comm.codec import Codec`` and the other old paths of the modules that moved
+    (the codecs into ``loco.comm.codecs``) still give the new modules' objects, and say where
+    they are now; a name the new module lacks is an ImportError, as before."""
+    import importlib
+    import sys
+
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} is now {new}"):
+        module = importlib.import_module(old)
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+    with pytest.raises(ImportError):
+        exec(f"from {old} import no_such_name", {})
