@@ -565,7 +565,7 @@ def test_the_compares_give_the_tables_bytes(name, flush, monkeypatch):
 
 
 @pytest.mark.parametrize("old, new, name", [
-    ("loco.comm.codec", "loco.comm.codecs.base", "Codec"),
+    ("loco.comm.codec", "loco.comm.codecs.contract", "Codec"),
     ("loco.comm.formats", "loco.comm.codecs.formats", "CODEC_NAMES"),
     ("loco.comm.sparse", "loco.comm.codecs.dropping", "TopKCodec"),
     ("loco.comm.chunked", "loco.comm.codecs.chunk_topk", "ChunkTopKCodec"),

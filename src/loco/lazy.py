@@ -62,7 +62,7 @@ def moved_modules(moved: dict[str, str]) -> None:
     """Keep the old dotted paths of moved modules importable, for one release: importing one
     warns (``DeprecationWarning``, naming the new path) and gives a module whose every name is
     the new module's (``from loco.comm.codec import Codec`` is
-    ``loco.comm.codecs.base.Codec``).
+    ``loco.comm.codecs.contract.Codec``).
 
     Args:
         moved: each old dotted path and the module now there (a dotted path).

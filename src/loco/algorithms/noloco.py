@@ -34,7 +34,7 @@ from loco.algorithms.buffers import PIECE_VALUES
 from loco.algorithms.method import OUTER, PaperClaim, leftover_steps
 from loco.algorithms.sharding import Share, flatten_fp32, unflatten_views
 from loco.comm import Comm
-from loco.comm.codecs.base import Codec
+from loco.comm.codecs.contract import Codec
 from loco.comm.codecs import CastCodec, get_codec
 from loco.comm.hostreads import allowed
 from loco.comm.reduce import PIECE_BYTES

@@ -172,7 +172,7 @@ class StreamingDiLoCo(Algorithm):
         ValueError: an argument outside the ranges above (also from
             [`split_fragments`][loco.algorithms.fragments.split_fragments] for a bad
             ``fragments`` or ``pattern``, and from
-            [`get_codec`][loco.comm.codecs.registry.get_codec] for a bad ``codec`` or
+            [`get_codec`][loco.comm.codecs.catalog.get_codec] for a bad ``codec`` or
             ``codec_block``).
         RuntimeError: the codec cannot run on ``comm``'s device, or the workers' initial
             state differs.

@@ -19,7 +19,7 @@ __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
 
 moved_modules({
-    "loco.comm.codec": "loco.comm.codecs.base",
+    "loco.comm.codec": "loco.comm.codecs.contract",
     "loco.comm.formats": "loco.comm.codecs.formats",
     "loco.comm.sparse": "loco.comm.codecs.dropping",
     "loco.comm.chunked": "loco.comm.codecs.chunk_topk",

@@ -356,7 +356,7 @@ class Comm:
                 codec is given.
             tag: the tag its bytes are counted under; default ``"train"``.
             codec: wire format of the values (see
-                [`get_codec`][loco.comm.codecs.registry.get_codec]); default None: the tensor's own
+                [`get_codec`][loco.comm.codecs.catalog.get_codec]); default None: the tensor's own
                 dtype, unencoded (``"fp32"``, a lossless cast of the fp32 tensor, is the
                 same). A codec that ``gathers`` goes through
                 [`all_gather_mean`][loco.comm.comm.Comm.all_gather_mean] instead.
@@ -407,7 +407,7 @@ class Comm:
         Args:
             tensor: the contiguous fp32 tensor to average, overwritten with the mean.
             tag: the tag its bytes are counted under; default ``"train"``.
-            codec: the wire format (see [`get_codec`][loco.comm.codecs.registry.get_codec]).
+            codec: the wire format (see [`get_codec`][loco.comm.codecs.catalog.get_codec]).
             sent: fp32, receives ``D(C(tensor))`` as for ``all_reduce_mean``; or uint8 of at
                 least ``codec.encoded_nbytes(n)`` bytes, ``C(tensor)`` itself; default None.
             weight: as for [`all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean].

@@ -13,13 +13,14 @@ it. Every codec but the dropping ones also runs as a fused kernel
 ([`loco.comm.codecs.fused`][loco.comm.codecs.fused]), bit for bit the same as eager. Formats,
 choices and measurements: ``docs/codecs.md``.
 
-The modules, each by its job: ``base`` (the [`Codec`][loco.comm.codecs.base.Codec] contract),
-``registry`` ([`get_codec`][loco.comm.codecs.registry.get_codec]), ``formats`` (the formats' names
-and sizes, torch-free), ``casts``, ``scaled`` (the scaled codecs' common part, ``fp8_e4m3``
-and ``int8``), ``fp4``, ``int2``, ``dropping`` (``topk``, ``dare``, ``random_drop``),
-``chunk_topk`` and ``tiles`` (SparseLoCo's formats), ``bitpack`` (bit packing and
-Elias-Fano), ``fused`` (the ``torch.compile`` kernels and the choice of kernel) and
-``cpp_kernel`` (the eager path's C++ kernel on the CPU).
+The modules, each by its job: ``contract`` (the [`Codec`][loco.comm.codecs.contract.Codec]
+base class), ``catalog`` ([`get_codec`][loco.comm.codecs.catalog.get_codec]: every codec by
+its name), ``formats`` (the formats' names and sizes, torch-free), ``casts``, ``scaled``
+(the scaled codecs' common part, ``fp8_e4m3`` and ``int8``), ``fp4``, ``int2``,
+``dropping`` (``topk``, ``dare``, ``random_drop``), ``chunk_topk`` and ``tiles``
+(SparseLoCo's formats), ``bitpack`` (bit packing and Elias-Fano), ``fused`` (the
+``torch.compile`` kernels and the choice of kernel) and ``cpp_kernel`` (the eager path's C++
+kernel on the CPU).
 
 The public names are imported on first use, so that ``loco.comm.codecs.formats`` imports
 without torch.
@@ -28,8 +29,8 @@ without torch.
 from loco.lazy import lazy_exports
 
 _HOMES = {
-    "loco.comm.codecs.registry": ("get_codec",),
-    "loco.comm.codecs.base": ("Codec", "F32_MAX"),
+    "loco.comm.codecs.catalog": ("get_codec",),
+    "loco.comm.codecs.contract": ("Codec", "F32_MAX"),
     "loco.comm.codecs.casts": ("CastCodec",),
     "loco.comm.codecs.scaled": ("ScaledCodec", "Fp8Codec", "Int8Codec", "MAX_BLOCK",
                                 "EAGER_PIECE", "NONFINITE_SCALE"),

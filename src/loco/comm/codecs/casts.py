@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from loco.comm.codecs.base import Codec
+from loco.comm.codecs.contract import Codec
 
 
 class CastCodec(Codec):

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from loco.comm.codecs.base import Codec, check_out, zeroed_rows
 from loco.comm.codecs.bitpack import ef_decode_checked, ef_encode, pack, unpack
+from loco.comm.codecs.contract import Codec, check_out, zeroed_rows
 from loco.comm.codecs.formats import (
     DEFAULT_CHUNK,
     DEFAULT_CHUNK_KEEP,

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import torch
 
-from loco.comm.codecs.base import F32_MAX, Codec, check_out, zeroed_rows
+from loco.comm.codecs.contract import F32_MAX, Codec, check_out, zeroed_rows
 
 
 def _view_as(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -25,7 +25,7 @@ from loco.comm.reduce import Buffers, layout, reduce_mean
 KERNELS = ("auto", "eager", "fused")
 """The choices of ``get_codec(kernel=...)``: ``"fused"`` compiles each codec's encode and decode
 (``torch.compile`` of the eager code: C++ on CPU, Triton on GPU) for every input shape, at
-[`prepare`][loco.comm.codecs.base.Codec.prepare] or else at its first call; ``"eager"`` runs the
+[`prepare`][loco.comm.codecs.contract.Codec.prepare] or else at its first call; ``"eager"`` runs the
 reference; ``"auto"`` (the default) is fused for the all-reduces that ``prepare`` is told of
 with at least ``FUSED_MIN_NUMEL`` values, where ``torch.compile`` can run, and eager for all
 else (the casts, smaller all-reduces, a codec never prepared): it never compiles during
@@ -34,7 +34,7 @@ KERNEL_ENV = "LOCO_CODEC_KERNEL"
 """The environment variable that gives the default of ``get_codec(kernel=...)``; unset: auto."""
 FUSED_MIN_NUMEL = 1 << 22
 """``"auto"``: the fewest values (4,194,304) of an all-reduce that
-[`prepare`][loco.comm.codecs.base.Codec.prepare] compiles fused kernels for; smaller ones run
+[`prepare`][loco.comm.codecs.contract.Codec.prepare] compiles fused kernels for; smaller ones run
 eager (why this size: "Fused kernels" in ``docs/codecs.md``)."""
 
 _COMPILE_LOCK = threading.Lock()
@@ -55,7 +55,7 @@ def kernel_in_use(codec: Any) -> str:
     print and record.
 
     Args:
-        codec: a codec from [`get_codec`][loco.comm.codecs.registry.get_codec].
+        codec: a codec from [`get_codec`][loco.comm.codecs.catalog.get_codec].
     """
     return codec.kernel
 
@@ -104,7 +104,7 @@ def _fused_supported(dev: torch.device) -> tuple[bool, str]:
 
 def choose_kernel(codec: Any, kernel: str | None, device) -> Any:
     """Set how ``codec`` runs: its ``kernel`` and ``kernel_reason`` as ``get_codec(kernel=...)``
-    asks (see [`get_codec`][loco.comm.codecs.registry.get_codec]).
+    asks (see [`get_codec`][loco.comm.codecs.catalog.get_codec]).
 
     Args:
         codec: a codec just made.
@@ -145,8 +145,8 @@ def choose_kernel(codec: Any, kernel: str | None, device) -> Any:
 
 
 def prepare(codec: Any, numel: int, parts: int, device) -> str:
-    """[`Codec.prepare`][loco.comm.codecs.base.Codec.prepare]: compile, now, the fused kernels of
-    an all-reduce of ``numel`` values over ``parts`` workers, by running
+    """[`Codec.prepare`][loco.comm.codecs.contract.Codec.prepare]: compile, now, the fused
+    kernels of an all-reduce of ``numel`` values over ``parts`` workers, by running
     [`reduce_mean`][loco.comm.reduce.reduce_mean] on zeros over a loopback; and load the
     eager path's C++ kernel where the codec uses it (``loco.comm.codecs.cpp_kernel``).
 
@@ -274,8 +274,8 @@ def _first_lines(err: Exception, limit: int = 240) -> str:
 def run_kernel(codec: Any, op: str, fn, *args):
     """Run ``fn(*args)`` (the codec's one definition of ``op``) eagerly or as its fused kernel.
     A forced fused codec compiles a new input key once, under the lock; an ``auto`` one
-    compiles only inside [`prepare`][loco.comm.codecs.base.Codec.prepare] and runs eager for a key
-    it did not prepare. A failed compile falls back to eager, with one warning.
+    compiles only inside [`prepare`][loco.comm.codecs.contract.Codec.prepare] and runs eager
+    for a key it did not prepare. A failed compile falls back to eager, with one warning.
 
     Args:
         codec: the codec whose kernel runs.

@@ -11,7 +11,7 @@ import sys
 import torch
 
 from loco.comm.codecs import cpp_kernel
-from loco.comm.codecs.base import F32_MAX, Codec
+from loco.comm.codecs.contract import F32_MAX, Codec
 from loco.comm.hostreads import allowed
 
 MAX_BLOCK = 65536

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from loco.comm.codecs.base import Codec
 from loco.comm.codecs.bitpack import pack, unpack
 from loco.comm.codecs.chunk_topk import ChunkTopKCodec, judge_parts, robust_columns, sum_into
+from loco.comm.codecs.contract import Codec
 
 TILE_VALUES = ("split", "stat")
 """How a tiled top-k codes its kept values: loco's per tile, or the reference's per tensor."""

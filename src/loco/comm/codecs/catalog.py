@@ -1,13 +1,13 @@
-"""[`get_codec`][loco.comm.codecs.registry.get_codec]: a codec by its name, its block, keep and seed
-checked, its kernel chosen, and optionally tried on a device first."""
+"""Every codec by its name: [`get_codec`][loco.comm.codecs.catalog.get_codec] makes it, its
+block, keep and seed checked, its kernel chosen, and optionally tries it on a device first."""
 
 from __future__ import annotations
 
 import torch
 
-from loco.comm.codecs.base import Codec
 from loco.comm.codecs.casts import CastCodec
 from loco.comm.codecs.chunk_topk import ChunkTopKCodec
+from loco.comm.codecs.contract import Codec
 from loco.comm.codecs.dropping import RandomDropCodec, TopKCodec, check_sparse
 from loco.comm.codecs.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES, DEFAULT_CHUNK,
                                       DEFAULT_CHUNK_KEEP, DEFAULT_KEEP, SPARSE_CODEC_NAMES)
@@ -73,7 +73,7 @@ def get_codec(name: str, block: int | None = None, device: torch.device | str | 
         seed: keys the random draws of ``dare`` and ``random_drop``, an integer in
             [0, 2^64); default 0; ignored by the other codecs.
         kernel: ``"fused"`` (``torch.compile`` of the codec's code, compiled once per input
-            shape, by [`prepare`][loco.comm.codecs.base.Codec.prepare] or else at the shape's
+            shape, by [`prepare`][loco.comm.codecs.contract.Codec.prepare] or else at the shape's
             first call), ``"eager"`` (the reference) or ``"auto"`` (eager until ``prepare``
             is told of an all-reduce of at least ``FUSED_MIN_NUMEL`` values on a device
             where torch.compile can run, whose kernels it then compiles and runs fused;

@@ -1,5 +1,5 @@
-"""The [`Codec`][loco.comm.codecs.base.Codec] base class: the row-wise contract every wire
-format of [`get_codec`][loco.comm.codecs.registry.get_codec] meets, and its flat-tensor
+"""The [`Codec`][loco.comm.codecs.contract.Codec] base class: the row-wise contract every wire
+format of [`get_codec`][loco.comm.codecs.catalog.get_codec] meets, and its flat-tensor
 ``encode``/``decode``."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ F32_MAX = torch.finfo(torch.float32).max
 class Codec:
     """Base class: flat-tensor encode/decode on top of the row-wise ``encode_rows``.
 
-    Get one with [`get_codec`][loco.comm.codecs.registry.get_codec]; a subclass implements
+    Get one with [`get_codec`][loco.comm.codecs.catalog.get_codec]; a subclass implements
     ``_encode_rows`` and ``_decode_rows``, the one definition that ``encode_rows`` and
     ``decode_rows`` run eager or compiled into a fused kernel (see ``kernel``), or overrides
     ``encode_rows`` and ``decode_rows`` themselves (the dropping codecs: always eager). A row
@@ -51,7 +51,7 @@ class Codec:
     kernel: str = "eager"
     """How ``encode_rows`` and ``decode_rows`` run: ``"fused"`` (``torch.compile`` of the
     eager code, one kernel per shape) or ``"eager"`` (the reference). With the default
-    ``"auto"`` it is ``"eager"`` until [`prepare`][loco.comm.codecs.base.Codec.prepare] compiles
+    ``"auto"`` it is ``"eager"`` until [`prepare`][loco.comm.codecs.contract.Codec.prepare] compiles
     kernels for an all-reduce big enough, then ``"fused"`` (all-reduces prepared below the
     threshold still run eager: ``kernel_reason`` lists them). See ``docs/codecs.md`` and
     `kernel_in_use`."""
@@ -83,8 +83,8 @@ class Codec:
         [`all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean] will be given:
         ``numel`` the flat tensor's values, ``parts`` the workers of the Comm (its
         ``size``), ``device`` the Comm's device; ``parts=1`` also covers
-        [`encode`][loco.comm.codecs.base.Codec.encode] and
-        [`decode`][loco.comm.codecs.base.Codec.decode] of a tensor of ``numel`` values
+        [`encode`][loco.comm.codecs.contract.Codec.encode] and
+        [`decode`][loco.comm.codecs.contract.Codec.decode] of a tensor of ``numel`` values
         (NoLoCo's exchange). It compiles exactly the kernels
         that all-reduce will call, by running its codec calls
         ([`reduce_mean`][loco.comm.reduce.reduce_mean]) on zeros. Kernels are shared by every
@@ -134,8 +134,8 @@ class Codec:
         return c * self.bits // 8 + (c // self.block if self.block else 0)
 
     def encoded_nbytes(self, numel: int) -> int:
-        """Bytes of [`encode`][loco.comm.codecs.base.Codec.encode] of ``numel`` values (padded to
-        whole blocks, scales included).
+        """Bytes of [`encode`][loco.comm.codecs.contract.Codec.encode] of ``numel`` values
+        (padded to whole blocks, scales included).
 
         Args:
             numel: a number of values, >= 0.
@@ -209,7 +209,7 @@ class Codec:
 
     def decode_rows(self, buf: torch.Tensor, c: int,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode rows that [`encode_rows`][loco.comm.codecs.base.Codec.encode_rows] made.
+        """Decode rows that [`encode_rows`][loco.comm.codecs.contract.Codec.encode_rows] made.
 
         Args:
             buf: a uint8 tensor of shape ``(rows, row_bytes(c))``.
@@ -258,7 +258,7 @@ class Codec:
 
     def decode(self, buf: torch.Tensor, shape: Sequence[int],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Decode what [`encode`][loco.comm.codecs.base.Codec.encode] made of a tensor of
+        """Decode what [`encode`][loco.comm.codecs.contract.Codec.encode] made of a tensor of
         ``shape``.
 
         Args:
