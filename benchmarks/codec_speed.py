@@ -41,8 +41,8 @@ import time
 import torch
 
 from loco.comm.codecs import get_codec
-from loco.comm.formats import FUSED_CODEC_NAMES
-from loco.comm.kernels import kernel_in_use
+from loco.comm.codecs.formats import FUSED_CODEC_NAMES
+from loco.comm.codecs.fused import kernel_in_use
 
 
 def parse_size(s: str) -> int:
@@ -66,7 +66,7 @@ import json, sys, time
 t = time.perf_counter()
 import torch._inductor.compile_fx  # the one-time cost: loading Inductor
 from loco.comm.codecs import get_codec
-from loco.comm.kernels import compile_count
+from loco.comm.codecs.fused import compile_count
 out = {"import": time.perf_counter() - t}
 numel, parts, block = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 for name in sys.argv[4].split(","):

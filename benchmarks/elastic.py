@@ -32,7 +32,7 @@ import sys
 import tempfile
 import time
 
-from loco.comm.elastic import start_lighthouse
+from loco.comm.membership import start_lighthouse
 
 
 def records(out: str) -> list[dict]:

@@ -333,7 +333,7 @@ def _spawn(cmd: list[str], env: dict, log_path: str) -> subprocess.Popen:
 def start_lighthouse(net: WanNet, out: str, min_workers: int,
                      timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
     """torchft's Lighthouse in worker 0's namespace; returns the process and its address."""
-    code = ("import sys, time; from loco.comm.elastic import start_lighthouse; "
+    code = ("import sys, time; from loco.comm.membership import start_lighthouse; "
             f"h = start_lighthouse({min_workers}); "
             "print('PORT', h.address().rsplit(':', 1)[1], flush=True); time.sleep(1e9)")
     path = os.path.join(out, "logs", "lighthouse.log")

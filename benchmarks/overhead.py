@@ -34,7 +34,7 @@ import torch
 import torch.nn as nn
 
 import loco
-from loco.comm.kernels import KERNEL_ENV
+from loco.comm.codecs.fused import KERNEL_ENV
 
 METHODS = {
     "diloco": lambda m, o, c, h: loco.DiLoCo(m, o, c, sync_every=h),

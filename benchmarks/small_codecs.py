@@ -11,7 +11,7 @@ slowest worker's), the median of the per-repeat ratios FP4/fp32 and each/none, t
 of the whole process per step (both workers' training and communication threads: other jobs
 on the machine change it far less than steps/s, but it leaves out waiting), and the seconds
 each worker spent building its algorithm (where a codec compiles, if it does; FP4's eager
-path loads its C++ kernel there, ``loco.comm.cpu_kernels``). The target: FP4 at least 0.97
+path loads its C++ kernel there, ``loco.comm.codecs.cpp_kernel``). The target: FP4 at least 0.97
 of fp32.
 
     python benchmarks/small_codecs.py                       # 7 repeats, about 3 minutes
@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 import loco
-from loco.comm import cpu_kernels
+from loco.comm.codecs import cpp_kernel
 
 sys.path.insert(0, os.path.dirname(__file__))
 from overhead import Net  # noqa: E402  (the same model)
@@ -97,7 +97,7 @@ def main() -> None:
                 table[name].append(value)
     med = statistics.median
     kernel = os.environ.get("LOCO_CODEC_KERNEL") or "auto"
-    cxx = "on" if cpu_kernels.enabled() and cpu_kernels._library(wait=True) else "off"
+    cxx = "on" if cpp_kernel.enabled() and cpp_kernel._library(wait=True) else "off"
     print(f"\n2 workers as threads, 2.1M parameters, Streaming DiLoCo P = 2, tau = 1, "
           f"H = {args.sync_every}, {args.steps} steps, median of {args.repeats}; "
           f"LOCO_CODEC_KERNEL={kernel}; C++ eager kernel {cxx}; torch {torch.__version__}")

@@ -26,7 +26,7 @@ import loco
 sys.path.insert(0, os.path.dirname(__file__))
 from overhead import KERNELS, METHODS, Net  # noqa: E402  (the same job)
 
-from loco.comm.kernels import KERNEL_ENV  # noqa: E402
+from loco.comm.codecs.fused import KERNEL_ENV  # noqa: E402
 
 SYNC_RANGES = ("loco/pseudo_gradient", "loco/all_reduce", "loco/encode", "loco/all_to_all",
                "loco/reduce", "loco/all_gather", "loco/decode", "loco/exchange", "loco/wait",

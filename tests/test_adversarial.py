@@ -8,7 +8,7 @@ import pytest
 from loco import compare
 from loco.compare.presets import ATTACKS, LIE_TOKENS
 from loco.report import find_runs, write_report
-from loco.report.attacks import attacks_section, expected_signs, parse_attacks
+from loco.report.adversarial import attacks_section, expected_signs, parse_attacks
 
 METHODS = ("ddp", "diloco", "streaming", "sparseloco", "demo", "noloco")
 PROPORTIONAL = ("diloco", "streaming", "sparseloco")

@@ -282,7 +282,7 @@ def _counting(fn):
 
 # ---------------------------------------------------------------------------- elastic
 def test_the_state_a_joiner_receives_is_sealed_and_served_to_keyholders_only():
-    from loco.comm.elastic import _transport
+    from loco.comm.membership import _transport
 
     td = datetime.timedelta(seconds=10)
     sender, joiner, stranger = (_transport("127.0.0.1", td) for _ in range(3))
@@ -311,7 +311,7 @@ ELASTIC = textwrap.dedent("""
     import os, sys, time
     import torch
     from loco.comm.auth import AuthError, load_key
-    from loco.comm.elastic import ElasticComm
+    from loco.comm.membership import ElasticComm
 
     lighthouse, worker, path, mode = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
     ahead = sys.argv[5] if mode == "heal" else None  # worker 0 writes it, a step ahead
@@ -338,7 +338,7 @@ ELASTIC = textwrap.dedent("""
 
 
 def _elastic_pair(tmp_path, keys: tuple[bytes, bytes], mode: str) -> list[str]:
-    from loco.comm.elastic import start_lighthouse
+    from loco.comm.membership import start_lighthouse
 
     paths = [key_file(tmp_path, k.hex().encode(), f"w{i}.key") for i, k in enumerate(keys)]
     lighthouse = start_lighthouse(1 if mode == "heal" else 2, join_timeout=30)

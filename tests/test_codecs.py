@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from loco.comm import codecs
+from loco.comm.codecs import fp4, int2, scaled
 from loco.comm.codecs import get_codec
-from loco.comm.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES, SPARSE_CODEC_NAMES,
-                               chunk_topk_bytes)
+from loco.comm.codecs.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES, SPARSE_CODEC_NAMES,
+                                      chunk_topk_bytes)
 
 pytestmark = pytest.mark.numerics
 
@@ -385,12 +385,12 @@ def test_device_probe_fails_loudly(monkeypatch):
     def unsupported(self, y):
         raise TypeError("float8 unsupported here")
 
-    monkeypatch.setattr(codecs.Fp8Codec, "_quantize", unsupported)
+    monkeypatch.setattr(scaled.Fp8Codec, "_quantize", unsupported)
     with pytest.raises(RuntimeError, match="codec fp8_e4m3 cannot run on cpu: float8 unsup"):
         get_codec("fp8_e4m3", device="cpu")
     get_codec("fp8_e4m3")  # without a device nothing runs
     # a device that runs but computes garbage is caught too
-    monkeypatch.setattr(codecs.Int8Codec, "_dequantize", lambda self, q, c: 0 * q.float())
+    monkeypatch.setattr(scaled.Int8Codec, "_dequantize", lambda self, q, c: 0 * q.float())
     with pytest.raises(RuntimeError, match="codec int8 cannot run on cpu: round trip"):
         get_codec("int8", device="cpu")
 
@@ -544,7 +544,7 @@ def test_eager_pieces_give_the_same_bits(name, piece, monkeypatch):
     x = wire_rows(name)
     codec = get_codec(name, B, kernel="eager")
     buf, values = codec.encode_rows(x), codec.decode_rows(codec.encode_rows(x), WIRE_C)
-    monkeypatch.setattr(codecs, "EAGER_PIECE", piece)
+    monkeypatch.setattr(scaled, "EAGER_PIECE", piece)
     assert torch.equal(codec.encode_rows(x), buf)
     out = torch.full_like(buf, 7)
     assert codec.encode_rows(x, out=out).data_ptr() == out.data_ptr() and torch.equal(out, buf)
@@ -560,5 +560,32 @@ def test_the_compares_give_the_tables_bytes(name, flush, monkeypatch):
     x = wire_rows(name)
     codec = get_codec(name, B, kernel="eager")
     want = codec.encode_rows(x)
-    monkeypatch.setattr(codecs, "_LITTLE_ENDIAN", False)
+    monkeypatch.setattr(int2 if name == "int2" else fp4, "LITTLE_ENDIAN", False)
     assert torch.equal(codec.encode_rows(x), want)
+
+
+@pytest.mark.parametrize("old, new, name", [
+    ("loco.comm.codec", "loco.comm.codecs.contract", "Codec"),
+    ("loco.comm.formats", "loco.comm.codecs.formats", "CODEC_NAMES"),
+    ("loco.comm.sparse", "loco.comm.codecs.dropping", "TopKCodec"),
+    ("loco.comm.chunked", "loco.comm.codecs.chunk_topk", "ChunkTopKCodec"),
+    ("loco.comm.tiles", "loco.comm.codecs.tiles", "TiledTopK"),
+    ("loco.comm.bits", "loco.comm.codecs.bitpack", "pack"),
+    ("loco.comm.kernels", "loco.comm.codecs.fused", "FUSED_MIN_NUMEL"),
+    ("loco.comm.cpu_kernels", "loco.comm.codecs.cpp_kernel", "encode_into"),
+    ("loco.comm.counters", "loco.comm.accounting", "CommStats"),
+    ("loco.comm.elastic", "loco.comm.membership", "ElasticComm"),
+])
+def test_a_moved_modules_old_path_imports_for_one_release_with_a_warning(old, new, name):
+    """``from loco.comm.codec import Codec`` and the other old paths of the modules that moved
+    (the codecs into ``loco.comm.codecs``) still give the new modules' objects, and say where
+    they are now; a name the new module lacks is an ImportError, as before."""
+    import importlib
+    import sys
+
+    sys.modules.pop(old, None)
+    with pytest.warns(DeprecationWarning, match=f"{old} is now {new}"):
+        module = importlib.import_module(old)
+    assert getattr(module, name) is getattr(importlib.import_module(new), name)
+    with pytest.raises(ImportError):
+        exec(f"from {old} import no_such_name", {})

@@ -13,10 +13,10 @@ import threading
 import pytest
 import torch
 
-from loco.comm import kernels
+from loco.comm.codecs import fused as kernels
 from loco.comm.codecs import get_codec
-from loco.comm.formats import FUSED_CODEC_NAMES, SPARSE_CODEC_NAMES
-from loco.comm.kernels import KERNEL_ENV, compile_count, kernel_in_use
+from loco.comm.codecs.formats import FUSED_CODEC_NAMES, SPARSE_CODEC_NAMES
+from loco.comm.codecs.fused import KERNEL_ENV, compile_count, kernel_in_use
 from test_codecs import F32_MAX, FMT_MAX, GRID, normal, wide
 
 B = 32

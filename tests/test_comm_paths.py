@@ -20,13 +20,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import loco
-from loco.comm import codecs as codecs_module
+from loco.comm.codecs import scaled
 from loco.comm.codecs import get_codec
 from loco.comm.comm import Comm
-from loco.comm.elastic import ElasticComm
-from loco.comm.formats import CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES
+from loco.comm.membership import ElasticComm
+from loco.comm.codecs.formats import CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES
 from loco.comm.hostreads import HostReadCounter
-from loco.comm.chunked import gather_mean
+from loco.comm.codecs.chunk_topk import gather_mean
 from loco.comm.reduce import Buffers, layout, reduce_mean
 
 LIST_FORMS = {"allgather", "alltoall", "reduce_scatter", "allgather_coalesced", "gather",
@@ -160,7 +160,7 @@ def test_no_codec_reads_the_host_to_encode_or_decode(name, monkeypatch):
     host read, a NaN in the data or not, on the path a GPU takes (the scaled codecs read
     whether a block is non-finite on the CPU, where that is free: ``_branch_free`` says
     which path), and give the same bits as outside the counter."""
-    monkeypatch.setattr(codecs_module, "_branch_free", lambda t: True)
+    monkeypatch.setattr(scaled, "_branch_free", lambda t: True)
     codec = get_codec(name, kernel="eager")
     c = codec.padded(8192)
     x = rows(c)
@@ -208,7 +208,7 @@ def test_a_whole_reduction_reads_nothing_on_the_host(name, monkeypatch):
     """The mean all-reduce's and the all-gather mean's arithmetic and collectives, as the
     communication thread runs them (``HostReadCounter`` counts per thread: the reduction
     runs here), with error feedback's echo and an all-gather: no host read."""
-    monkeypatch.setattr(codecs_module, "_branch_free", lambda t: True)
+    monkeypatch.setattr(scaled, "_branch_free", lambda t: True)
     codec = None if name is None else get_codec(name, kernel="eager")
     if codec is not None:  # a codec's first use may build its tables: set-up, not a sync
         codec.decode(codec.encode(torch.ones(64)), (64,))

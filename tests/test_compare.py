@@ -198,9 +198,9 @@ def test_peak_claim_counts_the_fragments_not_the_codec(codec, block):
 @pytest.mark.parametrize("codec", CODEC_NAMES)
 @pytest.mark.parametrize("block", [2, 16, 32, 1024])
 def test_report_knows_every_codecs_compression(codec, block):
-    """loco.report holds the bits per value without torch (loco.comm.formats): they must be the
-    codecs' own, bytes per value against fp32's 4 (the dropping codecs' 8-byte seed per row
-    aside)."""
+    """loco.report holds the bits per value without torch (loco.comm.codecs.formats): they
+    must be the codecs' own, bytes per value against fp32's 4 (the dropping codecs' 8-byte
+    seed per row aside)."""
     n = 4096
     if codec == "int2" and block % 4:
         return  # four 2-bit values share a byte: no such block

@@ -11,9 +11,9 @@ import torch
 from workers import max_diff, reference_streaming, resume_worker, streaming_worker
 
 import loco
-from loco.comm.bits import ef_decode, ef_encode, pack, unpack
+from loco.comm.codecs.bitpack import ef_decode, ef_encode, pack, unpack
 from loco.comm.codecs import get_codec
-from loco.comm.formats import CODEC_NAMES, chunk_topk_bytes, ef_bytes, packed_bytes
+from loco.comm.codecs.formats import CODEC_NAMES, chunk_topk_bytes, ef_bytes, packed_bytes
 
 pytestmark = pytest.mark.numerics
 

@@ -1,5 +1,6 @@
-"""The eager path's C++ kernel (``loco.comm.cpu_kernels``) gives eager's bytes and decoded bits
-for FP4 and int2 on every kind of input, and falls back to eager where it cannot run."""
+"""The eager path's C++ kernel (``loco.comm.codecs.cpp_kernel``) gives eager's bytes and
+decoded bits for FP4 and int2 on every kind of input, and falls back to eager where it cannot
+run."""
 
 from __future__ import annotations
 
@@ -8,26 +9,26 @@ import threading
 import pytest
 import torch
 
-from loco.comm import cpu_kernels
+from loco.comm.codecs import cpp_kernel
 from loco.comm.codecs import get_codec
 
-NAMES = sorted(cpu_kernels.SPECS)
+NAMES = sorted(cpp_kernel.SPECS)
 F32_MAX = torch.finfo(torch.float32).max
 
 
 @pytest.fixture(scope="module")
 def lib():
     """The loaded kernel; the module's tests skip where it cannot be compiled."""
-    if cpu_kernels._library(wait=True) is None:
+    if cpp_kernel._library(wait=True) is None:
         pytest.skip("the C++ kernel did not compile here (no compiler?)")
-    return cpu_kernels._STATE["lib"]
+    return cpp_kernel._STATE["lib"]
 
 
 def _both(monkeypatch, fn):
     """``fn()`` with the kernel off (eager), then on; each result cloned."""
-    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    monkeypatch.setenv(cpp_kernel.ENV, "0")
     eager = fn().clone()
-    monkeypatch.setenv(cpu_kernels.ENV, "1")
+    monkeypatch.setenv(cpp_kernel.ENV, "1")
     return eager, fn().clone()
 
 
@@ -104,7 +105,7 @@ def _special_rows(block: int, g: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("block", [32, 2, 4, 8, 48, 256])
 def test_special_values(lib, monkeypatch, name, block):
-    if block % cpu_kernels.SPECS[name][0]:
+    if block % cpp_kernel.SPECS[name][0]:
         pytest.skip("block not a multiple of the values per byte")
     codec = get_codec(name, block, kernel="eager")
     _check(monkeypatch, codec, _special_rows(block, torch.Generator().manual_seed(block)))
@@ -130,7 +131,7 @@ def test_flushed_denormals(lib, monkeypatch, name):
 def test_every_byte_and_scale(lib, monkeypatch, name):
     """Decoding every value byte under every scale byte, 255 (non-finite) and 0 included."""
     codec = get_codec(name, kernel="eager")
-    per = cpu_kernels.SPECS[name][0]
+    per = cpp_kernel.SPECS[name][0]
     nv = codec.block // per
     values = torch.arange(256, dtype=torch.uint8).view(-1, nv)
     scales = torch.arange(256, dtype=torch.uint8)
@@ -169,26 +170,26 @@ def test_used_on_the_cpu(lib, monkeypatch):
     """With the kernel on, the eager path calls it; off, it does not."""
     codec = get_codec("fp4_e2m1", kernel="eager")
     x = torch.randn(2, 64)
-    monkeypatch.setenv(cpu_kernels.ENV, "1")
-    assert cpu_kernels.encode_into(codec, x, torch.empty(2, codec.row_bytes(64),
+    monkeypatch.setenv(cpp_kernel.ENV, "1")
+    assert cpp_kernel.encode_into(codec, x, torch.empty(2, codec.row_bytes(64),
                                                          dtype=torch.uint8))
-    monkeypatch.setenv(cpu_kernels.ENV, "0")
-    assert not cpu_kernels.encode_into(codec, x, torch.empty(2, codec.row_bytes(64),
+    monkeypatch.setenv(cpp_kernel.ENV, "0")
+    assert not cpp_kernel.encode_into(codec, x, torch.empty(2, codec.row_bytes(64),
                                                              dtype=torch.uint8))
-    assert not cpu_kernels.supports(get_codec("int8", kernel="eager"))
+    assert not cpp_kernel.supports(get_codec("int8", kernel="eager"))
 
 
 def test_no_compiler_warns_once_and_runs_eager(lib, monkeypatch):
     codec = get_codec("fp4_e3m0", kernel="eager")
     x = torch.randn(2, 128)
-    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    monkeypatch.setenv(cpp_kernel.ENV, "0")
     want = codec.encode_rows(x)
-    monkeypatch.setenv(cpu_kernels.ENV, "1")
-    monkeypatch.setattr(cpu_kernels, "_STATE", {})
-    monkeypatch.setattr(cpu_kernels, "_compiler", lambda: None)
+    monkeypatch.setenv(cpp_kernel.ENV, "1")
+    monkeypatch.setattr(cpp_kernel, "_STATE", {})
+    monkeypatch.setattr(cpp_kernel, "_compiler", lambda: None)
     with pytest.warns(RuntimeWarning, match="C\\+\\+ kernel"):
         got = codec.encode_rows(x)
-    assert torch.equal(got, want) and cpu_kernels._STATE["lib"] is None
+    assert torch.equal(got, want) and cpp_kernel._STATE["lib"] is None
     assert torch.equal(codec.encode_rows(x), want)  # no second warning (pytest: errors)
 
 
@@ -196,27 +197,27 @@ def test_no_wait_while_another_thread_loads(lib, monkeypatch):
     """A thread that finds the kernel being loaded runs eager rather than wait."""
     codec = get_codec("fp4_e3m0", kernel="eager")
     x = torch.randn(1, 64)
-    monkeypatch.setenv(cpu_kernels.ENV, "1")
-    monkeypatch.setattr(cpu_kernels, "_STATE", {})
-    monkeypatch.setattr(cpu_kernels, "_LOCK", threading.Lock())
-    with cpu_kernels._LOCK:  # as if another thread were compiling
+    monkeypatch.setenv(cpp_kernel.ENV, "1")
+    monkeypatch.setattr(cpp_kernel, "_STATE", {})
+    monkeypatch.setattr(cpp_kernel, "_LOCK", threading.Lock())
+    with cpp_kernel._LOCK:  # as if another thread were compiling
         out = torch.empty(1, codec.row_bytes(64), dtype=torch.uint8)
-        assert not cpu_kernels.encode_into(codec, x, out)
-    assert cpu_kernels.encode_into(codec, x, out)
+        assert not cpp_kernel.encode_into(codec, x, out)
+    assert cpp_kernel.encode_into(codec, x, out)
 
 
 def test_prepare_loads_it(lib, monkeypatch):
-    monkeypatch.setenv(cpu_kernels.ENV, "1")
-    monkeypatch.setattr(cpu_kernels, "_STATE", {})
+    monkeypatch.setenv(cpp_kernel.ENV, "1")
+    monkeypatch.setattr(cpp_kernel, "_STATE", {})
     get_codec("int2", kernel="eager").prepare(1 << 10, 2)
-    assert cpu_kernels._STATE["lib"] is not None
+    assert cpp_kernel._STATE["lib"] is not None
 
 
 def test_cached_library_name(lib):
     """The library lives in torch's extension cache, named by source and command."""
     from torch.utils.cpp_extension import get_default_build_root
 
-    path = cpu_kernels.library_path(cpu_kernels._compiler())
+    path = cpp_kernel.library_path(cpp_kernel._compiler())
     assert path.startswith(get_default_build_root()) and path.endswith(".so")
 
 
@@ -245,7 +246,7 @@ def test_decode_mean_is_decode_sum_divide(lib, monkeypatch, name, rows):
         out = torch.full((1, c), 1.5)
         assert codec.decode_mean_rows(buf, c, out, divisor)
         assert _same_bits(out[0], want), (name, rows, divisor)
-    monkeypatch.setenv(cpu_kernels.ENV, "0")  # off: nothing written, the caller decodes
+    monkeypatch.setenv(cpp_kernel.ENV, "0")  # off: nothing written, the caller decodes
     out = torch.full((1, c), 1.5)
     assert not codec.decode_mean_rows(buf, c, out, 2) and bool((out == 1.5).all())
 
@@ -260,9 +261,9 @@ def test_an_fp4_all_reduce_gives_the_same_bits_with_the_kernel(lib, monkeypatch)
     """Three workers' FP4 mean all-reduce (encode, the owner's one-pass decode-sum-divide,
     decode) gives every worker the bits of the PyTorch ops' reduction."""
     import loco
-    monkeypatch.setenv(cpu_kernels.ENV, "0")
+    monkeypatch.setenv(cpp_kernel.ENV, "0")
     eager = loco.launch(_fp4_mean, replicas=3, launcher="threads", args=(10_000,))
-    monkeypatch.setenv(cpu_kernels.ENV, "1")
+    monkeypatch.setenv(cpp_kernel.ENV, "1")
     fast = loco.launch(_fp4_mean, replicas=3, launcher="threads", args=(10_000,))
     for a, b in zip(eager, fast, strict=True):
         assert _same_bits(a, b) and _same_bits(a, fast[0])

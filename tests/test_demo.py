@@ -342,7 +342,7 @@ def rank_order_worker(ctx):
     """Three workers' messages for the piece of most chunks, each index sent by every worker with
     the values 1, 1e8 and -1e8 (worker 0, 1, 2), decoded: in rank order each index sums to
     (1 + 1e8) - 1e8 = 0 in fp32 (1 + 1e8 rounds to 1e8); in another order to 0 or 1."""
-    from loco.comm.bits import pack
+    from loco.comm.codecs.bitpack import pack
 
     from loco.algorithms.demo import encode_values
 

@@ -234,7 +234,7 @@ def test_an_elastic_worker_trains_on_its_gpu_under_torchrun(monkeypatch, launche
     LOCAL_RANK (made current) and its gloo ElasticComm stages that GPU's tensors; the
     processes launcher stays on the CPU, as a fixed run's does (CUDA and torchft's Comm
     are stand-ins here)."""
-    import loco.comm.elastic as comm_module
+    import loco.comm.membership as comm_module
     from loco.runtime import elastic as runtime
 
     made = {}

@@ -64,7 +64,7 @@ def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_pat
 
     from test_cli import small_run
 
-    from loco.comm.elastic import start_lighthouse
+    from loco.comm.membership import start_lighthouse
     from loco.data import prepare_corpus
 
     text, cache = corpus
@@ -117,7 +117,7 @@ def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_
 
     from test_cli import small_run
 
-    from loco.comm.elastic import start_lighthouse
+    from loco.comm.membership import start_lighthouse
     from loco.data import prepare_corpus
 
     text, cache = corpus

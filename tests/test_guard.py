@@ -384,7 +384,7 @@ def test_sparse_per_index_statistics_are_over_the_senders_of_each_index():
     """SparseLoCo's format, per index: the median (or the trimmed mean) of the values sent
     for it, over the workers that sent it, against a reference of that maths; the messages
     are named by their norms all the same."""
-    from loco.comm.chunked import encode_flat, gather_mean
+    from loco.comm.codecs.chunk_topk import encode_flat, gather_mean
     from loco.comm.codecs import get_codec
     from loco.comm.reduce import Buffers
 
@@ -434,7 +434,7 @@ def test_a_zero_contribution_where_all_are_due_is_left_out_and_not_counted():
 def test_a_nan_message_does_not_poison_the_per_index_statistics():
     """SparseLoCo's per-index rules over the senders of each index: a message of NaNs is
     not a sender (it would sort past the placeholders of those that did not send)."""
-    from loco.comm.chunked import robust_columns
+    from loco.comm.codecs.chunk_topk import robust_columns
 
     nan = float("nan")
     rows = torch.tensor([[1.0, 0.0, 3.0], [nan, nan, nan], [2.0, 5.0, 0.0], [4.0, 7.0, 9.0]])

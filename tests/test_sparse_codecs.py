@@ -10,8 +10,8 @@ import torch.nn.functional as F
 
 import loco
 from loco.comm.codecs import get_codec
-from loco.comm.formats import CODEC_NAMES, DEFAULT_KEEP, SPARSE_CODEC_NAMES
-from loco.comm.sparse import RandomDropCodec
+from loco.comm.codecs.formats import CODEC_NAMES, DEFAULT_KEEP, SPARSE_CODEC_NAMES
+from loco.comm.codecs.dropping import RandomDropCodec
 
 pytestmark = pytest.mark.numerics
 

@@ -12,7 +12,7 @@ from workers import batch, make_model, make_optimizer
 
 import loco
 from loco.algorithms import buffers
-from loco.comm import chunked
+from loco.comm.codecs import chunk_topk
 from loco.comm.codecs import get_codec
 
 CODECS = [("topk_2bit", 64, 0.125), ("topk_2bit_packed", 64, 0.125), ("topk_2bit", 4096, None)]
@@ -44,7 +44,7 @@ def test_pieces_give_the_bytes_and_values_of_one_pass(name, block, keep, rows, c
     total = torch.randn(x.shape)
     summed, bad = total.clone(), codec.add_rows(whole, x.shape[1], total.clone())
     codec.add_rows(whole, x.shape[1], summed)
-    monkeypatch.setattr(chunked, "PIECE_VALUES", 2 * block)
+    monkeypatch.setattr(chunk_topk, "PIECE_VALUES", 2 * block)
     assert torch.equal(codec.encode_rows(x), whole)
     out = torch.empty((rows, codec.row_bytes(x.shape[1])), dtype=torch.uint8)
     assert codec.encode_rows(x, out=out) is out and torch.equal(out, whole)
@@ -60,16 +60,16 @@ def test_a_flat_vector_encodes_as_its_padded_row(name, block, keep, n, monkeypat
     """``encode_flat`` (whole chunks in place, the last from a one-chunk copy) gives
     ``codec.encode``'s bytes, ``decode_flat`` its decode, at sizes that are not whole chunks
     nor whole pieces."""
-    monkeypatch.setattr(chunked, "PIECE_VALUES", 3 * block)
+    monkeypatch.setattr(chunk_topk, "PIECE_VALUES", 3 * block)
     codec = get_codec(name, block=block, keep=keep)
     x = vector(n)
     want = codec.encode(x)
     out = torch.full((want.numel() + 5,), 7, dtype=torch.uint8)
-    got = chunked.encode_flat(codec, x, out)
+    got = chunk_topk.encode_flat(codec, x, out)
     assert torch.equal(got.view(-1), want)
     assert out[want.numel():].tolist() == [7] * 5  # the bytes after it untouched
     decoded = torch.empty(n)
-    chunked.decode_flat(codec, got, decoded)
+    chunk_topk.decode_flat(codec, got, decoded)
     assert torch.equal(bits(decoded), bits(codec.decode(want, (n,))))
 
 
@@ -84,8 +84,8 @@ def test_sparse_error_feedback_is_the_dense_subtraction(name, block, keep, n, mo
         message = codec.encode(e)
         want = e.clone().sub_(codec.decode(message, (n,)))
         for device_path in (False, True):
-            monkeypatch.setattr(chunked, "device_path", lambda d, on=device_path: on)
-            monkeypatch.setattr(chunked, "PIECE_VALUES", 2 * block)
+            monkeypatch.setattr(chunk_topk, "device_path", lambda d, on=device_path: on)
+            monkeypatch.setattr(chunk_topk, "PIECE_VALUES", 2 * block)
             got = e.clone()
             buffers.feed_back_message(got, codec, torch.cat([message, message]))
             assert torch.equal(bits(got), bits(want)), (seed, device_path)
@@ -171,7 +171,7 @@ def test_sparseloco_gives_the_parameters_and_bytes_it_gave(kw, monkeypatch):
     bit for bit and the same bytes; its outer state smaller by D(C(e)) (kept as bytes)."""
     new = loco.launch(run_worker, 2, args=(kw,))
     with monkeypatch.context() as old_paths:  # a padded copy of Δ, a dense D(C(e))
-        old_paths.setattr(chunked.ChunkTopKCodec, "gather_mean", padded_gather_mean)
+        old_paths.setattr(chunk_topk.ChunkTopKCodec, "gather_mean", padded_gather_mean)
         old_paths.setattr(buffers.SyncBuffers, "keep_message", lambda self, codecs: False)
         old = loco.launch(run_worker, 2, args=(kw,))
     n = sum(p.numel() for p in make_model(layers=2).parameters())

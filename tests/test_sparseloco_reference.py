@@ -21,8 +21,8 @@ import torch
 from workers import batch, make_model, make_optimizer, max_diff, params_of, train_steps
 
 import loco
-from loco.comm.formats import ef_bytes, packed_bytes
-from loco.comm.tiles import TiledTopK
+from loco.comm.codecs.formats import ef_bytes, packed_bytes
+from loco.comm.codecs.tiles import TiledTopK
 
 pytestmark = pytest.mark.numerics
 

@@ -373,15 +373,15 @@ def test_a_codec_that_cannot_run_on_the_device_fails_at_construction(method, mon
     """The device probe of ``get_codec``: an algorithm whose codec cannot run on ``comm``'s
     device stops when it is built, with a RuntimeError naming the codec, the device and the
     cause, before any communication; it never falls back to another format."""
-    from loco.comm import codecs
+    from loco.comm.codecs import catalog, fp4
 
-    class NoKernel(codecs.Fp4Codec):  # as a device without the kernel the format needs
+    class NoKernel(fp4.Fp4Codec):  # as a device without the kernel the format needs
         def encode_rows(self, x):
             raise NotImplementedError(f"no 4-bit kernel for {x.device.type}")
 
-    make = codecs._make
-    monkeypatch.setattr(codecs, "_make", lambda name, block: NoKernel(
-        name, block, codecs.E3M0_GRID) if name == "fp4_e3m0" else make(name, block))
+    make = catalog._make
+    monkeypatch.setattr(catalog, "_make", lambda name, block: NoKernel(
+        name, block, fp4.E3M0_GRID) if name == "fp4_e3m0" else make(name, block))
     cls = {"streaming": loco.StreamingDiLoCo, "noloco": loco.NoLoCo}[method]
     model = make_model(layers=4)
     comm = loco.Comm(None, 0, 2)  # no group: any communication would fail

@@ -204,7 +204,7 @@ class Algorithm(Method):
     # ------------------------------------------------------------------ elastic membership
     def join(self) -> bool:
         """Take part in the first quorum of an elastic job
-        ([`ElasticComm`][loco.comm.elastic.ElasticComm]); call it once, before the first
+        ([`ElasticComm`][loco.comm.membership.ElasticComm]); call it once, before the first
         step (it does nothing on a fixed Comm). In a fresh job the workers wait for each
         other (all M; after the timeout, those that came, at least ``min_workers``) and
         start from the same state. A worker that joins a running job receives the state of

@@ -32,7 +32,7 @@ from loco.algorithms.method import PaperClaim
 from loco.algorithms.sharding import Share
 from loco.comm import Comm
 from loco.comm.attacks import VALUE_KINDS, parse_attacks
-from loco.comm.bits import pack, packed_bytes, unpack
+from loco.comm.codecs.bitpack import pack, packed_bytes, unpack
 from loco.comm.guard import COORDINATEWISE
 from loco.options import ConfigError, need, opt
 

@@ -34,7 +34,7 @@ from loco.algorithms.buffers import PIECE_VALUES
 from loco.algorithms.method import OUTER, PaperClaim, leftover_steps
 from loco.algorithms.sharding import Share, flatten_fp32, unflatten_views
 from loco.comm import Comm
-from loco.comm.codec import Codec
+from loco.comm.codecs.contract import Codec
 from loco.comm.codecs import CastCodec, get_codec
 from loco.comm.hostreads import allowed
 from loco.comm.reduce import PIECE_BYTES
@@ -80,7 +80,7 @@ class NoLoCo(Algorithm):
             default 0.7 (as the official code).
         nesterov: add the Nesterov look-ahead to the heavy-ball step (default False, as the
             official code).
-        codec: wire format of Δ, one of [`CODEC_NAMES`][loco.comm.formats.CODEC_NAMES];
+        codec: wire format of Δ, one of [`CODEC_NAMES`][loco.comm.codecs.formats.CODEC_NAMES];
             default ``"fp32"``.
         codec_block: values per power-of-two scale of the 8- and 4-bit codecs, an integer in
             [2, 65536] (even for the 4-bit ones); default 32; ignored for fp32 and bf16.

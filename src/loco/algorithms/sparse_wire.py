@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from loco.comm.chunked import ChunkTopKCodec
-from loco.comm.formats import SPARSE_LAYOUTS, SPARSE_MEANS, SPARSE_VALUES
-from loco.comm.tiles import tiled_codec
+from loco.comm.codecs.chunk_topk import ChunkTopKCodec
+from loco.comm.codecs.formats import SPARSE_LAYOUTS, SPARSE_MEANS, SPARSE_VALUES
+from loco.comm.codecs.tiles import tiled_codec
 
 SPARSE_KEYS = ("sparse_layout", "sparse_values", "sparse_mean")
 """The constructor arguments of the methods with fragments that set a chunked top-k."""

@@ -128,8 +128,8 @@ class StreamingDiLoCo(Algorithm):
         alpha: α, the share of the local parameters kept when a synced fragment is merged
             back, 0 <= α <= 1; default 0.5 (0: replaced by the global value).
         codec: wire format of the pseudo-gradients, one of
-            [`CODEC_NAMES`][loco.comm.formats.CODEC_NAMES]; default ``"fp4_e3m0"`` (4-bit, the
-            paper's). The reduction itself is fp32.
+            [`CODEC_NAMES`][loco.comm.codecs.formats.CODEC_NAMES]; default ``"fp4_e3m0"``
+            (4-bit, the paper's). The reduction itself is fp32.
         codec_block: values per power-of-two scale of the 8-, 4- and 2-bit codecs, an
             integer in [2, 65536] (even for the 4-bit ones, a multiple of 4 for ``int2``), or
             values per chunk of ``topk_2bit``; default None: 32, or 4096 for ``topk_2bit``;
@@ -172,7 +172,7 @@ class StreamingDiLoCo(Algorithm):
         ValueError: an argument outside the ranges above (also from
             [`split_fragments`][loco.algorithms.fragments.split_fragments] for a bad
             ``fragments`` or ``pattern``, and from
-            [`get_codec`][loco.comm.codecs.get_codec] for a bad ``codec`` or
+            [`get_codec`][loco.comm.codecs.catalog.get_codec] for a bad ``codec`` or
             ``codec_block``).
         RuntimeError: the codec cannot run on ``comm``'s device, or the workers' initial
             state differs.

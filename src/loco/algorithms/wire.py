@@ -9,8 +9,8 @@ from typing import Any
 
 from loco.algorithms.fragments import PATTERNS
 from loco.algorithms.sparse_wire import SPARSE_KEYS, sparse_choice
-from loco.comm.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES, SPARSE_LAYOUTS,
-                               SPARSE_MEANS, SPARSE_VALUES)
+from loco.comm.codecs.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES, SPARSE_LAYOUTS,
+                                      SPARSE_MEANS, SPARSE_VALUES)
 from loco.options import ConfigError, need, opt
 
 

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from loco.comm.counters import RECORDS_KEPT, CommStats, Counter, DeviceTimes, OpRecord
+from loco.comm.accounting import RECORDS_KEPT, CommStats, Counter, DeviceTimes, OpRecord
 from loco.comm.guard import Shield
 from loco.comm.means import issue_all_gather_mean, issue_all_reduce_mean, reduce_on_thread
 from loco.comm.seal import mac_bytes, sealed
@@ -72,7 +72,7 @@ class Comm:
         device: where the tensors live (``"cpu"`` for gloo, a CUDA device for NCCL); default
             ``"cpu"``. A CUDA device without an index means the current one.
         name: a name for the threads and error messages; default ``"replicas"``.
-        keep_records: keep the latest [`OpRecord`][loco.comm.counters.OpRecord]s in
+        keep_records: keep the latest [`OpRecord`][loco.comm.accounting.OpRecord]s in
             ``records`` (at most ``RECORDS_KEPT``); default True. The totals in ``stats`` are
             kept either way.
         abort_event: an event the launcher sets when any worker fails, so that waits here
@@ -100,11 +100,11 @@ class Comm:
         self.size = size
         self.contributors = size
         """What ``all_reduce_mean`` divides the sum by: the workers that contribute (all of
-        them here; fewer in an [`ElasticComm`][loco.comm.elastic.ElasticComm] where a
+        them here; fewer in an [`ElasticComm`][loco.comm.membership.ElasticComm] where a
         worker just healed sends zeros)."""
         self.workers = size
         """M, the workers of the job at full strength (``size`` may be fewer in an
-        [`ElasticComm`][loco.comm.elastic.ElasticComm])."""
+        [`ElasticComm`][loco.comm.membership.ElasticComm])."""
         self.job_key = None
         """The job key whose MACs training payloads carry (``loco.comm.seal``), or None."""
         self.sealed_ops = 0  # training operations tagged so far: their sequence numbers
@@ -356,7 +356,7 @@ class Comm:
                 codec is given.
             tag: the tag its bytes are counted under; default ``"train"``.
             codec: wire format of the values (see
-                [`get_codec`][loco.comm.codecs.get_codec]); default None: the tensor's own
+                [`get_codec`][loco.comm.codecs.catalog.get_codec]); default None: the tensor's own
                 dtype, unencoded (``"fp32"``, a lossless cast of the fp32 tensor, is the
                 same). A codec that ``gathers`` goes through
                 [`all_gather_mean`][loco.comm.comm.Comm.all_gather_mean] instead.
@@ -407,7 +407,7 @@ class Comm:
         Args:
             tensor: the contiguous fp32 tensor to average, overwritten with the mean.
             tag: the tag its bytes are counted under; default ``"train"``.
-            codec: the wire format (see [`get_codec`][loco.comm.codecs.get_codec]).
+            codec: the wire format (see [`get_codec`][loco.comm.codecs.catalog.get_codec]).
             sent: fp32, receives ``D(C(tensor))`` as for ``all_reduce_mean``; or uint8 of at
                 least ``codec.encoded_nbytes(n)`` bytes, ``C(tensor)`` itself; default None.
             weight: as for [`all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean].
@@ -654,22 +654,23 @@ class Comm:
     process adding them up in rank order), rather than with the group's own all-reduce
     (NCCL's, gloo's: every worker the same bits, the sum grouped as the transport's ring
     or tree does, which differs in the last bits for M >= 3). The same bytes either way.
-    True in an [`ElasticComm`][loco.comm.elastic.ElasticComm], whose members talk all to
+    True in an [`ElasticComm`][loco.comm.membership.ElasticComm], whose members talk all to
     all, and in tests that compare with a reference summing in rank order
     (docs/bytes.md)."""
 
     elastic = False
     """Whether the membership may change between syncs
-    ([`ElasticComm`][loco.comm.elastic.ElasticComm])."""
+    ([`ElasticComm`][loco.comm.membership.ElasticComm])."""
 
     def begin(self) -> bool:
         """Called before the collective of an outer sync. A fixed group has nothing to
-        agree on: returns False (see [`ElasticComm.begin`][loco.comm.elastic.ElasticComm.begin])."""
+        agree on: returns False (see
+        [`ElasticComm.begin`][loco.comm.membership.ElasticComm.begin])."""
         return False
 
     def settle(self, handle: Handle, reissue: Callable[[], Handle] | None = None) -> Any:
         """Wait for the collective of an outer sync and return its result (see
-        [`ElasticComm.settle`][loco.comm.elastic.ElasticComm.settle], which may retry it).
+        [`ElasticComm.settle`][loco.comm.membership.ElasticComm.settle], which may retry it).
 
         Args:
             handle: the sync's handle.

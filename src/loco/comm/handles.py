@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from loco.comm.counters import OpRecord
+from loco.comm.accounting import OpRecord
 
 
 class Aborted(RuntimeError):
@@ -36,7 +36,7 @@ class Handle:
     def __init__(self, future: Future, record: OpRecord, comm: Any):
         self._future = future
         self.record = record
-        """The operation's [`OpRecord`][loco.comm.counters.OpRecord]: its bytes at once,
+        """The operation's [`OpRecord`][loco.comm.accounting.OpRecord]: its bytes at once,
         its times once it is done."""
         self._comm = comm
         self._then: Any = None  # what wait() makes of the result (a staged operation's)

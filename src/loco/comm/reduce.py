@@ -4,7 +4,7 @@ chunks, encoded, averaged and decoded, and into which buffers.
 The one definition of the codec calls an all-reduce makes (their shapes, dtypes and
 buffers): [`Comm.all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean] runs
 [`reduce_mean`][loco.comm.reduce.reduce_mean] over the process group, and
-[`Codec.prepare`][loco.comm.codec.Codec.prepare] runs it over a loopback, so that it
+[`Codec.prepare`][loco.comm.codecs.contract.Codec.prepare] runs it over a loopback, so that it
 compiles exactly the fused kernels the all-reduce will call.
 """
 

@@ -7,8 +7,8 @@ sender and (point to point) the receiver; a replayed or altered row fails.
 
 [`Seal`][loco.comm.seal.Seal] wraps a Comm's transport callables (its all-to-all, its
 all-gather, its point-to-point posts) so that the arithmetic in ``loco.comm.reduce`` and
-``loco.comm.chunked`` is unchanged: the bytes go out with their tags appended and come back
-checked and stripped. A contribution whose tag fails is handed to the guard as ``mac``
+``loco.comm.codecs.chunk_topk`` is unchanged: the bytes go out with their tags appended and
+come back checked and stripped. A contribution whose tag fails is handed to the guard as ``mac``
 (left out and named: ``Guard.forged_next``); without a guard, and for a reduced mean (which
 no one can do without), the operation fails with ``AuthError`` naming the sender.
 

@@ -21,7 +21,7 @@ the CUDA semantics that PyTorch documents for streams and NCCL instead:
 * the events are timed: an operation's time in flight runs from the caller's event at issue
   to the completion event, and a wait's from an event on the caller's stream where the wait
   began to one after it, on the device's clock (the host returns long before), read once
-  they have happened (``loco.comm.counters.DeviceTimes``).
+  they have happened (``loco.comm.accounting.DeviceTimes``).
 
 This module is the only place with CUDA-specific code in the communication layer; what has
 run on a GPU: docs/gpu.md.

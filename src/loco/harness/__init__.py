@@ -22,14 +22,14 @@ generation); :func:`evaluate_run` runs tasks with ``lm_eval.simple_evaluate`` an
 scores into ``summary.json`` (``downstream``, ``downstream_replicas``,
 ``downstream_average``) and lm-eval's full results into ``RUN_DIR/eval/<time>.json``.
 
-Modules: ``runs`` (the run directory, its tokenizer), ``weights`` (its models),
+Modules: ``rundir`` (the run directory, its tokenizer), ``weights`` (its models),
 ``lm`` (the ``TemplateLM``), ``tasks`` (lm-eval's tasks and scores), ``evaluate`` (the
 command).
 """
 
 from loco.harness.evaluate import evaluate_run, score_table, write_scores
 from loco.harness.lm import eot_token_id, lm_class, make_lm
-from loco.harness.runs import EvalError, RunCheckpoint, load_tokenizer, open_run
+from loco.harness.rundir import EvalError, RunCheckpoint, load_tokenizer, open_run
 from loco.harness.tasks import (OFFLINE_HINT, check_task_data, import_lm_eval, quiet, scores,
                                 task_manager)
 from loco.harness.weights import replica_model, run_models, stage_tensors

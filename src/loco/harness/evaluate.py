@@ -14,7 +14,7 @@ from unittest import mock
 import torch
 
 from loco.harness.lm import make_lm
-from loco.harness.runs import EvalError, RunCheckpoint, load_tokenizer, open_run
+from loco.harness.rundir import EvalError, RunCheckpoint, load_tokenizer, open_run
 from loco.harness.tasks import check_task_data, import_lm_eval, quiet, scores, task_manager
 from loco.harness.weights import run_models
 from loco.report import main_metric

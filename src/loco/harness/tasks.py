@@ -8,7 +8,7 @@ import logging
 import math
 import os
 
-from loco.harness.runs import EvalError
+from loco.harness.rundir import EvalError
 
 
 def import_lm_eval():

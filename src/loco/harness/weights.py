@@ -8,7 +8,7 @@ import copy
 import torch
 
 from loco import checkpoint
-from loco.harness.runs import EvalError, RunCheckpoint
+from loco.harness.rundir import EvalError, RunCheckpoint
 
 
 def _layout(run: RunCheckpoint) -> tuple[int, int, int]:

@@ -9,11 +9,12 @@ per method (per grid point) over their seeds: mean final eval loss ± half the s
 and the papers' claims checked seed by seed, each run against the run of the same seed.
 
 Modules: ``runs`` (run directories, labels, order), ``seeds`` (runs over seeds), ``numbers``
-(``compare.json``), ``papers`` (the papers' claims), ``cells``, ``tables`` and ``markdown``
-(``report.md``), ``write`` (the files and plots).
+(``compare.json``), ``papers`` (the papers' claims), ``adversarial`` (the attacked runs
+against their clean twins), ``cells``, ``tables`` and ``markdown`` (``report.md``), ``write``
+(the files and plots).
 """
 
-from loco.comm.formats import CODEC_BITS
+from loco.comm.codecs.formats import CODEC_BITS
 from loco.report.markdown import claims_table, intro, render_markdown
 from loco.report.numbers import (MAIN_METRICS, baseline, codec_compression, comparison,
                                  main_metric, method_setting)

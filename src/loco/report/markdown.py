@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from loco.report.attacks import attacks_section
+from loco.report.adversarial import attacks_section
 from loco.report.numbers import comparison
 from loco.report.papers import regime, targets
 from loco.report.runs import Run, worker_ranks

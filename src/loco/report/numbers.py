@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 
 from loco.algorithms import methods
-from loco.comm.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_BITS, DEFAULT_CHUNK,
-                               DEFAULT_CHUNK_KEEP, DEFAULT_KEEP, chunk_kept, chunk_topk_bytes)
-from loco.comm.formats import SPARSE_CODEC_NAMES as SPARSE_CODECS
+from loco.comm.codecs.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_BITS, DEFAULT_CHUNK,
+                                      DEFAULT_CHUNK_KEEP, DEFAULT_KEEP, chunk_kept,
+                                      chunk_topk_bytes)
+from loco.comm.codecs.formats import SPARSE_CODEC_NAMES as SPARSE_CODECS
 from loco.report.runs import Run
 from loco.report.seeds import over_seeds, seed_groups
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-from loco.report.attacks import add_attacks
+from loco.report.adversarial import add_attacks
 from loco.report.cells import value_cell
 from loco.report.markdown import render_markdown
 from loco.report.numbers import baseline, comparison

@@ -2,7 +2,7 @@
 
 ``launch(fn, replicas=M, launcher="processes", elastic=Elastic(...))`` starts torchft's
 Lighthouse (the quorum service) in this process and every worker as a process of its own,
-with an [`ElasticComm`][loco.comm.elastic.ElasticComm] as ``ctx.comm``. There is no
+with an [`ElasticComm`][loco.comm.membership.ElasticComm] as ``ctx.comm``. There is no
 ``torch.distributed`` world spanning the workers: each sync's group is the quorum of the
 workers alive then. When a worker process dies, this supervisor restarts that worker only
 (up to ``restarts`` times); the restarted process joins at the next sync and receives its
@@ -133,7 +133,7 @@ def launch_elastic(fn: Callable[..., Any], args: tuple, replicas: int, timeout: 
         WorkerError: a worker raised an exception (it is not restarted: it would raise
             again; the others finish first), or every worker was lost.
     """
-    from loco.comm.elastic import start_lighthouse
+    from loco.comm.membership import start_lighthouse
 
     min_workers = spec.check(replicas)
     lighthouse = start_lighthouse(min_workers, spec.heartbeat_timeout,
@@ -399,7 +399,7 @@ def _run(job: _RankSpec, key: tuple[int, int], store, launcher: str,
     """One rank of an elastic worker: its device (under torchrun with CUDA, the GPU of
     ``LOCAL_RANK``), the worker's own process group (R > 1), its ElasticComm (gloo, which
     stages a GPU's tensors through host memory) and context, then ``job.fn``."""
-    from loco.comm.elastic import ElasticComm
+    from loco.comm.membership import ElasticComm
 
     worker, shard = key
     device = rank_device(launcher)
@@ -474,7 +474,7 @@ def _entry(job: _RankSpec, key: tuple[int, int], restart: int, port: int | None,
 
 def recovery_report(events: list[dict], syncs: list[dict], workers: int) -> dict:
     """What an elastic run's membership did, from one worker's
-    [`ElasticComm`][loco.comm.elastic.ElasticComm] records (their times are seconds since
+    [`ElasticComm`][loco.comm.membership.ElasticComm] records (their times are seconds since
     that worker started).
 
     Args:

@@ -9,7 +9,7 @@ import time
 import torch
 
 from loco.algorithms import Algorithm
-from loco.comm.kernels import kernel_in_use
+from loco.comm.codecs.fused import kernel_in_use
 from loco.config import worker_speeds
 from loco.runtime.elastic import recovery_report, restart_count
 from loco.training.counters import (gather_counters, issued_link_bytes, summarize_counters,

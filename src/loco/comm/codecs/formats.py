@@ -12,11 +12,12 @@ SCALED_CODEC_NAMES = ("fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1", "int2")
 SPARSE_CODEC_NAMES = ("topk", "dare", "random_drop")
 """The value-dropping baselines of the Streaming DiLoCo paper's comparison: they send a fixed
 share ``keep`` of each row's values in fp32 and drop the rest (see
-[`SparseCodec`][loco.comm.sparse.SparseCodec])."""
+[`SparseCodec`][loco.comm.codecs.dropping.SparseCodec])."""
 CHUNK_TOPK_CODEC_NAMES = ("topk_2bit", "topk_2bit_packed")
 """SparseLoCo's format: the top-k of each chunk in 2 bits, positions Elias-Fano coded or
-packed in ``ceil(log2 chunk)`` bits (see [`ChunkTopKCodec`][loco.comm.chunked.ChunkTopKCodec]);
-all-gathered, not reduced on the way."""
+packed in ``ceil(log2 chunk)`` bits (see
+[`ChunkTopKCodec`][loco.comm.codecs.chunk_topk.ChunkTopKCodec]); all-gathered, not reduced
+on the way."""
 CODEC_NAMES = CAST_CODEC_NAMES + SCALED_CODEC_NAMES + SPARSE_CODEC_NAMES + CHUNK_TOPK_CODEC_NAMES
 """The wire formats: two casts (32 and 16 bits per value), five scaled formats (8, 4 and 2
 bits per value plus one scale byte per block), the three dropping baselines
@@ -75,11 +76,11 @@ def ef_bytes(n: int, k: int) -> int:
 SPARSE_LAYOUTS = ("runs", "tiles")
 """Where a chunked top-k's chunks lie: runs of ``block`` values of the flat fragment (loco's
 first way, across parameters), or 2-D tiles of each tensor (the reference code's,
-[`TiledTopK`][loco.comm.tiles.TiledTopK])."""
+[`TiledTopK`][loco.comm.codecs.tiles.TiledTopK])."""
 SPARSE_VALUES = ("split", "stat")
 """How a chunked top-k codes its kept values in 2 bits: per chunk, the sign and which half
 of the magnitudes (loco's), or per tensor, 4 bins of 1.5σ (the reference's,
-[`StatTopK`][loco.comm.tiles.StatTopK]; tiles only)."""
+[`StatTopK`][loco.comm.codecs.tiles.StatTopK]; tiles only)."""
 SPARSE_MEANS = ("all", "senders")
 """How the gathered top-k messages are averaged: over all M workers (the paper's box), or
 each position over the workers that sent it (the reference code's)."""

@@ -15,16 +15,16 @@ from typing import Any
 import torch
 from torch.profiler import record_function
 
-from loco.comm.bits import ef_decode_checked, ef_encode, pack, unpack
-from loco.comm.codec import Codec, check_out, zeroed_rows
-from loco.comm.hostreads import device_path
-from loco.comm.formats import (
+from loco.comm.codecs.bitpack import ef_decode_checked, ef_encode, pack, unpack
+from loco.comm.codecs.contract import Codec, check_out, zeroed_rows
+from loco.comm.codecs.formats import (
     DEFAULT_CHUNK,
     DEFAULT_CHUNK_KEEP,
     chunk_kept,
     chunk_topk_bytes,
     index_bits,
 )
+from loco.comm.hostreads import device_path
 
 PIECE_VALUES = 1 << 24
 """The most values (all rows together) a chunked top-k codec encodes, decodes or adds at
@@ -390,7 +390,7 @@ def decode_flat(codec: ChunkTopKCodec, message: torch.Tensor, out: torch.Tensor,
 def subtract_flat(codec: ChunkTopKCodec, message: torch.Tensor, x: torch.Tensor) -> None:
     """``x ← x − D(C)``, ``message`` the bytes ``C`` of a vector of ``x``'s ``n`` values
     (``encode_flat``'s), in place and bit for bit as ``x.sub_(decoded)`` (see
-    [`subtract_rows`][loco.comm.chunked.ChunkTopKCodec.subtract_rows]), with no
+    [`subtract_rows`][loco.comm.codecs.chunk_topk.ChunkTopKCodec.subtract_rows]), with no
     vector-sized temporary.
 
     Args:

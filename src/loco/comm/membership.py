@@ -1,6 +1,6 @@
 """Workers that come and go: a Comm over the live membership, kept by torchft.
 
-An [`ElasticComm`][loco.comm.elastic.ElasticComm] is a [`Comm`][loco.comm.comm.Comm]
+An [`ElasticComm`][loco.comm.membership.ElasticComm] is a [`Comm`][loco.comm.comm.Comm]
 whose process group is the *membership* of the moment. torchft provides the parts that are
 hard to get right: a Lighthouse that forms a quorum of the live workers at every sync (a
 worker that stops heartbeating is left out), a gloo group rebuilt for each new quorum, and
@@ -10,11 +10,11 @@ and byte counters on top of that group.
 
 Every outer sync goes through three calls, which a static Comm answers at once:
 
-1. [`begin`][loco.comm.elastic.ElasticComm.begin]: the quorum. A worker that is behind
+1. [`begin`][loco.comm.membership.ElasticComm.begin]: the quorum. A worker that is behind
    receives the state of a live one here (it then contributes zeros to this sync); the
    members exchange who contributes, so the mean divides by the contributors only.
 2. the collective itself, as on any Comm (``all_reduce_mean`` of the pseudo-gradient).
-3. [`settle`][loco.comm.elastic.ElasticComm.settle]: wait for it, then *commit*: every
+3. [`settle`][loco.comm.membership.ElasticComm.settle]: wait for it, then *commit*: every
    participant tells every other whether its collective succeeded. A sync counts only if
    all did; otherwise it is discarded everywhere (the global copy is left as it was) and
    retried with a new quorum, from the same pseudo-gradient (NoLoCo: over the groups of

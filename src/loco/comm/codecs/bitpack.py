@@ -13,7 +13,7 @@ import functools
 
 import torch
 
-from loco.comm.formats import ef_bytes, ef_low_bits, packed_bytes
+from loco.comm.codecs.formats import ef_bytes, ef_low_bits, packed_bytes
 
 
 @functools.lru_cache(maxsize=64)
@@ -55,7 +55,8 @@ def pack(values: torch.Tensor, width: int) -> torch.Tensor:
 
 
 def unpack(buf: torch.Tensor, n: int, width: int) -> torch.Tensor:
-    """The ``n`` values of ``width`` bits per row that [`pack`][loco.comm.bits.pack] wrote.
+    """The ``n`` values of ``width`` bits per row that
+    [`pack`][loco.comm.codecs.bitpack.pack] wrote.
 
     Args:
         buf: uint8 of shape (rows, >= ``packed_bytes(n, width)``).
@@ -117,7 +118,7 @@ def ef_encode(sorted_idx: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def ef_decode(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The sorted indices that [`ef_encode`][loco.comm.bits.ef_encode] coded, found on the
+    """The sorted indices that [`ef_encode`][loco.comm.codecs.bitpack.ef_encode] coded, found on the
     device: the j-th set bit of a row's bitmap, at the first bit where the running count of
     set bits reaches j (a binary search), is its j-th index's high part plus j. Nothing is
     read on the host.
@@ -142,10 +143,11 @@ def ef_decode(buf: torch.Tensor, n: int, k: int) -> torch.Tensor:
 
 
 def ef_decode_checked(buf: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """[`ef_decode`][loco.comm.bits.ef_decode] without its assertion: the indices (a corrupt
-    row's are meaningless, but each is in ``[0, n + something)``: clamp before use), and
-    whether each row's bitmap holds exactly ``k`` set bits (bool, ``(rows,)``), for a reader
-    that must survive damaged input (a worker's message, ``loco.comm.chunked``)."""
+    """[`ef_decode`][loco.comm.codecs.bitpack.ef_decode] without its assertion: the indices
+    (a corrupt row's are meaningless, but each is in ``[0, n + something)``: clamp before
+    use), and whether each row's bitmap holds exactly ``k`` set bits (bool, ``(rows,)``),
+    for a reader that must survive damaged input (a worker's message,
+    ``loco.comm.codecs.chunk_topk``)."""
     rows = buf.shape[0]
     if k == 0:
         return (torch.zeros(rows, 0, dtype=torch.int64, device=buf.device),

@@ -18,7 +18,7 @@ class OpRecord:
         op: the operation: ``"all_reduce_mean"``, ``"broadcast"``, ``"all_gather"``,
             ``"exchange"``, ``"send"``, ``"recv"`` or ``"sendrecv"``.
         tag: what the bytes were for (``"train"``, ``"setup"``, ``"eval"``, ...), the key
-            of the totals in [`CommStats`][loco.comm.counters.CommStats].
+            of the totals in [`CommStats`][loco.comm.accounting.CommStats].
         raw_bytes: the size of the tensor the caller asked to reduce or send.
         sent_bytes: bytes this worker put on the wire.
         recv_bytes: bytes this worker took off the wire.
@@ -26,7 +26,7 @@ class OpRecord:
         issued_at: ``time.perf_counter()`` when the caller issued it.
         seconds: issue to completion: time in flight, including queueing (0.0 until done).
             On a CUDA Comm on the device's clock, filled in once the operation has
-            happened on the device (see ``loco.comm.counters.DeviceTimes``).
+            happened on the device (see ``loco.comm.accounting.DeviceTimes``).
         waited: time the caller spent blocked in ``Handle.wait()`` (0.0 until waited on);
             on a CUDA Comm, the time the caller's stream was held by the wait.
     """
@@ -75,7 +75,7 @@ class Counter:
 class CommStats:
     """Per-worker totals, split by tag ("train", "setup", "eval", ...).
 
-    ``stats[tag]`` is the [`Counter`][loco.comm.counters.Counter] of that tag (a new, zero
+    ``stats[tag]`` is the [`Counter`][loco.comm.accounting.Counter] of that tag (a new, zero
     one for a tag not seen yet).
 
     Args:

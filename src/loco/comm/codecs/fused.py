@@ -18,14 +18,14 @@ from typing import Any
 
 import torch
 
-from loco.comm import cpu_kernels
-from loco.comm.formats import CAST_CODEC_NAMES, FUSED_CODEC_NAMES
+from loco.comm.codecs import cpp_kernel
+from loco.comm.codecs.formats import CAST_CODEC_NAMES, FUSED_CODEC_NAMES
 from loco.comm.reduce import Buffers, layout, reduce_mean
 
 KERNELS = ("auto", "eager", "fused")
 """The choices of ``get_codec(kernel=...)``: ``"fused"`` compiles each codec's encode and decode
 (``torch.compile`` of the eager code: C++ on CPU, Triton on GPU) for every input shape, at
-[`prepare`][loco.comm.codec.Codec.prepare] or else at its first call; ``"eager"`` runs the
+[`prepare`][loco.comm.codecs.contract.Codec.prepare] or else at its first call; ``"eager"`` runs the
 reference; ``"auto"`` (the default) is fused for the all-reduces that ``prepare`` is told of
 with at least ``FUSED_MIN_NUMEL`` values, where ``torch.compile`` can run, and eager for all
 else (the casts, smaller all-reduces, a codec never prepared): it never compiles during
@@ -34,7 +34,7 @@ KERNEL_ENV = "LOCO_CODEC_KERNEL"
 """The environment variable that gives the default of ``get_codec(kernel=...)``; unset: auto."""
 FUSED_MIN_NUMEL = 1 << 22
 """``"auto"``: the fewest values (4,194,304) of an all-reduce that
-[`prepare`][loco.comm.codec.Codec.prepare] compiles fused kernels for; smaller ones run
+[`prepare`][loco.comm.codecs.contract.Codec.prepare] compiles fused kernels for; smaller ones run
 eager (why this size: "Fused kernels" in ``docs/codecs.md``)."""
 
 _COMPILE_LOCK = threading.Lock()
@@ -55,7 +55,7 @@ def kernel_in_use(codec: Any) -> str:
     print and record.
 
     Args:
-        codec: a codec from [`get_codec`][loco.comm.codecs.get_codec].
+        codec: a codec from [`get_codec`][loco.comm.codecs.catalog.get_codec].
     """
     return codec.kernel
 
@@ -104,7 +104,7 @@ def _fused_supported(dev: torch.device) -> tuple[bool, str]:
 
 def choose_kernel(codec: Any, kernel: str | None, device) -> Any:
     """Set how ``codec`` runs: its ``kernel`` and ``kernel_reason`` as ``get_codec(kernel=...)``
-    asks (see [`get_codec`][loco.comm.codecs.get_codec]).
+    asks (see [`get_codec`][loco.comm.codecs.catalog.get_codec]).
 
     Args:
         codec: a codec just made.
@@ -145,10 +145,10 @@ def choose_kernel(codec: Any, kernel: str | None, device) -> Any:
 
 
 def prepare(codec: Any, numel: int, parts: int, device) -> str:
-    """[`Codec.prepare`][loco.comm.codec.Codec.prepare]: compile, now, the fused kernels of
-    an all-reduce of ``numel`` values over ``parts`` workers, by running
+    """[`Codec.prepare`][loco.comm.codecs.contract.Codec.prepare]: compile, now, the fused
+    kernels of an all-reduce of ``numel`` values over ``parts`` workers, by running
     [`reduce_mean`][loco.comm.reduce.reduce_mean] on zeros over a loopback; and load the
-    eager path's C++ kernel where the codec uses it (``loco.comm.cpu_kernels``).
+    eager path's C++ kernel where the codec uses it (``loco.comm.codecs.cpp_kernel``).
 
     Args:
         codec: the codec.
@@ -168,7 +168,7 @@ def prepare(codec: Any, numel: int, parts: int, device) -> str:
         raise ValueError(f"{codec}: prepare: parts must be an int >= 1, got {parts!r}")
     dev = torch.device("cpu" if device is None else device)
     if numel:  # the eager path's C++ kernel (FP4, int2 on the CPU): loaded now, not mid-sync
-        cpu_kernels.warm(codec, dev)
+        cpp_kernel.warm(codec, dev)
     if codec._mode == "eager" or numel == 0:
         return "eager"
     if codec._mode == "auto":
@@ -274,8 +274,8 @@ def _first_lines(err: Exception, limit: int = 240) -> str:
 def run_kernel(codec: Any, op: str, fn, *args):
     """Run ``fn(*args)`` (the codec's one definition of ``op``) eagerly or as its fused kernel.
     A forced fused codec compiles a new input key once, under the lock; an ``auto`` one
-    compiles only inside [`prepare`][loco.comm.codec.Codec.prepare] and runs eager for a key
-    it did not prepare. A failed compile falls back to eager, with one warning.
+    compiles only inside [`prepare`][loco.comm.codecs.contract.Codec.prepare] and runs eager
+    for a key it did not prepare. A failed compile falls back to eager, with one warning.
 
     Args:
         codec: the codec whose kernel runs.

@@ -8,7 +8,7 @@ from fractions import Fraction
 
 import torch
 
-from loco.comm.codec import F32_MAX, Codec, check_out, zeroed_rows
+from loco.comm.codecs.contract import F32_MAX, Codec, check_out, zeroed_rows
 
 
 def _view_as(part: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -30,7 +30,7 @@ class SparseCodec(Codec):
     ``[k fp32 values][where they go]``.
 
     Args:
-        name: one of [`SPARSE_CODEC_NAMES`][loco.comm.formats.SPARSE_CODEC_NAMES].
+        name: one of [`SPARSE_CODEC_NAMES`][loco.comm.codecs.formats.SPARSE_CODEC_NAMES].
         keep: the share of values kept, in (0, 1].
         align: values per row must be a multiple of this; default 1.
     """

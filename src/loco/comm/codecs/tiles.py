@@ -8,12 +8,12 @@ and ``w`` of the columns not above the side ``s`` (64: a 64 × 64 tile of 4,096 
 ``k`` clamped to the tile: a tile of at most ``k`` values (a 1-D tensor's, of at most 64) is
 sent whole, with no positions. The fragment's flat vector is read in tile order (a
 permutation made once), so that each tile is one chunk of a
-[`ChunkTopKCodec`][loco.comm.chunked.ChunkTopKCodec], one codec per tile size.
+[`ChunkTopKCodec`][loco.comm.codecs.chunk_topk.ChunkTopKCodec], one codec per tile size.
 
 **Values** (``values``): ``"split"``, loco's 2 bits of each tile (the sign, and whether the
 magnitude is at least the tile's mean kept magnitude, decoded to each half's mean); or
 ``"stat"``, the reference's quantiser of each tensor's kept values together
-([`StatTopK`][loco.comm.tiles.StatTopK]).
+([`StatTopK`][loco.comm.codecs.tiles.StatTopK]).
 
 The message is the tensors' codes back to back, in the fragment's order; the mean is
 formed in tile order and read back into the fragment's order.
@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
-from loco.comm.bits import pack, unpack
-from loco.comm.chunked import ChunkTopKCodec, judge_parts, robust_columns, sum_into
-from loco.comm.codec import Codec
+from loco.comm.codecs.bitpack import pack, unpack
+from loco.comm.codecs.chunk_topk import ChunkTopKCodec, judge_parts, robust_columns, sum_into
+from loco.comm.codecs.contract import Codec
 
 TILE_VALUES = ("split", "stat")
 """How a tiled top-k codes its kept values: loco's per tile, or the reference's per tensor."""
@@ -228,7 +228,7 @@ class TiledTopK(Codec):
 
     def gather_mean(self, flat: torch.Tensor, parts: int, divisor: int, buffers, all_gather,
                     sent: torch.Tensor | None = None, guard=None, wire=None) -> torch.Tensor:
-        """As ``loco.comm.chunked.gather_mean``, over the tiles: one all-gather
+        """As ``loco.comm.codecs.chunk_topk.gather_mean``, over the tiles: one all-gather
         of every worker's message, the mean formed in tile order, tensor by tensor, in rank
         order (so every worker gets the same bits), and read back into ``flat``."""
         n = flat.numel()

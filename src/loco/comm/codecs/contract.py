@@ -1,5 +1,6 @@
-"""The [`Codec`][loco.comm.codec.Codec] base class: the row-wise contract every wire format
-of [`get_codec`][loco.comm.codecs.get_codec] meets, and its flat-tensor ``encode``/``decode``."""
+"""The [`Codec`][loco.comm.codecs.contract.Codec] base class: the row-wise contract every wire
+format of [`get_codec`][loco.comm.codecs.catalog.get_codec] meets, and its flat-tensor
+``encode``/``decode``."""
 
 from __future__ import annotations
 
@@ -8,8 +9,8 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from loco.comm.formats import CODEC_BITS
-from loco.comm.kernels import is_canonical, prepare, run_kernel
+from loco.comm.codecs.formats import CODEC_BITS
+from loco.comm.codecs.fused import is_canonical, prepare, run_kernel
 
 F32_MAX = torch.finfo(torch.float32).max
 
@@ -17,7 +18,7 @@ F32_MAX = torch.finfo(torch.float32).max
 class Codec:
     """Base class: flat-tensor encode/decode on top of the row-wise ``encode_rows``.
 
-    Get one with [`get_codec`][loco.comm.codecs.get_codec]; a subclass implements
+    Get one with [`get_codec`][loco.comm.codecs.catalog.get_codec]; a subclass implements
     ``_encode_rows`` and ``_decode_rows``, the one definition that ``encode_rows`` and
     ``decode_rows`` run eager or compiled into a fused kernel (see ``kernel``), or overrides
     ``encode_rows`` and ``decode_rows`` themselves (the dropping codecs: always eager). A row
@@ -26,7 +27,7 @@ class Codec:
     different workers.
 
     Args:
-        name: the codec's name, one of [`CODEC_NAMES`][loco.comm.formats.CODEC_NAMES].
+        name: the codec's name, one of [`CODEC_NAMES`][loco.comm.codecs.formats.CODEC_NAMES].
         block: values per scale, for the scaled codecs; default None (no scales: the
             casts).
     """
@@ -50,7 +51,7 @@ class Codec:
     kernel: str = "eager"
     """How ``encode_rows`` and ``decode_rows`` run: ``"fused"`` (``torch.compile`` of the
     eager code, one kernel per shape) or ``"eager"`` (the reference). With the default
-    ``"auto"`` it is ``"eager"`` until [`prepare`][loco.comm.codec.Codec.prepare] compiles
+    ``"auto"`` it is ``"eager"`` until [`prepare`][loco.comm.codecs.contract.Codec.prepare] compiles
     kernels for an all-reduce big enough, then ``"fused"`` (all-reduces prepared below the
     threshold still run eager: ``kernel_reason`` lists them). See ``docs/codecs.md`` and
     `kernel_in_use`."""
@@ -82,8 +83,9 @@ class Codec:
         [`all_reduce_mean`][loco.comm.comm.Comm.all_reduce_mean] will be given:
         ``numel`` the flat tensor's values, ``parts`` the workers of the Comm (its
         ``size``), ``device`` the Comm's device; ``parts=1`` also covers
-        [`encode`][loco.comm.codec.Codec.encode] and [`decode`][loco.comm.codec.Codec.decode]
-        of a tensor of ``numel`` values (NoLoCo's exchange). It compiles exactly the kernels
+        [`encode`][loco.comm.codecs.contract.Codec.encode] and
+        [`decode`][loco.comm.codecs.contract.Codec.decode] of a tensor of ``numel`` values
+        (NoLoCo's exchange). It compiles exactly the kernels
         that all-reduce will call, by running its codec calls
         ([`reduce_mean`][loco.comm.reduce.reduce_mean]) on zeros. Kernels are shared by every
         codec of the same name and block in the process, so a second call, by this codec or
@@ -116,7 +118,7 @@ class Codec:
     def row_bytes(self, c: int) -> int:
         """Bytes of one encoded row of ``c`` values, a fixed function of ``c``: ``c · bits /
         8`` plus one scale byte per block (the dropping codecs: ``4 · kept(c)`` plus where
-        the kept values go, see [`SparseCodec`][loco.comm.sparse.SparseCodec]).
+        the kept values go, see [`SparseCodec`][loco.comm.codecs.dropping.SparseCodec]).
 
         Args:
             c: values in the row, a multiple of ``align``.
@@ -132,8 +134,8 @@ class Codec:
         return c * self.bits // 8 + (c // self.block if self.block else 0)
 
     def encoded_nbytes(self, numel: int) -> int:
-        """Bytes of [`encode`][loco.comm.codec.Codec.encode] of ``numel`` values (padded to
-        whole blocks, scales included).
+        """Bytes of [`encode`][loco.comm.codecs.contract.Codec.encode] of ``numel`` values
+        (padded to whole blocks, scales included).
 
         Args:
             numel: a number of values, >= 0.
@@ -207,7 +209,7 @@ class Codec:
 
     def decode_rows(self, buf: torch.Tensor, c: int,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-        """Decode rows that [`encode_rows`][loco.comm.codec.Codec.encode_rows] made.
+        """Decode rows that [`encode_rows`][loco.comm.codecs.contract.Codec.encode_rows] made.
 
         Args:
             buf: a uint8 tensor of shape ``(rows, row_bytes(c))``.
@@ -256,7 +258,7 @@ class Codec:
 
     def decode(self, buf: torch.Tensor, shape: Sequence[int],
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Decode what [`encode`][loco.comm.codec.Codec.encode] made of a tensor of
+        """Decode what [`encode`][loco.comm.codecs.contract.Codec.encode] made of a tensor of
         ``shape``.
 
         Args:
