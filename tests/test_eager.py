@@ -195,7 +195,7 @@ def test_bad_variants_are_refused_in_one_line():
     or a one-line ConfigError naming --eager-variant (CLI), before any worker starts.
     With eager updates no replicated state is checked: the copies differ by design."""
     from loco.config import ConfigError, build_config
-    from loco.config.job import validate
+    from loco.config.train_config import validate
 
     model = make_model()
     comm = loco.Comm(None, 0, 1)

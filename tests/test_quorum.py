@@ -16,7 +16,7 @@ import loco
 from loco.algorithms.asynchronous import admit
 from loco.algorithms.delayed_nesterov import DelayedNesterov
 from loco.config import ConfigError, build_config
-from loco.config.job import validate
+from loco.config.train_config import validate
 from loco.training.quorum import QuorumSteps
 
 INF = math.inf

@@ -413,7 +413,7 @@ def test_eager_diloco_overlaps_the_round_and_refuses_what_it_cannot_do():
     """DiLoCo with eager updates waits for an average at the step before the next sync
     (τ = H − 1, α = 0); eager updates refuse an outer thread, and an elastic run."""
     from loco.config import ConfigError, build_config
-    from loco.config.job import validate
+    from loco.config.train_config import validate
 
     def fn(ctx):
         model = make_model()

@@ -8,7 +8,7 @@ import os
 from typing import Any
 
 from loco.checkpoint import files
-from loco.config.job import TrainConfig, canonical, coerce
+from loco.config.train_config import TrainConfig, canonical, coerce
 from loco.config.sections import LAYOUT, RESUMABLE, resumable_flags
 from loco.options import ConfigError
 

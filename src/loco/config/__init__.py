@@ -6,7 +6,7 @@ are kept for code that imports them from ``loco.config``, and load that module o
 (nothing in this package uses them).
 """
 
-from loco.config.job import (
+from loco.config.train_config import (
     RENAMED,
     SECTIONS,
     TrainConfig,

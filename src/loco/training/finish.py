@@ -19,7 +19,7 @@ from loco.training.quorum import QuorumSteps
 from loco.training.runlog import RunLog
 from loco.training.checkpoints import last_checkpoint, local_rounds
 from loco.training.summary import Summary
-from loco.training.trust import guard_summary
+from loco.training.guard_report import guard_summary
 from loco.training.verify import replicas_verified
 from loco.training.worker import Loop, Worker
 
@@ -65,7 +65,7 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
         final_eval: the final model's loss on the validation split.
         replicas: the replicas' report (:func:`final_evaluation`), or None.
         extra: the final model's loss on ``--eval-corpus``, or None.
-        guard: what the guard saw (``loco.training.trust.guard_summary``), or None.
+        guard: what the guard saw (``loco.training.guard_report.guard_summary``), or None.
     """
     ctx = w.ctx
     w.log.metric({"step": w.cfg.steps, "tokens": w.tokens_at(w.cfg.steps),
