@@ -8,11 +8,9 @@
         algo.zero_grad()     # was: optimizer.zero_grad()
 
 Gradient clipping belongs to the algorithm (``max_grad_norm``) rather than the loop, so that
-data-parallel training clips the averaged gradient, as DDP does. What is not the step itself
-an algorithm composes: its non-finite handling (``nonfinite``, loco.algorithms.nonfinite),
-the other ranks of its worker (``ranks``, loco.algorithms.sharding), its part in an elastic
-job (``healing``, loco.algorithms.healing) and its pace among workers of unequal speed
-(``pacing``, loco.algorithms.pacing).
+data-parallel training clips the averaged gradient, as DDP does. What is not the step an
+algorithm composes: ``nonfinite``, ``ranks`` (its worker's other ranks), ``healing`` (its
+part in an elastic job) and ``pacing`` (among workers of unequal speed).
 """
 
 from __future__ import annotations
@@ -157,17 +155,9 @@ class Algorithm(Method):
 
     def inner_update(self) -> bool:
         """Average the gradients inside the worker, clip them and apply the inner optimizer
-        unless the gradient is non-finite
+        unless the gradient is non-finite; returns whether it stepped
         ([`NonFinite.step`][loco.algorithms.nonfinite.NonFinite.step]). Every worker that
-        sees the same gradient (data-parallel, pipeline stages) decides the same.
-
-        Returns:
-            True if the optimizer stepped (or the decision was left to the device), False
-                if the step was skipped.
-
-        Raises:
-            NonFiniteError: the gradient is not finite and ``on_nonfinite`` is ``"stop"``.
-        """
+        sees the same gradient (data-parallel, pipeline stages) decides the same."""
         self.ranks.before_step()
         with record_function("loco/inner_step"):
             return self.nonfinite.step(self.inner_optimizer, self.clip_gradients(),
@@ -197,13 +187,8 @@ class Algorithm(Method):
         return full_norm(norm)
 
     def settle_nonfinite(self) -> None:
-        """Read the inner steps and syncs skipped on the device since the last call
-        ([`NonFinite.settle`][loco.algorithms.nonfinite.NonFinite.settle]); the loop calls it
-        at every logging step.
-
-        Raises:
-            NonFiniteError: a step or sync was skipped and ``on_nonfinite`` is ``"stop"``.
-        """
+        """Read the inner steps and syncs skipped on the device since the last call, at every
+        logging step ([`NonFinite.settle`][loco.algorithms.nonfinite.NonFinite.settle])."""
         self.nonfinite.settle(self.inner_steps)
 
     @property
@@ -214,12 +199,9 @@ class Algorithm(Method):
 
     # ------------------------------------------------------------------ elastic membership
     def join(self) -> bool:
-        """Take part in the first quorum of an elastic job; call it once, before the first
-        step ([`Healing.join`][loco.algorithms.healing.Healing.join]).
-
-        Returns:
-            Whether this worker joined a running job.
-        """
+        """Take part in the first quorum of an elastic job, once, before the first step;
+        returns whether this worker joined a running job
+        ([`Healing.join`][loco.algorithms.healing.Healing.join])."""
         return self.healing.join(self)
 
     def heal_state(self) -> dict:
@@ -268,8 +250,8 @@ class Algorithm(Method):
         ``outer`` (the outer algorithm's state, sync buffers and spare copies,
         ``outer_tensors``: each storage once, whole, as views of one buffer share it) and
         ``comm`` (the buffers the algorithm's Comms keep between operations,
-        ``Comm.buffer_bytes``: ``comm`` and, for a worker of several ranks, ``inner``; and
-        the buffer its gradients are averaged in over those ranks, ``ranks.buckets``)."""
+        ``Comm.buffer_bytes``, and ``WorkerRanks.buffer_bytes`` for a worker of several
+        ranks)."""
         def size(tensors) -> int:
             return sum(local(t).numel() * t.element_size() for t in tensors)
         model = size(t for t in self.model.state_dict().values() if isinstance(t, torch.Tensor))
@@ -280,13 +262,9 @@ class Algorithm(Method):
         for t in self.outer_tensors():
             storage = local(t).untyped_storage()
             storages[storage._cdata] = storage.nbytes()  # (meta tensors' data_ptr is 0)
-        comm = sum(c.buffer_bytes() for c in (self.comm, self.inner)
-                   if c is not None and hasattr(c, "buffer_bytes"))
-        buckets = self.ranks.buckets
-        if buckets is not None:
-            comm += buckets.flat.numel() * buckets.flat.element_size()
+        comm = self.comm.buffer_bytes() if hasattr(self.comm, "buffer_bytes") else 0
         return {"model": model, "gradients": grads, "inner_optimizer": inner,
-                "outer": sum(storages.values()), "comm": comm}
+                "outer": sum(storages.values()), "comm": comm + self.ranks.buffer_bytes()}
 
     # -------------------------------------------------------------------------- checkpoints
     def state_dict(self, tensors: bool = True) -> dict:

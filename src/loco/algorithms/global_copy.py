@@ -2,7 +2,7 @@
 Streaming DiLoCo and the methods built on them (SparseLoCo, SPARTA-DiLoCo).
 
 The trained parameters are split into P fragments (P = 1: DiLoCo), each with its own global
-copy θ^g_p and outer optimizer ([`Fragment`][loco.algorithms.fragments.Fragment]). Every
+copy θ^g_p and outer optimizer (a ``Fragment``, ``loco.algorithms.fragments``). Every
 worker m runs inner steps on its own data and, after inner step t:
 
 1. if fragment p is due ([`Schedule`][loco.algorithms.schedule.Schedule]), sends it: the

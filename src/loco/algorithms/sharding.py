@@ -362,6 +362,15 @@ class WorkerRanks:
             torch.cat(self.inner.all_gather(self.own(buffer), tag="train").wait(),
                       out=buffer)
 
+    def buffer_bytes(self) -> int:
+        """Bytes the worker's fast link keeps between operations (``Comm.buffer_bytes`` of
+        ``inner``) and the buffer the gradients are averaged in (``buckets``); 0 for a
+        worker of one rank."""
+        kept = self.inner.buffer_bytes() if hasattr(self.inner, "buffer_bytes") else 0
+        if self.buckets is not None:
+            kept += self.buckets.flat.numel() * self.buckets.flat.element_size()
+        return kept
+
     def agree(self, flag: bool) -> bool:
         """Whether ``flag`` holds on every rank of this worker: each rank of a worker of R
         ranks checks only its own shard, so they combine their verdicts (one value over the
