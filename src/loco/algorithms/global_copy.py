@@ -165,8 +165,8 @@ class GlobalCopy(Algorithm):
         if outer_thread is None:  # it pays where the CPU is idle while the device computes
             outer_thread = (offload and self.params[0].device.type != "cpu" and overlap > 0
                             and not comm.elastic and not eager)
-        self._outer = OuterThread(self.outer_device, self.params[0].device) if outer_thread \
-            else None
+        self._outer = (OuterThread(self.outer_device, self.params[0].device) if outer_thread
+                       else None)
 
     def _build(self, names: list[list[str]], sparse: dict, sgd: dict, eager: bool) -> None:
         """The fragments (``fragment_list``), their codecs and the sync buffers."""
