@@ -156,12 +156,13 @@ class Algorithm(Method):
     def inner_update(self) -> bool:
         """Average the gradients inside the worker, clip them and apply the inner optimizer
         unless the gradient is non-finite; returns whether it stepped
-        ([`NonFinite.step`][loco.algorithms.nonfinite.NonFinite.step]). Every worker that
-        sees the same gradient (data-parallel, pipeline stages) decides the same."""
+        ([`NonFinite.optimizer_step`][loco.algorithms.nonfinite.NonFinite.optimizer_step]).
+        Every worker that sees the same gradient (data-parallel, pipeline stages) decides
+        the same."""
         self.ranks.before_step()
         with record_function("loco/inner_step"):
-            return self.nonfinite.step(self.inner_optimizer, self.clip_gradients(),
-                                       self.inner_steps + 1)
+            return self.nonfinite.optimizer_step(self.inner_optimizer, self.clip_gradients(),
+                                                 self.inner_steps + 1)
 
     def clip_gradients(self) -> torch.Tensor:
         """Clip the gradient to ``max_grad_norm`` (if set); return its norm before clipping.

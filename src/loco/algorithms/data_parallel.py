@@ -255,8 +255,9 @@ class DataParallel(Algorithm):
         for p in self.params:  # a parameter that got no gradient contributes zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        if self.healing.begin(self.comm, ("step", self.inner_steps)):  # elastic: this
-            return self._resume()  # worker was behind and took a peer's state
+        # elastic: a worker that was behind takes a peer's state and goes on from there
+        if self.healing.begin(self.comm, ("step", self.inner_steps)):
+            return self._resume()
         self._average()
 
     def _average(self) -> None:
@@ -266,8 +267,8 @@ class DataParallel(Algorithm):
                           else torch.zeros(n, device=local(self.params[0]).device))
         wire = self._wire
         buffer = wire[:sum(local(p).numel() for p in self.params)]
-        if self.inner is not None and not self.ranks.sharded:  # reduced in buckets during
-            self.ranks.average_gradients()  # the backward pass
+        if self.inner is not None and not self.ranks.sharded:  # reduced during backward
+            self.ranks.average_gradients()
         grads = [local(p.grad) for p in self.params]
         flatten_fp32(grads, out=buffer)
         # The profiler's ranges (docs/profiling.md): encode, all_to_all, reduce, all_gather,

@@ -247,8 +247,9 @@ class GlobalCopy(Algorithm):
     @torch.no_grad()
     def _send(self, fragment: Fragment, t: int) -> None:
         assert self._in_flight is None, "tau < H/P leaves one fragment in flight at a time"
-        if self.healing.begin(self.comm, (fragment.index, t)):  # elastic: this worker was
-            self._resume()  # behind and took a peer's state
+        # elastic: a worker that was behind takes a peer's state and goes on from there
+        if self.healing.begin(self.comm, (fragment.index, t)):
+            self._resume()
         else:
             self._issue(fragment, t)
 

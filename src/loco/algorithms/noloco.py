@@ -214,8 +214,8 @@ class NoLoCo(Algorithm):
         """Swap Δ and φ with this outer step's group, then update δ, φ and θ (see
         [`NoLoCo`][loco.algorithms.noloco.NoLoCo]). Called by [`step`][loco.algorithms.noloco.NoLoCo.step] every H inner
         steps; every member of the group must call it at the same outer step."""
-        if self.healing.begin(self.comm, ("outer", self.inner_steps)):  # elastic: this
-            # worker was behind and took a peer's state
+        # elastic: a worker that was behind takes a peer's state and goes on from there
+        if self.healing.begin(self.comm, ("outer", self.inner_steps)):
             return self._resume()
         self._exchange_and_step()
 

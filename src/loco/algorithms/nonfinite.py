@@ -88,7 +88,8 @@ class NonFinite:
                                  "the parameters (--on-nonfinite stop)")
         self.skipped[counter] += 1
 
-    def step(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor, step: int) -> bool:
+    def optimizer_step(self, optimizer: torch.optim.Optimizer, norm: torch.Tensor,
+                       step: int) -> bool:
         """Step ``optimizer`` unless the gradient's norm is not finite (then raise or leave
         the parameters as they are); with ``skip_on_device`` the decision is the device's,
         and the skip is read later (``settle``).
