@@ -54,14 +54,16 @@ class PreviousDeMo(DeMo):
         self.inner_steps += 1
         stacked = torch.stack(gathered)
         ok = self._all_sent_finite(stacked)
-        self.skipped_on_device((~ok).to(torch.float32), "syncs")
+        self.nonfinite.skipped_on_device((~ok).to(torch.float32), "syncs",
+                                         self.inner_steps + 1)
         for piece in self.pieces:
             self._apply(piece, self._decode(stacked, piece), ok)
 
     def _accumulate(self) -> None:
         norm = self.clip_gradients()
         finite = torch.isfinite(norm)
-        self.skipped_on_device((~finite).to(torch.float32), "inner_steps")
+        self.nonfinite.skipped_on_device((~finite).to(torch.float32), "inner_steps",
+                                         self.inner_steps + 1)
         self.momentum.mul_(self.decay)
         for group in self.groups:
             lr = self._lr_wd(group)[0]

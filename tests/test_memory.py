@@ -68,14 +68,14 @@ def accounted(algo) -> tuple[int, int, dict]:
                       if isinstance(v, torch.Tensor))])
     skip = {id(algo.model), id(algo.inner_optimizer), id(getattr(algo, "codec", None)),
             id(getattr(algo, "slow_codec", None)),
-            id(getattr(algo, "_pending_skips", None))}  # two counters on the device
+            id(algo.nonfinite._pending_skips)}  # two counters on the device
     found = {k: v for k, v in storages(held_tensors(algo, skip)).items() if k not in own}
     kept = sum(b.numel() * b.element_size() for c in (algo.comm, algo.inner) if c is not None
                for b in c._buffers.values())
     guard = algo.comm.shield.guard  # the guard's counters and digests' history
     kept += sum(t.numel() * t.element_size() for t in (
         guard.counts, guard.first, guard.last, guard.acted, guard.peak, guard._history))
-    buckets = getattr(algo, "inner_buckets", None)  # the gradients' average inside a worker
+    buckets = algo.ranks.buckets  # the gradients' average inside a worker
     if buckets is not None:
         kept += buckets.flat.untyped_storage().nbytes()
         found.pop((buckets.flat.untyped_storage().data_ptr(), str(buckets.flat.device)))

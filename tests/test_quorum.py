@@ -188,7 +188,7 @@ def quorum_worker(ctx, resume_at=None, **kw):
         plan = QuorumSteps(H, 3, ctx.rank, ctx.comm, quorum_size=2, grace=0.5,
                            max_staleness=1, rounds=PLAN4, last_round=STEPS // H - 1, ahead=1,
                            admitted=admitted, measure=lambda r: ARRIVALS4[r][ctx.rank])
-        algo.weight_of, algo.sync_held = plan.weight, plan.holds
+        algo.pacing.weight_of, algo.pacing.sync_held = plan.weight, plan.holds
         algo.keep_block_starts()
         return model, opt, algo, plan
 
@@ -411,7 +411,7 @@ def host_reads_worker(ctx):
     plan = QuorumSteps(H, 3, ctx.rank, ctx.comm, quorum_size=2, grace=0.5, max_staleness=1,
                        rounds=PLAN4, last_round=STEPS // H - 1, ahead=1,
                        measure=lambda r: ARRIVALS4[r][ctx.rank])
-    algo.weight_of, algo.sync_held = plan.weight, plan.holds
+    algo.pacing.weight_of, algo.pacing.sync_held = plan.weight, plan.holds
     algo.keep_block_starts()
     ticks = []
     with hostreads.HostReadCounter() as counter:

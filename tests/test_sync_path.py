@@ -97,7 +97,7 @@ def device_skip_worker(ctx, on_device, policy, poison_at, steps):
     model = make_model()
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, fused=True)
     algo = loco.Local(model, opt, ctx.comm, on_nonfinite=policy)
-    algo.skip_on_device = on_device
+    algo.nonfinite.skip_on_device = on_device
     for t in range(1, steps + 1):
         x, y = batch(ctx.rank, t)
         model(x, y).backward()
@@ -182,7 +182,7 @@ def test_adamw_is_fused_on_a_gpu_and_a_cpu_and_skips_on_the_device_only_on_a_gpu
                                        betas=(0.9, 0.95))
     assert fused.defaults["fused"] and fused._step_supports_amp_scaling  # takes found_inf
     algo = loco.DiLoCo(model, fused, loco.Comm(None, 0, 1), sync_every=4)
-    assert not algo.skip_on_device  # a CPU reads the norm for free
+    assert not algo.nonfinite.skip_on_device  # a CPU reads the norm for free
 
 
 def test_batches_go_to_a_gpu_from_pinned_memory_without_blocking(monkeypatch):

@@ -326,7 +326,7 @@ def planned(ctx, steps, rounds, fragments=1, overlap=0, alpha=0.0, staleness=0):
                                  overlap=overlap, alpha=alpha, **kw))
     plan = LocalSteps(UH, ctx.comm.size, ctx.rank, rounds=rounds, max_staleness=staleness,
                             last_round=steps // UH - 1)
-    algo.weight_of = plan.weight
+    algo.pacing.weight_of = plan.weight
     if staleness:
         algo.keep_block_starts()
     for t in range(1, steps + 1):

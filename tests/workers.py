@@ -141,7 +141,7 @@ def planned_worker(ctx, steps, plan, max_staleness=0, resume_at=None, **kw):
         ticks = LocalSteps(kw["sync_every"], ctx.comm.size, ctx.rank, rounds=plan,
                            max_staleness=max_staleness,
                            last_round=steps // kw["sync_every"] - 1)
-        algo.weight_of = ticks.weight
+        algo.pacing.weight_of = ticks.weight
         if max_staleness:
             algo.keep_block_starts()
         return model, opt, algo, ticks
@@ -679,14 +679,14 @@ def elastic_worker(ctx, steps, kill=None, **kw):
                            max_staleness=staleness, last_round=steps // kw["sync_every"] - 1,
                            quorum=ctx.comm)
         ctx.comm.register_state("local_steps", ticks.heal_state, ticks.load_heal_state)
-        algo.weight_of = ticks.weight
+        algo.pacing.weight_of = ticks.weight
         if staleness:
             algo.keep_block_starts()
     joined = algo.join()
     if joined and ticks is not None and algo.inner_steps % algo.sync_every == 0:
         ticks.rejoined(algo.inner_steps // algo.sync_every - 1)
     start, sent = algo.inner_steps, {}
-    join_sync = algo._syncing[1] if joined else None
+    join_sync = algo.healing.syncing[1] if joined else None
     after_join = params_of(dict(model.named_parameters())) if joined else None
     while algo.inner_steps < steps:
         if victim and kill[2] == "step" and algo.inner_steps + 1 == kill[1]:

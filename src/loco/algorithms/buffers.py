@@ -3,7 +3,7 @@ each sized to what one sync needs, and the arithmetic that crosses between the m
 device and an offloaded global copy without a copy of the model on either side.
 
 **One sync in flight.** Fragment p's sync is applied τ < floor(H/P) steps after it was sent,
-before the next fragment is sent (``StreamingDiLoCo`` asserts it), so each worker has exactly
+before the next fragment is sent (``GlobalCopy`` asserts it), so each worker has exactly
 one sync in flight at a time. One pseudo-gradient buffer Δ (on the wire's device), one buffer
 for what the codec sent (error feedback) and, where the outer optimizer reads Δ̄ elsewhere
 (offloaded, or eager updates' proxy step), one host buffer for it serve every fragment: each

@@ -23,6 +23,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.profiler import record_function
 
 from loco.algorithms.base import Algorithm
+from loco.algorithms.healing import ReplicaHealing
 from loco.algorithms.sharding import Share, flatten_fp32, local, unflatten_views
 from loco.comm import Comm
 from loco.comm.codecs import get_codec
@@ -110,7 +111,8 @@ class DataParallel(Algorithm):
             raise ValueError(f"codec must be fp32 or bf16 for DataParallel (got {codec!r})")
         self.codec = None if codec == "fp32" else get_codec(codec)
         super().__init__(model, inner_optimizer, comm, **kwargs)
-        self.average_inner = False  # step() averages inside the worker itself, first
+        self.healing = ReplicaHealing(self.healing.init_sync)  # the replica is the model
+        self.ranks.average_before_step = False  # step() averages inside the worker, first
         self._wire: torch.Tensor | None = None  # the explicit path's buffer, made on first use
         self._pending: list = []  # the DDP path's buckets in flight: (handle, future, bucket)
         self._averaged: list = []  # their handles once the backward pass is over
@@ -127,7 +129,7 @@ class DataParallel(Algorithm):
     # ------------------------------------------------------------------------ the DDP path
     def _uses_ddp(self) -> bool:
         stage = isinstance(self.model, StagePart)
-        return (not self.comm.elastic and self.inner is None and not self.sharded
+        return (not self.comm.elastic and self.inner is None and not self.ranks.sharded
                 and not stage and all(p.dtype == torch.float32 for p in self.params))
 
     def _wrap(self, bucket_cap_mb: float | None) -> None:
@@ -161,8 +163,8 @@ class DataParallel(Algorithm):
 
     # ----------------------------------------------------------------- the FSDP2 path
     def _uses_fsdp_hooks(self) -> bool:
-        return (self.sharded and not self.comm.elastic and not isinstance(self.model, StagePart)
-                and self.comm.size > 1)
+        return (self.ranks.sharded and not self.comm.elastic
+                and not isinstance(self.model, StagePart) and self.comm.size > 1)
 
     def _hook_fsdp(self) -> None:
         """Every FSDP2 unit's reduce-scattered gradient shard is averaged across the workers
@@ -253,38 +255,38 @@ class DataParallel(Algorithm):
         for p in self.params:  # a parameter that got no gradient contributes zeros
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self._syncing = ("step", self.inner_steps)
-        if self.comm.begin():  # elastic: this worker was behind and took a peer's state
+        # elastic: a worker that was behind takes a peer's state and goes on from there
+        if self.healing.begin(self.comm, ("step", self.inner_steps)):
             return self._resume()
         self._average()
 
     def _average(self) -> None:
         if self._wire is None:  # one shard per rank of the worker; under FSDP2 its shards
             n = sum(local(p).numel() for p in self.params)
-            self._wire = (self.shard_buffer(n, self.params[0].device) if not self.sharded
+            self._wire = (self.ranks.buffer(n, self.params[0].device) if not self.ranks.sharded
                           else torch.zeros(n, device=local(self.params[0]).device))
         wire = self._wire
         buffer = wire[:sum(local(p).numel() for p in self.params)]
-        if self.inner is not None and not self.sharded:  # reduced in buckets during backward
-            self.average_inside_worker()
+        if self.inner is not None and not self.ranks.sharded:  # reduced during backward
+            self.ranks.average_gradients()
         grads = [local(p.grad) for p in self.params]
         flatten_fp32(grads, out=buffer)
         # The profiler's ranges (docs/profiling.md): encode, all_to_all, reduce, all_gather,
         # decode on the communication thread, wait here, then inner_step.
-        if self.inner is None or self.sharded:  # (FSDP2 has averaged inside the worker)
+        if self.inner is None or self.ranks.sharded:  # (FSDP2 has averaged inside the worker)
             handle = self.comm.all_reduce_mean(buffer, tag="train", codec=self.codec)
             with record_function("loco/wait"):
                 healed = self.comm.settle(handle) is None
             if healed:  # elastic: healed during a retry
                 return self._resume()
         else:  # averaged inside the worker (fast), then shard r across workers (slow)
-            handle = self.comm.all_reduce_mean(self.own_shard(wire), tag="train",
+            handle = self.comm.all_reduce_mean(self.ranks.own(wire), tag="train",
                                                codec=self.codec)
             with record_function("loco/wait"):
                 healed = self.comm.settle(handle) is None
             if healed:  # elastic: healed during a retry
                 return self._resume()
-            self.gather_shards(wire)
+            self.ranks.gather(wire)
         torch._foreach_copy_(grads, unflatten_views(buffer, grads))
         self.inner_update()  # the averaged gradient: every worker decides the same
         self.inner_steps += 1
@@ -298,22 +300,6 @@ class DataParallel(Algorithm):
         return Share(self.params, self.inner).views
 
     # ------------------------------------------------------------------ elastic membership
-    def heal_state(self) -> dict:
-        """The replica is the global model here: a worker that is behind receives the
-        parameters and the inner optimizer's state, with the counters."""
-        full = self.state_dict(tensors=True)
-        return {**full, "syncing": self._syncing}
-
-    @torch.no_grad()
-    def load_heal_state(self, state: dict) -> None:
-        """Take a live worker's model, inner optimizer and counters (see ``heal_state``).
-
-        Args:
-            state: a dict from ``heal_state()`` of a worker of the same job.
-        """
-        self.load_state_dict({k: v for k, v in state.items() if k != "syncing"})
-        self._syncing = state["syncing"]
-
     def _resume(self) -> None:
         """Take part in the step the live worker was at, with a zero gradient."""
         for p in self.params:

@@ -141,7 +141,7 @@ def use_delayed_nesterov(fragments: list, lr: float, momentum: float, every: int
     update's index counted by the fragment's applied syncs.
 
     Args:
-        fragments: a Streaming DiLoCo's fragments (``global_flat``, ``syncs``).
+        fragments: a global copy's fragments (``global_flat``, ``syncs``).
         lr: η, > 0.
         momentum: β, in [0, 1).
         every: N, >= 1.

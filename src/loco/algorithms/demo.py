@@ -441,7 +441,7 @@ class DeMo(Algorithm):
         if inner is not None and inner.size > 1:
             raise ValueError("DeMo does not support workers of several ranks yet")
         super().__init__(model, inner_optimizer, comm, **kwargs)
-        if self.sharded:
+        if self.ranks.sharded:
             raise ValueError("DeMo does not support FSDP2-sharded models yet")
         self.decay, self.topk, self.chunk, self.values = decay, topk, chunk, values
         # Each parameter's group by index: load_state_dict replaces the group dicts.
@@ -505,7 +505,8 @@ class DeMo(Algorithm):
         del payload, gathered
         scales = self._judged(stacked)  # the same bytes everywhere: all decide alike
         ok = self._all_sent_finite(stacked, scales)
-        self.skipped_on_device((~ok).to(torch.float32), "syncs")
+        self.nonfinite.skipped_on_device((~ok).to(torch.float32), "syncs",
+                                         self.inner_steps + 1)
         with record_function("loco/outer_step"):
             for piece in self.pieces:
                 self._apply(piece, stacked, ok, scales)
@@ -517,7 +518,8 @@ class DeMo(Algorithm):
         non-finite one is zeroed in place (no temporary of a parameter's size)."""
         norm = self.clip_gradients()
         nonfinite = ~torch.isfinite(norm)
-        self.skipped_on_device(nonfinite.to(torch.float32), "inner_steps")
+        self.nonfinite.skipped_on_device(nonfinite.to(torch.float32), "inner_steps",
+                                         self.inner_steps + 1)
         self.momentum.mul_(self.decay)
         for group in self.groups:
             lr = self._lr_wd(group)[0]

@@ -7,8 +7,15 @@ Each worker m runs H inner optimizer steps (AdamW) on its own data, then every w
 3. takes an outer step:       θ^g ← OuterOpt(θ^g, Δ̄)   (SGD with Nesterov momentum);
 4. restarts from it:          θ_m ← θ^g.
 
-The inner optimizer state is kept across rounds. This is Streaming DiLoCo with one fragment,
-no overlap, full precision and α = 0, and it runs through the same code.
+The inner optimizer state is kept across rounds. The round runs through the outer loop of
+the methods with a global copy ([`GlobalCopy`][loco.algorithms.global_copy.GlobalCopy]) with
+one fragment, no overlap (τ = 0: training waits for the average) and α = 0 (the replica takes
+the global copy): ``step()`` is ``inner_update()``, then at every H-th step
+``pseudo_gradient``, the all-reduce, the outer step and ``merge``.
+
+DiLoCo's options are the global copy's place, the pseudo-gradients' wire format and its error
+feedback, and eager updates (Streaming DiLoCo and SparseLoCo take them too), and the outer
+rule; their checks and report words are at the end of this file.
 """
 
 from __future__ import annotations
@@ -21,10 +28,71 @@ from torch import nn
 
 from loco.algorithms.delayed_nesterov import (OuterRuleOptions, check_outer_rule, pending_state,
                                               rule_kwargs, rule_setting, use_delayed_nesterov)
-from loco.algorithms.method import Method, PaperClaim, leftover_steps
-from loco.algorithms.streaming_diloco import StreamingDiLoCo, outer_kwargs
-from loco.algorithms.wire import WireOptions, check_wire, wire_setting, wire_warnings
+from loco.algorithms.global_copy import GlobalCopy
+from loco.algorithms.method import PaperClaim, leftover_steps
+from loco.algorithms.sparse_wire import SPARSE_KEYS, sparse_choice
 from loco.comm import Comm
+from loco.comm.codecs.formats import (CHUNK_TOPK_CODEC_NAMES, CODEC_NAMES, SPARSE_LAYOUTS,
+                               SPARSE_MEANS, SPARSE_VALUES)
+from loco.options import need, opt
+
+
+@dataclass
+class GlobalCopyOptions:
+    """The options of a method that keeps a global copy apart from the replicas (DiLoCo)."""
+
+    eval_replicas: bool = opt(False, "diloco, streaming: at the end also evaluate every "
+                              "replica and the replicas' average, next to the global model "
+                              "(the Streaming DiLoCo paper's Table 3); every worker evaluates "
+                              "(noloco and local always do)")
+    offload: bool = opt(False, "keep the global copy and outer optimizer state in CPU memory "
+                        "(diloco, streaming)")
+    eager: bool = opt(False, "eager updates (diloco, streaming; Kale et al. 2025): when a "
+                      "sync is sent, take the outer step at once, with this worker's fresh "
+                      "pseudo-gradient as its share of the average and the others' from an "
+                      "earlier sync, on the worker's own global copy (diloco: the average "
+                      "overlaps the whole round)")
+    eager_variant: str | None = opt(None, "with --eager: 1-outer-step (the others' share "
+                                    "from the fragment's previous sync, the paper's method; "
+                                    "the default) or 2-outer-steps (from the one before)",
+                                    ("1-outer-step", "2-outer-steps"))
+
+
+@dataclass
+class WireOptions(GlobalCopyOptions):
+    """The wire format of a method that all-reduces pseudo-gradients (DiLoCo, Streaming
+    DiLoCo, SparseLoCo), and its error feedback."""
+
+    codec: str | None = opt(None, "wire format of the pseudo-gradients (diloco, streaming, "
+                            "sparseloco); the reduction itself is fp32 (default: the "
+                            "method's: diloco fp32, streaming fp4_e3m0, sparseloco topk_2bit)",
+                            CODEC_NAMES)
+    codec_keep: float | None = opt(None, "share of the values the sparse codecs send, in "
+                                   "(0, 1]: of each row for topk, dare, random_drop (default "
+                                   "1/8, the bytes of 4 bits per value), of each chunk for "
+                                   "topk_2bit (default 1/64: 64 of 4096, SparseLoCo's)")
+    codec_block: int | None = opt(None, "values per power-of-two scale of the 8-, 4- and 2-bit "
+                                  "codecs (default 32; larger blocks send fewer scale bytes "
+                                  "but clip less evenly), or per chunk of topk_2bit (default "
+                                  "4096)")
+    error_feedback: float | None = opt(None, "beta of the error feedback (diloco, streaming, "
+                                       "sparseloco), in [0, 1): each worker keeps what its "
+                                       "codec did not send, e <- beta e + delta, sends C(e) "
+                                       "and keeps e - D(C(e)); 0: none (default: the "
+                                       "method's: diloco and streaming 0, sparseloco 0.95)")
+    sparse_layout: str | None = opt(None, "where topk_2bit's chunks lie: runs of --codec-block "
+                                    "values of the flat fragment, or tiles: 2-D tiles of "
+                                    "each tensor, sides the largest divisors <= 64, 1-D "
+                                    "tensors sent whole (SparseLoCo's reference code) "
+                                    "(default: the method's)", SPARSE_LAYOUTS)
+    sparse_values: str | None = opt(None, "how topk_2bit codes its kept values: split (per "
+                                    "chunk, sign and half) or stat (per tensor, 4 bins of "
+                                    "1.5 sigma, the reference code's; needs --sparse-layout "
+                                    "tiles) (default: the method's)", SPARSE_VALUES)
+    sparse_mean: str | None = opt(None, "how topk_2bit's messages are averaged: all (over "
+                                  "the M workers, the paper's box) or senders (each "
+                                  "position over the workers that sent it, the reference "
+                                  "code's) (default: the method's)", SPARSE_MEANS)
 
 
 @dataclass
@@ -33,12 +101,13 @@ class DiLoCoOptions(WireOptions, OuterRuleOptions):
     the outer rule."""
 
 
-class DiLoCo(StreamingDiLoCo):
+class DiLoCo(GlobalCopy):
     """DiLoCo outer loop around any inner optimizer.
 
-    Streaming DiLoCo with one fragment, no overlap and α = 0: every H inner steps the whole
-    model is synchronized, and training waits for it. The pseudo-gradients travel in fp32 by
-    default (the paper's); a lossy ``codec`` may be given, with error feedback.
+    Every H inner steps the whole model is synchronized, and training waits for it (the
+    outer loop of [`GlobalCopy`][loco.algorithms.global_copy.GlobalCopy] with one fragment,
+    τ = 0 and α = 0). The pseudo-gradients travel in fp32 by default (the paper's); a lossy
+    ``codec`` may be given, with error feedback.
 
     Args:
         model: the worker's replica of the model (see
@@ -52,11 +121,11 @@ class DiLoCo(StreamingDiLoCo):
         nesterov: Nesterov momentum (default True, the paper's) or heavy-ball (False).
         offload: keep the global copy and the outer momentum in CPU memory (default False).
         codec: wire format of the pseudo-gradients (default ``"fp32"``, the paper's); see
-            [`StreamingDiLoCo`][loco.algorithms.streaming_diloco.StreamingDiLoCo] for it,
-            ``codec_block`` and ``codec_keep``.
-        codec_block: as for ``StreamingDiLoCo``; default None (the codec's).
-        codec_keep: as for ``StreamingDiLoCo``; default None (the codec's).
-        error_feedback: β of the error feedback, in [0, 1), as for ``StreamingDiLoCo``;
+            [`GlobalCopy`][loco.algorithms.global_copy.GlobalCopy] for it, ``codec_block``
+            and ``codec_keep``.
+        codec_block: as for ``GlobalCopy``; default None (the codec's).
+        codec_keep: as for ``GlobalCopy``; default None (the codec's).
+        error_feedback: β of the error feedback, in [0, 1), as for ``GlobalCopy``;
             default 0 (none).
         eager: eager updates (see [`Eager`][loco.algorithms.eager.Eager]): the worker
             takes its outer step when it sends its pseudo-gradient, with it for its share
@@ -71,7 +140,10 @@ class DiLoCo(StreamingDiLoCo):
             ``loco.algorithms.delayed_nesterov.DelayedNesterov``; not
             with ``eager``).
         momentum_every: N of delayed Nesterov, an integer >= 1; default 1.
-        **kwargs: passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
+        outer_thread: the outer step on a helper thread, as for ``GlobalCopy``; default
+            None (when it pays; never here, since τ = 0 but with ``eager``).
+        **kwargs: the chunked top-k's settings (``sparse_layout``, ...) as for
+            ``GlobalCopy``; the rest passed to [`Algorithm`][loco.algorithms.base.Algorithm]:
             ``max_grad_norm``, ``init_sync``, ``on_nonfinite``, ``inner`` (a worker of
             several ranks: ``ctx.inner``).
 
@@ -81,7 +153,7 @@ class DiLoCo(StreamingDiLoCo):
 
     name = "diloco"
     title = "DiLoCo"
-    options = DiLoCoOptions  # none of Streaming DiLoCo's own: P = 1, τ = 0, α = 0
+    options = DiLoCoOptions
     defaults = {"sync_every": 100, "outer_lr": 0.7, "outer_momentum": 0.9, "nesterov": True,
                 "codec": "fp32", "error_feedback": 0.0}
     claims = (PaperClaim("loss", "local", 0, text="below {ref}'s (no communication)"),
@@ -123,11 +195,6 @@ class DiLoCo(StreamingDiLoCo):
         return cfg.sync_every - 1 if cfg.eager else 0
 
     @classmethod
-    def fragment_names(cls, cfg, module, tied: bool) -> list[list[str]]:
-        """One fragment: the whole model."""
-        return Method.fragment_names(cfg, module, tied)
-
-    @classmethod
     def warnings(cls, cfg) -> list[str]:
         """Inner steps past the last sync; the wire's warnings."""
         return leftover_steps(cfg) + wire_warnings(cfg)
@@ -143,23 +210,25 @@ class DiLoCo(StreamingDiLoCo):
                  offload: bool = False, codec: str = "fp32", codec_block: int | None = None,
                  codec_keep: float | None = None, error_feedback: float = 0.0,
                  outer_rule: str = "nesterov", momentum_every: int = 1,
-                 eager: bool = False, eager_variant: str | None = None, **kwargs: Any):
+                 eager: bool = False, eager_variant: str | None = None,
+                 outer_thread: bool | None = None, **kwargs: Any):
         if outer_rule not in ("nesterov", "delayed-nesterov") or outer_rule != "nesterov" and (
-                eager or kwargs.get("outer_thread")):
+                eager or outer_thread):
             raise ValueError(f"outer_rule must be nesterov or delayed-nesterov, and nesterov "
                              f"with eager updates or an outer thread (got {outer_rule!r})")
+        # One fragment, the whole model; eager: the average overlaps the round (τ = H − 1).
         super().__init__(model, inner_optimizer, comm, sync_every=sync_every, fragments=1,
-                         overlap=sync_every - 1 if eager else 0, alpha=0.0, eager=eager,
-                         eager_variant=eager_variant,
-                         codec=codec, codec_block=codec_block,
-                         codec_keep=codec_keep, error_feedback=error_feedback,
-                         outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
-                         offload=offload, **kwargs)
+                         pattern="strided", overlap=sync_every - 1 if eager else 0, alpha=0.0,
+                         codec=codec, codec_block=codec_block, codec_keep=codec_keep,
+                         error_feedback=error_feedback, outer_lr=outer_lr,
+                         outer_momentum=outer_momentum, nesterov=nesterov, offload=offload,
+                         outer_thread=outer_thread, eager=eager, eager_variant=eager_variant,
+                         **kwargs)
         if outer_rule == "delayed-nesterov":
             use_delayed_nesterov(self.fragment_list, outer_lr, outer_momentum, momentum_every)
 
     def outer_state(self) -> dict:
-        """Streaming DiLoCo's outer state, and delayed Nesterov's buffers (see
+        """The global copy's outer state, and delayed Nesterov's buffers (see
         [`Algorithm.outer_state`][loco.algorithms.base.Algorithm.outer_state])."""
         return {**super().outer_state(), **pending_state(self.fragment_list)}
 
@@ -168,8 +237,82 @@ class DiLoCo(StreamingDiLoCo):
         return super().replicated_tensors() + self._pending()
 
     def outer_tensors(self) -> list[torch.Tensor]:
-        """Streaming DiLoCo's, and delayed Nesterov's buffers (the memory report)."""
+        """The global copy's, and delayed Nesterov's buffers (the memory report)."""
         return super().outer_tensors() + self._pending()
 
     def _pending(self) -> list[torch.Tensor]:
         return [t for _, t in pending_state(self.fragment_list).values()]
+
+
+def outer_kwargs(cfg) -> dict[str, Any]:
+    """H, the outer optimizer, ``offload`` and the wire (codec, its block and keep, error
+    feedback), as a method with a global copy takes them."""
+    return {"sync_every": cfg.sync_every, "outer_lr": cfg.outer_lr,
+            "outer_momentum": cfg.outer_momentum, "nesterov": cfg.nesterov,
+            "offload": cfg.offload, "codec": cfg.codec, "codec_block": cfg.codec_block,
+            "codec_keep": cfg.codec_keep, "error_feedback": cfg.error_feedback or 0.0,
+            "eager": cfg.eager, "eager_variant": cfg.eager_variant,
+            "sparse_layout": cfg.sparse_layout,
+            "sparse_values": cfg.sparse_values, "sparse_mean": cfg.sparse_mean}
+
+
+def check_wire(cfg) -> None:
+    """The wire options' ranges: keep in (0, 1], the block in [2, 65536] (even for 4 bits,
+    a multiple of 4 for int2), error feedback's beta in [0, 1); eager updates not elastic.
+
+    Raises:
+        ConfigError: naming the first option out of range.
+    """
+    if cfg.codec_keep is not None:
+        need(cfg, 0 < cfg.codec_keep <= 1, "codec_keep", "must be in (0, 1]")
+    if cfg.codec_block is not None:
+        per_byte = {"fp4_e3m0": 2, "fp4_e2m1": 2, "int2": 4}.get(cfg.codec, 1)
+        need(cfg, 2 <= cfg.codec_block <= 65536 and cfg.codec_block % per_byte == 0,
+             "codec_block", "must be an integer in [2, 65536]"
+             + (f" and a multiple of {per_byte} with --codec {cfg.codec}" if per_byte > 1
+                else ""))
+    need(cfg, 0 <= cfg.error_feedback < 1, "error_feedback", "must be in [0, 1) (0: none)")
+    for option in ("sparse_layout", "sparse_values", "sparse_mean"):
+        need(cfg, getattr(cfg, option) is None or cfg.codec in CHUNK_TOPK_CODEC_NAMES, option,
+             f"applies to --codec {' or '.join(CHUNK_TOPK_CODEC_NAMES)} (got --codec "
+             f"{cfg.codec})")
+    need(cfg, cfg.sparse_values != "stat" or cfg.sparse_layout == "tiles", "sparse_values",
+         "stat bins each tensor's values: it needs --sparse-layout tiles")
+    need(cfg, cfg.sparse_layout != "tiles" or cfg.worker_ranks == 1
+         or cfg.worker_parallel == "fsdp",
+         "sparse_layout", "tiles cut whole tensors: with --worker-ranks > 1 they need --fsdp "
+         "(each rank tiles its own shards)")
+    need(cfg, not (cfg.eager and cfg.elastic), "eager", "needs a fixed group of workers (a "
+         "worker's share is 1/M): leave out --elastic")
+    need(cfg, cfg.eager or cfg.eager_variant is None, "eager_variant", "applies only with "
+         "--eager")
+
+
+def wire_warnings(cfg) -> list[str]:
+    """Error feedback on a lossless wire, or a top-k chunk format without it."""
+    if cfg.error_feedback and cfg.codec == "fp32":
+        return ["--error-feedback has nothing to feed back with --codec fp32 (lossless)"]
+    if not cfg.error_feedback and cfg.codec in CHUNK_TOPK_CODEC_NAMES:
+        return [f"--codec {cfg.codec} without --error-feedback: the values it does not send "
+                "are lost (SparseLoCo keeps them, beta 0.95)"]
+    return []
+
+
+def wire_setting(config: dict, sparse: dict | None = None) -> str:
+    """The report's words for the codec and the error feedback, ``", ..."``; a chunked top-k
+    says its layout, values and mean: given, else the method's ``sparse`` defaults where
+    they apply (as ``fragment_codecs`` chooses: tiles need whole tensors, which a worker of
+    several ranks under DDP does not hold), else runs, split, the mean over all."""
+    codec = config.get("codec") or "fp32"
+    text = f", {codec}"
+    if codec in CHUNK_TOPK_CODEC_NAMES:
+        ranges = (config.get("worker_ranks") or 1) > 1 and config.get("worker_parallel") != "fsdp"
+        layout, values, mean = sparse_choice(*(config.get(k) for k in SPARSE_KEYS), sparse,
+                                             whole=not ranges)
+        text += f" ({layout}, {values}, mean over {'the senders' if mean == 'senders' else 'all'})"
+    beta = config.get("error_feedback") or 0
+    return text + (f", error feedback β={beta:g}" if beta else "")
+
+
+__all__ = ["DiLoCo", "DiLoCoOptions", "GlobalCopyOptions", "WireOptions", "check_wire",
+           "outer_kwargs", "wire_setting", "wire_warnings"]

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from loco.algorithms.base import all_finite
+from loco.algorithms.nonfinite import all_finite
 from loco.comm.hostreads import allowed
 
 VARIANTS = {"1-outer-step": 1, "2-outer-steps": 2}
@@ -100,7 +100,7 @@ class Eager:
         Args:
             fragment: the fragment sent.
             agree: whether a flag holds on every rank of this worker
-                (``Algorithm.agree``).
+                (``WorkerRanks.agree``).
 
         Returns:
             Whether the step was taken.

@@ -9,8 +9,11 @@ far; a tied head shares the embedding's tensor and is counted once.
 An explicit list gives each fragment as a module, a parameter name, or a list of them; every
 trainable parameter must then appear in exactly one of them.
 
-A ``Fragment`` holds one fragment's parameters and its
-outer state, as Streaming DiLoCo keeps them.
+A ``Fragment`` holds one fragment's parameters and its state, as the methods with a global
+copy keep it (this rank's share): the global copy θ^g_p, its outer optimizer, the error
+feedback, its views of the sync buffers and its counters; ``build_fragment`` makes one, and
+``save_fragment``, ``load_fragment`` and ``fragment_outer_state`` give and take its part of a
+checkpoint.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from loco.algorithms.sharding import Share, flatten_fp32
+from loco.algorithms.buffers import SyncBuffers, pinned
+from loco.algorithms.sharding import Share, flatten_fp32, unflatten_views
 
 PATTERNS = ("strided", "sequential")
 """How the blocks are dealt out to an integer number of fragments."""
@@ -177,3 +181,111 @@ def flat_outer_state(state: dict) -> dict:
     merged = ({} if any(b is None for b in buffers)
               else {0: {"momentum_buffer": flatten_fp32(buffers)}})
     return {"state": merged, "param_groups": [{**state["param_groups"][0], "params": [0]}]}
+
+
+def build_fragment(index: int, names: list[str], share: Share, buffers: SyncBuffers,
+                   outer_device: torch.device, compute: torch.device, sgd: dict,
+                   offload: bool, error_feedback: bool) -> Fragment:
+    """Fragment ``index``: its parameters, this rank's share, the global copy (and error
+    feedback) on ``outer_device``, its views of the sync buffers and its outer SGD.
+
+    Args:
+        index: p, the fragment's index.
+        names: its parameters' names.
+        share: this rank's share of its parameters.
+        buffers: the sync buffers, sized to the largest fragment.
+        outer_device: where the global copy and outer optimizer live.
+        compute: the model's device (to pin host copies for a GPU).
+        sgd: the outer SGD's ``lr``, ``momentum`` and ``nesterov``.
+        offload: whether the global copy is offloaded (pinned host memory).
+        error_feedback: whether to keep an error feedback buffer.
+    """
+    global_flat = share.read().to(outer_device)
+    if offload:
+        global_flat = pinned(global_flat, compute)
+    delta, grad = buffers.of(share.numel)
+    global_flat.grad = grad  # the outer optimizer reads Δ̄ as the global copy's gradient
+    # One flat tensor: one fused kernel per outer step, no loop over parameters.
+    optimizer = torch.optim.SGD([global_flat], **sgd,
+                                fused=outer_device.type in ("cpu", "cuda"))
+    error = pinned(torch.zeros_like(global_flat), compute) if error_feedback else None
+    return Fragment(index, names, share.params, share, global_flat,
+                    unflatten_views(global_flat, share.views), delta, grad, optimizer, error)
+
+
+def momentum_of(f: Fragment) -> torch.Tensor | None:
+    """Fragment ``f``'s outer momentum, one fp32 vector (the optimizer's own), None before
+    its first outer step or without momentum.
+
+    Args:
+        f: a fragment.
+    """
+    return f.outer_optimizer.state.get(f.global_flat, {}).get("momentum_buffer")
+
+
+def make_momentum(f: Fragment) -> None:
+    """Give fragment ``f``'s outer optimizer a (zero) momentum, as its first outer step
+    would, for a checkpoint's values to be loaded into."""
+    f.outer_optimizer.state[f.global_flat]["momentum_buffer"] = torch.zeros_like(
+        f.global_flat)
+
+
+def save_fragment(f: Fragment, tensors: bool, block_start: torch.Tensor | None) -> dict:
+    """Fragment ``f``'s part of a checkpoint: its syncs and bytes; with ``tensors`` its
+    global copy, outer optimizer, error feedback and asynchronous block's start (where
+    kept); without, whether its outer momentum exists.
+
+    Args:
+        f: the fragment.
+        tensors: include the tensors (the live ones: copy them to keep them).
+        block_start: its asynchronous block's start, or None.
+    """
+    state = {"syncs": f.syncs, "stats": dict(f.stats)}
+    if tensors:
+        state.update(global_params=f.global_flat, outer_optimizer=f.outer_optimizer.state_dict())
+        if f.error is not None:
+            state["error"] = f.error
+        if block_start is not None:
+            state["block_start"] = block_start
+    else:
+        state["momentum"] = momentum_of(f) is not None
+    return state
+
+
+def load_fragment(f: Fragment, state: dict, block_start: torch.Tensor | None) -> None:
+    """Restore what ``save_fragment`` saved (without tensors, a momentum to be filled by
+    the outer state's values where one existed).
+
+    Args:
+        f: the fragment.
+        state: its saved part.
+        block_start: its asynchronous block's start, or None.
+    """
+    if "global_params" in state:
+        f.global_flat.copy_(state["global_params"])
+        f.outer_optimizer.load_state_dict(flat_outer_state(state["outer_optimizer"]))
+    elif state.get("momentum"):  # its values come with load_outer_state
+        make_momentum(f)
+    if "error" in state and f.error is not None:
+        f.error.copy_(state["error"])
+    if "block_start" in state and block_start is not None:
+        block_start.copy_(state["block_start"])
+    f.syncs = int(state["syncs"])
+    f.stats.update({k: int(v) for k, v in state.get("stats", {}).items()})
+
+
+def fragment_outer_state(f: Fragment) -> dict:
+    """Fragment ``f``'s global copy, outer momentum (once it exists) and error feedback
+    by checkpoint name (``fragment{p}.global``, ``.momentum``, ``.error``), each as (its
+    share, this rank's values).
+
+    Args:
+        f: the fragment.
+    """
+    state = {f"fragment{f.index}.global": (f.share, f.global_flat)}
+    momentum = momentum_of(f)
+    if momentum is not None:
+        state[f"fragment{f.index}.momentum"] = (f.share, momentum)
+    if f.error is not None:
+        state[f"fragment{f.index}.error"] = (f.share, f.error)
+    return state

@@ -214,8 +214,8 @@ class NoLoCo(Algorithm):
         """Swap Δ and φ with this outer step's group, then update δ, φ and θ (see
         [`NoLoCo`][loco.algorithms.noloco.NoLoCo]). Called by [`step`][loco.algorithms.noloco.NoLoCo.step] every H inner
         steps; every member of the group must call it at the same outer step."""
-        self._syncing = ("outer", self.inner_steps)
-        if self.comm.begin():  # elastic: this worker was behind and took a peer's state
+        # elastic: a worker that was behind takes a peer's state and goes on from there
+        if self.healing.begin(self.comm, ("outer", self.inner_steps)):
             return self._resume()
         self._exchange_and_step()
 
@@ -241,8 +241,8 @@ class NoLoCo(Algorithm):
             return self._resume()
         with allowed("sync"):  # both verdicts in one read
             delta_ok, slow_ok = ok.tolist()
-        if (self.finite(step, "pseudo-gradient", delta_ok)
-                and self.finite(step, "slow weights", slow_ok)):
+        if (self.nonfinite.check(step, "pseudo-gradient", self.inner_steps, delta_ok)
+                and self.nonfinite.check(step, "slow weights", self.inner_steps, slow_ok)):
             with record_function("loco/outer_step"):
                 self._apply(step)
         del step

@@ -22,7 +22,8 @@ import torch
 from torch.optim.sgd import sgd
 from torch.profiler import record_function
 
-from loco.algorithms.base import all_finite
+from loco.algorithms.fragments import momentum_of
+from loco.algorithms.nonfinite import all_finite
 from loco.algorithms.sharding import unflatten_views
 from loco.comm import Handle
 
@@ -181,16 +182,6 @@ class OuterThread:
         """Block this (helper) thread until ``event`` (None: nothing to wait for)."""
         if event is not None:
             event.synchronize()
-
-
-def momentum_of(f: Any) -> torch.Tensor | None:
-    """Fragment ``f``'s outer momentum, one fp32 vector (the optimizer's own), None before
-    its first outer step or without momentum.
-
-    Args:
-        f: a Streaming DiLoCo `Fragment`.
-    """
-    return f.outer_optimizer.state.get(f.global_flat, {}).get("momentum_buffer")
 
 
 def _like(t: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,9 @@ only rank r of the others (the hybrid-sharded layout):
 
 A [`Share`][loco.algorithms.sharding.Share] gives the owned values as flat 1-D views of the
 parameters, so the algorithms read, step and write them in one code path for all three.
+Every algorithm holds a [`WorkerRanks`][loco.algorithms.sharding.WorkerRanks]
+(``algo.ranks``): what its rank does with the other ranks of its worker (the gradients'
+average before an inner step, the shards of a buffer, a verdict they agree on).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from loco.algorithms.buckets import GradientBuckets
 from loco.comm import Comm
 
 
@@ -189,3 +193,194 @@ def _slice(flat: list[torch.Tensor], start: int, stop: int) -> list[torch.Tensor
             views.append(t[a:b])
         offset += t.numel()
     return views
+
+
+def local_tree(state):
+    """``state`` (dicts and lists of tensors) with every DTensor replaced by its local shard
+    (what this rank saves)."""
+    if isinstance(state, dict):
+        return {k: local_tree(v) for k, v in state.items()}
+    if isinstance(state, list):
+        return [local_tree(v) for v in state]
+    return local(state) if isinstance(state, torch.Tensor) else state
+
+
+def load_local(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+               optimizer_state: dict, sharded: bool) -> None:
+    """Load a model's and its optimizer's state as ``local_tree`` saved it: under FSDP2
+    this rank's shards, into the DTensors' local tensors; otherwise the whole tensors.
+
+    Args:
+        model: the model to load into.
+        optimizer: its optimizer.
+        model_state: the model's saved state.
+        optimizer_state: the optimizer's saved state.
+        sharded: whether the model is FSDP2-sharded (``WorkerRanks.sharded``).
+    """
+    if not sharded:
+        model.load_state_dict(model_state)
+        optimizer.load_state_dict(optimizer_state)
+        return
+    with torch.no_grad():
+        for name, t in model.state_dict().items():
+            local(t).copy_(model_state[name])
+    optimizer.load_state_dict(optimizer_state)
+    _redistribute_state(optimizer)
+
+
+def logical_state(outer: dict, mesh: DeviceMesh | None = None) -> dict[str, torch.Tensor]:
+    """An algorithm's ``outer_state()`` as the worker's whole tensors by name, for
+    ``torch.distributed.checkpoint`` (each share as
+    [`Share.logical`][loco.algorithms.sharding.Share.logical] gives it; no copy).
+
+    Args:
+        outer: ``{name: (share, flat)}``, this rank's values of each.
+        mesh: the worker's ``DeviceMesh`` of its R ranks; None for a worker of one rank.
+    """
+    return {_join(name, key): t for name, (share, flat) in outer.items()
+            for key, t in share.logical(flat, mesh).items()}
+
+
+def from_logical(outer: dict, tensors: dict, mesh: DeviceMesh | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """This rank's values of each tensor of ``outer`` (as ``outer_state()`` gives them),
+    read from a ``logical_state`` dict that ``dcp.load`` filled.
+
+    Args:
+        outer: ``{name: (share, flat)}``, to take the layout from.
+        tensors: the loaded dict.
+        mesh: as for ``logical_state``.
+    """
+    values = {}
+    for name, (share, flat) in outer.items():
+        keys = share.logical(flat, mesh)
+        values[name] = flatten_fp32([local(tensors[_join(name, k)]) for k in keys],
+                                    out=torch.empty_like(flat))
+    return values
+
+
+def _join(name: str, key: str) -> str:
+    return f"{name}.{key}" if key else name
+
+
+def _redistribute_state(optimizer: torch.optim.Optimizer) -> None:
+    """After loading local shards into an optimizer over DTensors: make each state tensor a
+    DTensor again, with its parameter's placements."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            for k, v in optimizer.state.get(p, {}).items():
+                if (isinstance(p, DTensor) and isinstance(v, torch.Tensor)
+                        and not isinstance(v, DTensor) and v.shape == local(p).shape):
+                    optimizer.state[p][k] = DTensor.from_local(
+                        v, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(),
+                        run_check=False)
+
+
+def full_norm(norm: torch.Tensor) -> torch.Tensor:
+    """A norm as a plain tensor (a DTensor's over all its shards)."""
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+class WorkerRanks:
+    """What this rank does with the other ranks of its worker, R ranks joined by a fast
+    link: average the gradients before an inner step, split a buffer into R shards and
+    gather them, agree on a verdict. For a worker of one rank each of these does nothing.
+
+    Args:
+        params: the trained parameters, in the model's order.
+        inner: the worker's fast-link Comm (``ctx.inner``); None, or one of size 1, for a
+            worker of one rank.
+
+    Attributes:
+        inner: the fast-link Comm, None for a worker of one rank.
+        sharded: whether the model is FSDP2-sharded over the worker's ranks (its parameters
+            are DTensors): the algorithm then works on each rank's local shards, and FSDP2
+            averages the gradients inside the worker.
+    """
+
+    def __init__(self, params: list[torch.Tensor], inner: Comm | None):
+        self.params = params
+        self.inner = inner if inner is not None and inner.size > 1 else None
+        self.sharded = is_sharded(params)
+        self.average_before_step = True
+        """Whether ``before_step`` averages the gradients over ``inner`` (a method that
+        reduces them itself turns it off)."""
+        self.buckets: GradientBuckets | None = None
+        """The gradients' buckets reduced over ``inner`` during the backward pass (a worker
+        of several ranks holding the whole model), made at the first average."""
+
+    def before_step(self) -> None:
+        """Average the gradients over the worker's ranks before the inner step, where they
+        hold the whole model (FSDP2 has averaged them itself) and the method leaves it
+        here (``average_before_step``)."""
+        if self.inner is not None and self.average_before_step and not self.sharded:
+            self.average_gradients()
+
+    @torch.no_grad()
+    def average_gradients(self) -> None:
+        """Average the gradients over the ranks of this worker (``inner``, the fast link), in
+        fp32, as data-parallel training does; every rank of the worker then steps alike.
+        From the second backward pass on, the buckets are reduced while it runs
+        ([`GradientBuckets`][loco.algorithms.buckets.GradientBuckets], hooks registered at
+        the first call); this waits for them (a parameter that got no gradient contributes
+        zeros)."""
+        if self.buckets is None:
+            self.buckets = GradientBuckets(self.params, self.inner)
+        self.buckets.finish()
+
+    def buffer(self, n: int, device: torch.device) -> torch.Tensor:
+        """A zeroed fp32 buffer for ``n`` values, padded to R equal shards (no padding for
+        one rank). Its first ``n`` values are the data.
+
+        Args:
+            n: the values, >= 0.
+            device: where it lives.
+        """
+        r = self.inner.size if self.inner is not None else 1
+        return torch.zeros(-(-n // r) * r, dtype=torch.float32, device=device)
+
+    def own(self, buffer: torch.Tensor) -> torch.Tensor:
+        """This rank's 1/R of a ``buffer`` (all of it for one rank): what it sends over the
+        slow link, with the same shard of every other worker.
+
+        Args:
+            buffer: a buffer from ``buffer``.
+        """
+        if self.inner is None:
+            return buffer
+        size = buffer.numel() // self.inner.size
+        return buffer[self.inner.rank * size:(self.inner.rank + 1) * size]
+
+    def gather(self, buffer: torch.Tensor) -> None:
+        """Fill ``buffer`` with every rank's shard, over the worker's fast link (nothing to
+        do for one rank).
+
+        Args:
+            buffer: a buffer from ``buffer``, this rank's shard up to date.
+        """
+        if self.inner is not None:
+            torch.cat(self.inner.all_gather(self.own(buffer), tag="train").wait(),
+                      out=buffer)
+
+    def buffer_bytes(self) -> int:
+        """Bytes the worker's fast link keeps between operations (``Comm.buffer_bytes`` of
+        ``inner``) and the buffer the gradients are averaged in (``buckets``); 0 for a
+        worker of one rank."""
+        kept = self.inner.buffer_bytes() if hasattr(self.inner, "buffer_bytes") else 0
+        if self.buckets is not None:
+            kept += self.buckets.flat.numel() * self.buckets.flat.element_size()
+        return kept
+
+    def agree(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every rank of this worker: each rank of a worker of R
+        ranks checks only its own shard, so they combine their verdicts (one value over the
+        fast link) and decide alike.
+
+        Args:
+            flag: this rank's verdict.
+        """
+        if self.inner is None:
+            return flag
+        bad = torch.tensor([0.0 if flag else 1.0], device=self.inner.device)
+        self.inner.all_reduce_mean(bad, tag="train").wait()
+        return float(bad) == 0.0

@@ -101,13 +101,13 @@ class SparseLoCo(DiLoCo):
         feed_back_message(fragment.error, self.codecs[fragment.index], self._sent)
 
     def _resume(self) -> None:
-        """As Streaming DiLoCo's; the errors restart at 0, so the sync in flight feeds
+        """As the global copy's outer loop; the errors restart at 0, so the sync in flight feeds
         nothing back."""
         self._errors_restarted = self._keeps_message
         super()._resume()
 
     def outer_state(self) -> dict:
-        """Streaming DiLoCo's, less the sync in flight's ``C(e)`` where its bytes are kept
+        """The global copy's, less the sync in flight's ``C(e)`` where its bytes are kept
         (not a vector of the share's values): ``load_outer_state`` encodes e again."""
         state = super().outer_state()
         if self._keeps_message:
@@ -115,7 +115,7 @@ class SparseLoCo(DiLoCo):
         return state
 
     def load_outer_state(self, values: dict[str, torch.Tensor]) -> None:
-        """Streaming DiLoCo's; then, with a sync in flight whose ``C(e)`` is kept as bytes,
+        """The global copy's; then, with a sync in flight whose ``C(e)`` is kept as bytes,
         those bytes made again from the loaded e (the encoding is a function of e: the
         same bytes the Comm sent).
 

@@ -298,7 +298,7 @@ class Sparta(Algorithm):
                  sparta_share: float = 0.005, seed: int = 0, **kwargs: Any):
         _refuse_layouts(comm, kwargs.get("inner"))
         super().__init__(model, inner_optimizer, comm, **kwargs)
-        if self.sharded:
+        if self.ranks.sharded:
             raise ValueError("SPARTA does not support an FSDP2-sharded model")
         self.averager = SparseAverage(self.params, comm, sparta_share, seed)
         """The per-step sparse average (its ``count`` is k, its ``indices(t)`` step t's)."""
@@ -365,7 +365,7 @@ class SpartaDiLoCo(DiLoCo):
                  **kwargs: Any):
         _refuse_layouts(comm, kwargs.get("inner"))
         super().__init__(model, inner_optimizer, comm, sync_every=sync_every, **kwargs)
-        if self.sharded:
+        if self.ranks.sharded:
             raise ValueError("SPARTA does not support an FSDP2-sharded model")
         self.averager = SparseAverage(self.params, comm, sparta_share, seed)
         """The per-step sparse average (its ``count`` is k, its ``indices(t)`` step t's)."""

@@ -274,7 +274,7 @@ def _steps(cfg: TrainConfig, algo, steps: int, comms: list[DryComm], plan=None) 
         else:
             passes.run(t)
             algo.step()
-            if not algo.sharded:
+            if not algo.ranks.sharded:
                 algo.zero_grad()
             if plan is not None:
                 plan.trained(STEP_SECONDS)
@@ -306,7 +306,7 @@ class Passes:
 
     def __init__(self, cfg: TrainConfig, algo, comms: list[DryComm]):
         self.cfg, self.algo, self.comms = cfg, algo, comms
-        self.mode = "set" if algo.sharded else "model"
+        self.mode = "set" if algo.ranks.sharded else "model"
         self.order: list[torch.Tensor] = []
 
     def run(self, t: int) -> None:

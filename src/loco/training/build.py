@@ -244,9 +244,9 @@ def make_local_steps(cfg: TrainConfig, ctx: WorkerContext, algo, loop: Loop,
         if resumed:
             plan.restarts = dict.fromkeys(range(ctx.mesh.replicas),
                                           algo.inner_steps // cfg.sync_every)
-    algo.weight_of = plan.weight
+    algo.pacing.weight_of = plan.weight
     if cfg.quorum is not None:
-        algo.sync_held = plan.holds
+        algo.pacing.sync_held = plan.holds
     if cfg.max_staleness:
         algo.keep_block_starts()
     return plan

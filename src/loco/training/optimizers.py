@@ -261,7 +261,7 @@ def wants_fused(model: torch.nn.Module) -> bool | None:
     """``fused=True`` for AdamW on a model on a GPU or a CPU: one pass over each parameter
     with no temporaries. On a GPU it takes ``found_inf``, so that a non-finite step is
     skipped on the device without the host reading the gradient norm every step
-    (``Algorithm.skip_on_device``); on a CPU it is 4-9 times faster than the foreach path
+    (``NonFinite.skip_on_device``); on a CPU it is 4-9 times faster than the foreach path
     and needs none of its whole-model temporaries (1.2 GB at ``--model 300m``,
     docs/memory.md). None (torch's default) on other devices."""
     first = next(model.parameters(), None)
