@@ -37,7 +37,7 @@ METHODS = {
     "streaming (FP4)": ["--algorithm", "streaming", "--fragments", "2", "--overlap", "0", *H],
     "streaming (fp32)": ["--algorithm", "streaming", "--fragments", "2", "--overlap", "0",
                          "--codec", "fp32", *H],
-    "data_parallel": ["--algorithm", "ddp"],
+    "ddp": ["--algorithm", "ddp"],
     "sparseloco": ["--algorithm", "sparseloco", *H],
     "demo": ["--algorithm", "demo"],
     "sparta": ["--algorithm", "sparta"],

@@ -123,7 +123,7 @@ def test_a_70b_model_of_4_workers_of_64_fsdp2_ranks_plans_in_seconds():
     assert 0 < p["utilization"]["compute_utilization_one_link_per_worker"] < 1
 
 
-@pytest.mark.parametrize("method, algorithm", [("data_parallel", "ddp"), ("diloco", "diloco")])
+@pytest.mark.parametrize("method, algorithm", [("ddp", "ddp"), ("diloco", "diloco")])
 def test_the_utilization_is_the_simulators_for_the_same_traffic(corpus, method, algorithm):
     """fp32 over two workers sends 32 bits per value, as the simulator's methods with
     ``bits=32``: the same compute utilization."""

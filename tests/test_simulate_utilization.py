@@ -45,7 +45,7 @@ def test_utilization_never_falls_as_bandwidth_grows(name, method):
 @pytest.mark.parametrize("target", TARGETS)
 def test_data_parallel_needs_the_most_bandwidth(needs, name, target):
     row = {m: needs[name][m][f"{target:g}"] for m in METHODS}
-    assert all(row["data_parallel"] > row[m] for m in METHODS[1:])
+    assert all(row["ddp"] > row[m] for m in METHODS[1:])
 
 
 @pytest.mark.parametrize("name", PRESETS)
@@ -193,12 +193,13 @@ def test_data_parallel_hides_reductions_under_the_backward_pass():
     spec = ModelSpec("toy", 4, 0.3, 4e9)
     backward = 0.2
     gbps = 4e9 * 16 / backward / 1e9  # all gradients take exactly the backward pass
-    cu = utilization("data_parallel", spec, gbps)
+    cu = utilization("ddp", spec, gbps)
     # Layer L's reduction starts after its weight gradient, 1/4 into the backward pass, so
     # the step ends 1/4 of the backward pass late; a slower link loses more.
     assert cu == pytest.approx(0.3 / (0.3 + backward / 4), rel=1e-12)
-    assert utilization("data_parallel", spec, gbps * 2) > cu > utilization("data_parallel",
-                                                                             spec, gbps / 2)
+    assert utilization("ddp", spec, gbps * 2) > cu > utilization("ddp", spec, gbps / 2)
+    with pytest.warns(DeprecationWarning, match="'data_parallel' is now 'ddp'"):
+        assert utilization("data_parallel", spec, gbps) == cu  # the old name, one release
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -213,7 +214,7 @@ def test_required_bandwidth_is_the_threshold(method, target):
 def test_latency_can_make_a_target_unreachable():
     spec = PRESETS["1b"]
     # Data-parallel: the last layer's all-reduce (2 latencies) is never hidden: CU <= 0.1/0.102.
-    assert required_bandwidth("data_parallel", spec, 0.99, latency_s=0.001) == math.inf
+    assert required_bandwidth("ddp", spec, 0.99, latency_s=0.001) == math.inf
     assert math.isfinite(required_bandwidth("streaming_overlap", spec, 0.99, latency_s=0.001))
 
 
@@ -232,7 +233,7 @@ def test_json_marks_unreachable_targets_null(capsys):
     u.run(args("--model", "1b", "--json", "--targets", "0.99", "--latency", "0.01",
                "--plot", ""))
     data = json.loads(capsys.readouterr().out)
-    assert data["1b"]["data_parallel"]["0.99"] is None
+    assert data["1b"]["ddp"]["0.99"] is None
 
 
 def test_table_and_plot(capsys, tmp_path):
@@ -300,6 +301,6 @@ def test_api_rejects_bad_settings():
     with pytest.raises(ConfigError, match="--targets"):
         required_bandwidth("diloco", PRESETS["1b"], 1.0)
     with pytest.raises(ValueError, match="unknown method"):
-        utilization("ddp", PRESETS["1b"], 10.0)
+        utilization("fsdp", PRESETS["1b"], 10.0)
     with pytest.raises(ValueError, match="bandwidth"):
         utilization("diloco", PRESETS["1b"], 0.0)

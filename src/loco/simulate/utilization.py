@@ -18,6 +18,7 @@ import functools
 import json
 import math
 import sys
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -26,12 +27,26 @@ import numpy as np
 
 from loco.options import ConfigError
 
-METHODS = ("data_parallel", "diloco", "streaming", "streaming_overlap", "streaming_overlap_fp4")
+METHODS = ("ddp", "diloco", "streaming", "streaming_overlap", "streaming_overlap_fp4")
 """The simulated methods: data-parallel, DiLoCo, Streaming DiLoCo without overlap, with
 overlap τ, and with overlap and FP4 values."""
-LABELS = {"data_parallel": "Data-parallel", "diloco": "DiLoCo", "streaming": "Streaming DiLoCo",
+LABELS = {"ddp": "Data-parallel", "diloco": "DiLoCo", "streaming": "Streaming DiLoCo",
           "streaming_overlap": "Streaming DiLoCo, overlap",
           "streaming_overlap_fp4": "Streaming DiLoCo, overlap, FP4"}
+
+#: Old method names, read for one release: the simulator called DataParallel
+#: ``data_parallel`` where ``loco train --algorithm`` says ``ddp``.
+OLD_NAMES = {"data_parallel": "ddp"}
+
+
+def method_name(method: str) -> str:
+    """A method's name, an old one (``OLD_NAMES``) read as the current one with a
+    DeprecationWarning."""
+    if method in OLD_NAMES:
+        warnings.warn(f"method {method!r} is now {OLD_NAMES[method]!r} (as loco train's "
+                      "--algorithm); the old name goes in the next release",
+                      DeprecationWarning, stacklevel=3)
+    return OLD_NAMES.get(method, method)
 STYLES = {"diloco": {"linestyle": "--", "zorder": 3}}
 PATTERNS = ("strided", "sequential")
 """How layers are grouped into Streaming fragments: strided (layer i in fragment i % P, the
@@ -68,17 +83,17 @@ PRESETS = {"1b": ModelSpec("1b", 24, 0.1, 1e9), "10b": ModelSpec("10b", 48, 0.8,
 """The Streaming DiLoCo paper's three models: layers and step times as it gives them."""
 
 PAPER_TABLE4 = {
-    "1b": {"data_parallel": (86.8, 152.6, 184.2, 222.3, 569.0),
+    "1b": {"ddp": (86.8, 152.6, 184.2, 222.3, 569.0),
            "diloco": (1.4, 6.2, 13.3, 23.3, 86.8),
            "streaming": (1.4, 5.2, 9.1, 16.0, 28.1),
            "streaming_overlap": (1.4, 4.3, 6.2, 9.1, 11.0),
            "streaming_overlap_fp4": (0.4, 0.9, 1.7, 2.0, 3.0)},
-    "10b": {"data_parallel": (104.8, 222.3, 222.3, 268.3, 471.5),
+    "10b": {"ddp": (104.8, 222.3, 222.3, 268.3, 471.5),
             "diloco": (1.7, 7.5, 16.0, 33.9, 104.8),
             "streaming": (1.7, 5.2, 9.1, 13.3, 19.3),
             "streaming_overlap": (1.7, 3.6, 5.2, 6.2, 7.5),
             "streaming_overlap_fp4": (0.4, 0.9, 1.4, 1.4, 1.7)},
-    "100b": {"data_parallel": (184.2, 323.8, 390.7, 390.7, 471.5),
+    "100b": {"ddp": (184.2, 323.8, 390.7, 390.7, 471.5),
              "diloco": (3.0, 11.0, 23.3, 49.4, 184.2),
              "streaming": (2.4, 6.2, 9.1, 11.0, 19.3),
              "streaming_overlap": (1.7, 3.6, 4.3, 5.2, 5.2),
@@ -365,7 +380,8 @@ def plan_for(method: str, spec: ModelSpec, settings: Settings) -> Plan:
         ValueError: an unknown ``method``.
     """
     s = settings
-    if method == "data_parallel":
+    method = method_name(method)
+    if method == "ddp":
         return data_parallel_plan(spec, s.bits)
     if method == "diloco":
         return outer_plan(spec, s.H, [list(range(spec.layers))], 0, s.bits)
