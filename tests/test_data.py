@@ -3,7 +3,6 @@ import json
 import math
 import random
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -202,9 +201,7 @@ def test_prepare_corpus_uses_cache(prepared, corpus_file, monkeypatch):
 
     monkeypatch.setattr(data_prepare, "_train_tokenizer", no_training)
     cache = prepared.cache_dir.rsplit("/", 1)[0]
-    start = time.perf_counter()
     again = prepare_corpus(str(corpus_file), VOCAB, VAL_FRACTION, cache_dir=cache)
-    assert time.perf_counter() - start < 0.5
     assert np.array_equal(again.train, prepared.train)
     assert np.array_equal(again.val, prepared.val)
     assert again.cache_dir == prepared.cache_dir

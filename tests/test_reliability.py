@@ -274,18 +274,20 @@ def test_a_rank_file_that_never_appears_fails_the_commit_by_the_timeout(tmp_path
 def test_checkpoint_writes_go_one_at_a_time_off_the_calling_thread(tmp_path, monkeypatch):
     spans = []
     save_rank = checkpoint.save_rank
+    released = threading.Event()
 
     def slow(out, step, rank, state):
         t0 = time.perf_counter()
+        assert released.wait(60)  # the first write holds until the caller has returned
         time.sleep(0.2)
         spans.append((t0, time.perf_counter(), threading.current_thread().name))
         return save_rank(out, step, rank, state)
 
     monkeypatch.setattr(checkpoint.files, "save_rank", slow)
     writer = checkpoint.Writer(str(tmp_path), 0, 1, commit_meta={"world_size": 1})
-    t0 = time.perf_counter()
-    writer.save(4, {"step": 4})
-    assert time.perf_counter() - t0 < 0.1  # the caller does not wait for the write
+    writer.save(4, {"step": 4})  # returns with its write held: the caller does not wait
+    assert spans == []
+    released.set()
     writer.save(8, {"step": 8})  # waits for the first write
     writer.close()
     (a0, a1, name), (b0, _, _) = spans

@@ -90,11 +90,14 @@ def test_a_worker_trains_the_steps_that_fit_into_the_fastest_ones_round():
         20, 10, 6, 13, 20, 1, 20]
 
 
-def test_a_run_with_a_slow_worker_records_its_speed_and_a_goodput_below_one(corpus,
-                                                                            tmp_path):
-    """Worker 1 at half speed: it sleeps about as long as it computes, the fast worker waits
-    for it at the syncs, the summary records the speeds, every step as trained and applied,
-    and a goodput below one (the synchronous barrier's)."""
+def test_a_run_with_a_slow_worker_records_its_speed_and_its_goodput(corpus, tmp_path):
+    """Worker 1 at half speed: it sleeps as long as its forward and backward passes took
+    (at most half its busy time), the summary records the speeds, every step as trained
+    and applied, and the goodput of what was recorded. Nothing here compares two measured
+    durations, which a busy machine can reorder (the fast worker's share of a loaded CPU
+    may be the smaller): goodput's formula is held to the recorded times, whatever they
+    were today (``test_goodput_of_the_synchronous_barrier_is_the_slowest_share`` holds it
+    to hand-written ones)."""
     out = tmp_path / "run"
     assert main(small_run(corpus, out, "--worker-speed", "1,0.5", "--algorithm",
                           "diloco")) == 0
@@ -102,10 +105,12 @@ def test_a_run_with_a_slow_worker_records_its_speed_and_a_goodput_below_one(corp
     assert s["worker_speeds"] == [1.0, 0.5]
     fast, slow = s["per_worker"]
     assert fast["throttle_seconds"] == 0 and slow["throttle_seconds"] > 0
+    # the pause is the measured forward and backward time x (1/0.5 - 1): within its busy time
+    assert slow["throttle_seconds"] <= (slow["train_seconds"] - slow["blocked_seconds"]) / 2
     assert fast["trained_steps"] == slow["trained_steps"] == fast["applied_steps"] == 12
-    assert fast["blocked_seconds"] > slow["blocked_seconds"]
-    assert 0 < s["goodput"]["total"] < 1
-    assert s["goodput"]["per_worker"][0] < s["goodput"]["per_worker"][1]
+    held = s["eval_seconds"] + s["diagnostic_seconds"]
+    assert s["goodput"] == goodput(s["per_worker"], [[0], [1]], held)
+    assert 0 < s["goodput"]["total"] <= 1 and all(0 < g <= 1 for g in s["goodput"]["per_worker"])
 
 
 # ---------------------------------------------------------------- speed-aware local steps
