@@ -98,8 +98,10 @@ def test_ranks_per_worker_agree_on_the_helper_s_verdict():
 def test_waiting_for_the_helper_counts_as_the_sync_s_wait():
     """With a reduction made slow on purpose the training thread waits for the helper
     (which waits for the all-reduce) at t + τ: that time is the sync's ``seconds_waited``,
-    as without the helper."""
-    delay = 0.3
+    as without the helper. The delay is long against the one inner step of the tiny model
+    between the send and the wait (milliseconds, tenths of a second on a busy machine), so
+    that most of it is waited whatever the CPU's load."""
+    delay = 1.0
 
     def worker(ctx):
         slow_reduce(ctx.comm, delay)
