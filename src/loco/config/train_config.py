@@ -20,17 +20,7 @@ import yaml
 from loco.algorithms import method, methods
 from loco.algorithms.method import Method
 from loco.config.groups import SECTIONS, check_applies, flatten, nesting_hint
-from loco.config.sections import (
-    DEFAULT_STEPS,
-    CommunicationOptions,
-    DataOptions,
-    MethodOptions,
-    ModelOptions,
-    OptimOptions,
-    RunOptions,
-    RuntimeOptions,
-)
-from loco.config.trust import TrustOptions
+from loco.config.sections import DEFAULT_STEPS
 from loco.options import ConfigError, need
 
 
@@ -67,9 +57,10 @@ def canonical(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+# Fields in --help order: the method section first (its shared options, then every method's
+# own), then the other sections as SECTIONS lists them (dataclass fields follow the reverse MRO).
 @dataclass
-class TrainConfig(TrustOptions, RuntimeOptions, CommunicationOptions, RunOptions, OptimOptions,
-                  DataOptions, ModelOptions, *reversed(_method_sections()), MethodOptions):
+class TrainConfig(*reversed(SECTIONS[1:]), *reversed(_method_sections()), SECTIONS[0]):
     """Every option of ``loco train``, with its default: the sections of
     ``loco.config.sections`` and each registered method's own section.
 
