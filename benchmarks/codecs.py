@@ -40,11 +40,11 @@ def pseudo_gradient(args) -> torch.Tensor:
     corpus = prepare_corpus("shakespeare", 4096, 0.05, None, "text")
     cfg = TrainConfig(steps=args.warm_steps + args.sync_every, model=args.model, seed=args.seed,
                       batch_size=args.batch_size, seq_len=args.seq_len)
-    model = Transformer(model_config(cfg.model, corpus.vocab_size, cfg.seq_len),
-                        torch.Generator().manual_seed(cfg.seed))
+    model = Transformer(model_config(cfg.model.name, corpus.vocab_size, cfg.data.seq_len),
+                        torch.Generator().manual_seed(cfg.run.seed))
     optimizer = adamw(model, cfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    loader = TokenLoader(corpus.train, cfg.batch_size, cfg.seq_len, seed=cfg.seed)
+    loader = TokenLoader(corpus.train, cfg.data.batch_size, cfg.data.seq_len, seed=cfg.run.seed)
 
     def train(steps: int) -> float:
         loss = torch.tensor(float("nan"))
@@ -52,8 +52,8 @@ def pseudo_gradient(args) -> torch.Tensor:
             x, y = loader.next_batch()
             loss = model(x, y)
             loss.backward()
-            if cfg.grad_clip:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+            if cfg.optim.grad_clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
             optimizer.step()
             schedule.step()
             optimizer.zero_grad(set_to_none=True)
@@ -67,7 +67,7 @@ def pseudo_gradient(args) -> torch.Tensor:
     snapshot = flat()
     loss = train(args.sync_every)
     print(f"trained {args.model} ({model.num_parameters():,} parameters) for {args.warm_steps} + "
-          f"{args.sync_every} steps of {cfg.batch_size} x {cfg.seq_len} tokens in "
+          f"{args.sync_every} steps of {cfg.data.batch_size} x {cfg.data.seq_len} tokens in "
           f"{time.perf_counter() - t0:.1f}s, last train loss {loss:.3f}")
     return snapshot - flat()
 

@@ -396,8 +396,8 @@ def prepare_data(train_args: list[str]) -> str | None:
         cfg = build_config(args.config, {k: v for k, v in vars(args).items() if k in names})
         validate(cfg)
         cfg = resolve(cfg)
-        prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.val_fraction, cfg.cache_dir,
-                       cfg.text_field)
+        prepare_corpus(cfg.data.corpus, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.cache_dir,
+                       cfg.data.text_field)
     except (ConfigError, CorpusError) as e:
         return f"loco train: error: {e}"
     return None

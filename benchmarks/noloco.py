@@ -14,7 +14,6 @@ loss of their average. It also prints bytes sent per worker and the ratio NoLoCo
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import tempfile
@@ -53,7 +52,7 @@ def main() -> None:
             for name, extra in runs:
                 out = os.path.join(tmp, f"{name}{m}")
                 print(f"running {name} with {m} workers ...", flush=True)
-                s = run_training(dataclasses.replace(base, algorithm=name.split("+")[0],
+                s = run_training(base.replace(algorithm=name.split("+")[0],
                                                      out=out, **extra))
                 rows.append((m, name, s))
                 if name.startswith("noloco"):

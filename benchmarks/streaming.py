@@ -23,7 +23,6 @@ and prints one row per run with the ratios to DiLoCo, then the three targets:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import tempfile
 
@@ -95,14 +94,14 @@ def main() -> None:
     results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            cfg = dataclasses.replace(base, **RUNS[name], out=os.path.join(tmp, name))
+            cfg = base.replace(**RUNS[name], out=os.path.join(tmp, name))
             print(f"running {name} ...", flush=True)
             results[name] = run_training(cfg)
 
     ref = results.get("diloco")
     print(f"\nmodel {args.model}, {args.workers} workers ({args.launcher}), {args.steps} steps, "
           f"H = {args.sync_every}, P = {args.fragments}, alpha = {args.alpha}, "
-          f"batch {base.batch_size} x {base.seq_len}, seed {args.seed}, "
+          f"batch {base.data.batch_size} x {base.data.seq_len}, seed {args.seed}, "
           f"final eval {args.eval_batches} batches")
     print(f"{'run':15} {'eval loss':>9} {'vs DiLoCo':>9} {'bytes sent/worker':>18} "
           f"{'DiLoCo/this':>11} {'peak sync bytes':>15} {'DiLoCo/this':>11} {'tokens/s':>9} "

@@ -13,7 +13,6 @@ and prints tokens/s and bytes sent per worker with the ratios the issue targets:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import tempfile
 
@@ -38,13 +37,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeats):
             for algo in ("local", "diloco", "ddp"):  # interleaved, so drift hits all alike
-                cfg = dataclasses.replace(base, algorithm=algo, out=os.path.join(tmp, f"{algo}{rep}"))
+                cfg = base.replace(algorithm=algo, out=os.path.join(tmp, f"{algo}{rep}"))
                 s = run_training(cfg)
                 best = results.get(algo)
                 if best is None or s["tokens_per_second"] > best["tokens_per_second"]:
                     results[algo] = s
     print(f"\nmodel {args.model}, {args.workers} workers ({args.launcher}), {args.steps} steps, "
-          f"H = {args.sync_every}, batch {base.batch_size} x {base.seq_len}")
+          f"H = {args.sync_every}, batch {base.data.batch_size} x {base.data.seq_len}")
     print(f"{'method':8} {'tokens/s':>10} {'bytes sent/worker':>18} {'syncs':>6} {'comm wait s':>12}")
     for algo, s in results.items():
         print(f"{algo:8} {s['tokens_per_second']:10,.0f} {s['bytes_sent_per_worker']:18,} "

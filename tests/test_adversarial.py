@@ -34,13 +34,13 @@ def test_preset_runs_every_attack_with_the_guard_and_plainly(adversarial):
         assert algorithm == label.split("-")[0]
         attack = dict(ATTACKS + (LIE_TOKENS,)).get(label.removesuffix("-plain")
                                                     .removeprefix(f"{algorithm}-"))
-        assert cfg.inject == attack, label
-        assert cfg.aggregation == ("mean" if label.endswith("-plain") else "drop"), label
-        assert cfg.guard_factor == 4
-        assert cfg.local_steps == ("proportional" if "-prop" in label or "-lie-" in label
+        assert cfg.trust.inject == attack, label
+        assert cfg.trust.aggregation == ("mean" if label.endswith("-plain") else "drop"), label
+        assert cfg.trust.guard_factor == 4
+        assert cfg.runtime.local_steps == ("proportional" if "-prop" in label or "-lie-" in label
                                    else "fixed"), label
-        assert cfg.workers == 4 and cfg.on_nonfinite == "skip"
-    assert adversarial["streaming"][1].codec == "fp4_e3m0"
+        assert cfg.runtime.workers == 4 and cfg.runtime.on_nonfinite == "skip"
+    assert adversarial["streaming"][1].method.codec == "fp4_e3m0"
     assert "silent" in compare.PRESETS["adversarial"]["about"]
 
 
@@ -51,7 +51,7 @@ def test_each_attacked_run_differs_from_its_clean_twin_only_in_the_attack(advers
         return {k: v for k, v in cfg.to_dict().items() if k not in free}
 
     for label, (algorithm, cfg) in adversarial.items():
-        if cfg.inject is None:
+        if cfg.trust.inject is None:
             continue
         clean = f"{algorithm}-prop" if "lie-tokens" in label else algorithm
         assert rest(cfg) == rest(adversarial[clean][1]), label

@@ -218,13 +218,13 @@ def test_the_evidence_preset_plans_a_run_for_every_claim():
     assert set(by_label) >= {"ddp", "diloco", "streaming", "streaming-fp32", "noloco", "local",
                              "noloco-pp", "noloco-routed"}
     one = {label: cfgs[0] for label, cfgs in by_label.items()}
-    assert one["streaming"].codec == "fp4_e3m0" and one["streaming-fp32"].codec == "fp32"
-    assert one["noloco-pp"].stages == one["noloco-routed"].stages == 2
-    assert (one["noloco-pp"].routing, one["noloco-routed"].routing) == ("fixed", "random")
-    assert one["noloco-pp"].spread_every == one["noloco-routed"].spread_every > 0
+    assert one["streaming"].method.codec == "fp4_e3m0" and one["streaming-fp32"].method.codec == "fp32"
+    assert one["noloco-pp"].runtime.stages == one["noloco-routed"].runtime.stages == 2
+    assert (one["noloco-pp"].runtime.routing, one["noloco-routed"].runtime.routing) == ("fixed", "random")
+    assert one["noloco-pp"].method.spread_every == one["noloco-routed"].method.spread_every > 0
     # the same job for every method: model, tokens, workers, seeds
-    assert len({(c.model, c.steps, c.workers, c.batch_size, c.seq_len) for c in p.configs}) == 1
-    assert all(sorted(c.seed for c in cfgs) == sorted(p.seeds) for cfgs in by_label.values())
+    assert len({(c.model.name, c.run.steps, c.runtime.workers, c.data.batch_size, c.data.seq_len) for c in p.configs}) == 1
+    assert all(sorted(c.run.seed for c in cfgs) == sorted(p.seeds) for cfgs in by_label.values())
 
 
 def test_the_frontier_preset_gives_muloco_its_muon_twin():
@@ -278,13 +278,13 @@ def test_the_small_presets_give_diloco_and_streaming_the_swept_outer_optimizer(p
     keeps the papers' outer optimizers."""
     p = compare.plan({"seed": 0}, preset=preset)
     for cfg in p.configs:
-        if cfg.algorithm in ("diloco", "streaming", "noloco"):
-            assert (cfg.outer_lr, cfg.outer_momentum) == (1.0, 0.0), cfg.out
+        if cfg.method.algorithm in ("diloco", "streaming", "noloco"):
+            assert (cfg.method.outer_lr, cfg.method.outer_momentum) == (1.0, 0.0), cfg.run.out
     paper = compare.plan({}, preset="paper")
-    assert {(c.outer_lr, c.outer_momentum) for c in paper.configs
-            if c.algorithm == "diloco" and c.nesterov} == {(0.7, 0.9)}
-    assert {(c.outer_lr, c.outer_momentum) for c in paper.configs
-            if c.algorithm == "noloco"} == {(0.7, 0.5)}
+    assert {(c.method.outer_lr, c.method.outer_momentum) for c in paper.configs
+            if c.method.algorithm == "diloco" and c.method.nesterov} == {(0.7, 0.9)}
+    assert {(c.method.outer_lr, c.method.outer_momentum) for c in paper.configs
+            if c.method.algorithm == "noloco"} == {(0.7, 0.5)}
 
 
 # ------------------------------------------------------------------------- unequal workers

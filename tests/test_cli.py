@@ -451,8 +451,8 @@ def test_old_option_names_are_read_as_the_new_ones(tmp_path):
 
     cfg_file = tmp_path / "old.yaml"
     cfg_file.write_text("alpha: 0.25\n")
-    assert build_config(str(cfg_file), {}).mixing == 0.25
-    assert build_config(None, {"alpha": 0.75}).mixing == 0.75
+    assert build_config(str(cfg_file), {}).method.mixing == 0.25
+    assert build_config(None, {"alpha": 0.75}).method.mixing == 0.75
     both = tmp_path / "both.yaml"
     both.write_text("alpha: 0.25\nmixing: 0.5\n")
     with pytest.raises(ConfigError, match="mixing.*given twice"):
@@ -468,8 +468,8 @@ def test_per_method_defaults_are_the_papers_and_help_says_so(algorithm, h, capsy
     from loco.config import resolve
 
     cfg = resolve(build_config(None, {"algorithm": algorithm}))
-    assert cfg.sync_every == h and cfg.steps == 400
-    assert resolve(build_config(None, {"algorithm": algorithm, "sync_every": 7})).sync_every == 7
+    assert cfg.method.sync_every == h and cfg.run.steps == 400
+    assert resolve(build_config(None, {"algorithm": algorithm, "sync_every": 7})).method.sync_every == 7
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
@@ -493,9 +493,9 @@ def test_model_ladder_overrides_and_token_budget():
                                       "batch_size": 4, "seq_len": 32}))
     params = parameter_count(ModelConfig(vocab_size=4096, seq_len=32, d_model=32, n_layers=2,
                                          n_heads=2))
-    assert cfg.steps == -(-20 * params // (2 * 4 * 32))
+    assert cfg.run.steps == -(-20 * params // (2 * 4 * 32))
     assert resolve(build_config(None, {"tokens": "2e5", "workers": 2, "batch_size": 4,
-                                       "seq_len": 32})).steps == 782  # ceil(2e5 / 256)
+                                       "seq_len": 32})).run.steps == 782  # ceil(2e5 / 256)
 
 
 def test_parameter_count_matches_the_built_model():

@@ -286,8 +286,8 @@ def test_yaml_config_gives_methods_and_options(tmp_path):
     plan = compare.plan({"sync_every": 20}, config_file=str(cfg))
     assert [(m.label, m.algorithm) for m in plan.methods] == [("diloco", "diloco"),
                                                               ("s4", "streaming")]
-    assert [c.steps for c in plan.configs] == [60, 60]
-    assert plan.configs[1].codec == "int8" and plan.configs[1].sync_every == 20
+    assert [c.run.steps for c in plan.configs] == [60, 60]
+    assert plan.configs[1].method.codec == "int8" and plan.configs[1].method.sync_every == 20
 
 
 @pytest.mark.parametrize("preset", sorted(compare.PRESETS))
@@ -300,22 +300,22 @@ def test_presets_give_every_method_the_same_job(preset, monkeypatch):
         assert sorted(set(algorithms)) == sorted(compare.algorithm_names())
     for option in compare.SHARED:
         if option not in ("out",) and not (option == "seed" and plan.seeds):
-            assert len({getattr(c, option) for c in plan.configs}) == 1, option
+            assert len({c.option(option) for c in plan.configs}) == 1, option
     streaming = plan.configs[algorithms.index("streaming")]
-    assert streaming.codec == "fp4_e3m0" and streaming.overlap == "1"
+    assert streaming.method.codec == "fp4_e3m0" and streaming.method.overlap == "1"
     # Flags override the preset; an --algorithms list replaces the preset's; a --seed its
     # seeds.
-    assert compare.plan({"steps": 60}, preset=preset).configs[0].steps == 60
+    assert compare.plan({"steps": 60}, preset=preset).configs[0].run.steps == 60
     two = compare.plan({"seed": 4}, "ddp,noloco", preset=preset)
     assert [m.label for m in two.methods] == ["ddp", "noloco"]
-    assert [c.seed for c in two.configs] == [4, 4]
+    assert [c.run.seed for c in two.configs] == [4, 4]
 
 
 def test_quick_preset_runs_the_five_methods(monkeypatch):
     plan = compare.plan({}, preset="quick")
     assert [m.label for m in plan.methods] == ["ddp", "diloco", "streaming", "noloco", "local"]
-    assert {c.sync_every for c in plan.configs if c.algorithm != "ddp"
-            and c.algorithm != "local"} == {30}
+    assert {c.method.sync_every for c in plan.configs if c.method.algorithm != "ddp"
+            and c.method.algorithm != "local"} == {30}
 
 
 def test_paper_preset_holds_the_papers_settings(monkeypatch):
@@ -331,26 +331,26 @@ def test_paper_preset_holds_the_papers_settings(monkeypatch):
         ("ddp", "ddp"), ("diloco", "diloco"), ("diloco-hb", "diloco"),
         ("streaming", "streaming"), ("noloco", "noloco"), ("local", "local")]
     by = {m.label: c for m, c in zip(plan.methods, plan.configs)}
-    assert by["ddp"].grad_codec == "bf16"
-    assert {c.grad_codec for label, c in by.items() if label != "ddp"} == {"fp32"}
-    assert {c.z_loss for c in by.values()} == {1e-4}
+    assert by["ddp"].method.grad_codec == "bf16"
+    assert {c.option("grad_codec") for label, c in by.items() if label != "ddp"} == {"fp32"}
+    assert {c.model.z_loss for c in by.values()} == {1e-4}
     for label, c in by.items():
         nolo = label in ("noloco", "diloco-hb")
-        assert c.adam_betas == ("0.9,0.999" if nolo else "0.9,0.95"), label
-        assert c.weight_decay == (0.0 if nolo else 0.1), label
-    assert {label: by[label].sync_every for label in ("diloco", "diloco-hb", "streaming",
+        assert c.optim.adam_betas == ("0.9,0.999" if nolo else "0.9,0.95"), label
+        assert c.optim.weight_decay == (0.0 if nolo else 0.1), label
+    assert {label: by[label].method.sync_every for label in ("diloco", "diloco-hb", "streaming",
                                                       "noloco")} == {
         "diloco": 100, "diloco-hb": 100, "streaming": 100, "noloco": 50}
-    assert (by["diloco"].nesterov, by["diloco"].outer_momentum) == (True, 0.9)
-    assert (by["diloco-hb"].nesterov, by["diloco-hb"].outer_momentum) == (False, 0.3)
-    assert by["diloco-hb"].outer_lr == by["diloco"].outer_lr == 0.7
-    assert (by["noloco"].outer_lr, by["noloco"].outer_momentum, by["noloco"].nesterov,
-            by["noloco"].group_size) == (0.7, 0.5, False, 2)
+    assert (by["diloco"].method.nesterov, by["diloco"].method.outer_momentum) == (True, 0.9)
+    assert (by["diloco-hb"].method.nesterov, by["diloco-hb"].method.outer_momentum) == (False, 0.3)
+    assert by["diloco-hb"].method.outer_lr == by["diloco"].method.outer_lr == 0.7
+    assert (by["noloco"].method.outer_lr, by["noloco"].method.outer_momentum, by["noloco"].method.nesterov,
+            by["noloco"].method.group_size) == (0.7, 0.5, False, 2)
     s = by["streaming"]
-    assert (s.overlap, s.mixing, s.codec) == ("1", 0.5, "fp4_e3m0")
-    layers = MODEL_SIZES[s.model]["n_layers"]
-    assert layers // s.fragments == 3  # 3 layers per fragment
-    assert by["ddp"].workers == 4
+    assert (s.method.overlap, s.method.mixing, s.method.codec) == ("1", 0.5, "fp4_e3m0")
+    layers = MODEL_SIZES[s.model.name]["n_layers"]
+    assert layers // s.method.fragments == 3  # 3 layers per fragment
+    assert by["ddp"].runtime.workers == 4
     # Every outer method's H divides the run: every inner step reaches the evaluated model.
     assert not plan.warnings
     # A preset's per-method options obey the same rules as --set: grad_codec is ddp's only.
@@ -390,7 +390,7 @@ def test_a_shared_option_goes_to_the_runs_whose_method_takes_it(tmp_path):
     loco train would refuse). H reaches every run: every method has rounds."""
     plan = compare.plan({"eager": True, "spread_every": 10, "sync_every": 8,
                          "out": str(tmp_path / "cmp")}, "ddp,diloco,noloco")
-    by = {c.algorithm: c for c in plan.configs}
-    assert (by["diloco"].eager, by["noloco"].eager, by["ddp"].eager) == (True, False, False)
-    assert (by["noloco"].spread_every, by["diloco"].spread_every) == (10, 50)
-    assert {c.sync_every for c in plan.configs} == {8}
+    by = {c.method.algorithm: c for c in plan.configs}
+    assert (by["diloco"].option("eager"), by["noloco"].option("eager"), by["ddp"].option("eager")) == (True, False, False)
+    assert (by["noloco"].method.spread_every, by["diloco"].method.spread_every) == (10, 50)
+    assert {c.method.sync_every for c in plan.configs} == {8}

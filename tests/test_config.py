@@ -85,8 +85,8 @@ def test_a_yaml_file_nests_options_by_section(tmp_path, capsys):
                     "optim: {lr: 0.001}\nrun: {steps: 40}\nruntime: {workers: 2}\n"
                     "model: {model: tiny}\n")
     cfg = build_config(str(path), {"steps": 60})  # flags win
-    assert (cfg.algorithm, cfg.sync_every, cfg.codec, cfg.lr, cfg.steps, cfg.workers,
-            cfg.model) == ("diloco", 20, "int8", 0.001, 60, 2, "tiny")
+    assert (cfg.method.algorithm, cfg.method.sync_every, cfg.method.codec, cfg.optim.lr, cfg.run.steps, cfg.runtime.workers,
+            cfg.model.name) == ("diloco", 20, "int8", 0.001, 60, 2, "tiny")
     assert capsys.readouterr().err == ""
     assert nest({"lr": 0.001, "codec": "int8", "workers": 2}) == {
         "method": {"codec": "int8"}, "optim": {"lr": 0.001}, "runtime": {"workers": 2}}
@@ -104,7 +104,7 @@ def test_a_flat_yaml_file_is_read_with_one_line_on_how_to_nest_it(tmp_path, caps
     path = tmp_path / "flat.yaml"
     path.write_text("sync_every: 10\nlr: 0.01\n")
     cfg = build_config(str(path), {})
-    assert (cfg.sync_every, cfg.lr) == (10, 0.01)
+    assert (cfg.method.sync_every, cfg.optim.lr) == (10, 0.01)
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "nest them under their sections" in err[0]
     assert "method: {sync_every: ...}" in err[0] and "optim: {lr: ...}" in err[0]
@@ -117,9 +117,8 @@ def test_a_flat_yaml_file_is_read_with_one_line_on_how_to_nest_it(tmp_path, caps
     ("diloco", "group_size", 4, "noloco"),
     ("streaming", "final_average", True, "noloco, sparta, local")])
 def test_an_option_of_other_methods_is_refused_naming_them(algorithm, option, value, takers):
-    cfg = build_config(overrides={"algorithm": algorithm, option: value})
-    with pytest.raises(ConfigError) as e:
-        validate(cfg)
+    with pytest.raises(ConfigError) as e:  # another method's own: refused when built
+        validate(build_config(overrides={"algorithm": algorithm, option: value}))
     assert str(e.value) == (f"{flag(option)}: applies to {takers} only, not to --algorithm "
                             f"{algorithm} (got {value!r})")
 
@@ -133,3 +132,28 @@ def test_a_method_takes_its_own_options_and_its_defaults_pass_resolved():
         validate(build_config(overrides={"algorithm": algorithm, "sync_every": 4}))
     # an option's own default, given, is no setting: --no-eager with NoLoCo passes
     validate(build_config(overrides={"algorithm": "noloco", "eager": False}))
+
+
+def test_the_configuration_is_nested_by_section_and_flat_reads_warn_for_one_release():
+    import pickle
+
+    cfg = build_config(overrides={"algorithm": "diloco", "lr": 1e-3, "sync_every": 7,
+                                  "codec": "int8", "workers": 3})
+    assert (cfg.optim.lr, cfg.method.sync_every, cfg.method.codec) == (1e-3, 7, "int8")
+    assert (cfg.runtime.workers, cfg.model.name, cfg.method_class.name) == (3, "small", "diloco")
+    assert not hasattr(cfg.method, "group_size")  # the chosen method's options, no other's
+    assert [s.section for s in cfg.sections()] == [s.section for s in SECTIONS]
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # the processes launcher sends it
+    assert cfg.replace(lr=2e-3).optim.lr == 2e-3 and cfg.optim.lr == 1e-3
+    with pytest.warns(DeprecationWarning, match=r"cfg\.sync_every is a flat read .* read "
+                                                r"cfg\.method\.sync_every"):
+        assert cfg.sync_every == 7
+
+
+def test_a_saved_configuration_of_an_older_release_is_read_without_other_methods_options():
+    saved = {**build_config(overrides={"algorithm": "noloco"}).to_dict(), "eager": True,
+             "codec": "int8", "a_future_option": 1}  # an older release recorded every method's
+    cfg = TrainConfig.from_saved(saved)
+    assert cfg.method.algorithm == "noloco" and not hasattr(cfg.method, "eager")
+    with pytest.raises(ConfigError, match="--eager: applies to"):
+        TrainConfig(**{k: v for k, v in saved.items() if k != "a_future_option"})

@@ -335,8 +335,8 @@ def test_wandb_leaves_the_callers_own_run_open(tmp_path):
 def test_compare_names_a_shared_run_name_per_method():
     plan = compare.plan({"wandb": True, "wandb_run_name": "exp", "steps": 20},
                         "diloco,s2=streaming,noloco", sets=["noloco.wandb_run_name=mine"])
-    assert [c.wandb_run_name for c in plan.configs] == ["exp-diloco", "exp-s2", "mine"]
-    assert [c.wandb_run_name for c in compare.plan({"steps": 20}, "diloco").configs] == [None]
+    assert [c.run.wandb_run_name for c in plan.configs] == ["exp-diloco", "exp-s2", "mine"]
+    assert [c.run.wandb_run_name for c in compare.plan({"steps": 20}, "diloco").configs] == [None]
 
 
 def test_wandb_that_does_not_start_fails_at_open_in_one_clear_line(tmp_path, monkeypatch):

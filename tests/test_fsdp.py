@@ -111,6 +111,6 @@ def test_bf16_runs_gather_parameters_in_bf16_and_reduce_gradients_in_fp32():
 
     from loco.training.build import mixed_precision
 
-    policy = mixed_precision(SimpleNamespace(dtype="bf16"))
+    policy = mixed_precision(SimpleNamespace(model=SimpleNamespace(dtype="bf16")))
     assert policy.param_dtype == torch.bfloat16 and policy.reduce_dtype == torch.float32
-    assert mixed_precision(SimpleNamespace(dtype="fp32")) is None
+    assert mixed_precision(SimpleNamespace(model=SimpleNamespace(dtype="fp32"))) is None

@@ -132,7 +132,7 @@ def test_loaded_model_is_the_global_copy_and_reproduces_the_final_eval_loss(runs
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     assert torch.equal(flat, fragment["global_params"])
     cfg = run.cfg
-    batches = eval_batches(corpus.val, cfg.batch_size, cfg.seq_len, cfg.final_eval_batches,
+    batches = eval_batches(corpus.val, cfg.data.batch_size, cfg.data.seq_len, cfg.run.final_eval_batches,
                            torch.device("cpu"))
     loss = evaluate(model, dict(model.named_parameters()), batches, nullcontext())
     assert loss == pytest.approx(run.summary.final_eval_loss, rel=1e-6)
@@ -155,7 +155,7 @@ def test_loglikelihoods_equal_a_direct_computation_with_the_model(runs):
     run = harness.open_run(runs["diloco"])
     tokenizer, corpus = harness.load_tokenizer(run)
     model = harness.replica_model(run, 0, corpus.vocab_size, global_copy=True)
-    max_length = run.cfg.seq_len
+    max_length = run.cfg.data.seq_len
     lm = harness.make_lm(model, tokenizer, max_length, batch_size=3)
     long_context = " ".join(WORDS * 4)  # longer than the 32-token context: cut on the left
     pairs = [("the king", " is dead"), ("love", " the night"), ("sword and crown", " heart"),
@@ -201,8 +201,8 @@ def test_noloco_scores_every_replica_and_their_average(runs, tasks, tmp_path, ca
     run = harness.open_run(str(run_dir))
     _, corpus = harness.load_tokenizer(run)
     cfg = run.cfg
-    batches = list(eval_batches(corpus.val, cfg.batch_size, cfg.seq_len,
-                                cfg.final_eval_batches, torch.device("cpu")))
+    batches = list(eval_batches(corpus.val, cfg.data.batch_size, cfg.data.seq_len,
+                                cfg.run.final_eval_batches, torch.device("cpu")))
     models = {keys: model for keys, _, model in harness.run_models(run, corpus.vocab_size,
                                                                    replicas=True)}
     assert list(models) == [("replica0", "final"), ("replica1",), ("average",)]

@@ -53,7 +53,7 @@ def count_worker(ctx, names, parallel=None):
         model = make_model()
         if parallel == "fsdp":
             shard_worker(model, ctx)
-        algo = cfg.method.from_config(cfg, model, make_optimizer(model, cfg), ctx.comm, None,
+        algo = cfg.method_class.from_config(cfg, model, make_optimizer(model, cfg), ctx.comm, None,
                                       ctx.inner)
         steps = []
         with hostreads.HostReadCounter() as counter:

@@ -196,11 +196,11 @@ def test_adamw_default_is_the_plain_adamw():
     """The default builds the AdamW loco always built: the same groups, parameters, order."""
     cfg, model = TrainConfig(), tiny()
     opt = make_optimizer(model, cfg)
-    assert type(opt) is torch.optim.AdamW and cfg.inner_optimizer == "adamw"
+    assert type(opt) is torch.optim.AdamW and cfg.optim.inner_optimizer == "adamw"
     before = torch.optim.AdamW(
         [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
          {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}],
-        lr=cfg.lr, betas=(0.9, 0.95), fused=True)
+        lr=cfg.optim.lr, betas=(0.9, 0.95), fused=True)
     for a, b in zip(opt.param_groups, before.param_groups, strict=True):
         assert a.keys() == b.keys() and all(x is y for x, y in zip(a["params"], b["params"],
                                                                    strict=True))

@@ -341,8 +341,8 @@ def train_pipe_worker(ctx, cfg_kwargs, layers, steps):
 
     cfg = resolve(TrainConfig(**cfg_kwargs))
     model = make_model(layers=layers)
-    stage = PipelineStage(model, ctx, BATCH, SEQ, routing=cfg.routing, seed=3)
-    algo = cfg.method.from_config(cfg, stage.module, adamw(stage.module, cfg), ctx.comm, stage)
+    stage = PipelineStage(model, ctx, BATCH, SEQ, routing=cfg.runtime.routing, seed=3)
+    algo = cfg.method_class.from_config(cfg, stage.module, adamw(stage.module, cfg), ctx.comm, stage)
     for t in range(steps):
         stage.forward_backward(batch(ctx.replica, t) if stage.is_first else None, t)
         algo.step()

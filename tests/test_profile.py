@@ -65,7 +65,7 @@ def test_streaming_trace_holds_every_phase_of_the_profiled_steps_only(corpus, tm
     assert {tid for name, tid in ranges if name == "loco/all_to_all"}.isdisjoint(
         {tid for name, tid in ranges if name == "loco/inner_step"})
     # A resumed run may profile other steps (--profile is resumable).
-    assert resume_config(str(out), {"profile": "2-3"}).profile == "2-3"
+    assert resume_config(str(out), {"profile": "2-3"}).run.profile == "2-3"
 
 
 @pytest.mark.parametrize("algorithm,extra,phases", [

@@ -185,7 +185,8 @@ def test_the_check_is_due_after_every_kth_round_where_no_sync_is_in_flight(every
     from loco.training.verify import verify_due
 
     method = SimpleNamespace(checkpoint_delay=lambda cfg: delay)
-    cfg = SimpleNamespace(verify_every=every, sync_every=4, method=method)
+    cfg = SimpleNamespace(trust=SimpleNamespace(verify_every=every),
+                          method=SimpleNamespace(sync_every=4), method_class=method)
     assert [s for s in range(1, 25) if verify_due(cfg, s, gap)] == steps
 
 

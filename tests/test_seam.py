@@ -12,8 +12,10 @@ import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 from test_harness import tasks, train_args  # noqa: E402,F401  (tasks is a fixture)
 
+import loco  # noqa: E402
 from loco.algorithms import registry  # noqa: E402
 from loco.cli import main  # noqa: E402
 
@@ -75,3 +77,44 @@ def test_a_registered_method_is_a_choice_and_its_options_are_checked(averaging, 
     assert "'avg'" in capsys.readouterr().err  # argparse lists the registered methods
     with pytest.raises(ValueError, match="taken"):
         registry.register(type("Other", (Averaging,), {}))
+
+
+def test_a_method_with_options_registered_after_the_configuration_is_imported(
+        averaging, corpus, tmp_path, capsys):
+    import loco.config  # noqa: F401  (imported long before avg was registered, by loco.cli)
+
+    assert main(["train", "--algorithm", "avg", "--average-mix", "2"]) == 2
+    assert "--average-mix: must be in (0, 1] (got 2.0)" in capsys.readouterr().err
+    assert main(["train", "--algorithm", "diloco", "--average-mix", "0.5"]) == 2
+    assert ("--average-mix: applies to avg only, not to --algorithm diloco (got 0.5)"
+            in capsys.readouterr().err)
+    with pytest.raises(SystemExit):
+        main(["train", "--algorithm", "avg", "--help"])
+    assert "method: avg's own" in capsys.readouterr().out
+    config = tmp_path / "avg.yaml"
+    config.write_text("method:\n  algorithm: avg\n  average_mix: 0.5\n")
+    out = tmp_path / "avg"
+    assert main(train_args(corpus, out, "--config", str(config), "--steps", "4")) == 0
+    assert summary(out)["config"]["average_mix"] == 0.5
+    capsys.readouterr()
+
+
+def _mix_worker(ctx, mix):
+    model = torch.nn.Linear(3, 2)
+    algo = Averaging(model, torch.optim.SGD(model.parameters(), lr=0.0), ctx.comm,
+                     sync_every=1, mix=mix)
+    with torch.no_grad():  # replicas that differ (lr 0: the step only averages)
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(ctx.rank)))
+    before = [p.detach().clone() for p in model.parameters()]
+    algo.step()
+    return before, [p.detach().clone() for p in model.parameters()]
+
+
+def test_the_example_option_moves_each_replica_that_far_towards_the_mean():
+    out = loco.launch(_mix_worker, 2, args=(0.25,))
+    for i in range(2):  # the reference: p + mix * (mean - p), the mean of the two replicas
+        mean = (out[0][0][i] + out[1][0][i]) / 2
+        for before, after in out:
+            torch.testing.assert_close(after[i], before[i] + 0.25 * (mean - before[i]))
+        assert not torch.equal(out[0][1][i], out[1][1][i])  # moved a quarter, not onto it

@@ -23,25 +23,25 @@ def test_every_run_runs_once_per_seed_with_the_seed_last_in_its_label():
     assert labels(plan) == ["ddp[seed=2]", "ddp[seed=0]", "streaming[mixing=0,seed=2]",
                             "streaming[mixing=0,seed=0]", "streaming[mixing=0.5,seed=2]",
                             "streaming[mixing=0.5,seed=0]"]
-    assert [c.seed for c in plan.configs] == [2, 0, 2, 0, 2, 0]
-    assert [c.mixing for c in plan.configs[2:]] == [0.0, 0.0, 0.5, 0.5]
-    assert plan.configs[3].out.endswith("/streaming[mixing=0,seed=0]")
+    assert [c.run.seed for c in plan.configs] == [2, 0, 2, 0, 2, 0]
+    assert [c.method.mixing for c in plan.configs[2:]] == [0.0, 0.0, 0.5, 0.5]
+    assert plan.configs[3].run.out.endswith("/streaming[mixing=0,seed=0]")
     assert plan.methods[3].point == {"mixing": 0.0, "seed": 0}
     assert plan.seeds == [2, 0] and [s.option for s in plan.sweeps] == ["mixing"]
     # Everything but the seed (and the swept option) is the same job.
-    assert len({(c.steps, c.workers, c.model, c.sync_every) for c in plan.configs}) == 1
+    assert len({(c.run.steps, c.runtime.workers, c.model.name, c.method.sync_every) for c in plan.configs}) == 1
 
 
 def test_without_seeds_nothing_changes():
     plan = compare.plan({**TINY, "seed": 3}, "ddp,diloco")
     assert labels(plan) == ["ddp", "diloco"] and plan.seeds == []
-    assert [c.seed for c in plan.configs] == [3, 3]
+    assert [c.run.seed for c in plan.configs] == [3, 3]
     assert all(m.point == {} for m in plan.methods)
 
 
 def test_one_seed_still_labels_its_runs():
     plan = compare.plan(TINY, "diloco", seeds=[5])
-    assert labels(plan) == ["diloco[seed=5]"] and plan.configs[0].seed == 5
+    assert labels(plan) == ["diloco[seed=5]"] and plan.configs[0].run.seed == 5
 
 
 def test_yaml_seeds_and_the_flag_replacing_them(tmp_path):

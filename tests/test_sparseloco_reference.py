@@ -345,7 +345,7 @@ def _reads_worker(ctx):
                               steps=9, sparse_layout="tiles", sparse_values="stat",
                               sparse_mean="senders"))
     model = make_model(layers=2)
-    algo = cfg.method.from_config(cfg, model, build_optimizer(model, cfg), ctx.comm)
+    algo = cfg.method_class.from_config(cfg, model, build_optimizer(model, cfg), ctx.comm)
     steps = []
     with hostreads.HostReadCounter() as counter:
         for t in range(9):

@@ -86,7 +86,8 @@ def test_the_final_eval_loss_says_which_model_it_is_of():
     from loco.training.finish import final_model
 
     def of(name, average=False):
-        return final_model(SimpleNamespace(method=method(name), final_average=average))
+        return final_model(SimpleNamespace(method_class=method(name),
+                                            method=SimpleNamespace(final_average=average)))
 
     assert of("diloco") == of("streaming") == of("sparseloco") == "the global model"
     assert of("ddp") == of("demo") == "the model"

@@ -104,17 +104,17 @@ def test_a_grid_runs_each_method_once_per_point_of_the_options_that_apply():
     assert labels(plan) == (["ddp", "diloco[sync_every=8]", "diloco[sync_every=16]"]
                             + ["streaming" + g for g in grid] + ["s1" + g for g in grid])
     by = dict(zip(labels(plan), plan.configs))
-    assert by["ddp"].sync_every == 8  # not swept: ddp runs once, as given
-    assert (by["diloco[sync_every=16]"].sync_every, by["diloco[sync_every=16]"].mixing) == (
+    assert by["ddp"].method.sync_every == 8  # not swept: ddp runs once, as given
+    assert (by["diloco[sync_every=16]"].method.sync_every, by["diloco[sync_every=16]"].option("mixing")) == (
         16, 0.5)
     c = by["s1[overlap=(0,1),mixing=0,sync_every=16]"]
-    assert (c.overlap, c.mixing, c.sync_every, c.algorithm) == ("0,1", 0.0, 16, "streaming")
-    assert c.out.endswith("/s1[overlap=(0,1),mixing=0,sync_every=16]")
+    assert (c.method.overlap, c.method.mixing, c.method.sync_every, c.method.algorithm) == ("0,1", 0.0, 16, "streaming")
+    assert c.run.out.endswith("/s1[overlap=(0,1),mixing=0,sync_every=16]")
     point = plan.methods[labels(plan).index("s1[overlap=(0,1),mixing=0,sync_every=16]")].point
     assert point == {"overlap": "0,1", "mixing": 0.0, "sync_every": 16}
     assert [s.option for s in plan.sweeps] == ["overlap", "mixing", "sync_every"]
     # Every run but the swept options is the same job.
-    assert len({(c.steps, c.workers, c.model, c.seed) for c in plan.configs}) == 1
+    assert len({(c.run.steps, c.runtime.workers, c.model.name, c.run.seed) for c in plan.configs}) == 1
 
 
 def test_sweep_values_win_over_presets_files_and_set(tmp_path):
@@ -123,7 +123,7 @@ def test_sweep_values_win_over_presets_files_and_set(tmp_path):
     plan = compare.plan(TINY, "streaming", sets=["streaming.mixing=0.75"],
                         config_file=str(cfg), sweeps=["alpha=0,1"])  # the old name of mixing
     assert labels(plan) == ["streaming[mixing=0]", "streaming[mixing=1]"]
-    assert [(c.mixing, c.codec) for c in plan.configs] == [(0.0, "int8"), (1.0, "int8")]
+    assert [(c.method.mixing, c.method.codec) for c in plan.configs] == [(0.0, "int8"), (1.0, "int8")]
 
 
 def test_yaml_sweep_takes_lists_and_flags_replace_its_options(tmp_path):

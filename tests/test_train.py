@@ -206,7 +206,7 @@ def test_seek_puts_the_schedule_where_stepping_would_through_its_public_api():
     cfg = TrainConfig(steps=40, warmup=5, lr=1e-3)
 
     def schedule():
-        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=cfg.lr)
+        optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=cfg.optim.lr)
         return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer,
                                                             loco.training.lr_lambda(cfg))
     for k in (0, 3, 17):

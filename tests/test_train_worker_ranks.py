@@ -4,7 +4,6 @@ sends 1/R of the worker's pseudo-gradient over the slow link. A worker's slow-li
 not grow with R; its fast-link bytes are reported apart, and each link can be emulated on
 its own."""
 
-import dataclasses
 import json
 import math
 import time
@@ -127,7 +126,7 @@ def test_checkpoint_records_the_layout_and_rank_files_do_not_reshard(runs, capsy
                       capsys, monkeypatch)
     cfg = resume_config(str(runs["diloco", R]), {})
     with pytest.raises(ConfigError, match="--worker-ranks: .*resume with --worker-ranks 2"):
-        loco.training.job.prepare_config(dataclasses.replace(cfg, worker_ranks=1))
+        loco.training.job.prepare_config(cfg.replace(worker_ranks=1))
 
 
 def test_check_layout_names_the_option_that_differs():
@@ -323,7 +322,7 @@ def test_a_batch_must_fit_every_rank_of_every_worker():
     loco.training.job.check_fits(cfg, corpus)  # 20 windows per worker
     with pytest.raises(ConfigError, match=r"--batch-size: .*4 ranks \(2 workers x 2 ranks\) "
                                           r"has 10 windows.*--worker-ranks"):
-        loco.training.job.check_fits(dataclasses.replace(cfg, worker_ranks=2), corpus)
+        loco.training.job.check_fits(cfg.replace(worker_ranks=2), corpus)
 
 
 def test_torchrun_world_must_be_workers_times_ranks_times_stages(monkeypatch):
@@ -335,7 +334,7 @@ def test_torchrun_world_must_be_workers_times_ranks_times_stages(monkeypatch):
         loco.training.job.prepare_config(TrainConfig(worker_ranks=4, out="unused"))
     monkeypatch.setenv("WORLD_SIZE", "8")
     cfg = loco.training.job.prepare_config(TrainConfig(worker_ranks=2, out="unused"))
-    assert (cfg.workers, cfg.worker_ranks) == (4, 2)
+    assert (cfg.runtime.workers, cfg.runtime.worker_ranks) == (4, 2)
 
 
 def test_fast_link_flags_warn_where_they_do_not_apply():

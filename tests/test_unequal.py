@@ -492,6 +492,16 @@ def test_asynchronous_blocks_span_rounds_until_h_steps_or_s_plus_1_rounds():
 
 
 
+def refuse(cfg) -> None:
+    """The checks of unequal speeds: the runtime section's (what they need of the run) and
+    the method's (what they need of its options; a method without those options has none)."""
+    from loco.algorithms.asynchronous import check_whole_model
+    from loco.config.sections import check_local_steps
+
+    check_local_steps(cfg)
+    check_whole_model(cfg)
+
+
 def test_local_steps_refuse_what_they_cannot_do():
     for extra, message in [({"algorithm": "noloco"}, "needs a method with rounds"),
                            ({"worker_ranks": 2}, "--worker-ranks"),
@@ -500,8 +510,7 @@ def test_local_steps_refuse_what_they_cannot_do():
                              "error_feedback": 0.9}, "not with --error-feedback")]:
         cfg = build_config(overrides={"local_steps": "proportional", **extra})
         with pytest.raises(ConfigError, match=f"^--local-steps: .*{message}"):
-            from loco.config.sections import check_local_steps
-            check_local_steps(cfg)
+            refuse(cfg)
 
 
 @pytest.mark.parametrize("staleness", [0, 1])
@@ -578,14 +587,12 @@ def test_where_the_sync_is_waited_for_a_rounds_times_fix_the_next_round():
       "fragments": 1}, "not with --overlap 1"),
     ({"max_staleness": 2, "local_steps": "proportional", "eager": True}, "not with --eager")])
 def test_asynchronous_outer_steps_refuse_what_they_cannot_do(overrides, message):
-    from loco.config.sections import check_local_steps
-
     cfg = build_config(overrides={"algorithm": "diloco", **overrides})
     with pytest.raises(ConfigError, match=f"^--max-staleness: .*{message}"):
-        check_local_steps(cfg)
+        refuse(cfg)
     fine = build_config(overrides={"algorithm": "streaming", "fragments": 1, "overlap": "0",
                                    "max_staleness": 2, "local_steps": "proportional"})
-    check_local_steps(fine)
+    refuse(fine)
 
 
 def test_elastic_plans_hear_the_quorum_and_restart_a_joiners_blocks():

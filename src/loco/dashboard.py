@@ -44,10 +44,10 @@ def missing_extras(cfg: TrainConfig) -> list[tuple[str, str]]:
         cfg: the configuration.
     """
     missing = []
-    if getattr(cfg, "tensorboard", False) and not _tensorboard_importable():
+    if cfg.run.tensorboard and not _tensorboard_importable():
         missing.append(("tensorboard", "needs the tensorboard extra: "
                         "pip install 'loco[tensorboard]'"))
-    if getattr(cfg, "wandb", False) and not _spec("wandb"):
+    if cfg.run.wandb and not _spec("wandb"):
         missing.append(("wandb", "needs the wandb extra: pip install 'loco[wandb]'"))
     return missing
 
@@ -172,16 +172,16 @@ class Dashboards:
         Raises:
             DashboardError: a missing extra, or a W&B run that cannot start.
         """
-        if not (getattr(cfg, "tensorboard", False) or getattr(cfg, "wandb", False)):
+        if not (cfg.run.tensorboard or cfg.run.wandb):
             return cls()
         problem = missing_extra(cfg)
         if problem:
             raise DashboardError(problem)
         backends: list = []
         try:
-            if cfg.tensorboard:
+            if cfg.run.tensorboard:
                 backends.append(_TensorBoard(cfg, resumed_from))
-            if cfg.wandb:
+            if cfg.run.wandb:
                 backends.append(_WandB(cfg, group if group is not None
                                        else os.environ.get(GROUP_ENV) or None))
         except BaseException:
@@ -247,9 +247,9 @@ class Dashboards:
 
 
 def _run_name(cfg: TrainConfig) -> str | None:
-    if cfg.wandb_run_name:
-        return cfg.wandb_run_name
-    return os.path.basename(os.path.normpath(cfg.out)) if cfg.out else None
+    if cfg.run.wandb_run_name:
+        return cfg.run.wandb_run_name
+    return os.path.basename(os.path.normpath(cfg.run.out)) if cfg.run.out else None
 
 
 class _TensorBoard:
@@ -261,7 +261,7 @@ class _TensorBoard:
         from torch.utils.tensorboard import SummaryWriter
 
         self.cfg = cfg
-        self.log_dir = os.path.join(cfg.out or ".", "tensorboard")
+        self.log_dir = os.path.join(cfg.run.out or ".", "tensorboard")
         self.writer = SummaryWriter(log_dir=self.log_dir, flush_secs=30,
                                     purge_step=None if resumed_from is None
                                     else resumed_from + 1)
@@ -320,17 +320,17 @@ class _WandB:
     def __init__(self, cfg: TrainConfig, group: str | None):
         import wandb
 
-        os.makedirs(cfg.out or ".", exist_ok=True)
+        os.makedirs(cfg.run.out or ".", exist_ok=True)
         try:
             self.run = wandb.init(
-                project=cfg.wandb_project, name=_run_name(cfg), dir=cfg.out or ".",
-                mode=cfg.wandb_mode, config=cfg.to_dict(), group=group,
-                tags=[cfg.algorithm], job_type="train", reinit="create_new",
+                project=cfg.run.wandb_project, name=_run_name(cfg), dir=cfg.run.out or ".",
+                mode=cfg.run.wandb_mode, config=cfg.to_dict(), group=group,
+                tags=[cfg.method.algorithm], job_type="train", reinit="create_new",
                 settings=wandb.Settings(silent=True, console="off", init_timeout=120))
         except Exception as e:  # noqa: BLE001 - wandb raises many kinds
             line = (str(e).splitlines() or [""])[0][:300]
             hint = ("; log in with `wandb login` (or set WANDB_API_KEY), or use "
-                    "--wandb-mode offline" if cfg.wandb_mode == "online" else "")
+                    "--wandb-mode offline" if cfg.run.wandb_mode == "online" else "")
             raise DashboardError(f"--wandb: the W&B run did not start ({type(e).__name__}: "
                                  f"{line}){hint}") from e
         self.run.define_metric("step")

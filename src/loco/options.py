@@ -53,4 +53,5 @@ def need(cfg, ok: bool, option: str, message: str) -> None:
         ConfigError: ``ok`` is false: ``--option: message (got value)``.
     """
     if not ok:
-        raise ConfigError(option, f"{message} (got {getattr(cfg, option)!r})")
+        value = cfg.option(option) if hasattr(cfg, "option") else getattr(cfg, option)
+        raise ConfigError(option, f"{message} (got {value!r})")

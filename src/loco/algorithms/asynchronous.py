@@ -119,6 +119,36 @@ def admit(held: list[int], stale: list[int], arrivals: list[float], quorum: int,
             if r or (h > 0 and a <= close)]
 
 
+def check_whole_model(cfg: Any) -> None:
+    """What asynchronous outer steps and proportional local steps ask of a method's own
+    options: asynchronous steps (``max_staleness`` > 0) end a block at a whole-model sync
+    that nothing overlaps (one fragment, no overlap, no eager updates); an elastic run with
+    proportional steps weighs a retried sync for its new members, which an error-fed
+    pseudo-gradient does not allow.
+
+    Args:
+        cfg: the configuration; options its method does not have read as unset.
+
+    Raises:
+        ConfigError: naming ``max_staleness`` or ``local_steps`` and what it needs.
+    """
+    own = cfg.method
+    if cfg.runtime.max_staleness:
+        for name, ok in (("fragments", getattr(own, "fragments", 1) == 1),
+                         ("overlap", str(getattr(own, "overlap", 0)) == "0"),
+                         ("eager", not getattr(own, "eager", False))):
+            if not ok:
+                raise ConfigError("max_staleness", "asynchronous outer steps sync the whole "
+                                  f"model at a round's end, nothing in flight: not with --{name}"
+                                  f" {getattr(own, name)} (use diloco or sparseloco, or "
+                                  "streaming with --fragments 1 --overlap 0)")
+    feedback = getattr(own, "error_feedback", 0)
+    if cfg.runtime.local_steps == "proportional" and cfg.runtime.elastic and feedback:
+        raise ConfigError("local_steps", "proportional with --elastic weighs a retried sync "
+                          "for its new members, which an error-fed pseudo-gradient does not "
+                          f"allow: not with --error-feedback (got {feedback})")
+
+
 def check_quorum(cfg: Any) -> None:
     """``quorum`` only with asynchronous outer steps (``max_staleness`` >= 1), in [1, M],
     not elastic; ``grace`` only with it, a finite number >= 0.
@@ -126,20 +156,20 @@ def check_quorum(cfg: Any) -> None:
     Raises:
         ConfigError: naming the option and what it allows.
     """
-    if cfg.quorum is None:
-        if cfg.grace is not None:
-            raise ConfigError("grace", f"only means something with --quorum (got {cfg.grace})")
+    if cfg.runtime.quorum is None:
+        if cfg.runtime.grace is not None:
+            raise ConfigError("grace", f"only means something with --quorum (got {cfg.runtime.grace})")
         return
-    if not cfg.max_staleness:
+    if not cfg.runtime.max_staleness:
         raise ConfigError("quorum", "decides the syncs of asynchronous outer steps: add "
-                          f"--max-staleness S >= 1 (got --quorum {cfg.quorum} with "
+                          f"--max-staleness S >= 1 (got --quorum {cfg.runtime.quorum} with "
                           "--max-staleness 0)")
-    need(cfg, 1 <= cfg.quorum <= cfg.workers, "quorum",
-         f"must be an integer in [1, --workers {cfg.workers}]")
-    need(cfg, not cfg.elastic, "quorum", "is not supported with --elastic yet (its quorum is "
+    need(cfg, 1 <= cfg.runtime.quorum <= cfg.runtime.workers, "quorum",
+         f"must be an integer in [1, --workers {cfg.runtime.workers}]")
+    need(cfg, not cfg.runtime.elastic, "quorum", "is not supported with --elastic yet (its quorum is "
          "--min-workers)")
-    if cfg.grace is not None:
-        need(cfg, math.isfinite(cfg.grace) and cfg.grace >= 0, "grace",
+    if cfg.runtime.grace is not None:
+        need(cfg, math.isfinite(cfg.runtime.grace) and cfg.runtime.grace >= 0, "grace",
              "must be a number of seconds >= 0")
 
 

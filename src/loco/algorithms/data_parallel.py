@@ -93,7 +93,7 @@ class DataParallel(Algorithm):
     @classmethod
     def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
         """The gradients' wire format."""
-        return {"codec": cfg.grad_codec}
+        return {"codec": cfg.method.grad_codec}
 
     @classmethod
     def setting(cls, config: dict) -> str:

@@ -55,15 +55,15 @@ def check_outer_rule(cfg: Any) -> None:
     Raises:
         ConfigError: naming the option and what it allows.
     """
-    if cfg.outer_rule != "delayed-nesterov":
-        if cfg.momentum_every is not None:
+    if cfg.method.outer_rule != "delayed-nesterov":
+        if cfg.method.momentum_every is not None:
             raise ConfigError("momentum_every", "only means something with --outer-rule "
-                              f"delayed-nesterov (got {cfg.momentum_every} with --outer-rule "
-                              f"{cfg.outer_rule})")
+                              f"delayed-nesterov (got {cfg.method.momentum_every} with --outer-rule "
+                              f"{cfg.method.outer_rule})")
         return
-    if cfg.momentum_every is not None:
-        need(cfg, cfg.momentum_every >= 1, "momentum_every", "must be an integer >= 1")
-    for name, bad in (("nesterov", cfg.nesterov is False), ("eager", cfg.eager)):
+    if cfg.method.momentum_every is not None:
+        need(cfg, cfg.method.momentum_every >= 1, "momentum_every", "must be an integer >= 1")
+    for name, bad in (("nesterov", cfg.method.nesterov is False), ("eager", cfg.method.eager)):
         if bad:
             raise ConfigError("outer_rule", f"delayed-nesterov is Nesterov's rule: not with "
                               f"--{'no-nesterov' if name == 'nesterov' else name} (use "
@@ -73,8 +73,8 @@ def check_outer_rule(cfg: Any) -> None:
 def rule_kwargs(cfg: Any) -> dict[str, Any]:
     """The constructor's ``outer_rule`` and ``momentum_every`` (N: ``--max-staleness`` + 1
     unless given)."""
-    every = cfg.momentum_every or getattr(cfg, "max_staleness", 0) + 1
-    return {"outer_rule": cfg.outer_rule, "momentum_every": every}
+    every = cfg.method.momentum_every or cfg.runtime.max_staleness + 1
+    return {"outer_rule": cfg.method.outer_rule, "momentum_every": every}
 
 
 def rule_setting(config: dict) -> str:

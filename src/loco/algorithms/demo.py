@@ -380,29 +380,29 @@ class DeMo(Algorithm):
     def check(cls, cfg, layers: int) -> None:
         """β in [0, 1], k >= 1, chunk >= 1; one rank per worker, no pipeline stages, not
         elastic, the AdamW inner optimizer (DeMo replaces it)."""
-        need(cfg, 0 <= cfg.demo_decay <= 1, "demo_decay", "must be in [0, 1]")
-        need(cfg, cfg.demo_topk >= 1, "demo_topk", "must be an integer >= 1")
-        need(cfg, cfg.demo_chunk >= 1, "demo_chunk", "must be an integer >= 1")
-        inner = getattr(cfg, "inner_optimizer", "adamw")
+        need(cfg, 0 <= cfg.method.demo_decay <= 1, "demo_decay", "must be in [0, 1]")
+        need(cfg, cfg.method.demo_topk >= 1, "demo_topk", "must be an integer >= 1")
+        need(cfg, cfg.method.demo_chunk >= 1, "demo_chunk", "must be an integer >= 1")
+        inner = cfg.optim.inner_optimizer
         if inner != "adamw":
             raise ConfigError("inner_optimizer", f"DeMo is its own optimizer: leave it at "
                               f"adamw with --algorithm demo (got {inner!r})")
-        for name, ok in (("worker_ranks", cfg.worker_ranks == 1), ("stages", cfg.stages == 1)):
+        for name, ok in (("worker_ranks", cfg.runtime.worker_ranks == 1), ("stages", cfg.runtime.stages == 1)):
             need(cfg, ok, name, "must be 1 with --algorithm demo (not supported yet)")
-        need(cfg, not cfg.elastic, "elastic", "is not supported with --algorithm demo")
-        need(cfg, cfg.demo_values != "sign" or not any(
-            a.kind in VALUE_KINDS for a in parse_attacks(getattr(cfg, "inject", None))),
+        need(cfg, not cfg.runtime.elastic, "elastic", "is not supported with --algorithm demo")
+        need(cfg, cfg.method.demo_values != "sign" or not any(
+            a.kind in VALUE_KINDS for a in parse_attacks(cfg.trust.inject)),
             "inject", "scale, noise, nan, zero and stale need values to change: not with "
             "--demo-values sign (bitflip changes its bytes)")
-        need(cfg, getattr(cfg, "aggregation", "drop") not in COORDINATEWISE, "aggregation",
+        need(cfg, cfg.trust.aggregation not in COORDINATEWISE, "aggregation",
              "must be drop, clip or mean with --algorithm demo (its messages are judged whole: "
              "no per-coordinate statistics yet)")
 
     @classmethod
     def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
         """β, k, the chunk and the values' wire format."""
-        return {"decay": cfg.demo_decay, "topk": cfg.demo_topk, "chunk": cfg.demo_chunk,
-                "values": cfg.demo_values}
+        return {"decay": cfg.method.demo_decay, "topk": cfg.method.demo_topk, "chunk": cfg.method.demo_chunk,
+                "values": cfg.method.demo_values}
 
     @classmethod
     def setting(cls, config: dict) -> str:

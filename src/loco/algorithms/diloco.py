@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from loco.algorithms.asynchronous import check_whole_model
 from loco.algorithms.delayed_nesterov import (OuterRuleOptions, check_outer_rule, pending_state,
                                               rule_kwargs, rule_setting, use_delayed_nesterov)
 from loco.algorithms.global_copy import GlobalCopy
@@ -192,7 +193,7 @@ class DiLoCo(GlobalCopy):
     def checkpoint_delay(cls, cfg) -> int:
         """0: a sync is applied within the step that sends it; eager: H − 1, the sync
         overlaps the round."""
-        return cfg.sync_every - 1 if cfg.eager else 0
+        return cfg.method.sync_every - 1 if cfg.method.eager else 0
 
     @classmethod
     def warnings(cls, cfg) -> list[str]:
@@ -247,53 +248,57 @@ class DiLoCo(GlobalCopy):
 def outer_kwargs(cfg) -> dict[str, Any]:
     """H, the outer optimizer, ``offload`` and the wire (codec, its block and keep, error
     feedback), as a method with a global copy takes them."""
-    return {"sync_every": cfg.sync_every, "outer_lr": cfg.outer_lr,
-            "outer_momentum": cfg.outer_momentum, "nesterov": cfg.nesterov,
-            "offload": cfg.offload, "codec": cfg.codec, "codec_block": cfg.codec_block,
-            "codec_keep": cfg.codec_keep, "error_feedback": cfg.error_feedback or 0.0,
-            "eager": cfg.eager, "eager_variant": cfg.eager_variant,
-            "sparse_layout": cfg.sparse_layout,
-            "sparse_values": cfg.sparse_values, "sparse_mean": cfg.sparse_mean}
+    return {"sync_every": cfg.method.sync_every, "outer_lr": cfg.method.outer_lr,
+            "outer_momentum": cfg.method.outer_momentum, "nesterov": cfg.method.nesterov,
+            "offload": cfg.method.offload, "codec": cfg.method.codec, "codec_block": cfg.method.codec_block,
+            "codec_keep": cfg.method.codec_keep, "error_feedback": cfg.method.error_feedback or 0.0,
+            "eager": cfg.method.eager, "eager_variant": cfg.method.eager_variant,
+            "sparse_layout": cfg.method.sparse_layout,
+            "sparse_values": cfg.method.sparse_values, "sparse_mean": cfg.method.sparse_mean}
 
 
 def check_wire(cfg) -> None:
     """The wire options' ranges: keep in (0, 1], the block in [2, 65536] (even for 4 bits,
-    a multiple of 4 for int2), error feedback's beta in [0, 1); eager updates not elastic.
+    a multiple of 4 for int2), error feedback's beta in [0, 1); eager updates and the replicas' evaluation not elastic.
 
     Raises:
         ConfigError: naming the first option out of range.
     """
-    if cfg.codec_keep is not None:
-        need(cfg, 0 < cfg.codec_keep <= 1, "codec_keep", "must be in (0, 1]")
-    if cfg.codec_block is not None:
-        per_byte = {"fp4_e3m0": 2, "fp4_e2m1": 2, "int2": 4}.get(cfg.codec, 1)
-        need(cfg, 2 <= cfg.codec_block <= 65536 and cfg.codec_block % per_byte == 0,
+    if cfg.method.codec_keep is not None:
+        need(cfg, 0 < cfg.method.codec_keep <= 1, "codec_keep", "must be in (0, 1]")
+    if cfg.method.codec_block is not None:
+        per_byte = {"fp4_e3m0": 2, "fp4_e2m1": 2, "int2": 4}.get(cfg.method.codec, 1)
+        need(cfg, 2 <= cfg.method.codec_block <= 65536 and cfg.method.codec_block % per_byte == 0,
              "codec_block", "must be an integer in [2, 65536]"
-             + (f" and a multiple of {per_byte} with --codec {cfg.codec}" if per_byte > 1
+             + (f" and a multiple of {per_byte} with --codec {cfg.method.codec}" if per_byte > 1
                 else ""))
-    need(cfg, 0 <= cfg.error_feedback < 1, "error_feedback", "must be in [0, 1) (0: none)")
+    need(cfg, 0 <= cfg.method.error_feedback < 1, "error_feedback", "must be in [0, 1) (0: none)")
     for option in ("sparse_layout", "sparse_values", "sparse_mean"):
-        need(cfg, getattr(cfg, option) is None or cfg.codec in CHUNK_TOPK_CODEC_NAMES, option,
+        need(cfg, getattr(cfg.method, option) is None or cfg.method.codec in CHUNK_TOPK_CODEC_NAMES, option,
              f"applies to --codec {' or '.join(CHUNK_TOPK_CODEC_NAMES)} (got --codec "
-             f"{cfg.codec})")
-    need(cfg, cfg.sparse_values != "stat" or cfg.sparse_layout == "tiles", "sparse_values",
+             f"{cfg.method.codec})")
+    need(cfg, cfg.method.sparse_values != "stat" or cfg.method.sparse_layout == "tiles", "sparse_values",
          "stat bins each tensor's values: it needs --sparse-layout tiles")
-    need(cfg, cfg.sparse_layout != "tiles" or cfg.worker_ranks == 1
-         or cfg.worker_parallel == "fsdp",
+    need(cfg, cfg.method.sparse_layout != "tiles" or cfg.runtime.worker_ranks == 1
+         or cfg.runtime.worker_parallel == "fsdp",
          "sparse_layout", "tiles cut whole tensors: with --worker-ranks > 1 they need --fsdp "
          "(each rank tiles its own shards)")
-    need(cfg, not (cfg.eager and cfg.elastic), "eager", "needs a fixed group of workers (a "
+    need(cfg, not (cfg.method.eval_replicas and cfg.runtime.elastic), "eval_replicas",
+         "is a collective outside the syncs, which an elastic run does not make; leave it "
+         "out with --elastic")
+    need(cfg, not (cfg.method.eager and cfg.runtime.elastic), "eager", "needs a fixed group of workers (a "
          "worker's share is 1/M): leave out --elastic")
-    need(cfg, cfg.eager or cfg.eager_variant is None, "eager_variant", "applies only with "
+    need(cfg, cfg.method.eager or cfg.method.eager_variant is None, "eager_variant", "applies only with "
          "--eager")
+    check_whole_model(cfg)
 
 
 def wire_warnings(cfg) -> list[str]:
     """Error feedback on a lossless wire, or a top-k chunk format without it."""
-    if cfg.error_feedback and cfg.codec == "fp32":
+    if cfg.method.error_feedback and cfg.method.codec == "fp32":
         return ["--error-feedback has nothing to feed back with --codec fp32 (lossless)"]
-    if not cfg.error_feedback and cfg.codec in CHUNK_TOPK_CODEC_NAMES:
-        return [f"--codec {cfg.codec} without --error-feedback: the values it does not send "
+    if not cfg.method.error_feedback and cfg.method.codec in CHUNK_TOPK_CODEC_NAMES:
+        return [f"--codec {cfg.method.codec} without --error-feedback: the values it does not send "
                 "are lost (SparseLoCo keeps them, beta 0.95)"]
     return []
 

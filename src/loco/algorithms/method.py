@@ -137,9 +137,9 @@ class Method:
             inner: the fast link between the ranks of this worker (``ctx.inner``); default
                 None (a worker of one rank).
         """
-        algo = cls(model, optimizer, comm, max_grad_norm=cfg.grad_clip or None,
-                   on_nonfinite=cfg.on_nonfinite, inner=inner, aggregation=cfg.aggregation,
-                   guard_factor=cfg.guard_factor, inject=cfg.inject,
+        algo = cls(model, optimizer, comm, max_grad_norm=cfg.optim.grad_clip or None,
+                   on_nonfinite=cfg.runtime.on_nonfinite, inner=inner, aggregation=cfg.trust.aggregation,
+                   guard_factor=cfg.trust.guard_factor, inject=cfg.trust.inject,
                    **cls.kwargs(cfg, model, comm, pipeline))
         if pipeline is not None and pipeline.stages > 1:
             algo.grad_norm_fn = pipeline.grad_norm  # clip by the whole model's gradient norm
@@ -236,8 +236,8 @@ class Method:
 def leftover_steps(cfg: Any) -> list[str]:
     """A warning when ``steps`` is not a multiple of H: the last steps never reach the
     global model (a method that averages every H steps)."""
-    if cfg.steps % cfg.sync_every:
-        return [f"--steps {cfg.steps} is not a multiple of --sync-every {cfg.sync_every}: the "
-                f"last {cfg.steps % cfg.sync_every} inner steps never reach the global "
+    if cfg.run.steps % cfg.method.sync_every:
+        return [f"--steps {cfg.run.steps} is not a multiple of --sync-every {cfg.method.sync_every}: the "
+                f"last {cfg.run.steps % cfg.method.sync_every} inner steps never reach the global "
                 "model that is evaluated"]
     return []

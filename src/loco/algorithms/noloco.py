@@ -118,22 +118,22 @@ class NoLoCo(Algorithm):
     @classmethod
     def check(cls, cfg, layers: int) -> None:
         """n >= 2 dividing M; γ finite and >= 0."""
-        need(cfg, cfg.group_size >= 2 and cfg.workers % cfg.group_size == 0, "group_size",
-             f"must be an integer >= 2 that divides --workers ({cfg.workers})")
-        need(cfg, math.isfinite(cfg.gamma) and cfg.gamma >= 0, "gamma", "must be a number >= 0")
+        need(cfg, cfg.method.group_size >= 2 and cfg.runtime.workers % cfg.method.group_size == 0, "group_size",
+             f"must be an integer >= 2 that divides --workers ({cfg.runtime.workers})")
+        need(cfg, math.isfinite(cfg.method.gamma) and cfg.method.gamma >= 0, "gamma", "must be a number >= 0")
 
     @classmethod
     def warnings(cls, cfg) -> list[str]:
         """(α, β, γ) outside the paper's convergence region; steps past the last sync."""
-        return (convergence_warnings(cfg.outer_lr, cfg.outer_momentum, cfg.gamma,
-                                     cfg.group_size) + leftover_steps(cfg))
+        return (convergence_warnings(cfg.method.outer_lr, cfg.method.outer_momentum, cfg.method.gamma,
+                                     cfg.method.group_size) + leftover_steps(cfg))
 
     @classmethod
     def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
         """H, n, β, α, γ, Nesterov and the seed of the groups."""
-        return {"sync_every": cfg.sync_every, "group_size": cfg.group_size,
-                "outer_lr": cfg.outer_lr, "outer_momentum": cfg.outer_momentum,
-                "gamma": cfg.gamma, "nesterov": cfg.nesterov, "seed": cfg.seed, "warn": False}
+        return {"sync_every": cfg.method.sync_every, "group_size": cfg.method.group_size,
+                "outer_lr": cfg.method.outer_lr, "outer_momentum": cfg.method.outer_momentum,
+                "gamma": cfg.method.gamma, "nesterov": cfg.method.nesterov, "seed": cfg.run.seed, "warn": False}
 
     @classmethod
     def setting(cls, config: dict) -> str:

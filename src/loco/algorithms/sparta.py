@@ -226,18 +226,18 @@ def check_sparta(cfg: Any) -> None:
     Raises:
         ConfigError: naming the first option out of range.
     """
-    need(cfg, 0 < cfg.sparta_share <= 1, "sparta_share",
+    need(cfg, 0 < cfg.method.sparta_share <= 1, "sparta_share",
          f"must be in (0, 1], the share of the values averaged every step (published: "
          f"{PUBLISHED[0]:g} to {PUBLISHED[1]:g})")
-    if cfg.worker_ranks != 1:
-        raise ConfigError("worker_ranks", f"{cfg.algorithm} supports workers of one rank only; "
-                          f"use --worker-ranks 1 (got {cfg.worker_ranks})")
-    if cfg.stages != 1:
-        raise ConfigError("stages", f"{cfg.algorithm} supports one pipeline stage only (a tied "
+    if cfg.runtime.worker_ranks != 1:
+        raise ConfigError("worker_ranks", f"{cfg.method.algorithm} supports workers of one rank only; "
+                          f"use --worker-ranks 1 (got {cfg.runtime.worker_ranks})")
+    if cfg.runtime.stages != 1:
+        raise ConfigError("stages", f"{cfg.method.algorithm} supports one pipeline stage only (a tied "
                           f"embedding's two copies would drift apart); use --stages 1 (got "
-                          f"{cfg.stages})")
-    if cfg.elastic:
-        raise ConfigError("elastic", f"{cfg.algorithm} needs a fixed group of workers (it "
+                          f"{cfg.runtime.stages})")
+    if cfg.runtime.elastic:
+        raise ConfigError("elastic", f"{cfg.method.algorithm} needs a fixed group of workers (it "
                           "averages with all of them every step); leave out --elastic")
 
 
@@ -287,7 +287,7 @@ class Sparta(Algorithm):
     @classmethod
     def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
         """The share and the run's seed."""
-        return {"sparta_share": cfg.sparta_share, "seed": cfg.seed}
+        return {"sparta_share": cfg.method.sparta_share, "seed": cfg.run.seed}
 
     @classmethod
     def setting(cls, config: dict) -> str:
@@ -353,7 +353,7 @@ class SpartaDiLoCo(DiLoCo):
     def kwargs(cls, cfg, model, comm, pipeline) -> dict[str, Any]:
         """DiLoCo's, the share and the run's seed."""
         return {**super().kwargs(cfg, model, comm, pipeline),
-                "sparta_share": cfg.sparta_share, "seed": cfg.seed}
+                "sparta_share": cfg.method.sparta_share, "seed": cfg.run.seed}
 
     @classmethod
     def setting(cls, config: dict) -> str:

@@ -69,14 +69,14 @@ def overlaps(cfg) -> list[int]:
         ConfigError: not integers, or a list whose length is not ``workers``.
     """
     try:
-        values = [int(v) for v in str(cfg.overlap).split(",")]
+        values = [int(v) for v in str(cfg.method.overlap).split(",")]
     except ValueError:
         raise ConfigError("overlap", f"expected an integer or one per worker such as 1,1,2,5 "
-                          f"(got {cfg.overlap!r})") from None
+                          f"(got {cfg.method.overlap!r})") from None
     if len(values) == 1:
-        return values * cfg.workers
-    if len(values) != cfg.workers:
-        raise ConfigError("overlap", f"gives {len(values)} values but there are {cfg.workers} "
+        return values * cfg.runtime.workers
+    if len(values) != cfg.runtime.workers:
+        raise ConfigError("overlap", f"gives {len(values)} values but there are {cfg.runtime.workers} "
                           f"workers; give one integer, or one per worker")
     return values
 
@@ -86,8 +86,8 @@ def _fragment_spec(cfg, model: nn.Module, tied: bool) -> int | list:
     name lists with it in fragment 0: its two copies (first and last stage) must be synced
     at the same steps to stay identical."""
     if not tied:
-        return cfg.fragments
-    names = split_fragments(model, cfg.fragments, cfg.fragment_pattern)
+        return cfg.method.fragments
+    names = split_fragments(model, cfg.method.fragments, cfg.method.fragment_pattern)
     fragments = [[n for n in group if n != "embed.weight"] for group in names]
     fragments[0].append("embed.weight")
     return fragments
@@ -182,24 +182,24 @@ class StreamingDiLoCo(GlobalCopy):
     def check(cls, cfg, layers: int) -> None:
         """P within the smallest stage's blocks and H, every τ below floor(H/P), α in
         [0, 1], the sparse codecs' keep in (0, 1], an even codec block in [2, 65536]."""
-        blocks = layers // cfg.stages  # the smallest stage's blocks
-        need(cfg, 1 <= cfg.fragments <= blocks, "fragments",
-             f"must be in [1, {blocks}], the number of blocks of the {cfg.model} model"
-             + (f" in its smallest of {cfg.stages} pipeline stages" if cfg.stages > 1 else ""))
-        need(cfg, cfg.fragments <= cfg.sync_every, "fragments",
-             f"must be <= --sync-every ({cfg.sync_every}): at most one fragment per step")
-        gap = cfg.sync_every // cfg.fragments  # the smallest gap between two sends
+        blocks = layers // cfg.runtime.stages  # the smallest stage's blocks
+        need(cfg, 1 <= cfg.method.fragments <= blocks, "fragments",
+             f"must be in [1, {blocks}], the number of blocks of the {cfg.model.name} model"
+             + (f" in its smallest of {cfg.runtime.stages} pipeline stages" if cfg.runtime.stages > 1 else ""))
+        need(cfg, cfg.method.fragments <= cfg.method.sync_every, "fragments",
+             f"must be <= --sync-every ({cfg.method.sync_every}): at most one fragment per step")
+        gap = cfg.method.sync_every // cfg.method.fragments  # the smallest gap between two sends
         need(cfg, all(0 <= t < gap for t in overlaps(cfg)), "overlap",
              f"every value must be in [0, floor(H/P)) = [0, {gap}), the smallest gap between "
-             f"two sends, with --sync-every {cfg.sync_every} and --fragments {cfg.fragments}")
-        need(cfg, 0 <= cfg.mixing <= 1, "mixing", "must be in [0, 1]")
+             f"two sends, with --sync-every {cfg.method.sync_every} and --fragments {cfg.method.fragments}")
+        need(cfg, 0 <= cfg.method.mixing <= 1, "mixing", "must be in [0, 1]")
         check_wire(cfg)
 
     @classmethod
     def warnings(cls, cfg) -> list[str]:
         """Fewer inner steps than H: some fragments never sync; the wire's warnings."""
-        if cfg.steps < cfg.sync_every:
-            return [f"--steps {cfg.steps} is less than --sync-every {cfg.sync_every}: some "
+        if cfg.run.steps < cfg.method.sync_every:
+            return [f"--steps {cfg.run.steps} is less than --sync-every {cfg.method.sync_every}: some "
                     "fragments never sync"] + wire_warnings(cfg)
         return wire_warnings(cfg)
 
@@ -209,9 +209,9 @@ class StreamingDiLoCo(GlobalCopy):
         0), the pattern, this replica's τ and α."""
         tied = pipeline is not None and pipeline.module.tied is not None
         return {**outer_kwargs(cfg), "fragments": _fragment_spec(cfg, model, tied),
-                "pattern": cfg.fragment_pattern,
+                "pattern": cfg.method.fragment_pattern,
                 "overlap": overlaps(cfg)[comm.rank],  # the outer Comm's rank: the replica
-                "alpha": cfg.mixing}
+                "alpha": cfg.method.mixing}
 
     @classmethod
     def setting(cls, config: dict) -> str:
@@ -228,7 +228,7 @@ class StreamingDiLoCo(GlobalCopy):
     @classmethod
     def fragment_names(cls, cfg, module, tied: bool) -> list[list[str]]:
         """The fragments as ``kwargs`` builds them (a tied embedding's copy in fragment 0)."""
-        return split_fragments(module, _fragment_spec(cfg, module, tied), cfg.fragment_pattern)
+        return split_fragments(module, _fragment_spec(cfg, module, tied), cfg.method.fragment_pattern)
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
                  sync_every: int = 100,

@@ -24,7 +24,7 @@ def due(cfg: TrainConfig, step: int, time_is_up: Callable[[], bool]) -> bool:
 
     Args:
         cfg: the run's configuration.
-        step: the inner step just trained, in [1, ``cfg.steps``].
+        step: the inner step just trained, in [1, ``cfg.run.steps``].
         time_is_up: whether --checkpoint-interval has passed, the same answer on every rank
             (it may be collective); called, on every rank alike, only at such a round's
             step when --checkpoint-interval is set and no other rule made one due.
@@ -32,18 +32,18 @@ def due(cfg: TrainConfig, step: int, time_is_up: Callable[[], bool]) -> bool:
     Returns:
         True when the rank checkpoints after ``step``.
     """
-    every = cfg.checkpoint_every * cfg.sync_every
-    delay = cfg.method.checkpoint_delay(cfg)
-    round_end = step > delay and (step - delay) % cfg.sync_every == 0
-    if step == cfg.steps or (every and round_end and (step - delay) % every == 0):
+    every = cfg.runtime.checkpoint_every * cfg.method.sync_every
+    delay = cfg.method_class.checkpoint_delay(cfg)
+    round_end = step > delay and (step - delay) % cfg.method.sync_every == 0
+    if step == cfg.run.steps or (every and round_end and (step - delay) % every == 0):
         return True
-    return round_end and cfg.checkpoint_interval is not None and bool(time_is_up())
+    return round_end and cfg.runtime.checkpoint_interval is not None and bool(time_is_up())
 
 
 def interval_passed(cfg: TrainConfig, since: float) -> bool:
     """Whether --checkpoint-interval has passed since ``since``, a ``time.perf_counter()``
     (the last checkpoint's hand-over, or the loop's start)."""
-    return time.perf_counter() - since >= duration_seconds(cfg.checkpoint_interval)
+    return time.perf_counter() - since >= duration_seconds(cfg.runtime.checkpoint_interval)
 
 
 def make_stager(ctx: WorkerContext) -> Stager | None:
@@ -66,10 +66,10 @@ def make_writer(cfg: TrainConfig, ctx: WorkerContext, main: bool) -> Writer:
     elastic = ctx.comm.elastic
     dcp = ctx.checkpoint_group is not None and not elastic
     world = ctx.mesh.shards if elastic else ctx.world_size
-    meta = {"world_size": world, "algorithm": cfg.algorithm, "worker_ranks": cfg.worker_ranks,
-            "worker_parallel": cfg.worker_parallel, "dcp_workers": cfg.workers if dcp else 0,
+    meta = {"world_size": world, "algorithm": cfg.method.algorithm, "worker_ranks": cfg.runtime.worker_ranks,
+            "worker_parallel": cfg.runtime.worker_parallel, "dcp_workers": cfg.runtime.workers if dcp else 0,
             "elastic": elastic, "config": cfg.to_dict()}
-    return Writer(cfg.out, ctx.shard if elastic else ctx.rank, world, timeout=cfg.comm_timeout,
+    return Writer(cfg.run.out, ctx.shard if elastic else ctx.rank, world, timeout=cfg.comm.comm_timeout,
                   commit_meta=meta if main or elastic and ctx.shard == 0 else None,
                   worker=ctx.replica if dcp else None,
-                  group=ctx.checkpoint_group if dcp else None, keep=cfg.keep_checkpoints)
+                  group=ctx.checkpoint_group if dcp else None, keep=cfg.runtime.keep_checkpoints)

@@ -105,4 +105,4 @@ def resume_config(directory: str, given: dict[str, Any]) -> TrainConfig:
         files.check_files(directory, meta)
     except files.CheckpointError as e:
         raise ConfigError("resume", str(e)) from None
-    return TrainConfig(**{**values, "resume": directory, "out": directory})
+    return TrainConfig.from_saved({**values, "resume": directory, "out": directory})

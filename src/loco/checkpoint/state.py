@@ -56,35 +56,35 @@ def resume_state(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> dict |
     rank file; for a checkpoint written by workers of another R, the rank files of its
     worker mapped onto this layout (:func:`reshard_rank_state`). The key ``"dcp"`` says
     where the worker's tensors are when they are not in the file."""
-    if cfg.resume is None and restart_count() == 0:
+    if cfg.runtime.resume is None and restart_count() == 0:
         return None
-    if cfg.elastic:  # a restarted worker joins from a live one; a resumed job reads the lead's
+    if cfg.runtime.elastic:  # a restarted worker joins from a live one; a resumed job reads the lead's
         return elastic_resume_state(cfg, ctx) if restart_count() == 0 else None
-    meta = files.latest(cfg.out)
-    files.discard_uncommitted(cfg.out, ctx.rank, None if meta is None else int(meta["step"]),
+    meta = files.latest(cfg.run.out)
+    files.discard_uncommitted(cfg.run.out, ctx.rank, None if meta is None else int(meta["step"]),
                               worker=ctx.replica if ctx.checkpoint_group is not None
                               and ctx.shard == 0 else None)
     if meta is None:
         return None
     step, ranks = int(meta["step"]), int(meta.get("worker_ranks", 1))
     if ranks == ctx.mesh.shards:
-        state = files.load_rank(cfg.out, step, ctx.rank, ctx.device)
+        state = files.load_rank(cfg.run.out, step, ctx.rank, ctx.device)
     else:  # check_layout let only a DCP checkpoint through
-        old = [files.load_rank(cfg.out, step, ctx.replica * ranks + j, ctx.device)
+        old = [files.load_rank(cfg.run.out, step, ctx.replica * ranks + j, ctx.device)
                for j in range(ranks)]
         state = reshard_rank_state(old, ctx, cfg, corpus)
     if meta.get("dcp_workers"):
-        state["dcp"] = files.worker_dir(cfg.out, step, ctx.replica)
+        state["dcp"] = files.worker_dir(cfg.run.out, step, ctx.replica)
     return state
 
 
 def elastic_resume_state(cfg: TrainConfig, ctx: WorkerContext) -> dict | None:
     """The last complete checkpoint of an elastic run: the files its lead worker wrote (one
     per rank, its share), which every worker continues from: rank r of each from file r."""
-    meta = files.latest(cfg.out)
+    meta = files.latest(cfg.run.out)
     if meta is None:
         return None
-    return files.load_rank(cfg.out, int(meta["step"]), ctx.shard, ctx.device)
+    return files.load_rank(cfg.run.out, int(meta["step"]), ctx.shard, ctx.device)
 
 
 def reshard_rank_state(old: list[dict], ctx: WorkerContext, cfg: TrainConfig,
@@ -144,8 +144,8 @@ def _reshard_loader(loader: dict, old_shard: int, ranks: int, ctx: WorkerContext
     """The position of this rank's loader after as many tokens per worker as the old
     layout's rank ``old_shard`` of R = ``ranks`` had read (see ``reshard_rank_state``)."""
     def batches_per_epoch(rank: int, readers: int) -> int:
-        return TokenLoader(corpus.train, cfg.batch_size, cfg.seq_len, rank=rank,
-                           world_size=readers, seed=cfg.seed).batches_per_epoch
+        return TokenLoader(corpus.train, cfg.data.batch_size, cfg.data.seq_len, rank=rank,
+                           world_size=readers, seed=cfg.run.seed).batches_per_epoch
     workers = ctx.mesh.replicas
     before = batches_per_epoch(ctx.replica * ranks + old_shard, workers * ranks)
     read = int(loader["epoch"]) * before + int(loader["position"])  # batches, each rank

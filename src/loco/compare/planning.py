@@ -182,13 +182,13 @@ def _method_configs(methods: list[Method], values: dict[str, Any], out: str
                              "out": os.path.join(out, m.label), "progress": False})
         if values.get("wandb_run_name") and "wandb_run_name" not in m.options:
             # one W&B run per method: a shared name gets the label (default: the label)
-            cfg = dataclasses.replace(cfg, wandb_run_name=f"{values['wandb_run_name']}-{m.label}")
+            cfg = cfg.replace(wandb_run_name=f"{values['wandb_run_name']}-{m.label}")
         try:
             cfg = prepare_config(cfg)
         except ConfigError as e:
             raise MethodError(m.label, e) from None
         warnings += [f"{m.label}: {w}" for w in warnings_for(cfg)]
-        if os.path.exists(os.path.join(cfg.out, "summary.json")):
+        if os.path.exists(os.path.join(cfg.run.out, "summary.json")):
             raise ConfigError("out", f"{out} already holds a finished run {m.label!r}; choose "
                               "another --out (nothing is overwritten)")
         configs.append(cfg)

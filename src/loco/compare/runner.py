@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -33,21 +32,21 @@ def run(p: Plan, progress: bool = True) -> dict[str, dict]:
     for w in p.warnings:
         print(f"loco compare: warning: {w}", file=sys.stderr)
     first = p.configs[0]
-    corpus = prepare_data(dataclasses.replace(first, progress=progress))
+    corpus = prepare_data(first.replace(progress=progress))
     for m, cfg in zip(p.methods, p.configs):
         try:
             check_fits(cfg, corpus)
         except ConfigError as e:
             raise MethodError(m.label, e) from None
     os.makedirs(p.out, exist_ok=True)
-    steps = first.steps
+    steps = first.run.steps
     bar = tqdm(total=steps * len(p.configs), unit="step", disable=not progress,
                dynamic_ncols=True)
     runs = []
     for i, (m, cfg) in enumerate(zip(p.methods, p.configs)):
         bar.set_description(f"[{i + 1}/{len(p.configs)}] {m.label}")
         done = i * steps
-        with FollowMetrics(os.path.join(cfg.out, "metrics.jsonl"),
+        with FollowMetrics(os.path.join(cfg.run.out, "metrics.jsonl"),
                            lambda rec: _advance(bar, done + rec["step"], rec)), \
                 wandb_group(p.out):
             summary = Summary.from_dict(launch_training(cfg, corpus))
@@ -55,7 +54,7 @@ def run(p: Plan, progress: bool = True) -> dict[str, dict]:
         bar.write(f"{m.label}: eval loss {summary.final_eval_loss:.4f}, sent per worker "
                   f"{human_bytes(summary.bytes_sent_per_worker)}, "
                   f"{summary.wall_seconds:.0f} s")
-        runs.append(load_run(cfg.out, m.label))
+        runs.append(load_run(cfg.run.out, m.label))
     bar.close()
     return write_report(sorted(runs, key=order_key), p.out)
 

@@ -1,5 +1,7 @@
 """The training configuration: typed sections of options (``sections``), and the whole
-configuration with its loading, defaults and checks (``job``).
+configuration with its loading, defaults and checks (``train_config``): ``cfg.method``,
+``cfg.model``, ``cfg.data``, ``cfg.optim``, ``cfg.run``, ``cfg.comm``, ``cfg.runtime``,
+``cfg.trust``.
 
 ``resume_config`` and ``check_layout`` live in ``loco.checkpoint.resume``; their names here
 are kept for code that imports them from ``loco.config``, and load that module on first use
@@ -15,6 +17,7 @@ from loco.config.train_config import (
     choices,
     coerce,
     load_yaml,
+    method_section,
     model_dims,
     profile_steps,
     resolve,
@@ -43,7 +46,7 @@ from loco.options import ConfigError
 __all__ = ["ConfigError", "DEFAULT_STEPS", "DTYPES", "LAUNCHER_NAMES", "LAYOUT", "NONFINITE",
            "RENAMED", "RESUMABLE", "ROUTINGS", "SECTIONS", "TrainConfig", "WORKER_PARALLEL",
            "algorithm_names", "betas", "build_config", "canonical", "check_layout", "choices",
-           "coerce", "duration_seconds", "load_yaml", "model_dims", "profile_steps", "resolve", "resume_config",
+           "coerce", "duration_seconds", "load_yaml", "method_section", "model_dims", "profile_steps", "resolve", "resume_config",
            "steps_for_tokens", "validate", "validate_model", "warnings_for", "worker_speeds"]
 
 __getattr__, __dir__ = lazy_exports(__name__, {"check_layout": "loco.checkpoint.resume",

@@ -35,6 +35,11 @@ METHOD = "method"
 """The method section's name: ``algorithm``, the shared options and the method's own."""
 
 
+NAMES = {("model", "name"): "model"}
+"""Keys of a nested YAML file read as another option: ``model: {name: small}`` is the
+``model`` option (``cfg.model.name``; ``model: small`` says the same)."""
+
+
 def own_fields(algorithm: str | None = None) -> list[dataclasses.Field]:
     """The methods' own options (their ``Method.options`` classes), each once: every
     registered method's, or ``algorithm``'s alone.
@@ -130,8 +135,9 @@ def nest(values: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def flatten(data: dict[str, Any], path: str) -> tuple[dict[str, Any], list[str]]:
     """A YAML file's mapping by field name: a section's mapping (``optim: {lr: 0.001}``)
-    gives its options, a key outside any section is read as it is (a flat file of older
-    releases), dashes in keys read as underscores.
+    gives its options (``NAMES``: ``model: {name: small}``; ``model: small`` too), a key
+    outside any section is read as it is (a flat file of older releases), dashes in keys
+    read as underscores.
 
     Args:
         data: the file's top-level mapping.
@@ -149,8 +155,11 @@ def flatten(data: dict[str, Any], path: str) -> tuple[dict[str, Any], list[str]]
     flat: list[str] = []
     for key, value in data.items():
         key = str(key).replace("-", "_")
-        if key in sections and isinstance(value, dict):
-            items = [(str(k).replace("-", "_"), v) for k, v in value.items()]
+        if key == "model" and isinstance(value, str):
+            items = [("model", value)]  # the model section's shorthand: its name
+        elif key in sections and isinstance(value, dict):
+            items = [(NAMES.get((key, str(k)), str(k).replace("-", "_")), v)
+                     for k, v in value.items()]
             wrong = [k for k, _ in items if where.get(k, key) != key]
             if wrong:
                 raise ConfigError("config", f"{path}: {', '.join(wrong)} not in section "
@@ -204,22 +213,23 @@ def applies(option: str, algorithm: str) -> bool:
 
 
 def check_applies(cfg: Any) -> None:
-    """Refuse an option set for a method it means nothing to: a value other than the
-    option's default and the method's own default (``Method.defaults``: a resolved
-    configuration passes) for an option of the method section the method does not take
-    (``Method.takes``).
+    """Refuse a shared option of the method section set for a method it means nothing to: a
+    value other than the option's default and the method's own default
+    (``Method.defaults``: a resolved configuration passes) for an option the method does not
+    take (``Method.takes``). (Another method's own options are refused where the
+    configuration is built: ``TrainConfig`` has no place for them.)
 
     Args:
-        cfg: the configuration (flat: options by field name).
+        cfg: the configuration (``cfg.method``: the method section).
 
     Raises:
         ConfigError: naming the option and the methods it applies to.
     """
-    cls = method(cfg.algorithm)
+    cls = method(cfg.method.algorithm)
     uses = set(cls.takes())
-    for f in [f for f in dataclasses.fields(MethodOptions) if f.name != "algorithm"] + own_fields():
-        value = getattr(cfg, f.name)
-        if f.name in uses or value == f.default or value == cls.defaults.get(f.name, f.default):
+    for f in dataclasses.fields(MethodOptions):
+        value = getattr(cfg.method, f.name)
+        if f.name in uses | {"algorithm"} or value in (f.default, cls.defaults.get(f.name, f.default)):
             continue
         raise ConfigError(f.name, f"applies to {', '.join(takers(f.name))} only, not to "
-                          f"--algorithm {cfg.algorithm} (got {value!r})")
+                          f"--algorithm {cfg.method.algorithm} (got {value!r})")

@@ -81,7 +81,7 @@ def duration_seconds(text: str) -> float | None:
 def at_least_one(cfg, *names: str) -> None:
     """Each named integer option is >= 1 where given (None: left to its default)."""
     for name in names:
-        value = getattr(cfg, name)
+        value = cfg.option(name)
         need(cfg, value is None or value >= 1, name, "must be an integer >= 1")
 
 
@@ -95,12 +95,12 @@ def betas(cfg) -> tuple[float, float]:
         ConfigError: not two numbers in [0, 1).
     """
     try:
-        b1, b2 = (float(v) for v in str(cfg.adam_betas).split(","))
+        b1, b2 = (float(v) for v in str(cfg.optim.adam_betas).split(","))
     except ValueError:
         b1 = b2 = math.nan
     if not (0 <= b1 < 1 and 0 <= b2 < 1):
         raise ConfigError("adam_betas", f"expected two numbers in [0, 1) such as 0.9,0.95 "
-                          f"(got {cfg.adam_betas!r})")
+                          f"(got {cfg.optim.adam_betas!r})")
     return b1, b2
 
 
@@ -111,7 +111,7 @@ def check_inner_optimizer(cfg) -> None:
     Raises:
         ConfigError: naming ``inner_optimizer``.
     """
-    if cfg.inner_optimizer == "muon" and getattr(cfg, "worker_parallel", "ddp") == "fsdp":
+    if cfg.optim.inner_optimizer == "muon" and cfg.runtime.worker_parallel == "fsdp":
         raise ConfigError("inner_optimizer", "muon orthogonalises each weight matrix whole "
                           "and --worker-parallel fsdp shards them over the worker's ranks: "
                           "use --worker-parallel ddp or --inner-optimizer adamw (got muon "
@@ -127,18 +127,18 @@ def worker_speeds(cfg) -> tuple[float, ...] | None:
     Raises:
         ConfigError: not one number in (0, 1] per worker (``workers``).
     """
-    if cfg.worker_speed is None:
+    if cfg.runtime.worker_speed is None:
         return None
     try:
-        speeds = tuple(float(v) for v in str(cfg.worker_speed).split(","))
+        speeds = tuple(float(v) for v in str(cfg.runtime.worker_speed).split(","))
     except ValueError:
         speeds = (math.nan,)
     if not all(0 < v <= 1 for v in speeds):
         raise ConfigError("worker_speed", "must be numbers in (0, 1], one per worker, e.g. "
-                          f"1,1,0.5,0.33 (got {cfg.worker_speed!r})")
-    if len(speeds) != cfg.workers:
-        raise ConfigError("worker_speed", f"needs one factor per worker: {cfg.workers} "
-                          f"(--workers), got {len(speeds)} ({cfg.worker_speed!r})")
+                          f"1,1,0.5,0.33 (got {cfg.runtime.worker_speed!r})")
+    if len(speeds) != cfg.runtime.workers:
+        raise ConfigError("worker_speed", f"needs one factor per worker: {cfg.runtime.workers} "
+                          f"(--workers), got {len(speeds)} ({cfg.runtime.worker_speed!r})")
     return speeds
 
 
@@ -151,45 +151,34 @@ def check_local_steps(cfg) -> None:
     Raises:
         ConfigError: naming ``local_steps`` or ``max_staleness`` and what it needs.
     """
-    need(cfg, cfg.max_staleness >= 0, "max_staleness", "must be an integer >= 0 (0: "
+    need(cfg, cfg.runtime.max_staleness >= 0, "max_staleness", "must be an integer >= 0 (0: "
          "synchronous outer steps)")
-    if cfg.max_staleness:
+    if cfg.runtime.max_staleness:
         check_asynchronous(cfg)
-    if cfg.local_steps != "proportional":
+    if cfg.runtime.local_steps != "proportional":
         return
-    if not cfg.method.global_copy:
+    if not cfg.method_class.global_copy:
         raise ConfigError("local_steps", "proportional needs a method with rounds of H steps "
                           f"and a global copy (diloco, streaming, sparseloco; got "
-                          f"--algorithm {cfg.algorithm})")
-    for name, ok in (("worker_ranks", cfg.worker_ranks == 1), ("stages", cfg.stages == 1)):
+                          f"--algorithm {cfg.method.algorithm})")
+    for name, ok in (("worker_ranks", cfg.runtime.worker_ranks == 1), ("stages", cfg.runtime.stages == 1)):
         if not ok:
             raise ConfigError("local_steps", f"proportional is not supported with --"
-                              f"{name.replace('_', '-')} yet (got {getattr(cfg, name)})")
-    if cfg.elastic and getattr(cfg, "error_feedback", 0):
-        raise ConfigError("local_steps", "proportional with --elastic weighs a retried sync "
-                          "for its new members, which an error-fed pseudo-gradient does not "
-                          f"allow: not with --error-feedback (got {cfg.error_feedback})")
+                              f"{name.replace('_', '-')} yet (got {cfg.option(name)})")
 
 
 def check_asynchronous(cfg) -> None:
     """Asynchronous outer steps (``max_staleness`` > 0) pace the rounds by the workers'
-    speeds and end a block at a whole-model sync that nothing overlaps.
+    speeds (what else they need of the method, a whole-model sync that nothing overlaps, is
+    the method's check: ``loco.algorithms.asynchronous.check_whole_model``).
 
     Raises:
         ConfigError: naming ``max_staleness`` and what it needs.
     """
-    if cfg.local_steps != "proportional":
+    if cfg.runtime.local_steps != "proportional":
         raise ConfigError("max_staleness", "asynchronous outer steps share each round by the "
                           "workers' speeds: add --local-steps proportional (got --local-steps "
-                          f"{cfg.local_steps})")
-    uses = cfg.method.uses()
-    for name, ok in (("fragments", cfg.fragments == 1), ("overlap", str(cfg.overlap) == "0"),
-                     ("eager", not cfg.eager)):
-        if name in uses and not ok:
-            raise ConfigError("max_staleness", f"asynchronous outer steps sync the whole model "
-                              f"at a round's end, nothing in flight: not with --{name} "
-                              f"{getattr(cfg, name)} (use diloco or sparseloco, or streaming "
-                              "with --fragments 1 --overlap 0)")
+                          f"{cfg.runtime.local_steps})")
 
 
 def check_fault(cfg) -> None:
@@ -198,13 +187,13 @@ def check_fault(cfg) -> None:
     Raises:
         ConfigError: naming ``fault`` and the form it takes.
     """
-    if cfg.fault is None:
+    if cfg.runtime.fault is None:
         return
     try:
-        fault = Fault.parse(cfg.fault)
+        fault = Fault.parse(cfg.runtime.fault)
     except ValueError as e:
         raise ConfigError("fault", str(e).replace(f"{ENV} ", "")) from None
-    ranks = cfg.workers * cfg.worker_ranks * cfg.stages
+    ranks = cfg.runtime.workers * cfg.runtime.worker_ranks * cfg.runtime.stages
     need(cfg, 0 <= fault.rank < ranks and fault.step >= 1, "fault",
          f"RANK must be in [0, {ranks}) and STEP >= 1")
 
@@ -216,47 +205,45 @@ def check_worker_layout(cfg) -> None:
     Raises:
         ConfigError: naming ``worker_ranks`` or ``worker_parallel`` and what is allowed.
     """
-    if cfg.worker_ranks > 1 and cfg.stages > 1:
+    if cfg.runtime.worker_ranks > 1 and cfg.runtime.stages > 1:
         raise ConfigError("worker_ranks", f"more than one rank per worker with pipeline stages "
-                          f"(--stages {cfg.stages}) is not supported yet; use --worker-ranks 1 "
-                          f"or --stages 1 (got {cfg.worker_ranks})")
-    if cfg.worker_parallel == "fsdp" and cfg.worker_ranks < 2:
+                          f"(--stages {cfg.runtime.stages}) is not supported yet; use --worker-ranks 1 "
+                          f"or --stages 1 (got {cfg.runtime.worker_ranks})")
+    if cfg.runtime.worker_parallel == "fsdp" and cfg.runtime.worker_ranks < 2:
         raise ConfigError("worker_parallel", "fsdp shards a worker's model over its ranks: add "
                           "--worker-ranks 2 or more (got fsdp with --worker-ranks "
-                          f"{cfg.worker_ranks})")
+                          f"{cfg.runtime.worker_ranks})")
 
 
 def check_elastic(cfg) -> None:
     """``elastic``'s options only with it; ``lighthouse`` and ``worker_index`` together,
-    the index in [0, ``workers``); no pipeline stages, no ``eval_replicas``;
+    the index in [0, ``workers``); no pipeline stages (nor a method's options that need a
+    fixed group, e.g. ``eval_replicas``: the method's check);
     ``min_workers`` in [1, ``workers``]. (Where its workers may start: the preflight step.)
 
     Raises:
         ConfigError: naming the option and what is allowed.
     """
     for name in ("min_workers", "lighthouse", "worker_index"):
-        if getattr(cfg, name) is not None and not cfg.elastic:
+        if cfg.option(name) is not None and not cfg.runtime.elastic:
             raise ConfigError(name, f"only means something with --elastic (got "
-                              f"{getattr(cfg, name)})")
-    if not cfg.elastic:
+                              f"{cfg.option(name)})")
+    if not cfg.runtime.elastic:
         return
-    if (cfg.lighthouse is None) != (cfg.worker_index is None):
-        raise ConfigError("worker_index" if cfg.worker_index is None else "lighthouse",
+    if (cfg.runtime.lighthouse is None) != (cfg.runtime.worker_index is None):
+        raise ConfigError("worker_index" if cfg.runtime.worker_index is None else "lighthouse",
                           "--lighthouse and --worker-index go together: this process is one "
                           f"worker of that Lighthouse's job (got --lighthouse "
-                          f"{cfg.lighthouse}, --worker-index {cfg.worker_index})")
-    if cfg.worker_index is not None and not 0 <= cfg.worker_index < cfg.workers:
-        raise ConfigError("worker_index", f"must be in [0, --workers {cfg.workers}) (got "
-                          f"{cfg.worker_index})")
-    if cfg.stages != 1:
+                          f"{cfg.runtime.lighthouse}, --worker-index {cfg.runtime.worker_index})")
+    if cfg.runtime.worker_index is not None and not 0 <= cfg.runtime.worker_index < cfg.runtime.workers:
+        raise ConfigError("worker_index", f"must be in [0, --workers {cfg.runtime.workers}) (got "
+                          f"{cfg.runtime.worker_index})")
+    if cfg.runtime.stages != 1:
         raise ConfigError("stages", "must be 1 with --elastic: elastic workers are not "
-                          f"pipelines for now (got {cfg.stages})")
-    if cfg.eval_replicas:
-        raise ConfigError("eval_replicas", "is a collective outside the syncs, which an "
-                          "elastic run does not make; leave it out with --elastic")
-    if cfg.min_workers is not None and not 1 <= cfg.min_workers <= cfg.workers:
-        raise ConfigError("min_workers", f"must be in [1, --workers {cfg.workers}] (got "
-                          f"{cfg.min_workers})")
+                          f"pipelines for now (got {cfg.runtime.stages})")
+    if cfg.runtime.min_workers is not None and not 1 <= cfg.runtime.min_workers <= cfg.runtime.workers:
+        raise ConfigError("min_workers", f"must be in [1, --workers {cfg.runtime.workers}] (got "
+                          f"{cfg.runtime.min_workers})")
 
 
 @dataclass
@@ -295,16 +282,17 @@ class MethodOptions:
     final_average: bool = opt(False, "noloco, local: end with every replica replaced by the "
                               "replicas' average, and report that as the final model")
 
-    def check(self) -> None:
+    @staticmethod
+    def check(cfg) -> None:
         """H >= 1 where given; outer lr finite and > 0; outer momentum in [0, 1); the spread
         every >= 0 steps. (The method's own options: its class's ``check``.)"""
-        at_least_one(self, "sync_every")
-        if self.outer_lr is not None:
-            need(self, math.isfinite(self.outer_lr) and self.outer_lr > 0, "outer_lr",
+        at_least_one(cfg, "sync_every")
+        if cfg.method.outer_lr is not None:
+            need(cfg, math.isfinite(cfg.method.outer_lr) and cfg.method.outer_lr > 0, "outer_lr",
                  "must be a number > 0")
-        if self.outer_momentum is not None:
-            need(self, 0 <= self.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
-        need(self, self.spread_every >= 0, "spread_every", "must be an integer >= 0")
+        if cfg.method.outer_momentum is not None:
+            need(cfg, 0 <= cfg.method.outer_momentum < 1, "outer_momentum", "must be in [0, 1)")
+        need(cfg, cfg.method.spread_every >= 0, "spread_every", "must be an integer >= 0")
 
 
 @dataclass
@@ -343,20 +331,21 @@ class OptimOptions:
                           "and CCLoco run it)", MUON_SCALES)
     grad_clip: float = opt(1.0, "clip the (averaged) gradient norm to this; 0 disables")
 
-    def check(self) -> None:
+    @staticmethod
+    def check(cfg) -> None:
         """lr (and Muon's) finite and > 0, the schedule's and AdamW's ranges; Muon's options
         only with Muon."""
-        need(self, self.warmup >= 0, "warmup", "must be an integer >= 0")
-        need(self, math.isfinite(self.lr) and self.lr > 0, "lr", "must be a number > 0")
-        need(self, 0 <= self.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
-        need(self, self.weight_decay >= 0, "weight_decay", "must be >= 0")
-        need(self, self.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
-        betas(self)
-        check_inner_optimizer(self)
-        need(self, self.muon_lr is None or (math.isfinite(self.muon_lr) and self.muon_lr > 0),
+        need(cfg, cfg.optim.warmup >= 0, "warmup", "must be an integer >= 0")
+        need(cfg, math.isfinite(cfg.optim.lr) and cfg.optim.lr > 0, "lr", "must be a number > 0")
+        need(cfg, 0 <= cfg.optim.min_lr_ratio <= 1, "min_lr_ratio", "must be in [0, 1]")
+        need(cfg, cfg.optim.weight_decay >= 0, "weight_decay", "must be >= 0")
+        need(cfg, cfg.optim.grad_clip >= 0, "grad_clip", "must be >= 0 (0 disables clipping)")
+        betas(cfg)
+        check_inner_optimizer(cfg)
+        need(cfg, cfg.optim.muon_lr is None or (math.isfinite(cfg.optim.muon_lr) and cfg.optim.muon_lr > 0),
              "muon_lr", "must be a number > 0")
         for name, default in (("muon_lr", None), ("muon_scale", "adamw-rms")):
-            need(self, getattr(self, name) == default or self.inner_optimizer == "muon", name,
+            need(cfg, cfg.option(name) == default or cfg.optim.inner_optimizer == "muon", name,
                  "needs --inner-optimizer muon (AdamW alone has no Muon rate or scaling)")
 
 
@@ -383,16 +372,23 @@ class ModelOptions:
     dtype: str = opt("fp32", "compute precision: fp32, or bf16 autocast (faster on GPUs and "
                      "on CPUs with AMX at d_model >= 256)", DTYPES)
 
-    def check(self) -> None:
+    @property
+    def name(self) -> str:
+        """The model's name: a size of the built-in model or ``hf:PATH`` (the ``model``
+        option: ``cfg.model.name``)."""
+        return self.model
+
+    @staticmethod
+    def check(cfg) -> None:
         """A known size or ``hf:PATH``; dimensions >= 1 where given; z-loss >= 0."""
         from loco.model import MODEL_SIZES
 
-        need(self, self.model in MODEL_SIZES or self.model.startswith("hf:"), "model",
+        need(cfg, cfg.model.name in MODEL_SIZES or cfg.model.name.startswith("hf:"), "model",
              f"must be one of {', '.join(MODEL_SIZES)}, or hf:PATH")
         for name in ("layers", "dim", "heads"):
-            need(self, getattr(self, name) is None or getattr(self, name) >= 1, name,
+            need(cfg, cfg.option(name) is None or cfg.option(name) >= 1, name,
                  "must be an integer >= 1")
-        need(self, self.z_loss >= 0, "z_loss", "must be >= 0")
+        need(cfg, cfg.model.z_loss >= 0, "z_loss", "must be >= 0")
 
 
 @dataclass
@@ -419,13 +415,14 @@ class DataOptions:
     batch_size: int = opt(8, "sequences per worker per inner step")
     seq_len: int = opt(128, "tokens per sequence (context length)")
 
-    def check(self) -> None:
+    @staticmethod
+    def check(cfg) -> None:
         """The held-out share in (0, 0.5]; a vocabulary of at least the byte symbols; a batch
         of >= 1 sequences of >= 2 tokens."""
-        at_least_one(self, "batch_size")
-        need(self, self.seq_len >= 2, "seq_len", "must be an integer >= 2")
-        need(self, 0 < self.val_fraction <= 0.5, "val_fraction", "must be in (0, 0.5]")
-        need(self, 257 <= self.vocab_size <= 1 << 20, "vocab_size",
+        at_least_one(cfg, "batch_size")
+        need(cfg, cfg.data.seq_len >= 2, "seq_len", "must be an integer >= 2")
+        need(cfg, 0 < cfg.data.val_fraction <= 0.5, "val_fraction", "must be in (0, 0.5]")
+        need(cfg, 257 <= cfg.data.vocab_size <= 1 << 20, "vocab_size",
              "must be in [257, 1048576] (256 byte symbols plus the end-of-text token)")
 
 
@@ -457,18 +454,19 @@ class CommunicationOptions:
     comm_timeout: float = opt(300.0, "seconds a communication may take before the run "
                               "fails instead of hanging")
 
-    def check(self) -> None:
+    @staticmethod
+    def check(cfg) -> None:
         """The links' rates and latencies parse; the time-out is finite and > 0."""
         from loco.comm.link import parse_bandwidth, parse_latency
 
-        need(self, math.isfinite(self.comm_timeout) and self.comm_timeout > 0, "comm_timeout",
+        need(cfg, math.isfinite(cfg.comm.comm_timeout) and cfg.comm.comm_timeout > 0, "comm_timeout",
              "must be a number > 0")
         for name, parse in (("link_bandwidth", parse_bandwidth), ("link_latency", parse_latency),
                             ("fast_link_bandwidth", parse_bandwidth),
                             ("fast_link_latency", parse_latency)):
-            if getattr(self, name) is not None:
+            if cfg.option(name) is not None:
                 try:
-                    parse(getattr(self, name))
+                    parse(cfg.option(name))
                 except ValueError as e:
                     raise ConfigError(name, str(e)) from None
 
@@ -580,24 +578,25 @@ class RuntimeOptions:
                             "the last good state) or skip that step or sync and count it",
                             NONFINITE)
 
-    def check(self) -> None:
+    @staticmethod
+    def check(cfg) -> None:
         """M and R >= 1; checkpoints every >= 0 rounds, >= 1 kept; restarts in [0, 100]; the worker
         layout and elastic membership (``check_layout_options``, ``check_elastic``)."""
-        at_least_one(self, "workers", "worker_ranks")
-        need(self, self.checkpoint_every >= 0, "checkpoint_every", "must be an integer >= 0 "
+        at_least_one(cfg, "workers", "worker_ranks")
+        need(cfg, cfg.runtime.checkpoint_every >= 0, "checkpoint_every", "must be an integer >= 0 "
              "(0: only at the end)")
-        need(self, self.keep_checkpoints >= 1, "keep_checkpoints", "must be an integer >= 1")
-        if self.checkpoint_interval is not None:
-            need(self, (duration_seconds(self.checkpoint_interval) or 0) > 0,
+        need(cfg, cfg.runtime.keep_checkpoints >= 1, "keep_checkpoints", "must be an integer >= 1")
+        if cfg.runtime.checkpoint_interval is not None:
+            need(cfg, (duration_seconds(cfg.runtime.checkpoint_interval) or 0) > 0,
                  "checkpoint_interval", "must be a positive duration: a number with s, m or "
-                 f"h (e.g. 90s, 30m, 2h; got {self.checkpoint_interval!r})")
-        need(self, 0 <= self.max_restarts <= 100, "max_restarts", "must be in [0, 100]")
-        worker_speeds(self)
-        check_local_steps(self)
-        check_quorum(self)
-        check_fault(self)
-        check_worker_layout(self)
-        check_elastic(self)
+                 f"h (e.g. 90s, 30m, 2h; got {cfg.runtime.checkpoint_interval!r})")
+        need(cfg, 0 <= cfg.runtime.max_restarts <= 100, "max_restarts", "must be in [0, 100]")
+        worker_speeds(cfg)
+        check_local_steps(cfg)
+        check_quorum(cfg)
+        check_fault(cfg)
+        check_worker_layout(cfg)
+        check_elastic(cfg)
 
 
 @dataclass
@@ -640,8 +639,9 @@ class RunOptions:
                           "under <out>/wandb, to upload later with wandb sync (needs no "
                           "network)", ("offline", "online"))
 
-    def check(self) -> None:
+    @staticmethod
+    def check(cfg) -> None:
         """Counts >= 1 (``steps`` where given), evaluations every >= 0 steps, a metrics
         record every >= 1 steps."""
-        at_least_one(self, "steps", "eval_batches", "final_eval_batches", "log_every")
-        need(self, self.eval_every >= 0, "eval_every", "must be an integer >= 0")
+        at_least_one(cfg, "steps", "eval_batches", "final_eval_batches", "log_every")
+        need(cfg, cfg.run.eval_every >= 0, "eval_every", "must be an integer >= 0")

@@ -12,6 +12,7 @@ import dataclasses
 import math
 import os
 import sys
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,19 +20,28 @@ import yaml
 
 from loco.algorithms import method, methods
 from loco.algorithms.method import Method
-from loco.config.groups import SECTIONS, check_applies, flatten, nesting_hint
-from loco.config.sections import DEFAULT_STEPS
+from loco.config.groups import (
+    METHOD,
+    SECTIONS,
+    check_applies,
+    flatten,
+    nesting_hint,
+    own_fields,
+    section_of,
+    takers,
+)
+from loco.config.sections import (
+    DEFAULT_STEPS,
+    CommunicationOptions,
+    DataOptions,
+    MethodOptions,
+    ModelOptions,
+    OptimOptions,
+    RunOptions,
+    RuntimeOptions,
+)
+from loco.config.trust import TrustOptions
 from loco.options import ConfigError, need
-
-
-def _method_sections() -> tuple[type, ...]:
-    """Every registered method's own options section, once (a section another one extends
-    is left to it)."""
-    found: list[type] = []
-    for cls in methods().values():
-        if cls.options is not None and cls.options not in found:
-            found.append(cls.options)
-    return tuple(s for s in found if not any(o is not s and issubclass(o, s) for o in found))
 
 
 RENAMED = {"alpha": "mixing"}
@@ -57,42 +67,187 @@ def canonical(values: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-# Fields in --help order: the method section first (its shared options, then every method's
-# own), then the other sections as SECTIONS lists them (dataclass fields follow the reverse MRO).
-@dataclass
-class TrainConfig(*reversed(SECTIONS[1:]), *reversed(_method_sections()), SECTIONS[0]):
-    """Every option of ``loco train``, with its default: the sections of
-    ``loco.config.sections`` and each registered method's own section.
+_SECTION_CLASSES: dict[type, type] = {}
 
-    Each field is a flag (``sync_every``: ``--sync-every``) and a key of the YAML
-    ``--config`` file; its help text is ``field.metadata["help"]`` and its allowed values,
-    where they are a list, ``field.metadata["choices"]`` (see
-    ``loco.config.choices``); ``loco train --help`` and the options table of
-    the API reference list them all.
-    Build one with [`build_config`][loco.config.build_config] (which converts YAML values),
-    fill the defaults that depend on the method with [`resolve`][loco.config.resolve], and
-    check it with [`validate`][loco.config.validate].
+
+def method_section(algorithm: str) -> type:
+    """The class of the method section of a run of ``algorithm``: the shared options
+    (``MethodOptions``: ``algorithm``, H, the outer optimizer, ...) and that method's own
+    (its ``Method.options``), one dataclass. Built when first asked for, so a method
+    registered at any time gets its section.
+
+    Args:
+        algorithm: a registered method's name.
+
+    Raises:
+        ConfigError: ``algorithm`` is not a registered method.
     """
+    if algorithm not in methods():
+        raise ConfigError("algorithm", f"must be one of {', '.join(methods())} (got "
+                          f"{algorithm!r})")
+    own = method(algorithm).options
+    if own is None:
+        return MethodOptions
+    if own not in _SECTION_CLASSES:
+        _SECTION_CLASSES[own] = dataclasses.make_dataclass(
+            f"{own.__name__}Section", [], bases=(own, MethodOptions))
+    return _SECTION_CLASSES[own]
+
+
+@dataclass(init=False)
+class TrainConfig:
+    """Every option of ``loco train``, by section: ``cfg.method`` (the method, the options
+    several methods share and the chosen method's own), ``cfg.model.name``, ``cfg.data``,
+    ``cfg.optim``, ``cfg.run``, ``cfg.comm``, ``cfg.runtime`` and ``cfg.trust``, each a
+    dataclass of ``loco.config.sections`` (read ``cfg.optim.lr``, ``cfg.method.sync_every``;
+    ``cfg.model.name`` is the model's name).
+
+    Built from options by name, flat: ``TrainConfig(algorithm="diloco", lr=1e-3)``. Each is
+    a flag (``sync_every``: ``--sync-every``), a YAML key under its section and a key of
+    ``to_dict()`` (what ``summary.json`` records); its help text is
+    ``field.metadata["help"]``, its allowed values ``field.metadata["choices"]`` (see
+    ``loco.config.choices``). Build one with [`build_config`][loco.config.build_config]
+    (which converts YAML values), fill the defaults that depend on the method with
+    [`resolve`][loco.config.resolve], and check it with [`validate`][loco.config.validate].
+
+    Args:
+        **options: option values by name (the flat names of ``to_dict``; old names of
+            ``RENAMED`` too); the rest keep their defaults.
+
+    Raises:
+        ConfigError: an unknown ``algorithm``, or an option of other methods only set to a
+            value other than its default (naming the methods it applies to).
+        TypeError: a name that is no option.
+    """
+
+    method: Any
+    model: ModelOptions
+    data: DataOptions
+    optim: OptimOptions
+    run: RunOptions
+    comm: CommunicationOptions
+    runtime: RuntimeOptions
+    trust: TrustOptions
+
+    def __init__(self, **options: Any) -> None:
+        options = canonical(options)
+        mine = method_section(options.get("algorithm", MethodOptions.algorithm))
+        by_section = {s.section: {} for s in SECTIONS}
+        where = {**section_of(), **{f.name: METHOD for f in dataclasses.fields(mine)}}
+        own = {f.name: f for f in own_fields()}
+        for name, value in options.items():
+            if name not in where:
+                raise TypeError(f"TrainConfig: no option {name!r}")
+            if name in own and not any(f.name == name for f in dataclasses.fields(mine)):
+                refuse_other(name, value, own[name].default, options.get("algorithm"))
+                continue
+            by_section[where[name]][name] = value
+        for s in SECTIONS[1:]:
+            setattr(self, s.section, s(**by_section[s.section]))
+        self.method = mine(**by_section[METHOD])
+
+    @classmethod
+    def from_saved(cls, values: dict[str, Any]) -> TrainConfig:
+        """A configuration from a saved one (``summary.json``'s, a checkpoint's): options
+        unknown today and other methods' own options (an older release recorded every
+        method's) are left out.
+
+        Args:
+            values: option values by name.
+        """
+        values = canonical(values)
+        mine = {f.name for f in dataclasses.fields(
+            method_section(values.get("algorithm", MethodOptions.algorithm)))}
+        keep = set(section_of()) - {f.name for f in own_fields()} | mine
+        return cls(**{k: v for k, v in values.items() if k in keep})
 
     @classmethod
     def fields(cls) -> list[dataclasses.Field]:
-        """The option fields, in the order of the command line's help."""
-        return list(dataclasses.fields(cls))
+        """Every option field, in the order of the command line's help: the method section
+        (the shared options, then every registered method's own, each once), then the other
+        sections in ``SECTIONS``' order."""
+        return ([*dataclasses.fields(MethodOptions), *own_fields()]
+                + [f for s in SECTIONS[1:] for f in dataclasses.fields(s)])
+
+    def sections(self) -> list[Any]:
+        """The section objects, in ``SECTIONS``' order (the method's first)."""
+        return [getattr(self, s.section) for s in SECTIONS]
 
     def to_dict(self) -> dict[str, Any]:
-        """The options by field name (what ``summary.json`` and the checkpoints record)."""
-        return dataclasses.asdict(self)
+        """The options by name, flat (what ``summary.json`` and the checkpoints record): the
+        method section's (the shared options and the chosen method's own), then the others."""
+        return {k: v for section in self.sections() for k, v in dataclasses.asdict(section).items()}
+
+    def option(self, name: str) -> Any:
+        """One option's value by its flat name; another method's own option reads as its
+        default (unset in this run).
+
+        Args:
+            name: the option's name (``sync_every``).
+
+        Raises:
+            AttributeError: no option of that name.
+        """
+        where = section_of()
+        if name in where and hasattr(getattr(self, where[name]), name):
+            return getattr(getattr(self, where[name]), name)
+        own = {f.name: f.default for f in own_fields()}
+        if name in own:
+            return own[name]
+        raise AttributeError(f"TrainConfig has no option {name!r}")
+
+    def replace(self, **options: Any) -> TrainConfig:
+        """A copy with some options changed.
+
+        Args:
+            **options: the new values by option name (flat: ``lr=1e-3``).
+        """
+        return TrainConfig(**{**self.to_dict(), **canonical(options)})
+
+    def __getattr__(self, name: str) -> Any:
+        """A flat read (``cfg.method.sync_every``) of an older release: works for one more, with a
+        DeprecationWarning naming the nested read (``cfg.method.sync_every``)."""
+        if name.startswith("_") or name in ("method", *(s.section for s in SECTIONS)):
+            raise AttributeError(name)
+        where = section_of()
+        if name not in where:
+            raise AttributeError(f"TrainConfig has no option {name!r}")
+        warnings.warn(f"cfg.{name} is a flat read of the nested configuration; read "
+                      f"cfg.{where[name]}.{name} (flat reads go in the next release)",
+                      DeprecationWarning, stacklevel=2)
+        return self.option(name)
+
+    def __reduce__(self):
+        return (_from_dict, (self.to_dict(),))
 
     @property
-    def method(self) -> type[Method]:
-        """The class of the method ``algorithm`` names."""
-        return method(self.algorithm)
+    def method_class(self) -> type[Method]:
+        """The class of the method ``method.algorithm`` names."""
+        return method(self.method.algorithm)
 
     @property
     def tokens_per_step(self) -> int:
         """Training tokens consumed by all workers in one inner step: every rank of every
         worker reads a batch."""
-        return self.workers * self.worker_ranks * self.batch_size * self.seq_len
+        return (self.runtime.workers * self.runtime.worker_ranks * self.data.batch_size
+                * self.data.seq_len)
+
+
+def _from_dict(values: dict[str, Any]) -> TrainConfig:
+    """A TrainConfig from ``to_dict()``'s values (unpickling)."""
+    return TrainConfig(**values)
+
+
+def refuse_other(name: str, value: Any, default: Any, algorithm: str | None) -> None:
+    """Refuse another method's own option set for this run (its default passes: unset).
+
+    Raises:
+        ConfigError: naming the methods the option applies to.
+    """
+    if value == default:
+        return
+    raise ConfigError(name, f"applies to {', '.join(takers(name))} only, not to --algorithm "
+                      f"{algorithm or MethodOptions.algorithm} (got {value!r})")
 
 
 def choices(f: dataclasses.Field) -> tuple | None:
@@ -200,9 +355,9 @@ def model_dims(cfg: TrainConfig) -> dict[str, int | float]:
     """
     from loco.model import MODEL_SIZES
 
-    base = MODEL_SIZES[cfg.model]
-    return {**base, "n_layers": cfg.layers or base["n_layers"],
-            "d_model": cfg.dim or base["d_model"], "n_heads": cfg.heads or base["n_heads"]}
+    base = MODEL_SIZES[cfg.model.name]
+    return {**base, "n_layers": cfg.model.layers or base["n_layers"],
+            "d_model": cfg.model.dim or base["d_model"], "n_heads": cfg.model.heads or base["n_heads"]}
 
 
 def steps_for_tokens(cfg: TrainConfig) -> int:
@@ -218,20 +373,20 @@ def steps_for_tokens(cfg: TrainConfig) -> int:
     """
     from loco.model import ModelConfig, parameter_count
 
-    text = cfg.tokens.strip().lower()
+    text = cfg.run.tokens.strip().lower()
     try:
         value = float(text[:-1] if text.endswith("x") else text)
     except ValueError:
         value = math.nan
     if not (math.isfinite(value) and value > 0):
         raise ConfigError("tokens", f"expected a token count such as 2e7 or tokens per "
-                          f"parameter such as 20x (got {cfg.tokens!r})")
-    if text.endswith("x") and cfg.model.startswith("hf:"):
+                          f"parameter such as 20x (got {cfg.run.tokens!r})")
+    if text.endswith("x") and cfg.model.name.startswith("hf:"):
         from loco import hf
 
-        value *= hf.parameter_count(cfg.model, cfg.vocab_size)
+        value *= hf.parameter_count(cfg.model.name, cfg.data.vocab_size)
     elif text.endswith("x"):
-        mcfg = ModelConfig(vocab_size=cfg.vocab_size, seq_len=cfg.seq_len, **model_dims(cfg))
+        mcfg = ModelConfig(vocab_size=cfg.data.vocab_size, seq_len=cfg.data.seq_len, **model_dims(cfg))
         value *= parameter_count(mcfg)
     return max(1, math.ceil(value / cfg.tokens_per_step))
 
@@ -249,18 +404,18 @@ def profile_steps(cfg: TrainConfig) -> tuple[int, int] | None:
     Raises:
         ConfigError: ``profile`` is not ``A-B`` or ``N``, or its steps are out of range.
     """
-    if cfg.profile is None:
+    if cfg.run.profile is None:
         return None
-    text = str(cfg.profile).strip()
+    text = str(cfg.run.profile).strip()
     first, sep, last = text.partition("-")
     try:
         window = (int(first), int(last) if sep else int(first))
     except ValueError:
         window = None
-    steps = cfg.steps if cfg.steps is not None else DEFAULT_STEPS
+    steps = cfg.run.steps if cfg.run.steps is not None else DEFAULT_STEPS
     if window is None or not 1 <= window[0] <= window[1] <= steps:
         raise ConfigError("profile", f"must be a range of inner steps A-B with 1 <= A <= B <= "
-                          f"--steps ({steps}), e.g. 20-30, or one step N (got {cfg.profile!r})")
+                          f"--steps ({steps}), e.g. 20-30, or one step N (got {cfg.run.profile!r})")
     return window
 
 
@@ -281,13 +436,13 @@ def resolve(cfg: TrainConfig) -> TrainConfig:
     Raises:
         ConfigError: both ``steps`` and ``tokens`` given, or a ``tokens`` that does not parse.
     """
-    if cfg.steps is not None and cfg.tokens is not None:
+    if cfg.run.steps is not None and cfg.run.tokens is not None:
         raise ConfigError("tokens", f"give --tokens or --steps, not both (got --tokens "
-                          f"{cfg.tokens} and --steps {cfg.steps})")
-    unset = {k: v for k, v in cfg.method.defaults.items() if getattr(cfg, k) is None}
-    if cfg.steps is None:
-        unset["steps"] = DEFAULT_STEPS if cfg.tokens is None else steps_for_tokens(cfg)
-    return dataclasses.replace(cfg, **unset) if unset else cfg
+                          f"{cfg.run.tokens} and --steps {cfg.run.steps})")
+    unset = {k: v for k, v in cfg.method_class.defaults.items() if cfg.option(k) is None}
+    if cfg.run.steps is None:
+        unset["steps"] = DEFAULT_STEPS if cfg.run.tokens is None else steps_for_tokens(cfg)
+    return cfg.replace(**unset) if unset else cfg
 
 
 def warnings_for(cfg: TrainConfig) -> list[str]:
@@ -302,16 +457,16 @@ def warnings_for(cfg: TrainConfig) -> list[str]:
             NoLoCo's (α, β, γ) outside the paper's convergence region); empty if none.
     """
     cfg = resolve(cfg)
-    out = cfg.method.warnings(cfg)
-    if cfg.elastic and cfg.spread_every and not cfg.method.replicas_identical:
+    out = cfg.method_class.warnings(cfg)
+    if cfg.runtime.elastic and cfg.method.spread_every and not cfg.method_class.replicas_identical:
         out.append("--spread-every ignored: an elastic run measures no spread (a collective "
                    "outside the syncs)")
     fast = [f"--{n.replace('_', '-')}" for n in ("fast_link_bandwidth", "fast_link_latency")
-            if getattr(cfg, n) is not None]
-    if fast and cfg.worker_ranks == 1:
+            if cfg.option(n) is not None]
+    if fast and cfg.runtime.worker_ranks == 1:
         out.append(f"{' and '.join(fast)} ignored: a fast link joins the ranks of a worker, "
                    "and workers of one rank (--worker-ranks 1) have none")
-    elif fast and cfg.worker_parallel == "fsdp":
+    elif fast and cfg.runtime.worker_parallel == "fsdp":
         out.append(f"{' and '.join(fast)}: only the outer algorithm's traffic inside a worker "
                    "is emulated; FSDP2's own all-gathers and reduce-scatters (--worker-parallel "
                    "fsdp) are counted but not delayed")
@@ -337,9 +492,10 @@ def validate(cfg: TrainConfig) -> None:
     Raises:
         ConfigError: the first option out of range, naming what is allowed.
     """
-    for f in TrainConfig.fields():
+    by_name = {f.name: f for f in TrainConfig.fields()}
+    for name, value in cfg.to_dict().items():
+        f = by_name[name]
         allowed = choices(f)
-        value = getattr(cfg, f.name)
         if allowed and not (value is None and f.default is None):  # None: the method's
             need(cfg, value in allowed, f.name, f"must be one of {', '.join(allowed)}")
     for section in SECTIONS:
@@ -347,14 +503,14 @@ def validate(cfg: TrainConfig) -> None:
     check_applies(cfg)
     cfg = resolve(cfg)
     layers = validate_model(cfg)
-    need(cfg, 1 <= cfg.stages <= layers, "stages",
-         f"must be in [1, {layers}], the number of blocks of the {cfg.model} model")
-    need(cfg, cfg.routing == "fixed" or cfg.stages > 1, "routing",
+    need(cfg, 1 <= cfg.runtime.stages <= layers, "stages",
+         f"must be in [1, {layers}], the number of blocks of the {cfg.model.name} model")
+    need(cfg, cfg.runtime.routing == "fixed" or cfg.runtime.stages > 1, "routing",
          "random routing needs pipeline stages: add --stages 2 or more")
     for name in ("steps", "sync_every"):
-        need(cfg, getattr(cfg, name) >= 1, name, "must be an integer >= 1")
+        need(cfg, cfg.option(name) >= 1, name, "must be an integer >= 1")
     profile_steps(cfg)
-    cfg.method.check(cfg, layers)
+    cfg.method_class.check(cfg, layers)
 
 
 def validate_model(cfg: TrainConfig) -> int:
@@ -366,11 +522,11 @@ def validate_model(cfg: TrainConfig) -> int:
     Args:
         cfg: the resolved configuration.
     """
-    if not cfg.model.startswith("hf:"):
+    if not cfg.model.name.startswith("hf:"):
         dims = model_dims(cfg)
         head = dims["d_model"] // dims["n_heads"]
         if dims["d_model"] % dims["n_heads"] or head % 2:
-            raise ConfigError("dim" if cfg.dim else "heads", f"d_model {dims['d_model']} must "
+            raise ConfigError("dim" if cfg.model.dim else "heads", f"d_model {dims['d_model']} must "
                               f"be a multiple of the {dims['n_heads']} heads with an even head "
                               f"size (rotary embeddings) (got {dims})")
         if dims["n_heads"] % dims.get("n_kv_heads", 1):
@@ -380,21 +536,21 @@ def validate_model(cfg: TrainConfig) -> int:
     from loco import hf
 
     for name in ("layers", "dim", "heads"):
-        if getattr(cfg, name) is not None:
+        if cfg.option(name) is not None:
             raise ConfigError(name, f"resizes the built-in model only; with --model hf:PATH "
-                              f"edit its config.json (got {getattr(cfg, name)})")
+                              f"edit its config.json (got {cfg.option(name)})")
     try:
-        config = hf.load_config(cfg.model)
+        config = hf.load_config(cfg.model.name)
     except hf.HFModelError as e:
         raise ConfigError("model", str(e)) from None
     limit = hf.max_positions(config)
-    if limit is not None and cfg.seq_len > limit:
+    if limit is not None and cfg.data.seq_len > limit:
         raise ConfigError("seq_len", f"must be at most the model's max_position_embeddings "
-                          f"{limit} (got {cfg.seq_len})")
-    if cfg.stages > 1 and not hf.splits_into_stages(config):
+                          f"{limit} (got {cfg.data.seq_len})")
+    if cfg.runtime.stages > 1 and not hf.splits_into_stages(config):
         raise ConfigError("stages", f"pipeline stages cannot split a {config.model_type} model "
                           f"yet (they can: {', '.join(hf.STAGE_ARCHITECTURES)}); use --stages 1 "
-                          f"(got {cfg.stages})")
+                          f"(got {cfg.runtime.stages})")
     return hf.num_layers(config)
 
 

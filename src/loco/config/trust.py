@@ -55,31 +55,32 @@ class TrustOptions:
                         "workers (AES-256-GCM, which also authenticates it, in place of the "
                         "MAC; needs the 'cryptography' package: pip install 'loco[encrypt]')")
 
-    def check(self) -> None:
+    @staticmethod
+    def check(cfg) -> None:
         """The factor >= 1; every attack parses and names a worker of the run; the replica
         check's interval >= 0; the key file readable."""
-        need(self, math.isfinite(self.guard_factor) and self.guard_factor >= 1,
+        need(cfg, math.isfinite(cfg.trust.guard_factor) and cfg.trust.guard_factor >= 1,
              "guard_factor", "must be a number >= 1")
-        need(self, self.verify_every >= 0, "verify_every", "must be an integer >= 0 "
+        need(cfg, cfg.trust.verify_every >= 0, "verify_every", "must be an integer >= 0 "
              "(0: never)")
         try:
-            attacks = parse_attacks(self.inject)
+            attacks = parse_attacks(cfg.trust.inject)
         except ValueError as e:
             raise ConfigError("inject", str(e)) from None
         for a in attacks:
-            need(self, a.worker < self.workers, "inject",
-                 f"worker {a.worker} is out of range: WORKER must be in [0, {self.workers})")
-            need(self, a.kind != "silent" or self.elastic, "inject",
+            need(cfg, a.worker < cfg.runtime.workers, "inject",
+                 f"worker {a.worker} is out of range: WORKER must be in [0, {cfg.runtime.workers})")
+            need(cfg, a.kind != "silent" or cfg.runtime.elastic, "inject",
                  "silent needs --elastic (without elastic membership a worker that never "
                  "sends again stops the run)")
-            need(self, a.kind != "lie-tokens" or self.local_steps == "proportional", "inject",
+            need(cfg, a.kind != "lie-tokens" or cfg.runtime.local_steps == "proportional", "inject",
                  "lie-tokens needs --local-steps proportional (only a token-weighted merge "
                  "believes a worker's claim)")
-        path = self.job_key_file or os.environ.get(JOB_KEY_ENV)
-        need(self, not self.encrypt or bool(path), "encrypt",
+        path = cfg.trust.job_key_file or os.environ.get(JOB_KEY_ENV)
+        need(cfg, not cfg.trust.encrypt or bool(path), "encrypt",
              f"needs a job key (--job-key-file or ${JOB_KEY_ENV}): the payloads are "
              "encrypted with it")
-        if self.encrypt:
+        if cfg.trust.encrypt:
             try:
                 import cryptography  # noqa: F401
             except ImportError:

@@ -61,7 +61,7 @@ def evaluate_run(run_dir: str, tasks: list[str], include_path: str | None = None
     if num_fewshot is not None and num_fewshot < 0:
         raise EvalError(f"--num-fewshot: must be >= 0 (got {num_fewshot})")
     run = open_run(run_dir)
-    method = run.cfg.method
+    method = run.cfg.method_class
     if replicas is None:
         replicas = method.replicas_by_default
     if replicas and method.replicas_identical and not method.global_copy:
@@ -77,7 +77,7 @@ def evaluate_run(run_dir: str, tasks: list[str], include_path: str | None = None
         full, by_model = {}, {}
         for keys, description, model in run_models(run, corpus.vocab_size, replicas):
             log(f"evaluating {description} on {', '.join(tasks)}")
-            lm = make_lm(model, tokenizer, run.cfg.seq_len, batch_size, device, description,
+            lm = make_lm(model, tokenizer, run.cfg.data.seq_len, batch_size, device, description,
                          getattr(corpus, "eos_id", None))
             try:
                 # (lm-eval records the git commit of the working directory: not the run's)
@@ -90,7 +90,7 @@ def evaluate_run(run_dir: str, tasks: list[str], include_path: str | None = None
                 raise EvalError(f"--tasks: {e.args[0] if e.args else e}") from None
             if lm.truncated:
                 print(f"loco eval: warning: {lm.truncated} continuations were longer than the "
-                      f"model's {run.cfg.seq_len} tokens (--seq-len) and were scored on their "
+                      f"model's {run.cfg.data.seq_len} tokens (--seq-len) and were scored on their "
                       "last tokens only", file=sys.stderr)
             for key in keys:
                 full[key] = results
@@ -114,9 +114,9 @@ def evaluate_run(run_dir: str, tasks: list[str], include_path: str | None = None
 
 
 def _final_description(run: RunCheckpoint) -> str:
-    if run.cfg.method.global_copy:
+    if run.cfg.method_class.global_copy:
         return "global"
-    if run.replicas_differ and run.cfg.final_average:
+    if run.replicas_differ and run.cfg.method.final_average:
         return "average"
     return "replica 0"
 

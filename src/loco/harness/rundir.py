@@ -38,7 +38,7 @@ class RunCheckpoint:
     @property
     def replicas_differ(self) -> bool:
         """Whether the workers end with models of their own (NoLoCo, Local)."""
-        return not self.cfg.method.replicas_identical
+        return not self.cfg.method_class.replicas_identical
 
 
 def open_run(run_dir: str) -> RunCheckpoint:
@@ -51,7 +51,7 @@ def open_run(run_dir: str) -> RunCheckpoint:
         EvalError: no such directory, no ``summary.json``, no checkpoint, or a checkpoint
             this version cannot read.
     """
-    from loco.config import TrainConfig, canonical
+    from loco.config import TrainConfig
 
     if not os.path.isdir(run_dir):
         raise EvalError(f"no such run directory: {run_dir}")
@@ -79,16 +79,15 @@ def open_run(run_dir: str) -> RunCheckpoint:
     if not isinstance(saved, dict):
         raise EvalError(f"{run_dir} records no configuration (in summary.json or "
                         f"{checkpoint.DIRNAME}/latest.json)")
-    names = {f.name for f in TrainConfig.fields()}
     try:
-        cfg = TrainConfig(**{k: v for k, v in canonical(saved).items() if k in names})
+        cfg = TrainConfig.from_saved(saved)
     except (TypeError, ValueError) as e:
         raise EvalError(f"{run_dir}'s configuration cannot be read by this version of loco "
                         f"({e})") from None
     step = int(meta["step"])
-    if step != cfg.steps:
+    if step != cfg.run.steps:
         print(f"loco eval: warning: {run_dir}'s last checkpoint is of step {step}, not the "
-              f"last step {cfg.steps}", file=sys.stderr)
+              f"last step {cfg.run.steps}", file=sys.stderr)
     if meta.get("elastic"):
         raise EvalError(f"{run_dir} is an elastic run (--elastic): reading its checkpoint "
                         "(the lead worker's shared state) is not supported yet")
@@ -108,11 +107,11 @@ def load_tokenizer(run: RunCheckpoint):
 
     cfg = run.cfg
     extra = {}
-    if getattr(cfg, "tokenizer", None) is not None:
-        extra["tokenizer"] = cfg.tokenizer
+    if cfg.data.tokenizer is not None:
+        extra["tokenizer"] = cfg.data.tokenizer
     try:
-        corpus = prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.val_fraction, cfg.cache_dir,
-                                cfg.text_field, **extra)
+        corpus = prepare_corpus(cfg.data.corpus, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.cache_dir,
+                                cfg.data.text_field, **extra)
     except CorpusError as e:
         raise EvalError(f"the run's tokenizer cannot be rebuilt from its corpus ({e}); run "
                         "loco eval where the run was trained (its --corpus and --cache-dir "

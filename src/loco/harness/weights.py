@@ -14,9 +14,9 @@ from loco.harness.rundir import EvalError, RunCheckpoint
 def _layout(run: RunCheckpoint) -> tuple[int, int, int]:
     """(M workers, S stages, R ranks per worker) of the run's checkpoint."""
     cfg = run.cfg
-    workers = int(run.summary.workers or cfg.workers)
-    stages = int(run.summary.stages or cfg.stages)
-    ranks = int(run.meta.get("worker_ranks", cfg.worker_ranks))
+    workers = int(run.summary.workers or cfg.runtime.workers)
+    stages = int(run.summary.stages or cfg.runtime.stages)
+    ranks = int(run.meta.get("worker_ranks", cfg.runtime.worker_ranks))
     if ranks > 1 and stages > 1:
         raise EvalError("a checkpoint of pipeline stages with workers of several ranks is "
                         "not supported yet")
@@ -72,7 +72,7 @@ def _fragment_names(cfg, module, pipeline: bool) -> list[list[str]]:
     """The parameter names of each fragment, as the method builds them
     (``Method.fragment_names``)."""
     tied = pipeline and getattr(module, "tied", None) is not None
-    return cfg.method.fragment_names(cfg, module, tied)
+    return cfg.method_class.fragment_names(cfg, module, tied)
 
 
 @torch.no_grad()
@@ -148,12 +148,12 @@ def run_models(run: RunCheckpoint, vocab_size: int, replicas: bool = False):
         replicas: also every replica (and their average); default False.
     """
     workers = _layout(run)[0]
-    if run.cfg.method.global_copy:
+    if run.cfg.method_class.global_copy:
         yield ("final",), "the global model", replica_model(run, 0, vocab_size, True)
     elif not run.replicas_differ:  # DataParallel: every worker holds the final model
         yield ("final",), "worker 0's model", replica_model(run, 0, vocab_size)
         return
-    average_final = run.replicas_differ and run.cfg.final_average
+    average_final = run.replicas_differ and run.cfg.method.final_average
     if not (replicas or average_final):
         if run.replicas_differ:
             yield ("final",), "replica 0 (the run's final model)", \

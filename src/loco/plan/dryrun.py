@@ -2,7 +2,7 @@
 
 The model is built as ``loco train`` builds it (`make_model` on the meta device; sharded by
 FSDP2 with ``--worker-parallel fsdp``, over torch's fake process group), then the inner
-optimizer and the method (``cfg.method.from_config``), over Comms whose transport does
+optimizer and the method (``cfg.method_class.from_config``), over Comms whose transport does
 nothing ([`DryComm`][loco.plan.dryrun.DryComm]): every operation counts its bytes as a run
 does, with the Comm's own formulas, and runs its arithmetic on meta tensors, so the Comm's
 kept buffers take the shapes a run's take. Then the loop's inner steps (``_steps``) and the
@@ -238,11 +238,11 @@ def dry_run(cfg: TrainConfig, vocab_size: int, steps: int, shard: int = 0) -> Ra
         steps: the inner steps to run, >= 1.
         shard: the rank's index inside its worker, in [0, ``worker_ranks``).
     """
-    M, R = cfg.workers, cfg.worker_ranks
+    M, R = cfg.runtime.workers, cfg.runtime.worker_ranks
     comm = DryComm(0, M)
     inner = DryComm(shard, R, name="inner") if R > 1 else None
     with _fsdp_mesh(cfg, shard) as device_mesh:
-        ctx = WorkerContext(shard, M * R, Mesh(M, 1, R), comm, META, cfg.launcher, inner=inner,
+        ctx = WorkerContext(shard, M * R, Mesh(M, 1, R), comm, META, cfg.runtime.launcher, inner=inner,
                             device_mesh=device_mesh)
         model = make_model(cfg, vocab_size, "meta")
         parameters = model.num_parameters()
@@ -250,7 +250,7 @@ def dry_run(cfg: TrainConfig, vocab_size: int, steps: int, shard: int = 0) -> Ra
             model = shard_worker(model, ctx, mixed_precision(cfg))
         with HostReads():
             optimizer = make_optimizer(model, cfg)
-            algo = cfg.method.from_config(cfg, model, optimizer, comm, None, inner)
+            algo = cfg.method_class.from_config(cfg, model, optimizer, comm, None, inner)
             plan = make_local_steps(cfg, ctx, algo, Loop())
             _steps(cfg, algo, steps, [c for c in (comm, inner) if c is not None], plan)
             memory = memory_bytes(algo, ctx)
@@ -327,7 +327,7 @@ class Passes:
         issued = sum(len(c.log) for c in self.comms)
         hooks = ([p.register_post_accumulate_grad_hook(self.order.append)
                   for p in self.algo.params] if t == 2 else [])
-        tokens = torch.zeros(self.cfg.batch_size, self.cfg.seq_len, dtype=torch.long,
+        tokens = torch.zeros(self.cfg.data.batch_size, self.cfg.data.seq_len, dtype=torch.long,
                              device=META)
         model(tokens, tokens).backward()
         for h in hooks:
@@ -364,7 +364,7 @@ def _fsdp_mesh(cfg: TrainConfig, shard: int) -> Iterator[object]:
     Raises:
         RuntimeError: a process group is already initialized in this process.
     """
-    if cfg.worker_parallel != "fsdp" or cfg.worker_ranks == 1:
+    if cfg.runtime.worker_parallel != "fsdp" or cfg.runtime.worker_ranks == 1:
         yield None
         return
     if dist.is_initialized():
@@ -373,9 +373,9 @@ def _fsdp_mesh(cfg: TrainConfig, shard: int) -> Iterator[object]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dist.init_process_group("fake", store=FakeStore(), rank=shard, world_size=cfg.worker_ranks)
+    dist.init_process_group("fake", store=FakeStore(), rank=shard, world_size=cfg.runtime.worker_ranks)
     try:
-        yield init_device_mesh("cpu", (cfg.worker_ranks,), mesh_dim_names=("shard",))
+        yield init_device_mesh("cpu", (cfg.runtime.worker_ranks,), mesh_dim_names=("shard",))
     finally:
         dist.destroy_process_group()
 

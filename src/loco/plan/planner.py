@@ -50,27 +50,27 @@ def plan(cfg: TrainConfig, step_time: float | None = None) -> dict:
     started = time.perf_counter()
     validate(cfg)
     cfg = resolve(cfg)
-    if cfg.stages > 1:
+    if cfg.runtime.stages > 1:
         raise ConfigError("stages", "loco plan does not plan pipeline stages yet; plan one "
-                          f"stage (--stages 1) (got {cfg.stages})")
-    if cfg.offload:
+                          f"stage (--stages 1) (got {cfg.runtime.stages})")
+    if getattr(cfg.method, "offload", False):
         raise ConfigError("offload", "loco plan does not plan an offloaded outer state yet "
                           "(the dry run would allocate it in host memory); plan without "
                           "--offload: the same state, less the host buffer of Δ̄")
     if step_time is not None and not (math.isfinite(step_time) and step_time > 0):
         raise ConfigError("step_time", f"must be a number of seconds > 0 (got {step_time})")
     layers = validate_model(cfg)
-    H, T = cfg.sync_every, cfg.steps
+    H, T = cfg.method.sync_every, cfg.run.steps
     classes = {}
     for shard, count in rank_classes(cfg).items():
-        steady = dry_run(cfg, cfg.vocab_size, 2 * H, shard)
-        exact = steady if T >= 2 * H else dry_run(cfg, cfg.vocab_size, T, shard)
+        steady = dry_run(cfg, cfg.data.vocab_size, 2 * H, shard)
+        exact = steady if T >= 2 * H else dry_run(cfg, cfg.data.vocab_size, T, shard)
         classes[shard] = RankClass(count, steady, exact)
     lead = classes[0].steady
-    out = {"algorithm": cfg.algorithm, "title": cfg.method.title, "model": cfg.model,
-           "model_parameters": lead.parameters, "layers": layers, "vocab_size": cfg.vocab_size,
-           "workers": cfg.workers, "worker_ranks": cfg.worker_ranks,
-           "worker_parallel": cfg.worker_parallel, "dtype": cfg.dtype, "steps": T,
+    out = {"algorithm": cfg.method.algorithm, "title": cfg.method_class.title, "model": cfg.model.name,
+           "model_parameters": lead.parameters, "layers": layers, "vocab_size": cfg.data.vocab_size,
+           "workers": cfg.runtime.workers, "worker_ranks": cfg.runtime.worker_ranks,
+           "worker_parallel": cfg.runtime.worker_parallel, "dtype": cfg.model.dtype, "steps": T,
            "sync_every": H}
     out["memory_bytes_per_rank"] = {k: max(c.exact.memory[k] for c in classes.values())
                                     for k in lead.memory}
@@ -102,15 +102,15 @@ def rank_classes(cfg: TrainConfig) -> dict[int, int]:
     same as it: ``{shard: count}``. One rank: ``{0: 1}``. FSDP2: ranks alike when their
     shards of every parameter (ceil(rows / R) rows, fewer or none at the end) are alike.
     Data-parallel inside: every rank (each owns its own range of the outer state)."""
-    R = cfg.worker_ranks
+    R = cfg.runtime.worker_ranks
     if R == 1:
         return {0: 1}
-    if cfg.worker_parallel != "fsdp":
+    if cfg.runtime.worker_parallel != "fsdp":
         return dict.fromkeys(range(R), 1)
     from loco.training.build import make_model
 
     rows = [p.shape[0] if p.dim() else 1
-            for p in make_model(cfg, cfg.vocab_size, "meta").parameters()]
+            for p in make_model(cfg, cfg.data.vocab_size, "meta").parameters()]
     signatures = [tuple(max(0, min(math.ceil(n / R), n - r * math.ceil(n / R))) for n in rows)
                   for r in range(R)]
     first = {}
@@ -221,24 +221,24 @@ def link_utilization(cfg: TrainConfig, classes: dict[int, RankClass], layers: in
     ``--link-latency`` (unlimited and 0 when not given), with its inputs: each rank on a
     link of its own, as ``loco train`` emulates it, and, for workers of several ranks, the
     worker's ranks sharing one such link."""
-    H = cfg.sync_every
-    spec = LinkSpec.parse(cfg.link_bandwidth, cfg.link_latency) or LinkSpec()
+    H = cfg.method.sync_every
+    spec = LinkSpec.parse(cfg.comm.link_bandwidth, cfg.comm.link_latency) or LinkSpec()
     seconds = step_time if step_time is not None else default_step_time(params)
     rounds = {shard: _round(c.steady.slow, 1, H) for shard, c in classes.items()}
     busiest = max(rounds.values(), key=lambda ops: sum(s.record.sent_bytes for s in ops))
     ops = [Op(s.issued, s.waited, s.record.sent_bytes) for s in busiest]
-    out = {"link_bandwidth": cfg.link_bandwidth, "link_latency": cfg.link_latency,
+    out = {"link_bandwidth": cfg.comm.link_bandwidth, "link_latency": cfg.comm.link_latency,
            "step_time": seconds,
            "step_time_from": "--step-time" if step_time is not None else
            "the Streaming DiLoCo paper's step times, interpolated by parameters",
-           **utilization(ops, H, cfg.workers, layers, params, spec.bandwidth, spec.latency,
+           **utilization(ops, H, cfg.runtime.workers, layers, params, spec.bandwidth, spec.latency,
                          seconds)}
-    if cfg.worker_ranks > 1:  # the worker's ranks on one link: each operation theirs summed
+    if cfg.runtime.worker_ranks > 1:  # the worker's ranks on one link: each operation theirs summed
         shared = [Op(s.issued, s.waited, sum(classes[shard].count * ops[i].record.sent_bytes
                                              for shard, ops in rounds.items() if i < len(ops)))
                   for i, s in enumerate(rounds[0])]
         out["compute_utilization_one_link_per_worker"] = utilization(
-            shared, H, cfg.workers, layers, params, spec.bandwidth, spec.latency,
+            shared, H, cfg.runtime.workers, layers, params, spec.bandwidth, spec.latency,
             seconds)["compute_utilization"]
     return out
 

@@ -35,16 +35,16 @@ from loco.training.worker import SAVED_LOOP, Loop, Worker
 def lr_lambda(cfg: TrainConfig):
     """Linear warm-up, then cosine decay to ``min_lr_ratio`` at the last step."""
     def f(step: int) -> float:
-        if step < cfg.warmup:
-            return (step + 1) / cfg.warmup
-        progress = min(1.0, (step - cfg.warmup) / max(1, cfg.steps - cfg.warmup))
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        if step < cfg.optim.warmup:
+            return (step + 1) / cfg.optim.warmup
+        progress = min(1.0, (step - cfg.optim.warmup) / max(1, cfg.run.steps - cfg.optim.warmup))
+        return cfg.optim.min_lr_ratio + (1 - cfg.optim.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
     return f
 
 
 def adamw(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     """AdamW with ``--adam-betas``, weight decay on matrices only (not on norms' gains)."""
-    return inner_optimizer(model, "adamw", lr=cfg.lr, weight_decay=cfg.weight_decay,
+    return inner_optimizer(model, "adamw", lr=cfg.optim.lr, weight_decay=cfg.optim.weight_decay,
                            betas=betas(cfg))
 
 
@@ -58,9 +58,9 @@ def make_optimizer(model: torch.nn.Module, cfg: TrainConfig) -> torch.optim.Opti
         model: the module to train (a whole model or a pipeline stage's part).
         cfg: the run's configuration.
     """
-    return inner_optimizer(model, cfg.inner_optimizer, lr=cfg.lr,
-                           weight_decay=cfg.weight_decay, betas=betas(cfg),
-                           muon_lr=cfg.muon_lr, muon_scale=cfg.muon_scale)
+    return inner_optimizer(model, cfg.optim.inner_optimizer, lr=cfg.optim.lr,
+                           weight_decay=cfg.optim.weight_decay, betas=betas(cfg),
+                           muon_lr=cfg.optim.muon_lr, muon_scale=cfg.optim.muon_scale)
 
 
 def make_model(cfg: TrainConfig, vocab_size: int,
@@ -82,13 +82,13 @@ def make_model(cfg: TrainConfig, vocab_size: int,
             shard it first, as `build_model` does; a model with loaded weights stays on the
             CPU).
     """
-    if is_hf(cfg.model):
-        model = hf.build(cfg.model, vocab_size, cfg.seed, cfg.z_loss, device="meta")
+    if is_hf(cfg.model.name):
+        model = hf.build(cfg.model.name, vocab_size, cfg.run.seed, cfg.model.z_loss, device="meta")
     else:
-        mcfg = model_config(cfg.model, vocab_size, cfg.seq_len, z_loss=cfg.z_loss,
+        mcfg = model_config(cfg.model.name, vocab_size, cfg.data.seq_len, z_loss=cfg.model.z_loss,
                             **model_dims(cfg))
         with torch.device("meta"):
-            model = Transformer(mcfg, torch.Generator().manual_seed(cfg.seed))
+            model = Transformer(mcfg, torch.Generator().manual_seed(cfg.run.seed))
     return model if str(device) == "meta" else materialise(model, device)
 
 
@@ -110,7 +110,7 @@ def build_model(cfg: TrainConfig, ctx: WorkerContext, vocab_size: int) -> torch.
     Raises:
         ValueError: ``--worker-parallel fsdp`` without a device mesh (the threads launcher).
     """
-    if cfg.worker_parallel != "fsdp":
+    if cfg.runtime.worker_parallel != "fsdp":
         return make_model(cfg, vocab_size, ctx.device)
     from loco.runtime.fsdp import shard_worker
 
@@ -123,7 +123,7 @@ def mixed_precision(cfg: TrainConfig):
     gathered and computed in bf16 (half the worker's fast-link bytes of fp32) and the
     gradients reduced in fp32, the sharded master weights and optimizer staying fp32; None
     (FSDP2's default: everything in fp32) with fp32."""
-    if cfg.dtype != "bf16":
+    if cfg.model.dtype != "bf16":
         return None
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
@@ -141,26 +141,26 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
         corpus: the tokenized corpus.
     """
     start = time.perf_counter()
-    vitals = Vitals(None if cfg.out is None else os.path.join(cfg.out, "vitals"), ctx.rank)
+    vitals = Vitals(None if cfg.run.out is None else os.path.join(cfg.run.out, "vitals"), ctx.rank)
     if not ctx.comm.elastic:  # (the elastic supervisor decides on its own workers)
         vitals.check_restart(restart_count())
     vitals.note(0)
     admit_worker(ctx, cfg)  # before any state moves: only the job's members take part
-    autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if cfg.dtype == "bf16"
+    autocast = (torch.autocast(ctx.device.type, dtype=torch.bfloat16) if cfg.model.dtype == "bf16"
                 else nullcontext())
     model = build_model(cfg, ctx, corpus.vocab_size)
     if sum(p.numel() * p.element_size() for p in model.parameters()) >= LARGE_MODEL_BYTES:
         return_freed_memory()  # before the gradients and the optimizers' state exist
     # With pipeline stages each rank trains and syncs only its stage's part of the model.
-    pipeline = (PipelineStage(model, ctx, cfg.batch_size, cfg.seq_len, routing=cfg.routing,
-                              seed=cfg.seed, autocast=autocast) if ctx.stages > 1 else None)
+    pipeline = (PipelineStage(model, ctx, cfg.data.batch_size, cfg.data.seq_len, routing=cfg.runtime.routing,
+                              seed=cfg.run.seed, autocast=autocast) if ctx.stages > 1 else None)
     trained = model if pipeline is None else pipeline.module
     optimizer = make_optimizer(trained, cfg)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg))
-    if cfg.worker_parallel == "fsdp" and ctx.device.type == "cuda":
+    if cfg.runtime.worker_parallel == "fsdp" and ctx.device.type == "cuda":
         for comm in (ctx.comm, ctx.inner):  # FSDP2 issues NCCL calls of its own meanwhile
             comm.issue_in_order = True
-    algo = cfg.method.from_config(cfg, trained, optimizer, ctx.comm, pipeline, ctx.inner)
+    algo = cfg.method_class.from_config(cfg, trained, optimizer, ctx.comm, pipeline, ctx.inner)
     loader = make_loader(cfg, ctx, corpus)
     main = ctx.rank == ctx.mesh.rank_of(0, ctx.stages - 1)  # replica 0's last stage, shard 0
     state, loop = resume_state(cfg, ctx, corpus), Loop()
@@ -181,13 +181,13 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     worker = Worker(
         cfg, ctx, corpus, model, trained, pipeline, schedule, algo, loader, autocast, main,
         log=open_log(cfg, state, joined, loop) if main else None, bar=bar, writer=writer,
-        fault=(Fault.for_rank(ctx.rank, cfg.fault) if state is None and restart_count() == 0
+        fault=(Fault.for_rank(ctx.rank, cfg.runtime.fault) if state is None and restart_count() == 0
                else None),
         resumed_from=resumed_from, start=start, vitals=vitals,
         stager=make_stager(ctx), throttle=make_throttle(cfg, ctx),
         local_steps=plan)
     if resumed_from is not None:  # a checkpoint counts its tokens; a joiner estimates them
-        nominal = resumed_from * ctx.mesh.replicas * ctx.mesh.shards * cfg.batch_size * cfg.seq_len
+        nominal = resumed_from * ctx.mesh.replicas * ctx.mesh.shards * cfg.data.batch_size * cfg.data.seq_len
         worker.resumed_tokens = int(state["loop"].get("tokens", nominal)) if state else nominal
     worker.elastic_tokens = worker.resumed_tokens
     return worker, loop
@@ -207,10 +207,10 @@ def admit_worker(ctx: WorkerContext, cfg: TrainConfig) -> None:
     Raises:
         AdmissionError: some replica could not prove the key (named).
     """
-    secret = job_key(cfg.job_key_file)
+    secret = job_key(cfg.trust.job_key_file)
     if secret is None:
         return
-    key = JobKey(secret, encrypt=cfg.encrypt)
+    key = JobKey(secret, encrypt=cfg.trust.encrypt)
     if ctx.comm.elastic:
         ctx.comm.use_key(key)
     else:
@@ -231,23 +231,23 @@ def make_local_steps(cfg: TrainConfig, ctx: WorkerContext, algo, loop: Loop,
     trains every step. Elastic: the plan hears the quorums, a worker that joins takes it
     from a live one, and an elastic run resumed (every replica restarting from the global
     copy) starts every worker's block anew."""
-    if cfg.local_steps != "proportional":
+    if cfg.runtime.local_steps != "proportional":
         return None
     kind, extra = LocalSteps, {"quorum": ctx.comm if ctx.comm.elastic else None}
-    if cfg.quorum is not None:  # Decoupled DiLoCo's quorum decides the syncs (not elastic)
+    if cfg.runtime.quorum is not None:  # Decoupled DiLoCo's quorum decides the syncs (not elastic)
         kind, extra = QuorumSteps, quorum_kwargs(cfg, ctx.comm, loop.local_admitted)
-    plan = kind(cfg.sync_every, ctx.mesh.replicas, ctx.replica, rounds=loop.local_rounds,
-                max_staleness=cfg.max_staleness, last_round=cfg.steps // cfg.sync_every - 1,
-                ahead=1 if cfg.method.checkpoint_delay(cfg) == 0 else 2, **extra)
+    plan = kind(cfg.method.sync_every, ctx.mesh.replicas, ctx.replica, rounds=loop.local_rounds,
+                max_staleness=cfg.runtime.max_staleness, last_round=cfg.run.steps // cfg.method.sync_every - 1,
+                ahead=1 if cfg.method_class.checkpoint_delay(cfg) == 0 else 2, **extra)
     if ctx.comm.elastic:
         ctx.comm.register_state("local_steps", plan.heal_state, plan.load_heal_state)
         if resumed:
             plan.restarts = dict.fromkeys(range(ctx.mesh.replicas),
-                                          algo.inner_steps // cfg.sync_every)
+                                          algo.inner_steps // cfg.method.sync_every)
     algo.pacing.weight_of = plan.weight
-    if cfg.quorum is not None:
+    if cfg.runtime.quorum is not None:
         algo.pacing.sync_held = plan.holds
-    if cfg.max_staleness:
+    if cfg.runtime.max_staleness:
         algo.keep_block_starts()
     return plan
 
@@ -263,9 +263,9 @@ def make_loader(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> TokenLo
     """
     if ctx.stage != 0:
         return None
-    return TokenLoader(corpus.train, cfg.batch_size, cfg.seq_len,
+    return TokenLoader(corpus.train, cfg.data.batch_size, cfg.data.seq_len,
                        rank=ctx.replica * ctx.mesh.shards + ctx.shard,
-                       world_size=ctx.mesh.replicas * ctx.mesh.shards, seed=cfg.seed,
+                       world_size=ctx.mesh.replicas * ctx.mesh.shards, seed=cfg.run.seed,
                        device=ctx.device)
 
 
@@ -279,11 +279,11 @@ def progress_bar(cfg: TrainConfig, ctx: WorkerContext, main: bool,
         main: whether this rank is the lead rank.
         resumed_from: the step the run continues after; None for a fresh run.
     """
-    return tqdm(total=cfg.steps, initial=resumed_from or 0,
-                desc=f"{cfg.algorithm} x{ctx.mesh.replicas}"
+    return tqdm(total=cfg.run.steps, initial=resumed_from or 0,
+                desc=f"{cfg.method.algorithm} x{ctx.mesh.replicas}"
                 + (f"x{ctx.stages} stages" if ctx.stages > 1 else "")
                 + (f"x{ctx.mesh.shards} ranks" if ctx.mesh.shards > 1 else ""), unit="step",
-                disable=not (main and cfg.progress), dynamic_ncols=True)
+                disable=not (main and cfg.run.progress), dynamic_ncols=True)
 
 
 def open_log(cfg: TrainConfig, state: dict | None, joined: bool, loop: Loop) -> RunLog:
@@ -296,9 +296,9 @@ def open_log(cfg: TrainConfig, state: dict | None, joined: bool, loop: Loop) -> 
         joined: whether this worker joined a running elastic run.
         loop: the loop's running values (``metrics_bytes``: the length at the checkpoint).
     """
-    metrics = os.path.join(cfg.out, "metrics.jsonl")
+    metrics = os.path.join(cfg.run.out, "metrics.jsonl")
     appends = os.path.exists(metrics) and (joined or state is not None
                                            and state["loop"].get("metrics_bytes") is None)
     keep = os.path.getsize(metrics) if appends else loop.metrics_bytes if state else None
-    return RunLog(cfg.out, resume_at=keep, cfg=cfg,
+    return RunLog(cfg.run.out, resume_at=keep, cfg=cfg,
                   resumed_from=None if appends or state is None else int(state["step"]))

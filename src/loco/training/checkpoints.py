@@ -49,7 +49,7 @@ def _checkpoint(w: Worker, loop: Loop, step: int) -> None:
     """Wait for the previous write, then hand the state to the writer: copied into the
     stager's buffers (a model on a GPU) for the background writer, or written in place."""
     cfg = w.cfg
-    assert step == cfg.steps or not w.algo.sync_in_flight, "a sync is in flight"
+    assert step == cfg.run.steps or not w.algo.sync_in_flight, "a sync is in flight"
     t0 = time.perf_counter()
     w.writer.wait(w.ctx.comm.check_aborted)
     if time.perf_counter() - t0 > 1 and w.main:
@@ -124,4 +124,4 @@ def last_checkpoint(w: Worker) -> None:
         w.writer.close(abandon=True)
         raise
     except (checkpoint.CheckpointError, OSError) as e:
-        raise failure(e, w.ctx.rank, w.cfg.steps, w.cfg.comm_timeout) from e
+        raise failure(e, w.ctx.rank, w.cfg.run.steps, w.cfg.comm.comm_timeout) from e

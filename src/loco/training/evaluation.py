@@ -108,14 +108,14 @@ def periodic_eval(w: Worker, loop: Loop, step: int) -> dict:
     on the validation split (``eval_loss``) and on ``--eval-corpus`` (``eval_loss_extra``),
     on its last stage; empty elsewhere."""
     cfg = w.cfg
-    if not (cfg.eval_every and step % cfg.eval_every == 0 and step != cfg.steps
+    if not (cfg.run.eval_every and step % cfg.run.eval_every == 0 and step != cfg.run.steps
             and w.evaluates):
         return {}
     t0 = time.perf_counter()
     with global_model(w.algo) as params:
         losses = {name: evaluate(w.trained, params,
-                                 eval_batches(tokens, cfg.batch_size, cfg.seq_len,
-                                              cfg.eval_batches, w.ctx.device),
+                                 eval_batches(tokens, cfg.data.batch_size, cfg.data.seq_len,
+                                              cfg.run.eval_batches, w.ctx.device),
                                  w.autocast, w.pipeline)
                   for name, tokens in held_out(w.corpus)}
     loop.eval_seconds += time.perf_counter() - t0
@@ -126,19 +126,19 @@ def final_evaluation(w: Worker) -> tuple[float | None, dict | None]:
     """The final model's eval loss (on the lead rank; None elsewhere), and, for methods
     whose replicas differ, every replica's (see :func:`replica_report`)."""
     cfg, algo = w.cfg, w.algo
-    batches = (list(eval_batches(w.corpus.val, cfg.batch_size, cfg.seq_len,
-                                 cfg.final_eval_batches, w.ctx.device))
+    batches = (list(eval_batches(w.corpus.val, cfg.data.batch_size, cfg.data.seq_len,
+                                 cfg.run.final_eval_batches, w.ctx.device))
                if w.evaluates or not algo.replicas_identical else None)
     if not algo.replicas_identical:  # every replica is a model of its own: report them all
         replicas = replica_report(w.trained, algo, w.ctx.comm, batches, w.autocast,
-                                  cfg.final_average, w.pipeline)
+                                  cfg.method.final_average, w.pipeline)
         return (replicas["final_eval_loss"] if w.main else None), replicas
     replicas = None
-    if cfg.method.global_copy and cfg.eval_replicas and cfg.workers > 1:
+    if cfg.method_class.global_copy and getattr(cfg.method, "eval_replicas", False) and cfg.runtime.workers > 1:
         # The Streaming DiLoCo paper's Table 3: the first replica, the replicas' average
         # and the global parameters (the final model), all on the same batches.
-        batches = batches or list(eval_batches(w.corpus.val, cfg.batch_size, cfg.seq_len,
-                                               cfg.final_eval_batches, w.ctx.device))
+        batches = batches or list(eval_batches(w.corpus.val, cfg.data.batch_size, cfg.data.seq_len,
+                                               cfg.run.final_eval_batches, w.ctx.device))
         replicas = replica_report(w.trained, algo, w.ctx.comm, batches, w.autocast, False,
                                   w.pipeline)
     if w.evaluates:
@@ -157,8 +157,8 @@ def final_extra_evaluation(w: Worker) -> float | None:
     cfg = w.cfg
     if w.corpus.eval_extra is None or not w.evaluates:
         return None
-    batches = eval_batches(w.corpus.eval_extra, cfg.batch_size, cfg.seq_len,
-                           cfg.final_eval_batches, w.ctx.device)
+    batches = eval_batches(w.corpus.eval_extra, cfg.data.batch_size, cfg.data.seq_len,
+                           cfg.run.final_eval_batches, w.ctx.device)
     with global_model(w.algo) as params:
         return evaluate(w.trained, params, batches, w.autocast, w.pipeline)
 

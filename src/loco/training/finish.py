@@ -34,7 +34,7 @@ def finish_worker(w: Worker, loop: Loop) -> dict:
     final_eval, replicas = final_evaluation(w)
     extra = final_extra_evaluation(w)
     last_checkpoint(w)
-    write_comm_totals(w.cfg.out, w.ctx)
+    write_comm_totals(w.cfg.run.out, w.ctx)
     if not w.main:
         return {"rank": w.ctx.rank}
     return write_summary(w, loop, per_worker, final_eval, replicas, extra, guard)
@@ -46,8 +46,8 @@ def take_lead(w: Worker) -> None:
     w.lead = min(w.ctx.comm.members)
     lead = w.ctx.replica == w.lead and w.ctx.shard == 0
     if lead and not w.main:
-        path = os.path.join(w.cfg.out, "metrics.jsonl")
-        w.log = RunLog(w.cfg.out, resume_at=os.path.getsize(path) if os.path.exists(path)
+        path = os.path.join(w.cfg.run.out, "metrics.jsonl")
+        w.log = RunLog(w.cfg.run.out, resume_at=os.path.getsize(path) if os.path.exists(path)
                        else None, cfg=w.cfg)
     w.main = lead
 
@@ -68,7 +68,7 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
         guard: what the guard saw (``loco.training.guard_report.guard_summary``), or None.
     """
     ctx = w.ctx
-    w.log.metric({"step": w.cfg.steps, "tokens": w.tokens_at(w.cfg.steps),
+    w.log.metric({"step": w.cfg.run.steps, "tokens": w.tokens_at(w.cfg.run.steps),
                   "eval_loss": final_eval, **({} if extra is None else {"eval_loss_extra": extra}),
                   "bytes_sent": ctx.comm.totals("train").sent_bytes,
                   **issued_link_bytes(ctx), "elapsed": time.perf_counter() - w.start})
@@ -83,32 +83,32 @@ def make_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float |
     """The run's summary, now (its ``wall_seconds`` end here); the arguments are
     :func:`write_summary`'s."""
     cfg, ctx, algo, corpus = w.cfg, w.ctx, w.algo, w.corpus
-    tokens = w.tokens_at(cfg.steps)
+    tokens = w.tokens_at(cfg.run.steps)
     wall = time.perf_counter() - w.start
     # The job is done when its slowest worker is: timing worker 0 alone would flatter
     # methods without a barrier, whose workers drift apart in speed.
     train_seconds = max(c["train_seconds"] for c in workers)
     return Summary(
-        algorithm=cfg.algorithm, workers=ctx.mesh.replicas, stages=ctx.stages,
-        routing=cfg.routing if ctx.stages > 1 else None, launcher=ctx.launcher,
-        worker_ranks=ctx.mesh.shards, worker_parallel=cfg.worker_parallel,
-        inner_steps=cfg.steps, tokens=tokens, final_eval_loss=final_eval,
+        algorithm=cfg.method.algorithm, workers=ctx.mesh.replicas, stages=ctx.stages,
+        routing=cfg.runtime.routing if ctx.stages > 1 else None, launcher=ctx.launcher,
+        worker_ranks=ctx.mesh.shards, worker_parallel=cfg.runtime.worker_parallel,
+        inner_steps=cfg.run.steps, tokens=tokens, final_eval_loss=final_eval,
         final_model=final_model(cfg),
         final_eval_loss_extra=extra, unigram_entropy=corpus.unigram_entropy,
         model_parameters=w.model.num_parameters(), **summarize_counters(
             ctx, workers, loop.eval_seconds + loop.diagnostic_seconds),
         resumed_from_step=w.resumed_from, restarts=restart_count(),
-        worker_speeds=None if cfg.worker_speed is None else list(worker_speeds(cfg)),
+        worker_speeds=None if cfg.runtime.worker_speed is None else list(worker_speeds(cfg)),
         local_steps=None if w.local_steps is None else {
-            "rounds": local_rounds(w), "max_staleness": cfg.max_staleness,
-            "staleness": (w.local_steps.staleness(cfg.steps // cfg.sync_every)
-                          if cfg.max_staleness else None),
+            "rounds": local_rounds(w), "max_staleness": cfg.runtime.max_staleness,
+            "staleness": (w.local_steps.staleness(cfg.run.steps // cfg.method.sync_every)
+                          if cfg.runtime.max_staleness else None),
             **(w.local_steps.summary() if isinstance(w.local_steps, QuorumSteps) else {})},
         elastic=(None if not ctx.comm.elastic else {
             "min_workers": ctx.comm.min_workers,
             **recovery_report(ctx.comm.events, ctx.comm.syncs, ctx.comm.workers)}),
-        link=link_options(cfg.link_bandwidth, cfg.link_latency),
-        fast_link=link_options(cfg.fast_link_bandwidth, cfg.fast_link_latency),
+        link=link_options(cfg.comm.link_bandwidth, cfg.comm.link_latency),
+        fast_link=link_options(cfg.comm.fast_link_bandwidth, cfg.comm.fast_link_latency),
         wall_seconds=wall, train_seconds=train_seconds, eval_seconds=loop.eval_seconds,
         diagnostic_seconds=loop.diagnostic_seconds, checkpoints=loop.checkpoints,
         checkpoint_seconds=loop.checkpoint_seconds, tokens_per_second=tokens / train_seconds,
@@ -165,9 +165,9 @@ def machine_info(device: torch.device) -> dict:
 
 def final_model(cfg) -> str:
     """Which model the final eval loss is of (``Summary.final_model``)."""
-    method = cfg.method
+    method = cfg.method_class
     if method.global_copy:
         return "the global model"
     if method.replicas_identical:
         return "the model"
-    return "the replicas' average" if cfg.final_average else "worker 0's replica"
+    return "the replicas' average" if cfg.method.final_average else "worker 0's replica"

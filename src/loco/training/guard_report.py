@@ -49,5 +49,5 @@ def guard_summary(w: Worker) -> dict | None:
     detected = [{**row, "action": action(guard.aggregation, row["sign"])}
                 for row in named(counts, first.nan_to_num(posinf=-1), last)]
     return {"aggregation": guard.aggregation, "factor": guard.factor,
-            "injected": [str(a) for a in parse_attacks(w.cfg.inject)], "detected": detected,
+            "injected": [str(a) for a in parse_attacks(w.cfg.trust.inject)], "detected": detected,
             "peak_ratio": [round(float(p), 4) for p in peak]}

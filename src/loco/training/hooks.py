@@ -252,14 +252,14 @@ class ElasticTokens(StepHook):
         w, plan = self.w, self.w.local_steps
         if plan is not None:  # the steps the members of the latest sync train at this tick
             w.elastic_tokens += (sum(plan.trains(step, m) for m in w.ctx.comm.members)
-                                 * w.cfg.batch_size * w.cfg.seq_len)
+                                 * w.cfg.data.batch_size * w.cfg.data.seq_len)
 
     def after(self, step: int) -> None:
         """Without them: count the step's."""
         w = self.w
         if w.local_steps is None:  # the quorum of the latest sync trained
             w.elastic_tokens += (len(w.ctx.comm.members) * w.ctx.mesh.shards
-                                 * w.cfg.batch_size * w.cfg.seq_len)
+                                 * w.cfg.data.batch_size * w.cfg.data.seq_len)
 
 
 def step_hooks(w: Worker, loop: Loop) -> StepHooks:
@@ -277,7 +277,7 @@ def step_hooks(w: Worker, loop: Loop) -> StepHooks:
         hooks.append(FaultDrill(w.fault, w.ctx.comm, w.writer, w.algo))
     if w.throttle is not None:
         hooks.append(Throttling(w.throttle, loop))
-    hooks.append(NonFinite(w.algo, w.cfg.log_every))
+    hooks.append(NonFinite(w.algo, w.cfg.run.log_every))
     if w.ctx.comm.elastic:
         hooks.append(ElasticTokens(w))
     return StepHooks(hooks)

@@ -10,7 +10,6 @@ evaluate the global model together.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 from datetime import datetime
@@ -56,21 +55,21 @@ def run_training(cfg: TrainConfig) -> dict:
 def prepare_config(cfg: TrainConfig) -> TrainConfig:
     """Validated, with the defaults that depend on other options (and torchrun's world size)
     filled in; raises ConfigError before anything runs."""
-    if under_torchrun() and cfg.stages >= 1 and cfg.worker_ranks >= 1 and not cfg.lighthouse:
+    if under_torchrun() and cfg.runtime.stages >= 1 and cfg.runtime.worker_ranks >= 1 and not cfg.runtime.lighthouse:
         # torchrun, not --workers, decides how many workers there are
         world = int(os.environ["WORLD_SIZE"])
-        per_worker = cfg.stages * cfg.worker_ranks
+        per_worker = cfg.runtime.stages * cfg.runtime.worker_ranks
         if world % per_worker:
-            raise ConfigError("stages" if cfg.worker_ranks == 1 else "worker_ranks",
+            raise ConfigError("stages" if cfg.runtime.worker_ranks == 1 else "worker_ranks",
                               f"--workers x --worker-ranks x --stages must be "
                               f"torchrun's world size {world}, so --worker-ranks x --stages "
-                              f"must divide it (got {cfg.worker_ranks} x {cfg.stages})")
-        cfg = dataclasses.replace(cfg, workers=world // per_worker)
+                              f"must divide it (got {cfg.runtime.worker_ranks} x {cfg.runtime.stages})")
+        cfg = cfg.replace(workers=world // per_worker)
     validate(cfg)
     cfg = resolve(cfg)
-    if cfg.out is None:
-        cfg = dataclasses.replace(cfg, out=os.path.join(
-            "runs", f"{cfg.algorithm}-{datetime.now():%Y%m%d-%H%M%S}"))
+    if cfg.run.out is None:
+        cfg = cfg.replace(out=os.path.join(
+            "runs", f"{cfg.method.algorithm}-{datetime.now():%Y%m%d-%H%M%S}"))
     preflight(cfg)
     return cfg
 
@@ -78,11 +77,11 @@ def prepare_config(cfg: TrainConfig) -> TrainConfig:
 def prepare_data(cfg: TrainConfig) -> Corpus:
     """The tokenized corpus (trained and cached on first use)."""
     try:
-        corpus = prepare_corpus(cfg.corpus, cfg.vocab_size, cfg.val_fraction, cfg.cache_dir,
-                                cfg.text_field, progress=cfg.progress, tokenizer=cfg.tokenizer)
-        if cfg.eval_corpus is not None:
-            corpus.eval_extra = prepare_eval_tokens(cfg.eval_corpus, corpus, cfg.text_field,
-                                                    cfg.cache_dir, progress=cfg.progress)
+        corpus = prepare_corpus(cfg.data.corpus, cfg.data.vocab_size, cfg.data.val_fraction, cfg.data.cache_dir,
+                                cfg.data.text_field, progress=cfg.run.progress, tokenizer=cfg.data.tokenizer)
+        if cfg.data.eval_corpus is not None:
+            corpus.eval_extra = prepare_eval_tokens(cfg.data.eval_corpus, corpus, cfg.data.text_field,
+                                                    cfg.data.cache_dir, progress=cfg.run.progress)
         return corpus
     except TokenizerError as e:
         raise ConfigError("tokenizer", str(e)) from None
@@ -96,16 +95,16 @@ def launch_training(cfg: TrainConfig, corpus: Corpus) -> dict:
     """Train a prepared config on every rank; return the lead rank's summary."""
     # Where the ranks note their step and memory (setup_worker): the launchers read it when
     # one dies without a word.
-    if cfg.out is not None:
-        os.environ[DIR_ENV] = os.path.join(cfg.out, "vitals")
-    results = launch(train_worker, replicas=cfg.workers, stages=cfg.stages,
-                     shards=cfg.worker_ranks, launcher=cfg.launcher, args=(cfg, corpus),
-                     timeout=cfg.comm_timeout, max_restarts=cfg.max_restarts,
-                     link=LinkSpec.parse(cfg.link_bandwidth, cfg.link_latency),
-                     fast_link=LinkSpec.parse(cfg.fast_link_bandwidth, cfg.fast_link_latency),
-                     elastic=Elastic(min_workers=cfg.min_workers, restarts=cfg.max_restarts,
-                                     lighthouse=cfg.lighthouse, worker=cfg.worker_index)
-                     if cfg.elastic else None)
+    if cfg.run.out is not None:
+        os.environ[DIR_ENV] = os.path.join(cfg.run.out, "vitals")
+    results = launch(train_worker, replicas=cfg.runtime.workers, stages=cfg.runtime.stages,
+                     shards=cfg.runtime.worker_ranks, launcher=cfg.runtime.launcher, args=(cfg, corpus),
+                     timeout=cfg.comm.comm_timeout, max_restarts=cfg.runtime.max_restarts,
+                     link=LinkSpec.parse(cfg.comm.link_bandwidth, cfg.comm.link_latency),
+                     fast_link=LinkSpec.parse(cfg.comm.fast_link_bandwidth, cfg.comm.fast_link_latency),
+                     elastic=Elastic(min_workers=cfg.runtime.min_workers, restarts=cfg.runtime.max_restarts,
+                                     lighthouse=cfg.runtime.lighthouse, worker=cfg.runtime.worker_index)
+                     if cfg.runtime.elastic else None)
     # The lead rank's summary (under torchrun the list holds only this rank's value; in an
     # elastic run a worker lost for good has None).
     return next((r for r in results if r and "final_eval_loss" in r),
@@ -121,32 +120,32 @@ def check_fits(cfg: TrainConfig, corpus: Corpus) -> None:
         cfg: the prepared configuration.
         corpus: the tokenized corpus.
     """
-    windows = (len(corpus.train) - 1) // cfg.seq_len
-    readers = cfg.workers * cfg.worker_ranks
+    windows = (len(corpus.train) - 1) // cfg.data.seq_len
+    readers = cfg.runtime.workers * cfg.runtime.worker_ranks
     per_reader = windows // readers
-    if per_reader < cfg.batch_size:
-        who = (f"{cfg.workers} workers" if cfg.worker_ranks == 1 else
-               f"{readers} ranks ({cfg.workers} workers x {cfg.worker_ranks} ranks)")
+    if per_reader < cfg.data.batch_size:
+        who = (f"{cfg.runtime.workers} workers" if cfg.runtime.worker_ranks == 1 else
+               f"{readers} ranks ({cfg.runtime.workers} workers x {cfg.runtime.worker_ranks} ranks)")
         raise ConfigError("batch_size", f"a batch does not fit the data: each of {who} has "
-                          f"{per_reader} windows of {cfg.seq_len} tokens but a batch needs "
-                          f"{cfg.batch_size}; lower --batch-size, --seq-len or --workers"
-                          + (" or --worker-ranks" if cfg.worker_ranks > 1 else ""))
-    if corpus.eval_extra is not None and len(corpus.eval_extra) <= cfg.seq_len:
+                          f"{per_reader} windows of {cfg.data.seq_len} tokens but a batch needs "
+                          f"{cfg.data.batch_size}; lower --batch-size, --seq-len or --workers"
+                          + (" or --worker-ranks" if cfg.runtime.worker_ranks > 1 else ""))
+    if corpus.eval_extra is not None and len(corpus.eval_extra) <= cfg.data.seq_len:
         raise ConfigError("eval_corpus", f"it has {len(corpus.eval_extra)} tokens, fewer than "
-                          f"one sequence of {cfg.seq_len} + 1; give more text or lower --seq-len")
-    if len(corpus.val) <= cfg.seq_len:
+                          f"one sequence of {cfg.data.seq_len} + 1; give more text or lower --seq-len")
+    if len(corpus.val) <= cfg.data.seq_len:
         raise ConfigError("seq_len", f"the validation split ({len(corpus.val)} tokens) is "
                           f"shorter than one sequence; lower --seq-len or raise --val-fraction")
-    if is_hf(cfg.model) and hf.has_weights(cfg.model):
+    if is_hf(cfg.model.name) and hf.has_weights(cfg.model.name):
         try:
-            hf.check_vocab(cfg.model, hf.load_config(cfg.model), corpus.vocab_size)
+            hf.check_vocab(cfg.model.name, hf.load_config(cfg.model.name), corpus.vocab_size)
         except hf.HFModelError as e:
-            raise ConfigError("tokenizer" if cfg.tokenizer else "model", str(e)) from None
-    val_windows = (len(corpus.val) - 1) // cfg.seq_len
-    if cfg.stages > 1 and val_windows < cfg.batch_size:  # stages exchange whole batches
+            raise ConfigError("tokenizer" if cfg.data.tokenizer else "model", str(e)) from None
+    val_windows = (len(corpus.val) - 1) // cfg.data.seq_len
+    if cfg.runtime.stages > 1 and val_windows < cfg.data.batch_size:  # stages exchange whole batches
         raise ConfigError("batch_size", f"the validation split has {val_windows} windows of "
-                          f"{cfg.seq_len} tokens but a pipeline evaluates whole batches of "
-                          f"{cfg.batch_size}; lower --batch-size or raise --val-fraction")
+                          f"{cfg.data.seq_len} tokens but a pipeline evaluates whole batches of "
+                          f"{cfg.data.batch_size}; lower --batch-size or raise --val-fraction")
 
 
 def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:

@@ -41,7 +41,7 @@ def train_loop(w: Worker, loop: Loop) -> None:
     loop.start()
     try:
         with host_read_check(w.ctx.device) as counter:
-            for step in range(w.first, w.cfg.steps + 1):
+            for step in range(w.first, w.cfg.run.steps + 1):
                 if w.vitals is not None:
                     w.vitals.note(step)
                 with profiler.step(step):
@@ -63,7 +63,7 @@ def train_loop(w: Worker, loop: Loop) -> None:
         raise
     except Exception as e:  # name the worker and the step; expected failures in one line
         w.writer.close(abandon=True)
-        raise failure(e, w.ctx.rank, step, w.cfg.comm_timeout) from e
+        raise failure(e, w.ctx.rank, step, w.cfg.comm.comm_timeout) from e
     finally:
         profiler.close()
     w.bar.close()
@@ -92,11 +92,11 @@ def step_profiler(w: Worker) -> StepProfiler:
     profiler sees every rank's threads)."""
     window = profile_steps(w.cfg)
     if window is not None and window[1] < w.first and w.main:
-        tqdm.write(f"loco: --profile {w.cfg.profile}: those steps were trained before the "
+        tqdm.write(f"loco: --profile {w.cfg.run.profile}: those steps were trained before the "
                    f"step this run resumes from ({w.first - 1}); nothing is profiled",
                    file=sys.stderr)
     threads = w.ctx.launcher == "threads"
-    return StepProfiler(window, w.cfg.out, w.ctx.rank, w.ctx.device,
+    return StepProfiler(window, w.cfg.run.out, w.ctx.rank, w.ctx.device,
                         enabled=not threads or w.ctx.rank == 0,
                         announce=None if w.ctx.rank else "" if threads
                         else " and every other rank's next to it")
@@ -114,7 +114,7 @@ def train_step(w: Worker, step: int, loop: Loop, hooks: StepHooks) -> torch.Tens
         w.algo.idle_step()
         w.schedule.step()
         loss = None
-    if step == w.cfg.steps:
+    if step == w.cfg.run.steps:
         w.algo.flush()  # the last fragment sent must reach the evaluated global model
     hooks.end(step)
     return loss
@@ -155,7 +155,7 @@ def spread_diagnostic(w: Worker, loop: Loop, step: int) -> float | None:
     to their mean. A diagnostic, not part of the algorithm: its all-worker reductions and
     their time are kept out of the training bytes, blocked time and loop time."""
     cfg = w.cfg
-    if (w.algo.replicas_identical or not cfg.spread_every or step % cfg.spread_every
+    if (w.algo.replicas_identical or not cfg.method.spread_every or step % cfg.method.spread_every
             or w.ctx.comm.elastic):  # not between the syncs of an elastic run
         return None
     t0 = time.perf_counter()
@@ -231,7 +231,7 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
         log_membership(w, step)
     loop.add_loss(loss)  # read every --log-every steps: no device synchronisation per step
     record = None if spread is None else {"step": step, "tokens": tokens, "spread": spread}
-    if step % cfg.log_every == 0 or step == cfg.steps:
+    if step % cfg.run.log_every == 0 or step == cfg.run.steps:
         with allowed("log"):
             loop.settle_losses()
         if loop.loss_count:  # (none where this worker trained no tick since the last)

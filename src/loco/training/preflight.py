@@ -35,9 +35,9 @@ def preflight(cfg: TrainConfig) -> None:
         check_corpus_path(cfg, name)
     for option, message in missing_extras(cfg)[:1]:
         raise ConfigError(option, message)
-    if cfg.tokenizer is not None and not os.path.exists(cfg.tokenizer):
+    if cfg.data.tokenizer is not None and not os.path.exists(cfg.data.tokenizer):
         raise ConfigError("tokenizer", "path does not exist; give a tokenizer.json or a "
-                          f"Hugging Face tokenizer directory (got {cfg.tokenizer!r})")
+                          f"Hugging Face tokenizer directory (got {cfg.data.tokenizer!r})")
     check_checkpoints(cfg)
 
 
@@ -53,19 +53,19 @@ def check_environment(cfg: TrainConfig) -> None:
         ConfigError: naming ``launcher``, ``worker_parallel`` or ``elastic``.
     """
     torchrun = under_torchrun()
-    if cfg.launcher == "torchrun" and not torchrun:
+    if cfg.runtime.launcher == "torchrun" and not torchrun:
         raise ConfigError("launcher", "torchrun is only valid when started by torchrun: "
                           "torchrun --nproc-per-node N -m loco train ... (got 'torchrun')")
-    if cfg.worker_parallel == "fsdp" and cfg.launcher == "threads" and not torchrun:
+    if cfg.runtime.worker_parallel == "fsdp" and cfg.runtime.launcher == "threads" and not torchrun:
         raise ConfigError("worker_parallel", "fsdp needs the DeviceMesh that --launcher "
                           "processes and torchrun build, which the threads launcher does not; "
                           "add --launcher processes, or start the run with torchrun "
                           "(got fsdp with --launcher threads)")
-    if cfg.elastic and cfg.lighthouse is None and (cfg.launcher != "processes" or torchrun):
+    if cfg.runtime.elastic and cfg.runtime.lighthouse is None and (cfg.runtime.launcher != "processes" or torchrun):
         raise ConfigError("elastic", "loco starts the workers of an elastic run under "
                           "--launcher processes; under torchrun (one job per worker) give "
                           "--lighthouse and --worker-index (got --launcher "
-                          f"{'torchrun' if torchrun else cfg.launcher})")
+                          f"{'torchrun' if torchrun else cfg.runtime.launcher})")
 
 
 def check_checkpoints(cfg: TrainConfig) -> None:
@@ -78,20 +78,20 @@ def check_checkpoints(cfg: TrainConfig) -> None:
     Raises:
         ConfigError: naming ``worker_ranks``, ``worker_parallel``, ``launcher`` or ``out``.
     """
-    if cfg.resume is not None:  # rank files do not reshard; DCP does
-        meta = checkpoint.latest(cfg.resume)
+    if cfg.runtime.resume is not None:  # rank files do not reshard; DCP does
+        meta = checkpoint.latest(cfg.runtime.resume)
         if meta is not None:
-            check_layout(meta, cfg.worker_ranks, cfg.worker_parallel,
-                         "torchrun" if under_torchrun() else cfg.launcher)
+            check_layout(meta, cfg.runtime.worker_ranks, cfg.runtime.worker_parallel,
+                         "torchrun" if under_torchrun() else cfg.runtime.launcher)
     # (a worker of an external Lighthouse's job may start after the lead checkpointed)
-    if cfg.resume is None and restart_count() == 0 and cfg.lighthouse is None:
+    if cfg.runtime.resume is None and restart_count() == 0 and cfg.runtime.lighthouse is None:
         try:
-            held = checkpoint.latest(cfg.out)
+            held = checkpoint.latest(cfg.run.out)
         except checkpoint.CheckpointError:
             held = True
         if held:
-            raise ConfigError("out", f"{cfg.out} holds a checkpointed run; continue it with "
-                              f"--resume {cfg.out}, or choose another --out (nothing is "
+            raise ConfigError("out", f"{cfg.run.out} holds a checkpointed run; continue it with "
+                              f"--resume {cfg.run.out}, or choose another --out (nothing is "
                               "overwritten)")
 
 
@@ -103,7 +103,7 @@ def check_corpus_path(cfg, name: str) -> None:
         cfg: the configuration.
         name: ``"corpus"`` or ``"eval_corpus"``.
     """
-    path = getattr(cfg, name)
+    path = cfg.option(name)
     if path is None or path == "shakespeare":
         return
     if any(c in path for c in "*?["):

@@ -149,7 +149,7 @@ class QuorumSteps(LocalSteps):
 def quorum_kwargs(cfg: Any, comm: Any, admitted: list | None) -> dict[str, Any]:
     """``QuorumSteps``' own arguments for a run of ``cfg`` (``--quorum``, ``--grace``),
     the decisions a checkpoint saved (``admitted``) and the Comm to gather over."""
-    return {"comm": comm, "quorum_size": cfg.quorum, "grace": cfg.grace or 0.0,
+    return {"comm": comm, "quorum_size": cfg.runtime.quorum, "grace": cfg.runtime.grace or 0.0,
             "admitted": admitted}
 
 

@@ -52,15 +52,15 @@ def verify_due(cfg, step: int, elastic_gap: int | None = None) -> bool:
         elastic_gap: in an elastic run, the inner steps from a round's end to the next sync
             sent (H / P); default None: a fixed membership.
     """
-    if not cfg.verify_every:
+    if not cfg.trust.verify_every:
         return False
-    delay = cfg.method.checkpoint_delay(cfg)
+    delay = cfg.method_class.checkpoint_delay(cfg)
     if elastic_gap is not None:
         delay += 1
         if elastic_gap <= delay:
             return False
-    rounds, rest = divmod(step - delay, cfg.sync_every)
-    return step > delay and rest == 0 and rounds % cfg.verify_every == 0
+    rounds, rest = divmod(step - delay, cfg.method.sync_every)
+    return step > delay and rest == 0 and rounds % cfg.trust.verify_every == 0
 
 
 def elastic_gap(w: Worker) -> int | None:
@@ -69,15 +69,15 @@ def elastic_gap(w: Worker) -> int | None:
     (DataParallel: a worker may join at any step)."""
     if not w.ctx.comm.elastic:
         return None
-    if not w.cfg.method.global_copy:
+    if not w.cfg.method_class.global_copy:
         return 0
-    return w.cfg.sync_every // len(w.algo.fragment_list)
+    return w.cfg.method.sync_every // len(w.algo.fragment_list)
 
 
 def checked(w: Worker) -> bool:
     """Whether this run checks its replicas at all: K > 0, a method with replicated state
     and, in an elastic run, a step to check at."""
-    return (bool(w.cfg.verify_every) and bool(w.algo.replicated_tensors())
+    return (bool(w.cfg.trust.verify_every) and bool(w.algo.replicated_tensors())
             and elastic_gap(w) != 0)
 
 
@@ -91,7 +91,7 @@ def verify_if_due(w: Worker, loop: Loop, step: int) -> None:
     if not verify_due(w.cfg, step, elastic_gap(w)) or not w.algo.replicated_tensors():
         return
     assert not w.algo.sync_in_flight, "a sync is in flight"
-    checks = loop.replica_checks = loop.replica_checks or ReplicaChecks(w.cfg.verify_every)
+    checks = loop.replica_checks = loop.replica_checks or ReplicaChecks(w.cfg.trust.verify_every)
     t0 = time.perf_counter()
     try:
         with allowed("verify"):  # a few numbers read once per check
@@ -126,7 +126,7 @@ def replicas_verified(w: Worker, loop: Loop) -> dict | None:
     """
     if not checked(w):
         return None
-    checks = loop.replica_checks or ReplicaChecks(w.cfg.verify_every)
+    checks = loop.replica_checks or ReplicaChecks(w.cfg.trust.verify_every)
     return {"every": checks.every, "checks": checks.checks, "differed": list(checks.differed),
             "skipped": checks.skipped, "bytes_sent": w.ctx.comm.totals(TAG).sent_bytes,
             "seconds": checks.seconds}

@@ -109,8 +109,8 @@ class Worker:
     @property
     def tokens_per_step(self) -> int:
         """Training tokens of one inner step, every rank of every replica together."""
-        return (self.ctx.mesh.replicas * self.ctx.mesh.shards * self.cfg.batch_size
-                * self.cfg.seq_len)
+        return (self.ctx.mesh.replicas * self.ctx.mesh.shards * self.cfg.data.batch_size
+                * self.cfg.data.seq_len)
 
     def gather_all(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's ``tensor`` (one shape on every rank), in global rank order, for the
