@@ -10,7 +10,10 @@
 Gradient clipping belongs to the algorithm (``max_grad_norm``) rather than the loop, so that
 data-parallel training clips the averaged gradient, as DDP does. What is not the step an
 algorithm composes: ``nonfinite``, ``ranks`` (its worker's other ranks), ``healing`` (its
-part in an elastic job) and ``pacing`` (among workers of unequal speed).
+part in an elastic job) and ``pacing`` (among workers of unequal speed). The methods the
+rest of loco calls besides the step it inherits, each set from the module of its job:
+checkpoints (``checkpointable.Checkpointable``), an elastic job's (``healing.Elastic``) and
+the report's (``reporting.Reporting``).
 """
 
 from __future__ import annotations
@@ -19,16 +22,15 @@ import weakref
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.profiler import record_function
 
-from loco.algorithms.healing import Healing, start_identical
+from loco.algorithms.checkpointable import Checkpointable
+from loco.algorithms.healing import Elastic, Healing, start_identical
 from loco.algorithms.method import Method
 from loco.algorithms.nonfinite import NonFinite, NonFiniteError, all_finite
 from loco.algorithms.pacing import Pacing
-from loco.algorithms.sharding import (Share, WorkerRanks, flatten_fp32, from_logical,
-                                      full_norm, load_local, local, local_tree, logical_state,
-                                      unflatten_views)
+from loco.algorithms.reporting import Reporting
+from loco.algorithms.sharding import WorkerRanks, flatten_fp32, full_norm, unflatten_views
 from loco.comm import Comm
 from loco.comm.guard import DEFAULT_AGGREGATION, DEFAULT_FACTOR, Shield
 from loco.comm.hostreads import device_path
@@ -36,7 +38,7 @@ from loco.comm.hostreads import device_path
 __all__ = ["Algorithm", "NonFiniteError", "all_finite", "flatten_fp32", "unflatten_views"]
 
 
-class Algorithm(Method):
+class Algorithm(Checkpointable, Elastic, Reporting, Method):
     """Base class: the model, its inner optimizer, the communication and the step counter.
 
     A subclass implements [`step`][loco.algorithms.base.Algorithm.step] (and
@@ -197,163 +199,3 @@ class Algorithm(Method):
         """Inner steps and syncs skipped because of non-finite values
         (``on_nonfinite="skip"``), by ``"inner_steps"`` and ``"syncs"``."""
         return self.nonfinite.skipped
-
-    # ------------------------------------------------------------------ elastic membership
-    def join(self) -> bool:
-        """Take part in the first quorum of an elastic job, once, before the first step;
-        returns whether this worker joined a running job
-        ([`Healing.join`][loco.algorithms.healing.Healing.join])."""
-        return self.healing.join(self)
-
-    def heal_state(self) -> dict:
-        """What a worker that is behind receives from this one at the quorum of a sync
-        ([`Healing.state`][loco.algorithms.healing.Healing.state])."""
-        return self.healing.state(self)
-
-    def load_heal_state(self, state: dict) -> None:
-        """Take a live worker's ``heal_state()``
-        ([`Healing.load`][loco.algorithms.healing.Healing.load]).
-
-        Args:
-            state: a dict from ``heal_state()`` of a worker of the same job.
-        """
-        self.healing.load(self, state)
-
-    def restart_from_global(self) -> None:
-        """Set the replica's parameters to the global copy (outer algorithms)."""
-
-    def _resume(self) -> None:
-        """Go on with the sync of ``healing.syncing`` after a heal (subclasses)."""
-
-    # -------------------------------------------------------------------------- reporting
-    def global_parameters(self) -> dict[str, torch.Tensor]:
-        """The parameters to evaluate, by name (usable with ``torch.func.functional_call``).
-
-        Here the model's own parameters; outer algorithms return their global copy.
-        """
-        return dict(self.model.named_parameters())
-
-    def replicated_tensors(self) -> list[torch.Tensor]:
-        """This rank's share of the state that must be bit-identical on every worker, which
-        the replica check compares and heals (``loco.algorithms.replicas``); none here:
-        nothing is checked (the replicas differ by design, or hold no common state)."""
-        return []
-
-    def outer_tensors(self) -> list[torch.Tensor]:
-        """The tensors of the outer algorithm this rank holds between steps: its state,
-        its sync buffers and any spare copies (for ``memory_bytes``); none here."""
-        return []
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes of the tensors this rank holds, by part: ``model`` (parameters and
-        buffers, its shards under FSDP2), ``gradients`` (one per trained parameter, held
-        from the backward pass to the inner step), ``inner_optimizer`` (its state),
-        ``outer`` (the outer algorithm's state, sync buffers and spare copies,
-        ``outer_tensors``: each storage once, whole, as views of one buffer share it) and
-        ``comm`` (the buffers the algorithm's Comms keep between operations,
-        ``Comm.buffer_bytes``, and ``WorkerRanks.buffer_bytes`` for a worker of several
-        ranks)."""
-        def size(tensors) -> int:
-            return sum(local(t).numel() * t.element_size() for t in tensors)
-        model = size(t for t in self.model.state_dict().values() if isinstance(t, torch.Tensor))
-        inner = size(v for s in self.inner_optimizer.state.values() for v in s.values()
-                     if isinstance(v, torch.Tensor) and v.dim() > 0)
-        grads = size(p for p in self.model.parameters() if p.requires_grad)
-        storages = {}
-        for t in self.outer_tensors():
-            storage = local(t).untyped_storage()
-            storages[storage._cdata] = storage.nbytes()  # (meta tensors' data_ptr is 0)
-        comm = self.comm.buffer_bytes() if hasattr(self.comm, "buffer_bytes") else 0
-        return {"model": model, "gradients": grads, "inner_optimizer": inner,
-                "outer": sum(storages.values()), "comm": comm + self.ranks.buffer_bytes()}
-
-    # -------------------------------------------------------------------------- checkpoints
-    def state_dict(self, tensors: bool = True) -> dict:
-        """Everything needed to continue: model, inner optimizer, counters, outer state.
-
-        Args:
-            tensors: include the tensors of the model, the optimizers and the outer state
-                (default True); False: only the rest (counters, the schedule's position),
-                for a checkpoint that saves the tensors through
-                [`checkpoint_tensors`][loco.algorithms.base.Algorithm.checkpoint_tensors].
-
-        Returns:
-            A dict of tensors and numbers for ``torch.save``; each rank saves its own (under
-            FSDP2 its local shards, with R ranks per worker its share of the outer state).
-        """
-        self.settle_nonfinite()
-        state = {"inner_steps": self.inner_steps, "skipped": dict(self.skipped)}
-        if tensors:
-            state.update(model=local_tree(self.model.state_dict()),
-                         inner_optimizer=local_tree(self.inner_optimizer.state_dict()))
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore what [`state_dict`][loco.algorithms.base.Algorithm.state_dict] saved, so
-        training continues exactly (without tensors: load them next with
-        [`load_checkpoint_tensors`][loco.algorithms.base.Algorithm.load_checkpoint_tensors]).
-
-        Args:
-            state: a dict from ``state_dict()`` of an algorithm built the same way.
-        """
-        if "model" in state:
-            load_local(self.model, self.inner_optimizer, state["model"],
-                       state["inner_optimizer"], self.ranks.sharded)
-        self.inner_steps = int(state["inner_steps"])
-        self.nonfinite.skipped = {k: int(v) for k, v in state.get("skipped",
-                                                                  self.skipped).items()}
-
-    def outer_state(self) -> dict[str, tuple[Share, torch.Tensor]]:
-        """The outer algorithm's tensors by name, each as (the
-        [`Share`][loco.algorithms.sharding.Share] it holds values of, this rank's values as
-        one fp32 vector); none here. A vector may be a copy:
-        [`load_outer_state`][loco.algorithms.base.Algorithm.load_outer_state] puts values
-        back."""
-        return {}
-
-    def load_outer_state(self, values: dict[str, torch.Tensor]) -> None:
-        """Set the outer state from vectors shaped like those of
-        [`outer_state`][loco.algorithms.base.Algorithm.outer_state].
-
-        Args:
-            values: a vector for every name of ``outer_state()``.
-        """
-        for name, (_, flat) in self.outer_state().items():
-            flat.copy_(values[name])
-
-    def checkpoint_tensors(self, mesh: DeviceMesh | None = None) -> dict:
-        """Every tensor of this rank's state as the worker's whole tensors, for
-        ``torch.distributed.checkpoint`` (DCP): the model and inner optimizer from
-        ``torch.distributed.checkpoint.state_dict`` (FSDP2's DTensors as they are), the outer
-        state as [`Share.logical`][loco.algorithms.sharding.Share.logical] gives it. DCP
-        saves each rank's part once and loads any layout of R ranks from it. No message.
-
-        Args:
-            mesh: the worker's ``DeviceMesh`` of its R ranks (``ctx.device_mesh["shard"]``);
-                None for a worker of one rank.
-
-        Returns:
-            ``{"model": ..., "inner_optimizer": ..., "outer": {name: tensor}}``; the model's
-            tensors alias its parameters, so ``dcp.load`` into a fresh algorithm's dict
-            fills them (then call ``load_checkpoint_tensors``).
-        """
-        from torch.distributed.checkpoint.state_dict import (get_model_state_dict,
-                                                             get_optimizer_state_dict)
-
-        return {"model": get_model_state_dict(self.model),
-                "inner_optimizer": get_optimizer_state_dict(self.model, self.inner_optimizer),
-                "outer": logical_state(self.outer_state(), mesh)}
-
-    def load_checkpoint_tensors(self, tensors: dict, mesh: DeviceMesh | None = None) -> None:
-        """Take the state from a ``checkpoint_tensors()`` dict that ``dcp.load`` filled.
-
-        Args:
-            tensors: the dict, loaded.
-            mesh: as for ``checkpoint_tensors``.
-        """
-        from torch.distributed.checkpoint.state_dict import (set_model_state_dict,
-                                                             set_optimizer_state_dict)
-
-        set_model_state_dict(self.model, tensors["model"])
-        set_optimizer_state_dict(self.model, self.inner_optimizer, tensors["inner_optimizer"])
-        self.load_outer_state(from_logical(self.outer_state(), tensors["outer"], mesh))

@@ -246,6 +246,8 @@ class GlobalCopy(Algorithm):
     # ----------------------------------------------------------------------------- a send
     @torch.no_grad()
     def _send(self, fragment: Fragment, t: int) -> None:
+        """Fragment p is due at inner step ``t``: open the sync's quorum, then issue it (or,
+        elastic, go on with the sync a live worker's state was at)."""
         assert self._in_flight is None, "tau < H/P leaves one fragment in flight at a time"
         # elastic: a worker that was behind takes a peer's state and goes on from there
         if self.healing.begin(self.comm, (fragment.index, t)):
@@ -254,6 +256,9 @@ class GlobalCopy(Algorithm):
             self._issue(fragment, t)
 
     def _issue(self, fragment: Fragment, t: int, joins: bool = False) -> None:
+        """Form Δ_{m,p} (weighed by this worker's pace), feed back the error, start its mean
+        over the workers and, eager, take the outer step now; ``joins``: this worker joined
+        the sync late (elastic) and contributes zeros."""
         # The profiler's ranges of a sync (docs/profiling.md): pseudo_gradient here; encode,
         # all_to_all, reduce, all_gather and decode on the communication thread; wait,
         # outer_step and merge in _apply.
@@ -324,6 +329,9 @@ class GlobalCopy(Algorithm):
     # ---------------------------------------------------------------------- a sync applied
     @torch.no_grad()
     def _apply(self) -> None:
+        """The sync in flight is due: wait for Δ̄_p, check it is finite, step the fragment's
+        outer optimizer (or take the step the helper thread computed) and merge; eager
+        updates keep the others' share instead (``_landed``)."""
         flight, self._in_flight = self._in_flight, None
         fragment = flight.fragment
         if self.eager is not None:
@@ -420,6 +428,8 @@ class GlobalCopy(Algorithm):
         self._log(fragment, flight)
 
     def _log(self, fragment: Fragment, flight: _InFlight) -> None:
+        """Count the sync's bytes in the fragment's stats and append its record to
+        ``sync_log`` (nothing where its counters are unknown)."""
         if flight.handle is None and flight.record is None:
             return
         rec = (flight.handle.record if flight.handle is not None

@@ -6,7 +6,9 @@ compared), then their checksums verified (``start_identical``). In an elastic jo
 quorum comes with ``join()``; a worker that joins a running job, or that missed a sync,
 receives a live worker's state at the quorum of a sync and takes part in that sync.
 Every algorithm holds a [`Healing`][loco.algorithms.healing.Healing] (``algo.healing``):
-which sync it is at, and what a worker that is behind receives.
+which sync it is at, and what a worker that is behind receives; and has ``Elastic``'s
+methods, which the loop and the elastic ``Comm`` call (``algo.join()``,
+``algo.heal_state()``).
 """
 
 from __future__ import annotations
@@ -171,6 +173,38 @@ class ReplicaHealing(Healing):
         self.syncing = state["syncing"]
 
 
+class Elastic:
+    """An algorithm's methods in an elastic job (a base of
+    [`Algorithm`][loco.algorithms.base.Algorithm], whose ``healing`` they go to), and the two
+    hooks a method overrides: ``restart_from_global`` and ``_resume``."""
+
+    def join(self) -> bool:
+        """Take part in the first quorum of an elastic job, once, before the first step;
+        returns whether this worker joined a running job
+        ([`Healing.join`][loco.algorithms.healing.Healing.join])."""
+        return self.healing.join(self)
+
+    def heal_state(self) -> dict:
+        """What a worker that is behind receives from this one at the quorum of a sync
+        ([`Healing.state`][loco.algorithms.healing.Healing.state])."""
+        return self.healing.state(self)
+
+    def load_heal_state(self, state: dict) -> None:
+        """Take a live worker's ``heal_state()``
+        ([`Healing.load`][loco.algorithms.healing.Healing.load]).
+
+        Args:
+            state: a dict from ``heal_state()`` of a worker of the same job.
+        """
+        self.healing.load(self, state)
+
+    def restart_from_global(self) -> None:
+        """Set the replica's parameters to the global copy (outer algorithms)."""
+
+    def _resume(self) -> None:
+        """Go on with the sync of ``healing.syncing`` after a heal (subclasses)."""
+
+
 def _enough_came(ranks: WorkerRanks, comm: Comm, my_wait_over: bool) -> bool:
     """Whether the members of this start-up quorum stop waiting for the others: all M
     are here, or any rank's wait is over. Agreed by every rank of every member (one
@@ -186,4 +220,4 @@ def _enough_came(ranks: WorkerRanks, comm: Comm, my_wait_over: bool) -> bool:
     return bool(over)
 
 
-__all__ = ["INIT_SYNC_MODES", "Healing", "ReplicaHealing", "start_identical"]
+__all__ = ["INIT_SYNC_MODES", "Elastic", "Healing", "ReplicaHealing", "start_identical"]
