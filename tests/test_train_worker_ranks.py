@@ -104,7 +104,8 @@ def test_summary_reports_memory_and_the_metrics_both_links(runs):
     assert last["fast_link_bytes_sent"] == two["per_worker"][0]["fast_link_bytes_sent"]
     assert "fast_link_bytes_sent" not in records_of(runs["diloco", 1])[-1]
     ranks = [json.loads((out / "comm" / f"rank{r}.json").read_text()) for r in range(M * R)]
-    assert [(r["replica"], r["shard"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(r["worker"], r["worker_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(r["replica"], r["shard"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # old keys
     assert [r["outer"]["train"]["sent_bytes"] for r in ranks] == [
         c["bytes_sent"] for c in two["per_worker"]]
     # Written after the final evaluation, which replica 1 does not take part in.
@@ -172,7 +173,7 @@ def test_dcp_checkpoint_reshards_to_workers_of_another_size(runs, corpus, tmp_pa
     for ranks, launcher in ((3, "processes"), (1, "threads")):
         cfg = loco.training.job.prepare_config(resume_config(str(out), {
             "worker_ranks": ranks, "launcher": launcher}))
-        got = loco.launch(resumed_tensors, M * ranks, launcher, shards=ranks,
+        got = loco.launch(resumed_tensors, M * ranks, launcher, worker_ranks=ranks,
                           args=(cfg, loco.training.job.prepare_data(cfg)))
         for m in range(M):
             mine, before = got[m * ranks:(m + 1) * ranks], saved[m * R:(m + 1) * R]
@@ -263,9 +264,9 @@ def test_each_link_is_emulated_on_its_own():
     two dependent phases, so it takes at least two latencies of its own link and is not
     slowed by the other's."""
     latency, n = 0.5, 1000  # wide: an unshaped all-reduce must stay under it on a busy CPU
-    fast = loco.launch(timed_reductions, 4, shards=2, args=(n,),
+    fast = loco.launch(timed_reductions, 4, worker_ranks=2, args=(n,),
                        fast_link=LinkSpec(latency=latency))
-    slow = loco.launch(timed_reductions, 4, shards=2, args=(n,),
+    slow = loco.launch(timed_reductions, 4, worker_ranks=2, args=(n,),
                        link=LinkSpec(latency=latency))
     for inner, outer in fast:
         assert inner >= 2 * latency and outer < latency
@@ -278,7 +279,7 @@ def test_the_fast_link_is_emulated_under_the_processes_launcher():
     worker of two ranks to keep it short: the fast link's all-reduce pays its own 0.1 s
     latency twice, and not the slow link's 0.3 s."""
     fast, slow = 0.1, 0.3
-    for inner, _ in loco.launch(timed_reductions, 2, "processes", shards=2, args=(1000,),
+    for inner, _ in loco.launch(timed_reductions, 2, "processes", worker_ranks=2, args=(1000,),
                                 link=LinkSpec(latency=slow), fast_link=LinkSpec(latency=fast)):
         assert 2 * fast <= inner < 2 * slow
 
@@ -410,7 +411,7 @@ def test_fsdp_run_restarted_after_a_failure_ends_bit_identical(corpus, tmp_path,
                             final_state(full, rank)["algorithm"])
     # DCP reshards FSDP2's shards, AdamW's and the outer state's to workers of 3 ranks
     cfg = loco.training.job.prepare_config(resume_config(str(out), {"worker_ranks": 3}))
-    got = loco.launch(resumed_tensors, M * 3, "processes", shards=3,
+    got = loco.launch(resumed_tensors, M * 3, "processes", worker_ranks=3,
                       args=(cfg, loco.training.job.prepare_data(cfg)))
     for rank, r in enumerate(got):
         whole = final_state(out, rank // 3 * R)["algorithm"]["tensors"]

@@ -23,7 +23,7 @@ from loco.config import ConfigError, TrainConfig, resolve, validate, warnings_fo
 from loco.data import (Corpus, CorpusError, EvalCorpusError, TokenizerError, prepare_corpus,
                        prepare_eval_tokens)
 from loco.hf import is_hf
-from loco.runtime import Elastic, WorkerContext, launch, under_torchrun
+from loco.runtime import Elastic, Mesh, RankContext, launch, under_torchrun
 from loco.runtime.vitals import DIR_ENV
 from loco.training.build import setup_worker
 from loco.training.finish import finish_worker
@@ -98,8 +98,8 @@ def launch_training(cfg: TrainConfig, corpus: Corpus) -> dict:
     # one dies without a word.
     if cfg.out is not None:
         os.environ[DIR_ENV] = os.path.join(cfg.out, "vitals")
-    results = launch(train_worker, replicas=cfg.workers, stages=cfg.stages,
-                     shards=cfg.worker_ranks, launcher=cfg.launcher, args=(cfg, corpus),
+    results = launch(train_worker, mesh=Mesh(cfg.workers, cfg.stages, cfg.worker_ranks),
+                     launcher=cfg.launcher, args=(cfg, corpus),
                      timeout=cfg.comm_timeout, max_restarts=cfg.max_restarts,
                      link=LinkSpec.parse(cfg.link_bandwidth, cfg.link_latency),
                      fast_link=LinkSpec.parse(cfg.fast_link_bandwidth, cfg.fast_link_latency),
@@ -149,7 +149,7 @@ def check_fits(cfg: TrainConfig, corpus: Corpus) -> None:
                           f"{cfg.batch_size}; lower --batch-size or raise --val-fraction")
 
 
-def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
+def train_worker(ctx: RankContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     """Everything one rank does in ``loco train``: set up (or resume), train, evaluate,
     checkpoint, report; the lead rank returns the summary, the others ``{"rank": r}``."""
     torch.set_flush_denormal(True)  # denormal floats slow CPU steps down (see Design)
