@@ -86,3 +86,29 @@ def test_old_elastic_arguments_still_work_and_warn():
         assert routing_path(1, 2, 0, 1, replicas=4, stages=3) == routing_path(1, 2, 0, 1, 4, 3)
     with pytest.raises(TypeError, match="not both"):
         routing_permutation(1, 2, 0, 0, workers=4, replicas=4)
+
+
+def test_old_summary_keys_still_read_and_warn():
+    """A ``summary.json`` of a run before the rename (``bytes_sent_per_worker``: the busiest
+    rank's bytes) reads as the new keys, the values unchanged; the old attribute still
+    gives them; both warn."""
+    from loco.training.summary import OLD_KEYS, Summary
+
+    old = {"bytes_sent_per_worker": 120, "bytes_received_per_worker": 110,
+           "raw_bytes_per_worker": 480, "peak_sync_bytes_per_worker": 40,
+           "slow_link_bytes_sent_per_worker": 240, "worker_ranks": 2}
+    with pytest.warns(DeprecationWarning, match=r"bytes_sent_per_worker.*is now "
+                                                r"bytes_sent_per_rank.*" + OLD):
+        s = Summary.from_dict(old)
+    assert (s.bytes_sent_per_rank, s.bytes_received_per_rank, s.raw_bytes_per_rank,
+            s.peak_sync_bytes_per_rank) == (120, 110, 480, 40)
+    assert s.unknown == {} and s.slow_link_bytes_sent_per_worker == 240
+    assert not set(OLD_KEYS) & set(s.to_dict())  # written under the new names only
+    with pytest.warns(DeprecationWarning, match="Summary.bytes_sent_per_worker is now "
+                                                "Summary.bytes_sent_per_rank"):
+        assert s.bytes_sent_per_worker == 120
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert Summary.from_dict(s.to_dict()) == s  # a new file: no warning
+    with pytest.raises(AttributeError):
+        s.no_such_key

@@ -69,8 +69,8 @@ def test_workers_of_two_ranks_send_no_more_over_the_slow_link(algorithm, runs):
     assert abs(two["slow_link_bytes_sent_per_rank"]
                - one["slow_link_bytes_sent_per_rank"] / R) <= slack
     # The old fields keep their meaning: the busiest rank of the slow link.
-    assert two["bytes_sent_per_worker"] == two["slow_link_bytes_sent_per_rank"]
-    assert one["bytes_sent_per_worker"] == one["slow_link_bytes_sent_per_worker"]
+    assert two["bytes_sent_per_rank"] == two["slow_link_bytes_sent_per_rank"]
+    assert one["bytes_sent_per_rank"] == one["slow_link_bytes_sent_per_worker"]
     assert one["fast_link_bytes_sent_per_worker"] == one["fast_link_bytes_sent_per_rank"] == 0
 
 

@@ -211,10 +211,10 @@ def summarize_counters(ctx: RankContext, counters: list[dict], held: float = 0.0
     most = {k: max(c[k] for c in counters) for k in COUNTERS if k not in HOST_READS}
     per_worker = ctx.stages * ctx.worker_ranks  # rank order: worker-major
     return {
-        "bytes_sent_per_worker": most["bytes_sent"],
-        "bytes_received_per_worker": most["bytes_received"],
-        "raw_bytes_per_worker": most["raw_bytes"],
-        "peak_sync_bytes_per_worker": most["peak_sync_bytes"],
+        "bytes_sent_per_rank": most["bytes_sent"],
+        "bytes_received_per_rank": most["bytes_received"],
+        "raw_bytes_per_rank": most["raw_bytes"],
+        "peak_sync_bytes_per_rank": most["peak_sync_bytes"],
         "pipeline_bytes_sent_per_rank": most["pipeline_bytes_sent"] if ctx.stages > 1 else None,
         **link_bytes(ctx.mesh, counters),
         "memory_bytes_per_rank": memory_per_rank(counters),
