@@ -279,8 +279,9 @@ def test_the_fast_link_is_emulated_under_the_processes_launcher():
     worker of two ranks to keep it short: the fast link's all-reduce pays its own 0.1 s
     latency twice, and not the slow link's 0.3 s."""
     fast, slow = 0.1, 0.3
-    for inner, _ in loco.launch(timed_reductions, 2, "processes", worker_ranks=2, args=(1000,),
-                                link=LinkSpec(latency=slow), fast_link=LinkSpec(latency=fast)):
+    for inner, _ in loco.launch(timed_reductions, 2, "processes", worker_ranks=2,
+                                args=(1000,), link=LinkSpec(latency=slow),
+                                fast_link=LinkSpec(latency=fast)):
         assert 2 * fast <= inner < 2 * slow
 
 
@@ -298,8 +299,8 @@ def test_fast_link_emulation_blocks_every_step_and_is_reported(corpus, tmp_path)
 
 
 def test_launch_training_lays_out_workers_of_r_ranks(monkeypatch):
-    """M workers of R ranks: M·R ranks in all, R of them per worker (the mesh's shards), and
-    each link's emulation passed to its own Comm."""
+    """M workers of R ranks: M·R ranks in all, R of them per worker (the mesh's worker
+    ranks), and each link's emulation passed to its own Comm."""
     seen = {}
 
     def fake_launch(fn, **kw):
@@ -310,7 +311,7 @@ def test_launch_training_lays_out_workers_of_r_ranks(monkeypatch):
     cfg = TrainConfig(workers=3, worker_ranks=4, link_latency="50ms",
                       fast_link_bandwidth="100Gbit")
     loco.training.job.launch_training(cfg, corpus=None)
-    assert (seen["replicas"], seen["shards"], seen["stages"]) == (3, 4, 1)
+    assert seen["mesh"] == loco.Mesh(workers=3, stages=1, worker_ranks=4)
     assert seen["link"] == LinkSpec(latency=0.05)
     assert seen["fast_link"] == LinkSpec(bandwidth=100e9)
 

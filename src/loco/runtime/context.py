@@ -122,12 +122,21 @@ class Mesh:
         return self.worker_ranks
 
     def shard_of(self, rank: int) -> int:
-        """The old name of ``worker_rank_of``, for one release."""
+        """The old name of ``worker_rank_of``, for one release.
+
+        Args:
+            rank: a global rank, in [0, world_size).
+        """
         renamed("Mesh.shard_of", "Mesh.worker_rank_of")
         return self.worker_rank_of(rank)
 
     def replica_peers(self, stage: int, shard: int = 0) -> list[int]:
-        """The old name of ``outer_peers``, for one release."""
+        """The old name of ``outer_peers``, for one release.
+
+        Args:
+            stage: the pipeline stage, in [0, S).
+            shard: the old name of ``worker_rank``, in [0, R); default 0.
+        """
         renamed("Mesh.replica_peers", "Mesh.outer_peers")
         return self.outer_peers(stage, shard)
 
