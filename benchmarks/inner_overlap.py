@@ -73,7 +73,7 @@ def main() -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq-len", type=int, default=128)
     args = p.parse_args()
-    out = loco.launch(bench_worker, launcher="processes", replicas=1, shards=args.ranks,
+    out = loco.launch(bench_worker, launcher="processes", mesh=loco.Mesh(1, 1, args.ranks),
                       args=(args.model, args.steps, args.batch_size, args.seq_len))
     slowest = {way: max(o[way] for o in out) for way in WAYS}
     base = slowest[WAYS[0]]

@@ -62,7 +62,7 @@ def main() -> None:
           f"{'blocked s':>9} {'compute util.':>13}")
     for label, name, s in rows:
         print(f"{label:>16} {name:34} {s['final_eval_loss']:9.4f} "
-              f"{s['bytes_sent_per_worker']:14,} {s['train_seconds']:8.1f} "
+              f"{s['bytes_sent_per_rank']:14,} {s['train_seconds']:8.1f} "
               f"{s['comm_wait_seconds']:9.1f} {s['compute_utilization']:13.1%}")
 
 

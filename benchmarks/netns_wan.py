@@ -473,7 +473,7 @@ def analyse(net: WanNet, before: list[dict], after: list[dict], out: str, qdiscs
         "train_seconds": summary["train_seconds"],
         "compute_utilization": summary["compute_utilization"],
         "comm_wait_seconds": summary["comm_wait_seconds"],
-        "bytes_sent_per_worker": summary["bytes_sent_per_worker"],
+        "bytes_sent_per_rank": summary["bytes_sent_per_rank"],
         "final_eval_loss": summary["final_eval_loss"],
         "model_parameters": summary["model_parameters"],
         "syncs": summary["syncs"],

@@ -77,7 +77,7 @@ def main() -> None:
         print(f"{m:3} {algo:14} {s['final_eval_loss']:10.4f} "
               f"{r.get('mean_eval_loss', float('nan')):14.4f} "
               f"{r.get('average_eval_loss', float('nan')):8.4f} {loss / diloco[m]:10.3f} "
-              f"{s['bytes_sent_per_worker']:18,} {collectives:>12}")
+              f"{s['bytes_sent_per_rank']:18,} {collectives:>12}")
     for m, algo, s in rows:
         if algo.startswith("noloco"):
             ratio = s["replicas"]["mean_eval_loss"] / diloco[m]

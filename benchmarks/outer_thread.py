@@ -66,7 +66,7 @@ def main() -> None:
     result = {}
     for helper in (False, True):
         runs = [ms for _ in range(args.repeats)
-                for ms in loco.launch(worker, replicas=2, args=(
+                for ms in loco.launch(worker, 2, args=(
                     args.params, args.fragments, args.step_ms, args.rounds, helper))]
         result[helper] = statistics.median(runs)
         print(f"  outer_thread={helper!s:5}  {result[helper]:8.1f} ms")

@@ -108,7 +108,7 @@ def steps_per_second(method: str, sync_every: int, args) -> tuple[float, list[li
     previous = os.environ.get(KERNEL_ENV)
     os.environ[KERNEL_ENV] = KERNELS.get(method, previous or "auto")
     try:
-        times = loco.launch(worker, replicas=args.workers, launcher="threads",
+        times = loco.launch(worker, args.workers, launcher="threads",
                             args=(method, sync_every, args.steps, args.blocks))
     finally:
         if previous is None:

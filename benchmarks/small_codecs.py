@@ -75,7 +75,7 @@ def worker(ctx, codec: str | None, sync_every: int, steps: int) -> tuple[float, 
 def run(codec: str | None, args) -> tuple[float, float, float]:
     """(steps/s of the slowest worker, the slowest worker's seconds to build, the process's
     CPU milliseconds per step)."""
-    out = loco.launch(worker, replicas=2, launcher="threads",
+    out = loco.launch(worker, 2, launcher="threads",
                       args=(codec, args.sync_every, args.steps))
     return (args.steps / max(t for _, t, _ in out), max(s for s, _, _ in out),
             1e3 * max(c for _, _, c in out) / args.steps)

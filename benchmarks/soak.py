@@ -69,7 +69,7 @@ def main() -> int:
     start = rss_mb()
     samples: list = []
     t0 = time.perf_counter()
-    sent = launch(worker, replicas=args.workers, launcher="threads", args=(args, samples))
+    sent = launch(worker, args.workers, launcher="threads", args=(args, samples))
     wall = time.perf_counter() - t0
     base = samples[args.warmup - 1][2]
     end = samples[-1][2]

@@ -108,11 +108,11 @@ def main() -> None:
           f"{'comm wait s':>11}")
     for name, s in results.items():
         loss_r = ratio(s["final_eval_loss"], ref and ref["final_eval_loss"])
-        bytes_r = ratio(ref and ref["bytes_sent_per_worker"], s["bytes_sent_per_worker"])
-        peak_r = ratio(ref and ref["peak_sync_bytes_per_worker"], s["peak_sync_bytes_per_worker"])
+        bytes_r = ratio(ref and ref["bytes_sent_per_rank"], s["bytes_sent_per_rank"])
+        peak_r = ratio(ref and ref["peak_sync_bytes_per_rank"], s["peak_sync_bytes_per_rank"])
         print(f"{name:15} {s['final_eval_loss']:9.4f} {fmt(loss_r, '.3f', 9)} "
-              f"{s['bytes_sent_per_worker']:18,} {fmt(bytes_r, '.2f', 10)}x "
-              f"{s['peak_sync_bytes_per_worker']:15,} {fmt(peak_r, '.2f', 10)}x "
+              f"{s['bytes_sent_per_rank']:18,} {fmt(bytes_r, '.2f', 10)}x "
+              f"{s['peak_sync_bytes_per_rank']:15,} {fmt(peak_r, '.2f', 10)}x "
               f"{s['tokens_per_second']:9,.0f} {s['comm_wait_seconds']:11.2f}")
 
     print("\ntargets")
@@ -123,7 +123,7 @@ def main() -> None:
         loss_r = fp4["final_eval_loss"] / ref["final_eval_loss"]
         print(f"  {verdict(loss_r <= 1 + LOSS_TOLERANCE)}  eval loss Streaming FP4 (tau=1) / "
               f"DiLoCo: {loss_r:.3f}   (target <= {1 + LOSS_TOLERANCE:.2f})")
-        bytes_r = ref["bytes_sent_per_worker"] / fp4["bytes_sent_per_worker"]
+        bytes_r = ref["bytes_sent_per_rank"] / fp4["bytes_sent_per_rank"]
         print(f"  {verdict(bytes_r >= BYTES_TARGET)}  total bytes DiLoCo fp32 / Streaming FP4 "
               f"(tau=1): {bytes_r:.2f}x   (target >= {BYTES_TARGET:.0f}x)")
     # The peak target isolates the fragments: same wire format (fp32) as DiLoCo.
@@ -132,7 +132,7 @@ def main() -> None:
         print("  (the peak target needs the runs diloco and stream-fp32-t1 or stream-fp32-t0)")
     else:
         name = "stream-fp32-t1" if "stream-fp32-t1" in results else "stream-fp32-t0"
-        peak_r = ref["peak_sync_bytes_per_worker"] / stream["peak_sync_bytes_per_worker"]
+        peak_r = ref["peak_sync_bytes_per_rank"] / stream["peak_sync_bytes_per_rank"]
         model_size = ref["model_parameters"]
         largest = max(f["elements"] for f in stream["fragments"])
         ideal = model_size / largest
@@ -148,7 +148,7 @@ def main() -> None:
                   f"fragment holds {largest / model_size:.0%} of the model, not\n"
                   f"        1/{args.fragments}: P x is out of reach while one tensor is this large.")
         if fp4 is not None:
-            both = ref["peak_sync_bytes_per_worker"] / fp4["peak_sync_bytes_per_worker"]
+            both = ref["peak_sync_bytes_per_rank"] / fp4["peak_sync_bytes_per_rank"]
             print(f"        (with the 4-bit codec on top, DiLoCo / stream-fp4-t1 peak: "
                   f"{both:.2f}x)")
 

@@ -84,7 +84,7 @@ def main() -> None:
     default = os.environ.get(KERNEL_ENV) or "auto"
     for method in args.only.split(","):
         os.environ[KERNEL_ENV] = KERNELS.get(method, default)  # as overhead.py runs it
-        out = loco.launch(worker, replicas=2, launcher="threads",
+        out = loco.launch(worker, 2, launcher="threads",
                           args=(method, args.sync_every, args.steps, 20))
         table(method, out[0], args.steps, args.sync_every, 2)
 

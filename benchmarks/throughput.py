@@ -46,10 +46,10 @@ def main() -> None:
           f"H = {args.sync_every}, batch {base.data.batch_size} x {base.data.seq_len}")
     print(f"{'method':8} {'tokens/s':>10} {'bytes sent/worker':>18} {'syncs':>6} {'comm wait s':>12}")
     for algo, s in results.items():
-        print(f"{algo:8} {s['tokens_per_second']:10,.0f} {s['bytes_sent_per_worker']:18,} "
+        print(f"{algo:8} {s['tokens_per_second']:10,.0f} {s['bytes_sent_per_rank']:18,} "
               f"{s['syncs']:6} {s['comm_wait_seconds']:12.2f}")
     tps = results["diloco"]["tokens_per_second"] / results["local"]["tokens_per_second"]
-    ratio = results["ddp"]["bytes_sent_per_worker"] / results["diloco"]["bytes_sent_per_worker"]
+    ratio = results["ddp"]["bytes_sent_per_rank"] / results["diloco"]["bytes_sent_per_rank"]
     print(f"\ntokens/s DiLoCo / Local: {tps:.3f}   (target >= 0.97)")
     print(f"bytes DataParallel / DiLoCo: {ratio:.2f}   (expected H = {args.sync_every})")
 

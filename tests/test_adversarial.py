@@ -70,7 +70,7 @@ def write_run(root, label, loss, detected=(), inject=None, aggregation="drop",
                            "last_step": 160, "action": "left out"} for w, s in detected]}
     summary = {"algorithm": algorithm, "workers": 4, "inner_steps": 160, "tokens": 327680,
                "final_eval_loss": loss, "model_parameters": 157920,
-               "bytes_sent_per_worker": 1000, "peak_sync_bytes_per_worker": 100,
+               "bytes_sent_per_rank": 1000, "peak_sync_bytes_per_rank": 100,
                "wall_seconds": 10.0, "tokens_per_second": 1000.0, "guard": guard,
                "config": config}
     path = root / label

@@ -169,20 +169,20 @@ def test_request_proofs_are_bound_to_the_path_and_used_once():
 # -------------------------------------------------------------------------- admission
 def _admit_with(ctx, keys):
     try:
-        bound = admit(ctx.comm, keys[ctx.replica])
+        bound = admit(ctx.comm, keys[ctx.worker])
         return ("admitted", bound.job.hex(), ctx.comm.totals("setup").sent_bytes)
     except AdmissionError as e:
         return ("refused", str(e), None)
 
 
 def test_admission_over_threads():
-    ok = loco.launch(_admit_with, replicas=3, launcher="threads", args=([KEY] * 3,))
+    ok = loco.launch(_admit_with, 3, launcher="threads", args=([KEY] * 3,))
     assert [r[0] for r in ok] == ["admitted"] * 3
     assert len({r[1] for r in ok}) == 1  # one session, the same everywhere
     assert all(r[2] == 2 * 2 * 32 for r in ok)  # two all-gathers of 32 bytes, under "setup"
-    again = loco.launch(_admit_with, replicas=3, launcher="threads", args=([KEY] * 3,))
+    again = loco.launch(_admit_with, 3, launcher="threads", args=([KEY] * 3,))
     assert again[0][1] != ok[0][1]  # fresh challenges: a new session each time
-    out = loco.launch(_admit_with, replicas=3, launcher="threads", args=([KEY, OTHER, KEY],))
+    out = loco.launch(_admit_with, 3, launcher="threads", args=([KEY, OTHER, KEY],))
     assert [r[0] for r in out] == ["refused"] * 3
     for rank in (0, 2):
         assert "rank 1 could not prove the job key" in out[rank][1]

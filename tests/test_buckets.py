@@ -38,7 +38,7 @@ def bucket_worker(ctx, steps, accumulate=1, unused=None):
     same = []
     for t in range(steps):
         for a in range(accumulate):
-            x, y = batch(ctx.shard, accumulate * t + a)
+            x, y = batch(ctx.worker_rank, accumulate * t + a)
             model(x, y).backward()
             events.append(("backward done", a))
         ctx.inner.all_reduce_mean = issue
@@ -53,7 +53,7 @@ def bucket_worker(ctx, steps, accumulate=1, unused=None):
 
 
 def test_the_first_bucket_is_reduced_before_the_backward_pass_ends():
-    for events, same, n in loco.launch(bucket_worker, replicas=1, shards=2, args=(2,)):
+    for events, same, n in loco.launch(bucket_worker, mesh=loco.Mesh(1, 1, 2), args=(2,)):
         assert n > 2 and all(same)
         done = [i for i, e in enumerate(events) if e[0] == "backward done"]
         for start, end in zip([-1, *done], done):
@@ -69,7 +69,7 @@ def test_accumulated_and_missing_gradients_give_the_whole_mean(accumulate, unuse
     during the first pass are reduced again). A parameter without a gradient inside a
     bucket: the bucket waits for ``finish()``, which reduces it with zeros for that
     parameter (and sets them as its gradient)."""
-    for events, same, n in loco.launch(bucket_worker, replicas=1, shards=2,
+    for events, same, n in loco.launch(bucket_worker, mesh=loco.Mesh(1, 1, 2),
                                        args=(2, accumulate, unused)):
         assert all(same)
 
@@ -97,7 +97,7 @@ def fsdp_data_parallel_worker(ctx, steps):
         return issue(tensor, *args, **kwargs)
     ctx.comm.all_reduce_mean = spy
     for t in range(steps):
-        x, y = batch(ctx.replica * 2 + ctx.shard, t)
+        x, y = batch(ctx.worker * 2 + ctx.worker_rank, t)
         model(x, y).backward()
         events.append("backward done")
         algo.step()
@@ -110,6 +110,6 @@ def test_data_parallel_with_fsdp_inside_reduces_each_unit_during_backward():
     """Each FSDP2 unit's gradient shard is averaged across the workers from FSDP2's
     all-reduce hook, as soon as its reduce-scatter is done: one reduction per unit (the 2
     blocks and the root), all before the backward pass returns, none in ``step()``."""
-    for events in loco.launch(fsdp_data_parallel_worker, launcher="processes", replicas=2,
-                              shards=2, args=(2,)):
+    for events in loco.launch(fsdp_data_parallel_worker, launcher="processes",
+                              mesh=loco.Mesh(2, 1, 2), args=(2,)):
         assert events == ["issue"] * 3 + ["backward done"] + ["issue"] * 3 + ["backward done"]

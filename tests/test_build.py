@@ -59,7 +59,7 @@ def built_worker(ctx, models: dict[str, str], block: int):
     loco.model.INIT_BLOCK = block
     out = {}
     for key, model in models.items():
-        built = build_model(config(model, ctx.mesh.shards), ctx, VOCAB)
+        built = build_model(config(model, ctx.worker_ranks), ctx, VOCAB)
         out[key] = {"tensors": whole(built),
                     "sharded": sorted(n for n, p in built.named_parameters()
                                       if hasattr(p, "placements"))}
@@ -76,7 +76,7 @@ def unsharded(models):
     """R = 1: what a worker of one rank builds (``shard_worker`` leaves the model whole, so
     it is materialised whole on the device): the reference."""
     ctx = SimpleNamespace(device_mesh=object(), inner=None, device=torch.device("cpu"),
-                          mesh=SimpleNamespace(shards=1))
+                          worker_ranks=1)
     old, loco.model.INIT_BLOCK = loco.model.INIT_BLOCK, BLOCK
     try:
         return built_worker(ctx, models, BLOCK)
@@ -94,7 +94,7 @@ def test_fsdp_shards_equal_the_unsharded_model_bit_for_bit(models, unsharded, ra
     """Every rank of a worker of R ranks builds on meta, shards, and draws only its rows;
     gathered, the parameters (and the recomputed rotary tables) are the R = 1 model's, bit
     for bit: the built-in model, a GQA Llama with tied embeddings, a GPT-2."""
-    out = loco.launch(built_worker, replicas=1, shards=ranks, launcher="processes",
+    out = loco.launch(built_worker, mesh=loco.Mesh(1, 1, ranks), launcher="processes",
                       args=(models, BLOCK))
     for rank in out:
         for key in models:

@@ -27,7 +27,7 @@ def run(label, algorithm, loss=5.0, seed=None, spreads=(), summary=None, **confi
     records = [{"step": 10 * (i + 1), "spread": s} for i, s in enumerate(spreads)]
     records.insert(1, {"step": 5, "loss": 6.0})  # a record without a spread is skipped
     return Run(label, label, {"algorithm": algorithm, "final_eval_loss": loss,
-                              "bytes_sent_per_worker": 10, "peak_sync_bytes_per_worker": 5,
+                              "bytes_sent_per_rank": 10, "peak_sync_bytes_per_rank": 5,
                               "model_parameters": 1000, "tokens": 2000, "inner_steps": 300,
                               "config": config, **(summary or {})}, records)
 

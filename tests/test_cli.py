@@ -171,7 +171,7 @@ def test_small_run_writes_metrics_summary_and_plot(corpus, tmp_path, capsys):
     assert main(small_run(corpus, out, "--algorithm", "diloco")) == 0
     summary = json.loads((out / "summary.json").read_text())
     for key in ("algorithm", "workers", "inner_steps", "tokens", "final_eval_loss",
-                "bytes_sent_per_worker", "peak_sync_bytes_per_worker", "wall_seconds",
+                "bytes_sent_per_rank", "peak_sync_bytes_per_rank", "wall_seconds",
                 "tokens_per_second", "config", "unigram_entropy"):
         assert key in summary
     assert summary["tokens"] == 12 * 2 * 4 * 32
@@ -179,13 +179,13 @@ def test_small_run_writes_metrics_summary_and_plot(corpus, tmp_path, capsys):
     # 3 syncs of the whole model, each 2 (M-1) ceil(n/M) fp32 values per worker
     n = summary["model_parameters"]
     assert summary["syncs"] == 3
-    assert summary["peak_sync_bytes_per_worker"] == 2 * 1 * math.ceil(n / 2) * 4
-    assert summary["bytes_sent_per_worker"] == 3 * summary["peak_sync_bytes_per_worker"]
+    assert summary["peak_sync_bytes_per_rank"] == 2 * 1 * math.ceil(n / 2) * 4
+    assert summary["bytes_sent_per_rank"] == 3 * summary["peak_sync_bytes_per_rank"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "train_loss" in r] == [3, 6, 9, 12]
     assert any("eval_loss" in r for r in records[:-1])  # evaluated during training
     assert records[-1]["eval_loss"] == summary["final_eval_loss"]
-    assert records[-1]["bytes_sent"] == summary["bytes_sent_per_worker"]
+    assert records[-1]["bytes_sent"] == summary["bytes_sent_per_rank"]
     assert (out / "loss.png").read_bytes()[:4] == b"\x89PNG"
     assert "final eval loss" in capsys.readouterr().out
 
@@ -200,7 +200,7 @@ def test_default_streaming_run_reports_every_sync_and_fragment(trained):
     frags = summary["fragments"]
     assert [f["syncs"] for f in frags] == [3, 3]
     assert sum(f["elements"] for f in frags) == summary["model_parameters"]
-    assert sum(f["bytes_sent"] for f in frags) == summary["bytes_sent_per_worker"]
+    assert sum(f["bytes_sent"] for f in frags) == summary["bytes_sent_per_rank"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     syncs = [r for r in records if r.get("event") == "sync"]
     assert [(s["step"], s["fragment"], s["applied_step"]) for s in syncs] == [
@@ -213,7 +213,7 @@ def test_default_streaming_run_reports_every_sync_and_fragment(trained):
         # the worker waits at most while the sync is in flight, plus the wake-up of its thread
         # (the flushed last sync is waited for right after it is sent)
         assert 0 <= s["seconds_waited"] <= s["seconds_in_flight"] + 0.05
-    assert summary["peak_sync_bytes_per_worker"] == max(s["wire_bytes"] for s in syncs)
+    assert summary["peak_sync_bytes_per_rank"] == max(s["wire_bytes"] for s in syncs)
 
 
 def test_noloco_run_reports_replicas_spread_and_average(corpus, tmp_path, capsys):
@@ -227,7 +227,7 @@ def test_noloco_run_reports_replicas_spread_and_average(corpus, tmp_path, capsys
     assert r["mean_eval_loss"] == pytest.approx(sum(r["eval_losses"]) / 4)
     assert summary["final_eval_loss"] == r["average_eval_loss"]  # --final-average
     # one pairwise exchange of Δ and φ (fp32) per outer step, with the one other worker
-    assert summary["bytes_sent_per_worker"] == 3 * 2 * 4 * summary["model_parameters"]
+    assert summary["bytes_sent_per_rank"] == 3 * 2 * 4 * summary["model_parameters"]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     spread = [r["spread"] for r in records if "spread" in r]
     assert len(spread) == 3 and all(s > 0 for s in spread)
@@ -359,7 +359,7 @@ def test_emulated_link_slows_blocking_reductions_and_is_reported(corpus, tmp_pat
                           "--link-latency", "30ms")) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["link"] == {"bandwidth": "20Mbit", "latency": "30ms"}
-    per_step = summary["bytes_sent_per_worker"] / 12
+    per_step = summary["bytes_sent_per_rank"] / 12
     floor = 12 * (0.030 + per_step * 8 / 20e6)
     for w in summary["per_worker"]:
         assert w["blocked_seconds"] >= floor * 0.98

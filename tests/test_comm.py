@@ -24,7 +24,7 @@ def reduce_worker(ctx, sizes):
 @pytest.mark.parametrize("workers", [1, 2, 3, 4])
 def test_mean_all_reduce_values_and_exact_bytes(workers):
     sizes = [1, 7, 1000, 1001, 4099]
-    results = loco.launch(reduce_worker, replicas=workers, args=(sizes,))
+    results = loco.launch(reduce_worker, workers, args=(sizes,))
     mean_factor = sum(r + 1 for r in range(workers)) / workers
     for rank, (out, totals) in enumerate(results):
         for n, (t, rec) in zip(sizes, out):
@@ -70,9 +70,9 @@ def test_a_large_all_reduce_in_pieces_is_bit_identical_with_bounded_buffers(work
     from loco.comm import reduce
 
     codecs, n = [None, "bf16", "fp4_e3m0", "int8", "int2"], 20011
-    whole, _ = zip(*loco.launch(pieces_worker, replicas=workers, args=(None, codecs, n)))
+    whole, _ = zip(*loco.launch(pieces_worker, workers, args=(None, codecs, n)))
     monkeypatch.setattr(reduce, "PIECE_BYTES", 4096)
-    pieces, kept = zip(*loco.launch(pieces_worker, replicas=workers, args=(4096, codecs, n)))
+    pieces, kept = zip(*loco.launch(pieces_worker, workers, args=(4096, codecs, n)))
     for a, b in zip(whole, pieces):
         for name in codecs:
             assert torch.equal(a[name][0], b[name][0]), name  # the mean
@@ -99,8 +99,8 @@ def test_issue_in_order_returns_once_the_operation_is_issued():
     """With FSDP2 on a GPU (another library's collectives issued from the training thread),
     a submission returns only once the communication thread has issued it, so every rank
     issues its NCCL calls in the training thread's order; otherwise at once."""
-    assert all(t >= 0.3 for t in loco.launch(in_order_worker, replicas=2, args=(True,)))
-    assert all(t < 0.15 for t in loco.launch(in_order_worker, replicas=2, args=(False,)))
+    assert all(t >= 0.3 for t in loco.launch(in_order_worker, 2, args=(True,)))
+    assert all(t < 0.15 for t in loco.launch(in_order_worker, 2, args=(False,)))
 
 
 def test_broadcast_bytes_are_exact():
@@ -109,7 +109,7 @@ def test_broadcast_bytes_are_exact():
         rec = ctx.comm.broadcast(t, src=1).record
         ctx.comm.totals("setup")
         return t, rec
-    for rank, (t, rec) in enumerate(loco.launch(fn, replicas=3)):
+    for rank, (t, rec) in enumerate(loco.launch(fn, 3)):
         assert torch.equal(t, torch.ones(250))
         assert rec.sent_bytes == (2 * 1000 if rank == 1 else 0)
         assert rec.recv_bytes == (0 if rank == 1 else 1000)
@@ -126,7 +126,7 @@ def test_reduction_completes_in_the_background():
         done_before_wait = handle.done()
         handle.wait()
         return done_before_wait, handle.record.waited
-    for done, waited in loco.launch(fn, replicas=2):
+    for done, waited in loco.launch(fn, 2):
         assert done and waited < 0.05
 
 
@@ -137,24 +137,24 @@ def test_a_failing_worker_stops_the_run_with_its_name():
         ctx.comm.all_reduce_mean(torch.ones(10)).wait()  # would wait for worker 1 forever
     t0 = time.time()
     with pytest.raises(loco.WorkerError, match=r"worker 1 failed(.|\n)*boom at step 3"):
-        loco.launch(fn, replicas=2, timeout=60)
+        loco.launch(fn, 2, timeout=60)
     assert time.time() - t0 < 30
 
 
 def test_mesh_layout():
-    mesh = loco.Mesh(replicas=3, stages=2)
+    mesh = loco.Mesh(workers=3, stages=2)
     assert mesh.world_size == 6
     assert mesh.coords(5) == (2, 1)
-    assert mesh.replica_peers(1) == [1, 3, 5]
+    assert mesh.outer_peers(1) == [1, 3, 5]
 
 
 def test_launch_rejects_bad_arguments():
     with pytest.raises(ValueError, match="launcher"):
         loco.launch(lambda ctx: None, 2, "mpi")
-    with pytest.raises(ValueError, match="workers"):
+    with pytest.raises(ValueError, match="ranks"):
         loco.launch(lambda ctx: None, 0)
-    with pytest.raises(ValueError, match="replicas"):
-        loco.launch(lambda ctx: None, replicas=0)
+    with pytest.raises(ValueError, match="workers"):
+        loco.launch(lambda ctx: None, mesh=loco.Mesh(0))
 
 
 # ------------------------------------------------------------------ devices, NCCL's needs
@@ -178,7 +178,7 @@ def test_every_operation_refuses_a_tensor_on_another_device():
             messages.append(str(e.value))
         ctx.comm.all_reduce_mean(cpu).wait()  # nothing half-issued is left behind
         return messages, ctx.comm.totals("train").ops, ctx.comm.issued_bytes("train")
-    for messages, ops, issued in loco.launch(fn, replicas=2):
+    for messages, ops, issued in loco.launch(fn, 2):
         assert all("device=comm.device" in m for m in messages)
         assert ops == 1 and issued == 2 * 4 * 4
 
@@ -217,8 +217,8 @@ def test_a_staging_comm_hands_the_transport_host_copies_and_gives_back_the_calle
     """``stage_from``: every operation's tensors reach the transport as host copies (never
     the caller's), the caller's tensors get the results, bit for bit an unstaged run's, and
     the same bytes are counted (an elastic worker on a GPU; here the CPU stands in)."""
-    plain = loco.launch(staged_worker, replicas=2, args=(False,))
-    staged = loco.launch(staged_worker, replicas=2, args=(True,))
+    plain = loco.launch(staged_worker, 2, args=(False,))
+    staged = loco.launch(staged_worker, 2, args=(True,))
     for p, q in zip(plain, staged):
         assert all(torch.equal(a, b) for a, b in zip(p["values"], q["values"]))
         assert all(q["same"]) and q["sent"] == p["sent"] > 0
@@ -236,7 +236,7 @@ def test_a_staged_handle_copies_back_once_and_through_a_reissue():
         first, second = handle.wait(), handle.wait()
         again = handle.reissue().wait()
         return calls, first, second, again
-    calls, first, second, again = loco.launch(fn, replicas=1)[0]
+    calls, first, second, again = loco.launch(fn, 1)[0]
     assert calls == ["then", "then"] and first is second
     assert torch.equal(first, torch.full((4,), 2.0)) and torch.equal(again, first)
 
@@ -264,7 +264,7 @@ def spy_p2p_worker(ctx):
 
 def test_point_to_point_is_posted_as_one_batch_on_a_process_group():
     for rank, (is_pg, calls, got, received) in enumerate(
-            loco.launch(spy_p2p_worker, replicas=2, launcher="processes")):
+            loco.launch(spy_p2p_worker, 2, launcher="processes")):
         peer = 1 - rank
         assert is_pg
         assert calls == [[("irecv", peer), ("isend", peer)]] * 2
@@ -352,7 +352,7 @@ def test_handles_use_the_device_hand_over_protocol():
         h.wait()
         return rec.calls, t.data_ptr(), threading.current_thread().name
 
-    for rank, (calls, ptr, me) in enumerate(loco.launch(fn, replicas=2)):
+    for rank, (calls, ptr, me) in enumerate(loco.launch(fn, 2)):
         assert calls[0] == ("issue", me, [ptr])
         assert calls[1] == ("run", f"loco-comm-replicas-{rank}", "ready")
         assert ("finished", "done-mark") in calls

@@ -88,7 +88,7 @@ def test_each_path_issues_the_native_collectives_on_flat_buffers_with_exact_byte
     for name in ("all_gather", "all_to_all", "reduce_scatter", "gather", "scatter"):
         monkeypatch.setattr(dist, name, lambda *a, _n=name, **k: pytest.fail(f"dist.{_n}"))
     m, n = 3, 1001
-    out = loco.launch(spy_worker, replicas=m, args=(n,))
+    out = loco.launch(spy_worker, m, args=(n,))
     chunk = math.ceil(n / m)
     fp4, topk = get_codec("fp4_e3m0"), get_codec("topk")
     two_bit = get_codec("topk_2bit")
@@ -140,7 +140,7 @@ def test_an_elastic_comm_keeps_the_all_to_all_reduction_in_rank_order():
     before, bit for bit."""
     assert ElasticComm.rank_order and not Comm.rank_order
     m, n = 3, 1001
-    out = loco.launch(rank_order_worker, replicas=m, args=(n,))
+    out = loco.launch(rank_order_worker, m, args=(n,))
     xs = [torch.randn(n, generator=torch.Generator().manual_seed(r)) for r in range(m)]
     want = (xs[0] + xs[1] + xs[2]) / m
     for t, calls in out:
@@ -278,7 +278,7 @@ def test_sparseloco_sums_kept_values_in_rank_order_bit_for_bit(name, m, n):
     messages, gathered and its own (and one chunk where n is not whole chunks: no padded
     copy of x), the same buffers every sync, which ``buffer_bytes`` counts."""
     syncs = 2
-    out = loco.launch(gather_worker, replicas=m, args=(name, n, syncs))
+    out = loco.launch(gather_worker, m, args=(name, n, syncs))
     codec = get_codec(name, block=64, keep=0.125)
     bits = lambda t: t.view(torch.int32)  # noqa: E731 - NaN's bits too
     for s in range(syncs):
@@ -309,7 +309,7 @@ def buffers_worker(ctx):
 def test_buffer_bytes_counts_what_the_comm_keeps():
     """The group's all-reduce keeps nothing; a codec's reduction keeps its buffers, all of
     them counted."""
-    for native, coded, kept in loco.launch(buffers_worker, replicas=2):
+    for native, coded, kept in loco.launch(buffers_worker, 2):
         assert native == 0 and coded == kept > 0
 
 

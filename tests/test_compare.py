@@ -84,8 +84,8 @@ def test_report_numbers_are_the_runs_summaries(compared):
         gap = 100 * (summary["final_eval_loss"] / ddp["final_eval_loss"] - 1)
         assert float(row[3].rstrip("%")) == pytest.approx(gap, abs=0.005)
         sent = row[4].removesuffix(" (fp32)") if label == "ddp" else row[4]
-        assert int(sent.replace(",", "")) == summary["bytes_sent_per_worker"]
-        assert int(row[5].replace(",", "")) == summary["peak_sync_bytes_per_worker"]
+        assert int(sent.replace(",", "")) == summary["bytes_sent_per_rank"]
+        assert int(row[5].replace(",", "")) == summary["peak_sync_bytes_per_rank"]
         assert float(row[7]) == round(summary["wall_seconds"], 1)
         assert int(row[8].replace(",", "")) == round(summary["tokens_per_second"])
         # one currency: bits a worker sent per parameter per inner step, and per token
@@ -95,10 +95,10 @@ def test_report_numbers_are_the_runs_summaries(compared):
         assert entry["compare"]["bytes_per_token"] == pytest.approx(
             sent * summary["workers"] / summary["tokens"], rel=1e-12)
         assert row[9] == ("0" if sent == 0 else f"{bits:.3g}")
-        if summary["bytes_sent_per_worker"]:
-            ratio = ddp["bytes_sent_per_worker"] / summary["bytes_sent_per_worker"]
+        if summary["bytes_sent_per_rank"]:
+            ratio = ddp["bytes_sent_per_rank"] / summary["bytes_sent_per_rank"]
             assert entry["compare"]["ddp_bytes_over_bytes"] == pytest.approx(ratio)
-    assert rows["Local"][6] == "∞" and numbers["local"]["bytes_sent_per_worker"] == 0
+    assert rows["Local"][6] == "∞" and numbers["local"]["bytes_sent_per_rank"] == 0
     # DataParallel in fp32 over a ring of M = 2 sends 64 (M - 1) / M = 32 bits per parameter
     # and step (every parameter's gradient, reduce-scatter and all-gather, one of two halves)
     assert numbers["ddp"]["compare"]["bits_per_parameter_per_step"] == pytest.approx(32)
@@ -108,8 +108,8 @@ def test_report_numbers_are_the_runs_summaries(compared):
     assert numbers["ddp"]["compare"]["grad_codec"] == "fp32"
     assert numbers["diloco"]["compare"]["grad_codec"] is None
     # DataParallel sends every step, the others every H steps or never.
-    assert numbers["ddp"]["bytes_sent_per_worker"] > numbers["diloco"]["bytes_sent_per_worker"]
-    assert numbers["wide"]["bytes_sent_per_worker"] > numbers["streaming"]["bytes_sent_per_worker"]
+    assert numbers["ddp"]["bytes_sent_per_rank"] > numbers["diloco"]["bytes_sent_per_rank"]
+    assert numbers["wide"]["bytes_sent_per_rank"] > numbers["streaming"]["bytes_sent_per_rank"]
 
 
 def test_metrics_carry_what_the_plots_need(compared):
@@ -156,8 +156,8 @@ def test_report_claims_check_the_papers_targets(compared):
         assert claim in claims
     assert "\nRegime: " in report.split("## The papers' claims", 1)[0]
     numbers = json.loads((compared / "compare.json").read_text())
-    peak = (numbers["diloco"]["peak_sync_bytes_per_worker"]
-            / numbers["streaming"]["peak_sync_bytes_per_worker"])
+    peak = (numbers["diloco"]["peak_sync_bytes_per_rank"]
+            / numbers["streaming"]["peak_sync_bytes_per_rank"])
     assert numbers["streaming"]["compare"]["diloco_peak_over_peak"] == pytest.approx(peak)
 
 
@@ -169,12 +169,12 @@ def peak_runs(codec: str, block: int, fragment_share: float, fragments: int = 2)
     per_value = CODEC_BITS[codec] + (8 / block if CODEC_BITS[codec] < 16 else 0)
     peak = round(diloco_peak / fragment_share * per_value / 32)
     config = {"fragments": fragments, "codec": codec, "codec_block": block}
-    base = {"final_eval_loss": 5.0, "bytes_sent_per_worker": 10 * peak, "model_parameters": n}
+    base = {"final_eval_loss": 5.0, "bytes_sent_per_rank": 10 * peak, "model_parameters": n}
     return [Run("diloco", "diloco", {**base, "algorithm": "diloco", "config": {},
-                                     "peak_sync_bytes_per_worker": diloco_peak}, []),
+                                     "peak_sync_bytes_per_rank": diloco_peak}, []),
             Run("streaming", "streaming",
                 {**base, "algorithm": "streaming", "config": config,
-                 "peak_sync_bytes_per_worker": peak,
+                 "peak_sync_bytes_per_rank": peak,
                  "fragments": [{"elements": round(n * (1 - 1 / fragment_share))},
                                {"elements": round(n / fragment_share)}]}, [])]
 

@@ -262,8 +262,8 @@ def test_an_fp4_all_reduce_gives_the_same_bits_with_the_kernel(lib, monkeypatch)
     decode) gives every worker the bits of the PyTorch ops' reduction."""
     import loco
     monkeypatch.setenv(cpp_kernel.ENV, "0")
-    eager = loco.launch(_fp4_mean, replicas=3, launcher="threads", args=(10_000,))
+    eager = loco.launch(_fp4_mean, 3, launcher="threads", args=(10_000,))
     monkeypatch.setenv(cpp_kernel.ENV, "1")
-    fast = loco.launch(_fp4_mean, replicas=3, launcher="threads", args=(10_000,))
+    fast = loco.launch(_fp4_mean, 3, launcher="threads", args=(10_000,))
     for a, b in zip(eager, fast, strict=True):
         assert _same_bits(a, b) and _same_bits(a, fast[0])

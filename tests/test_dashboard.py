@@ -57,7 +57,7 @@ RECORDS = [
 
 SUMMARY = {
     "algorithm": "streaming", "workers": 2, "stages": 1, "routing": None, "inner_steps": 12,
-    "tokens": 3072, "final_eval_loss": 5.598203834734465, "bytes_sent_per_worker": 58140,
+    "tokens": 3072, "final_eval_loss": 5.598203834734465, "bytes_sent_per_rank": 58140,
     "memory_bytes_per_rank": {"model": 145792, "inner_optimizer": 291584},
     "nonfinite_skipped": {"inner_steps": 0, "syncs": 0}, "elastic": None,
     "compute_utilization": 0.82, "wall_seconds": 0.86,
@@ -441,4 +441,4 @@ def test_train_logs_every_metric_to_tensorboard_and_wandb(corpus, tmp_path):
     assert run["run"].display_name == "run"
     assert [row["step"] for row in run["history"]] == [r["step"] for r in records]
     assert run["summary"]["summary/final_eval_loss"] == summary["final_eval_loss"]
-    assert not math.isnan(run["summary"]["summary/bytes_sent_per_worker"])
+    assert not math.isnan(run["summary"]["summary/bytes_sent_per_rank"])

@@ -182,7 +182,7 @@ def test_other_cases_take_the_explicit_path():
         model(*batch(ctx.rank, 0)).backward()
         algo.step()
         return algo.ddp is None, ctx.comm.totals().ops
-    assert loco.launch(ranks, 4, shards=2) == [(True, 1)] * 4
+    assert loco.launch(ranks, 4, worker_ranks=2) == [(True, 1)] * 4
 
     comm = loco.Comm(None, 0, 1)
     try:

@@ -444,7 +444,7 @@ def test_trains_through_the_command_line(corpus, tmp_path):
 
     model = Transformer(model_config("tiny", vocab, 32), torch.Generator())
     shapes = [p.shape for p in model.parameters()]
-    assert s["bytes_sent_per_worker"] == 8 * (2 - 1) * own_payload(shapes, 64, 32, "bf16")
+    assert s["bytes_sent_per_rank"] == 8 * (2 - 1) * own_payload(shapes, 64, 32, "bf16")
     # the momenta, and DeMo's payload maps and DCT matrices (counted one by one:
     # tests/test_memory.py)
     assert s["memory_bytes_per_rank"]["outer"] > 4 * s["model_parameters"]

@@ -184,8 +184,9 @@ def test_a_checkpoint_resumes_bit_identically(variant, split, launcher, shards):
     through torch.distributed.checkpoint (workers of 2 ranks, each holding half of every
     eager state), as loco train saves."""
     kw = dict(fragments=4, overlap=2, alpha=0.5, layers=4, eager=True, eager_variant=variant)
-    for straight, resumed in loco.launch(resume_worker, launcher=launcher, replicas=2,
-                                         shards=shards, args=(4 * H, split, H, "streaming"),
+    for straight, resumed in loco.launch(resume_worker, launcher=launcher,
+                                         mesh=loco.Mesh(2, 1, shards),
+                                         args=(4 * H, split, H, "streaming"),
                                          kwargs=kw):
         assert max_diff(straight, resumed) == 0
 

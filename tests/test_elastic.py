@@ -28,7 +28,7 @@ TOL = 1e-5
 
 
 def run(kill, restarts=0, steps=STEPS, algo=ALGO, **extra):
-    return loco.launch(elastic_worker, replicas=M, launcher="processes", timeout=60,
+    return loco.launch(elastic_worker, M, launcher="processes", timeout=60,
                        elastic=loco.Elastic(min_workers=2, restarts=restarts),
                        args=(steps,), kwargs=dict(kill=kill, **algo, **extra))
 
@@ -117,8 +117,8 @@ def test_a_worker_of_two_ranks_is_lost_whole_and_rejoins_rank_by_rank():
     the restarted worker's ranks each receive their share of the state from the same rank
     of a live worker, and then hold the global copy bit for bit."""
     m, r, steps = 3, 2, 48
-    out = loco.launch(elastic_worker, replicas=m, launcher="processes", timeout=60,
-                      shards=r, elastic=loco.Elastic(min_workers=2, restarts=1),
+    out = loco.launch(elastic_worker, mesh=loco.Mesh(m, 1, r), launcher="processes", timeout=60,
+                      elastic=loco.Elastic(min_workers=2, restarts=1),
                       args=(steps,), kwargs=dict(kill=(2, 12, "reduction", 1), smooth=True,
                                                  step_seconds=0.3, parallel="fsdp", **ALGO))
     peers, joiner = out[:4], out[4:]
@@ -187,20 +187,20 @@ def test_noloco_goes_on_when_a_partner_is_lost(stage):
 
 def test_below_min_workers_the_wait_ends_and_names_the_missing_worker():
     with pytest.raises(loco.WorkerError, match=r"workers \[1\] did not answer"):
-        loco.launch(elastic_worker, replicas=2, launcher="processes", timeout=6,
+        loco.launch(elastic_worker, 2, launcher="processes", timeout=6,
                     elastic=loco.Elastic(min_workers=2, restarts=0),
                     args=(STEPS,), kwargs=dict(kill=(1, 13, "step"), **ALGO))
 
 
 def test_elastic_options_are_checked_before_any_worker_starts():
     with pytest.raises(ValueError, match=r"min_workers must be an integer in \[1, workers=4\]"):
-        loco.launch(elastic_worker, replicas=4, launcher="processes",
+        loco.launch(elastic_worker, 4, launcher="processes",
                     elastic=loco.Elastic(min_workers=5))
     with pytest.raises(ValueError, match="restarts must be an integer >= 0"):
-        loco.launch(elastic_worker, replicas=4, launcher="processes",
+        loco.launch(elastic_worker, 4, launcher="processes",
                     elastic=loco.Elastic(restarts=-1))
     with pytest.raises(ValueError, match="'processes' launcher"):
-        loco.launch(elastic_worker, replicas=4, launcher="threads", elastic=loco.Elastic())
+        loco.launch(elastic_worker, 4, launcher="threads", elastic=loco.Elastic())
 
 
 @pytest.mark.parametrize("algo_name,kw", [
@@ -216,7 +216,7 @@ def test_heal_state_carries_the_global_model_exactly(algo_name, kw):
     from workers import heal_roundtrip_worker
 
     # 8 steps: an outer step's end, where NoLoCo's replica (its "global" model) is its φ
-    for r in loco.launch(heal_roundtrip_worker, replicas=2, args=(algo_name, 8), kwargs=kw):
+    for r in loco.launch(heal_roundtrip_worker, 2, args=(algo_name, 8), kwargs=kw):
         assert r["steps"] == (8, 8)
         for name, value in r["global"].items():
             assert torch.equal(r["fresh_global"][name], value), name

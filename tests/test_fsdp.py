@@ -26,7 +26,7 @@ def fsdp_worker(ctx, steps):
            "local_numel": {n: p.to_local().numel() for n, p in named.items()},
            "initial": gathered(named)}
     opt = make_optimizer(model)
-    train_steps(model, opt, ctx.replica * ctx.mesh.shards + ctx.shard, range(steps))
+    train_steps(model, opt, ctx.worker * ctx.worker_ranks + ctx.worker_rank, range(steps))
     out["params"] = gathered(named)
     return out
 
@@ -55,7 +55,7 @@ def shard_numel(shape: torch.Size, shards: int, index: int) -> int:
 
 @pytest.fixture(scope="module")
 def fsdp_run():
-    return loco.launch(fsdp_worker, replicas=M, shards=R, launcher="processes", args=(STEPS,))
+    return loco.launch(fsdp_worker, mesh=loco.Mesh(M, 1, R), launcher="processes", args=(STEPS,))
 
 
 def test_each_rank_keeps_its_share_of_every_parameter(fsdp_run):
@@ -92,7 +92,7 @@ def test_fsdp_worker_trains_like_one_process_on_the_whole_batch(fsdp_run):
 def test_threads_launcher_is_refused_with_the_option_to_change():
     with pytest.raises(loco.WorkerError, match="needs a torch.distributed process group per "
                        r"rank: use --launcher processes or torchrun"):
-        loco.launch(fsdp_worker, replicas=2, shards=2, args=(0,))
+        loco.launch(fsdp_worker, mesh=loco.Mesh(2, 1, 2), args=(0,))
 
 
 def test_one_rank_per_worker_leaves_the_model_as_it_is():

@@ -180,12 +180,12 @@ def eval_loss(params) -> float:
 
 @pytest.fixture(scope="module")
 def clean():
-    return eval_loss(loco.launch(poisoned_diloco, replicas=4, args=(None, "drop"))[0][0])
+    return eval_loss(loco.launch(poisoned_diloco, 4, args=(None, "drop"))[0][0])
 
 
 @pytest.mark.parametrize("attack", ["scale", "noise"])
 def test_one_poisoned_worker_of_four_is_left_out_and_named(attack, clean):
-    out = loco.launch(poisoned_diloco, replicas=4, args=(attack, "drop"))
+    out = loco.launch(poisoned_diloco, 4, args=(attack, "drop"))
     loss = eval_loss(out[0][0])
     # within 3% of the clean run's loss (it is near 0 here: plus 0.01 in absolute terms)
     assert loss <= clean * 1.03 + 0.01, (loss, clean)
@@ -194,7 +194,7 @@ def test_one_poisoned_worker_of_four_is_left_out_and_named(attack, clean):
 
 
 def test_without_the_guard_the_poisoned_run_is_ruined(clean):
-    out = loco.launch(poisoned_diloco, replicas=4, args=("scale", "mean"))
+    out = loco.launch(poisoned_diloco, 4, args=("scale", "mean"))
     assert eval_loss(out[0][0]) > 100 * max(clean, 0.1)
 
 
@@ -213,8 +213,8 @@ def streaming(ctx, aggregation: str, codec: str):
 
 @pytest.mark.parametrize("codec", ["fp4_e3m0", "topk_2bit"])
 def test_an_honest_run_with_the_guard_is_the_plain_run_bit_for_bit(codec):
-    guarded = loco.launch(streaming, replicas=4, args=("drop", codec))
-    plain = loco.launch(streaming, replicas=4, args=("mean", codec))
+    guarded = loco.launch(streaming, 4, args=("drop", codec))
+    plain = loco.launch(streaming, 4, args=("mean", codec))
     assert all(torch.equal(guarded[0][k], plain[0][k]) for k in plain[0])
 
 
@@ -259,13 +259,13 @@ def test_demo_messages_are_judged_like_any_contribution():
     that sends its values ×−50 (``inject``) is named and left out every step: the run is
     the one where it sends zeros, bit for bit (what it knew is lost with it: DeMo on three
     workers' coefficients, docs/security.md)."""
-    guarded = loco.launch(demo, replicas=4, args=("drop",))
-    plain = loco.launch(demo, replicas=4, args=("mean",))
+    guarded = loco.launch(demo, 4, args=("drop",))
+    plain = loco.launch(demo, 4, args=("mean",))
     assert all(torch.equal(guarded[0][0][k], plain[0][0][k]) for k in plain[0][0])
-    attacked = loco.launch(demo, replicas=4, args=("drop", "1:scale=-50"))
+    attacked = loco.launch(demo, 4, args=("drop", "1:scale=-50"))
     named = {(d["worker"], d["sign"]) for _, report in attacked for d in report}
     assert named == {(1, "high")}
-    silent = loco.launch(demo, replicas=4, args=("drop", "1:zero"))
+    silent = loco.launch(demo, 4, args=("drop", "1:zero"))
     assert all(torch.equal(attacked[0][0][k], silent[0][0][k]) for k in plain[0][0])
 
 
@@ -279,15 +279,15 @@ def test_noloco_pairs_judge_each_other_by_their_own_norm():
     """NoLoCo's groups of two: an honest run is the plain one bit for bit; a worker whose
     pseudo-gradient is ×−50 is named by every partner it meets, whose mean Δ is then its
     own."""
-    guarded = loco.launch(noloco, replicas=4, args=("drop",))
-    plain = loco.launch(noloco, replicas=4, args=("mean",))
+    guarded = loco.launch(noloco, 4, args=("drop",))
+    plain = loco.launch(noloco, 4, args=("mean",))
     assert all(torch.equal(guarded[m][0][k], plain[m][0][k]) for m in range(4)
                for k in plain[0][0])
-    attacked = loco.launch(noloco, replicas=4, args=("drop", "1:scale=-50"))
+    attacked = loco.launch(noloco, 4, args=("drop", "1:scale=-50"))
     named = {(d["worker"], d["sign"]) for m, (_, report) in enumerate(attacked) if m != 1
              for d in report}
     assert named == {(1, "high")}
-    ruined = loco.launch(noloco, replicas=4, args=("mean", "1:scale=-50"))
+    ruined = loco.launch(noloco, 4, args=("mean", "1:scale=-50"))
     honest = [m for m in range(4) if m != 1]
     assert (max(eval_loss(attacked[m][0]) for m in honest)
             < min(eval_loss(ruined[m][0]) for m in honest))
@@ -316,11 +316,11 @@ def test_noloco_judges_a_members_slow_weights_with_its_pseudo_gradient():
     """A member whose φ alone is wrong (its Δ honest) is named by every partner, which then
     takes neither its Δ nor its φ: the honest workers end near where the guarded run of a
     plainly poisoned partner ends, while a plain mean pulls them 35 (γ/2 × 100) away."""
-    guarded = loco.launch(noloco_drifted, replicas=4, args=("drop",))
+    guarded = loco.launch(noloco_drifted, 4, args=("drop",))
     named = {(d["worker"], d["sign"]) for m, (_, report) in enumerate(guarded) if m != 1
              for d in report}
     assert named == {(1, "high")}
-    plain = loco.launch(noloco_drifted, replicas=4, args=("mean",))
+    plain = loco.launch(noloco_drifted, 4, args=("mean",))
     honest = [m for m in range(4) if m != 1]
     assert (max(eval_loss(guarded[m][0]) for m in honest)
             < min(eval_loss(plain[m][0]) for m in honest))

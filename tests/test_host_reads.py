@@ -47,7 +47,7 @@ def count_worker(ctx, names, parallel=None):
     out = {}
     for name, opt in cases(names):
         cfg = resolve(TrainConfig(algorithm=name, inner_optimizer=opt, model="tiny",
-                                  workers=ctx.mesh.replicas, worker_ranks=ctx.mesh.shards,
+                                  workers=ctx.workers, worker_ranks=ctx.worker_ranks,
                                   worker_parallel=parallel or "ddp", sync_every=H,
                                   steps=STEPS))
         model = make_model()
@@ -58,7 +58,7 @@ def count_worker(ctx, names, parallel=None):
         steps = []
         with hostreads.HostReadCounter() as counter:
             for t in range(STEPS):
-                x, y = batch(ctx.replica * ctx.mesh.shards + ctx.shard, t)
+                x, y = batch(ctx.worker * ctx.worker_ranks + ctx.worker_rank, t)
                 model(x, y).backward()
                 algo.step()
                 algo.zero_grad()
@@ -86,7 +86,7 @@ def test_no_inner_step_reads_the_device_with_workers_of_one_rank(monkeypatch):
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_no_inner_step_reads_the_device_with_workers_of_two_ranks(parallel, monkeypatch):
     monkeypatch.setenv(hostreads.MODE_ENV, "count")
-    check(loco.launch(count_worker, launcher="processes", replicas=2, shards=2,
+    check(loco.launch(count_worker, launcher="processes", mesh=loco.Mesh(2, 1, 2),
                       args=(SEVERAL_RANKS, parallel)))
 
 

@@ -1,4 +1,4 @@
-"""The layout of a run's ranks: workers x stages x shards, the same under threads and
+"""The layout of a run's ranks: workers x stages x worker ranks, the same under threads and
 processes; the groups across workers (the slow link) and inside a worker (the fast link)."""
 
 import pytest
@@ -16,7 +16,8 @@ def layout_worker(ctx):
     total = torch.ones(1)
     ctx.inner.all_reduce_mean(total, tag="train").wait()  # fast link: counted apart
     dm = ctx.device_mesh
-    return {"replica": ctx.replica, "stage": ctx.stage, "shard": ctx.shard, "outer": outer,
+    return {"worker": ctx.worker, "stage": ctx.stage, "worker_rank": ctx.worker_rank,
+            "outer": outer,
             "inner": inner, "outer_train_bytes": ctx.comm.totals("train").sent_bytes,
             "inner_train_bytes": ctx.inner.totals("train").sent_bytes,
             "mesh": None if dm is None else (tuple(dm.mesh.shape), dm.mesh_dim_names)}
@@ -26,43 +27,43 @@ def check_layout(out, m, r):
     mesh = Mesh(m, 1, r)
     assert len(out) == m * r == mesh.world_size
     for rank, o in enumerate(out):
-        replica, shard = divmod(rank, r)  # the ranks of one worker are adjacent
-        assert (o["replica"], o["stage"], o["shard"]) == (replica, 0, shard)
-        assert o["outer"] == mesh.replica_peers(0, shard) == [k * r + shard for k in range(m)]
-        assert o["inner"] == mesh.worker_peers(replica, 0) == list(range(replica * r,
-                                                                        (replica + 1) * r))
+        worker, index = divmod(rank, r)  # the ranks of one worker are adjacent
+        assert (o["worker"], o["stage"], o["worker_rank"]) == (worker, 0, index)
+        assert o["outer"] == mesh.outer_peers(0, index) == [k * r + index for k in range(m)]
+        assert o["inner"] == mesh.worker_peers(worker, 0) == list(range(worker * r,
+                                                                       (worker + 1) * r))
         assert o["outer_train_bytes"] == 0  # nothing inside a worker crossed the slow link
         assert o["inner_train_bytes"] == 2 * (r - 1) * 4 * 1
 
 
 @pytest.mark.parametrize("m,r", [(2, 2), (3, 2), (2, 3)])
 def test_threads_layout_groups_across_and_inside_workers(m, r):
-    out = loco.launch(layout_worker, m * r, shards=r)
+    out = loco.launch(layout_worker, m * r, worker_ranks=r)
     check_layout(out, m, r)
     assert all(o["mesh"] is None for o in out)  # no DeviceMesh for the threads' raw groups
 
 
 def test_processes_layout_is_the_same_on_a_device_mesh():
-    out = loco.launch(layout_worker, 4, "processes", shards=2)
+    out = loco.launch(layout_worker, 4, "processes", worker_ranks=2)
     check_layout(out, 2, 2)
     assert all(o["mesh"] == ((2, 1, 2), MESH_DIMS) for o in out)
 
 
 @pytest.mark.parametrize("kw,message", [
-    (dict(workers=6, shards=4), r"multiple of ranks_per_replica x shards \(1 x 4\)"),
-    (dict(workers=4, shards=0), r"multiple of ranks_per_replica x shards"),
-    (dict(workers=8, shards=2, ranks_per_replica=2), r"not supported yet"),
+    (dict(ranks=6, worker_ranks=4), r"multiple of stages x worker_ranks \(1 x 4\)"),
+    (dict(ranks=4, worker_ranks=0), r"multiple of stages x worker_ranks"),
+    (dict(ranks=8, worker_ranks=2, stages=2), r"not supported yet"),
 ])
 def test_bad_layouts_are_refused_before_anything_starts(kw, message):
     with pytest.raises(ValueError, match=message):
         loco.launch(layout_worker, **kw)
 
 
-def test_one_shard_keeps_the_old_layout():
+def test_one_rank_per_worker_keeps_the_old_layout():
     mesh = Mesh(3, 2)
     assert [mesh.coords(r) for r in range(6)] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0),
                                                   (2, 1)]
-    assert mesh.replica_peers(1) == [1, 3, 5] and mesh.rank_of(2, 1) == 5
+    assert mesh.outer_peers(1) == [1, 3, 5] and mesh.rank_of(2, 1) == 5
 
 
 def env_worker(ctx, names):

@@ -124,7 +124,7 @@ def test_memory_bytes_counts_every_tensor_the_algorithm_and_its_comm_keep():
     """For every method and option: the tensors reachable from the algorithm (but the
     model's, its gradients and its inner optimizer's) are exactly the ``outer`` part,
     each storage once; the Comm's kept buffers exactly the ``comm`` part."""
-    got = loco.launch(accounting_worker, replicas=2, args=(CASES,))[0]
+    got = loco.launch(accounting_worker, 2, args=(CASES,))[0]
     for name, (outer, kept, memory) in got.items():
         assert memory["outer"] == outer, name
         assert memory["comm"] == kept, name
@@ -139,7 +139,7 @@ def test_workers_of_two_ranks_count_what_they_keep():
     """R = 2, the model whole on each rank: DataParallel's explicit buffer, the shares of
     the global copy and the sync buffers, the fast link's kept buffers."""
     cases = {k: CASES[k] for k in ("ddp", "streaming_fp4", "noloco")}
-    for got in loco.launch(accounting_worker, replicas=2, shards=2, args=(cases,)):
+    for got in loco.launch(accounting_worker, mesh=loco.Mesh(2, 1, 2), args=(cases,)):
         for name, (outer, kept, memory) in got.items():
             assert memory["outer"] == outer and memory["comm"] == kept, name
         assert got["ddp"][2]["outer"] > 0
@@ -147,7 +147,7 @@ def test_workers_of_two_ranks_count_what_they_keep():
 
 def test_asynchronous_block_starts_are_counted():
     cases = {"streaming": CASES["streaming_fp4"]}
-    got = loco.launch(accounting_worker, replicas=2, args=(cases,), kwargs={"blocks": True})[0]
+    got = loco.launch(accounting_worker, 2, args=(cases,), kwargs={"blocks": True})[0]
     outer, _, memory = got["streaming"]
     assert memory["outer"] == outer
 
@@ -336,7 +336,7 @@ def test_share_gather_gathers_into_the_fast_links_kept_buffers():
     kept buffer, filled from its kept input: the second merge allocates neither, both are
     counted in ``buffer_bytes`` (what ``memory_bytes_per_rank`` adds as ``comm``), and the
     parameters are every rank's range, in rank order."""
-    out = loco.launch(_share_twice, replicas=2, launcher="threads")
+    out = loco.launch(_share_twice, 2, launcher="threads")
     for seen, kept in out:
         (first, ptr1), (second, ptr2) = seen
         assert first == [0.0] * 6 + [1.0] * 5 and second == [10.0] * 6 + [11.0] * 5

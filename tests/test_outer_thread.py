@@ -87,9 +87,9 @@ def test_ranks_per_worker_agree_on_the_helper_s_verdict():
     """With R = 2 ranks per worker each rank's helper steps its own 1/R; the ranks combine
     their verdicts on the training thread, as without the helper."""
     kw = dict(sync_every=4, fragments=2, overlap=1, alpha=0.5, codec="fp32", layers=4)
-    inline = loco.launch(sharded_worker, 4, shards=2, args=(9, "streaming"),
+    inline = loco.launch(sharded_worker, 4, worker_ranks=2, args=(9, "streaming"),
                          kwargs={**kw, "outer_thread": False})
-    helper = loco.launch(sharded_worker, 4, shards=2, args=(9, "streaming"),
+    helper = loco.launch(sharded_worker, 4, worker_ranks=2, args=(9, "streaming"),
                          kwargs={**kw, "outer_thread": True})
     for a, b in zip(inline, helper):
         assert max_diff(a["params"], b["params"]) == 0

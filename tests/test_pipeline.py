@@ -1,6 +1,6 @@
-"""Pipeline stages across the ranks of a replica: the launcher's stage groups, point-to-point
+"""Pipeline stages across the ranks of a worker: the launcher's stage groups, point-to-point
 Comm ops, the split of the model, and fixed and random routing checked against single-process
-references (the unsplit model; per-sample paths through the replicas' stage weights)."""
+references (the unsplit model; per-sample paths through the workers' stage weights)."""
 
 import pytest
 import torch
@@ -30,23 +30,23 @@ TOL = 16 * 2.0**-21
 
 # --------------------------------------------------------------------------- worker fns
 def pipe_worker(ctx, routing, seed=7, same_init=False):
-    model = make_model(0 if same_init else ctx.replica, layers=LAYERS)
+    model = make_model(0 if same_init else ctx.worker, layers=LAYERS)
     stage = PipelineStage(model, ctx, BATCH, SEQ, routing=routing, seed=seed)
     losses, sources = [], []
     for t in STEPS:
-        loss = stage.forward_backward(batch(ctx.replica, t) if stage.is_first else None, t)
+        loss = stage.forward_backward(batch(ctx.worker, t) if stage.is_first else None, t)
         losses.append(loss)
         sources.append(list(stage.last_sources))
     grads = {n: p.grad.clone() for n, p in stage.named_parameters()}
-    ev = stage.evaluate(batch(ctx.replica, 99) if stage.is_first else None)
+    ev = stage.evaluate(batch(ctx.worker, 99) if stage.is_first else None)
     records = [r for r in ctx.pipe.records] if ctx.pipe is not None else []
-    return {"stage": ctx.stage, "replica": ctx.replica, "losses": losses, "grads": grads,
+    return {"stage": ctx.stage, "worker": ctx.worker, "losses": losses, "grads": grads,
             "sources": sources, "eval": ev, "processed": stage.samples_processed,
             "records": records}
 
 
 def by_coords(results):
-    return {(r["replica"], r["stage"]): r for r in results}
+    return {(r["worker"], r["stage"]): r for r in results}
 
 
 # --------------------------------------------------------------------------- references
@@ -124,57 +124,80 @@ def test_routing_permutation_is_a_deterministic_permutation():
 def mesh_worker(ctx):
     h = ctx.comm.all_gather(torch.tensor([ctx.rank]))
     gathered = [int(t) for t in h.wait()]
-    return {"rank": ctx.rank, "stage": ctx.stage, "replica": ctx.replica, "shard": ctx.shard,
-            "mesh": ctx.mesh, "comm": (ctx.comm.rank, ctx.comm.size), "gathered": gathered,
+    return {"rank": ctx.rank, "stage": ctx.stage, "worker": ctx.worker,
+            "worker_rank": ctx.worker_rank, "mesh": ctx.mesh,
+            "comm": (ctx.comm.rank, ctx.comm.size), "gathered": gathered,
             "participants": h.record.participants,
             "pipe": None if ctx.pipe is None else (ctx.pipe.rank, ctx.pipe.size)}
 
 
 def test_launch_with_stages_gives_per_stage_comm():
     M, S = 3, 2
-    out = loco.launch(mesh_worker, replicas=M, stages=S)
+    out = loco.launch(mesh_worker, mesh=loco.Mesh(M, S))
     mesh = loco.Mesh(M, S)
     for rank, o in enumerate(out):
-        replica, stage = mesh.coords(rank)
-        assert (o["replica"], o["stage"]) == (replica, stage)
-        assert o["comm"] == (replica, M)
+        worker, stage = mesh.coords(rank)
+        assert (o["worker"], o["stage"]) == (worker, stage)
+        assert o["comm"] == (worker, M)
         assert o["pipe"] == (rank, M * S)
-        assert o["gathered"] == mesh.replica_peers(stage)
+        assert o["gathered"] == mesh.outer_peers(stage)
         # the op's participants, as global ranks, are all of this rank's stage
-        glob = [mesh.replica_peers(stage)[p] for p in o["participants"]]
+        glob = [mesh.outer_peers(stage)[p] for p in o["participants"]]
         assert {mesh.coords(g)[1] for g in glob} == {stage}
     # one stage: as before, no pipe
     out = loco.launch(mesh_worker, 2)
     assert [o["pipe"] for o in out] == [None, None]
     assert [o["comm"] for o in out] == [(0, 2), (1, 2)]
     with pytest.raises(ValueError, match="multiple"):
-        loco.launch(mesh_worker, 3, ranks_per_replica=2)
+        loco.launch(mesh_worker, 3, stages=2)
+
+
+@pytest.mark.parametrize("counts,mesh", [
+    (dict(ranks=6, stages=2), loco.Mesh(3, 2)),
+    (dict(ranks=4, worker_ranks=2), loco.Mesh(2, 1, 2)),
+    (dict(), loco.Mesh(2)),
+])
+def test_counts_give_the_layout_of_the_mesh(counts, mesh):
+    """All ranks (``ranks``, by keyword or by position) split into workers of ``stages`` x
+    ``worker_ranks`` lay the ranks out as that ``mesh`` does."""
+    layout = loco.launch(mesh_worker, mesh=mesh)
+    assert loco.launch(mesh_worker, **counts) == layout
+    positional = dict(counts)
+    assert loco.launch(mesh_worker, positional.pop("ranks", 2), **positional) == layout
+    assert [o["mesh"] for o in layout] == [mesh] * len(layout)
 
 
 @pytest.mark.parametrize("old,new", [
-    (dict(workers=6, ranks_per_replica=2), dict(replicas=3, stages=2)),
-    (dict(workers=4, shards=2), dict(replicas=2, shards=2)),
-    (dict(), dict(replicas=2)),
+    (dict(workers=6, ranks_per_replica=2), dict(mesh=loco.Mesh(3, 2))),
+    (dict(workers=4, shards=2), dict(mesh=loco.Mesh(2, 1, 2))),
+    (dict(replicas=3, stages=2), dict(mesh=loco.Mesh(3, 2))),
+    (dict(replicas=2, shards=2), dict(mesh=loco.Mesh(2, 1, 2))),
+    (dict(replicas=2), dict(ranks=2)),
 ])
-def test_old_names_give_the_layout_of_the_new(old, new):
-    """``workers`` (all ranks) and ``ranks_per_replica`` (the stages), by keyword or the
-    count by position, lay the ranks out as ``replicas``, ``stages`` and ``shards`` do."""
+def test_old_names_still_give_the_layout_and_warn(old, new):
+    """``launch``'s old names, ``workers`` (all ranks: now ``ranks``), ``replicas`` (M: now
+    ``mesh``), ``shards`` (now ``worker_ranks``) and ``ranks_per_replica`` (now ``stages``),
+    lay the ranks out as the new ones do, for one release, each with a DeprecationWarning
+    that names the new one."""
     layout = loco.launch(mesh_worker, **new)
-    assert loco.launch(mesh_worker, **old) == layout
-    positional = dict(old)
-    assert loco.launch(mesh_worker, positional.pop("workers", 2), **positional) == layout
-    m = new["replicas"]
-    assert [o["mesh"] for o in layout] == [loco.Mesh(m, new.get("stages", 1),
-                                                     new.get("shards", 1))] * len(layout)
+    with pytest.warns(DeprecationWarning, match="the old name goes in the next release") as w:
+        assert loco.launch(mesh_worker, **old) == layout
+    said = " ".join(str(x.message) for x in w)
+    for name in set(old) - {"stages"}:  # stages is a current name
+        assert f"launch({name}=" in said
 
 
-def test_a_count_by_both_names_is_refused():
+def test_a_layout_given_twice_is_refused():
     with pytest.raises(TypeError, match="not both"):
+        loco.launch(mesh_worker, 4, mesh=loco.Mesh(2))
+    with pytest.raises(TypeError, match="not both"):
+        loco.launch(mesh_worker, mesh=loco.Mesh(2), stages=2)
+    with pytest.warns(DeprecationWarning), pytest.raises(TypeError, match="not both"):
         loco.launch(mesh_worker, 4, replicas=2)
     with pytest.raises(TypeError, match="not both"):
-        loco.launch(mesh_worker, replicas=2, stages=2, ranks_per_replica=2)
+        loco.launch(mesh_worker, 4, stages=2, ranks_per_replica=2)
     with pytest.raises(ValueError, match=r"stages must be >= 1 \(got 0\)"):
-        loco.launch(mesh_worker, replicas=2, stages=0)
+        loco.launch(mesh_worker, mesh=loco.Mesh(2, 0))
 
 
 def p2p_worker(ctx):
@@ -203,7 +226,7 @@ def p2p_worker(ctx):
 
 
 def test_point_to_point_ops_values_bytes_and_no_deadlock():
-    out = loco.launch(p2p_worker, replicas=2, stages=2, timeout=30)
+    out = loco.launch(p2p_worker, mesh=loco.Mesh(2, 2), timeout=30)
     for me, (bufs, got, send_rec, recv_rec) in enumerate(out):
         assert bufs == {p: float(p) for p in range(4) if p != me}
         assert got == float((me - 1) % 4)
@@ -236,12 +259,12 @@ def check_fixed(results, M, S):
 
 def test_fixed_routing_matches_the_unsplit_model():
     M, S = 2, 2
-    check_fixed(loco.launch(pipe_worker, replicas=M, stages=S, args=("fixed",)), M, S)
+    check_fixed(loco.launch(pipe_worker, mesh=loco.Mesh(M, S), args=("fixed",)), M, S)
 
 
 def test_fixed_routing_under_the_processes_launcher():
     M, S = 2, 2
-    check_fixed(loco.launch(pipe_worker, replicas=M, stages=S, launcher="processes",
+    check_fixed(loco.launch(pipe_worker, mesh=loco.Mesh(M, S), launcher="processes",
                             args=("fixed",)), M, S)
 
 
@@ -249,7 +272,7 @@ def test_fixed_routing_under_the_processes_launcher():
 @pytest.mark.parametrize("M,S", [(2, 2), (3, 3)])
 def test_random_routing_matches_the_per_sample_reference(M, S):
     seed = 7
-    results = loco.launch(pipe_worker, replicas=M, stages=S, args=("random", seed))
+    results = loco.launch(pipe_worker, mesh=loco.Mesh(M, S), args=("random", seed))
     res = by_coords(results)
     losses, grads = reference_routed(M, S, seed)
     for q in range(M):
@@ -289,9 +312,9 @@ def test_random_routing_with_equal_weights_equals_fixed_routing_gradient_sum():
     """With identical weights everywhere the stage weights a sample visits do not matter:
     the sum of the replicas' gradients equals fixed routing's."""
     M, S = 2, 2
-    rand = by_coords(loco.launch(pipe_worker, replicas=M, stages=S,
+    rand = by_coords(loco.launch(pipe_worker, mesh=loco.Mesh(M, S),
                                  args=("random", 7, True)))
-    fixed = by_coords(loco.launch(pipe_worker, replicas=M, stages=S,
+    fixed = by_coords(loco.launch(pipe_worker, mesh=loco.Mesh(M, S),
                                   args=("fixed", 7, True)))
     for k in range(S):
         for n in rand[(0, k)]["grads"]:
@@ -310,17 +333,17 @@ def diloco_pipe_worker(ctx, steps=4):
     algo = loco.DiLoCo(stage.module, opt, ctx.comm, sync_every=2, outer_lr=0.7,
                        outer_momentum=0.9)
     for t in range(steps):
-        stage.forward_backward(batch(ctx.replica, t) if stage.is_first else None, t)
+        stage.forward_backward(batch(ctx.worker, t) if stage.is_first else None, t)
         algo.step()
         algo.zero_grad()
-    return {"stage": ctx.stage, "replica": ctx.replica,
+    return {"stage": ctx.stage, "worker": ctx.worker,
             "params": {n: p.detach().clone() for n, p in stage.named_parameters()},
             "global": {n: p.detach().clone() for n, p in algo.global_parameters().items()}}
 
 
 def test_diloco_over_stages_keeps_tied_copies_and_stage_replicas_in_step():
     M, S = 2, 2
-    res = by_coords(loco.launch(diloco_pipe_worker, replicas=M, stages=S))
+    res = by_coords(loco.launch(diloco_pipe_worker, mesh=loco.Mesh(M, S)))
     for r in range(M):
         # the tied embedding's two copies (stage 0 and stage S-1) stay identical
         assert torch.equal(res[(r, 0)]["params"]["embed.weight"],
@@ -344,11 +367,11 @@ def train_pipe_worker(ctx, cfg_kwargs, layers, steps):
     stage = PipelineStage(model, ctx, BATCH, SEQ, routing=cfg.runtime.routing, seed=3)
     algo = cfg.method_class.from_config(cfg, stage.module, adamw(stage.module, cfg), ctx.comm, stage)
     for t in range(steps):
-        stage.forward_backward(batch(ctx.replica, t) if stage.is_first else None, t)
+        stage.forward_backward(batch(ctx.worker, t) if stage.is_first else None, t)
         algo.step()
         algo.zero_grad()
     algo.flush()
-    return {"stage": ctx.stage, "replica": ctx.replica,
+    return {"stage": ctx.stage, "worker": ctx.worker,
             "embed": stage.module.embed.weight.detach().clone()
             if stage.module.embed is not None else None,
             "fragments": algo.fragments() if hasattr(algo, "fragments") else None,
@@ -372,7 +395,7 @@ def test_streaming_over_uneven_stages_syncs_the_tied_copies_together():
     M, S = 2, 2
     cfg = dict(algorithm="streaming", workers=M, stages=S, fragments=2, sync_every=4,
                overlap=1)
-    res = by_coords(loco.launch(train_pipe_worker, replicas=M, stages=S,
+    res = by_coords(loco.launch(train_pipe_worker, mesh=loco.Mesh(M, S),
                                 args=(cfg, 5, 10)))
     for r in range(M):
         assert "embed.weight" in res[(r, 0)]["fragments"][0]
@@ -386,7 +409,7 @@ def test_noloco_over_stages_with_random_routing_has_no_collective():
     stages; no training operation spans all replicas of a stage, nor the world."""
     M, S = 4, 2
     cfg = dict(algorithm="noloco", workers=M, stages=S, routing="random", sync_every=2)
-    res = by_coords(loco.launch(train_pipe_worker, replicas=M, stages=S,
+    res = by_coords(loco.launch(train_pipe_worker, mesh=loco.Mesh(M, S),
                                 args=(cfg, LAYERS, 6)))
     for (r, k), out in res.items():
         assert len(out["outer"]) == 3  # one gossip exchange per outer step

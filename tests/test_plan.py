@@ -119,7 +119,7 @@ def test_a_70b_model_of_4_workers_of_64_fsdp2_ranks_plans_in_seconds():
     assert [s["step"] for s in p["per_sync"]] == [25, 50]  # P = 2 of H = 50
     for s in p["per_sync"]:
         assert s["bytes_sent_per_worker"] == 64 * s["bytes_sent_per_rank"]  # all alike
-    assert p["run"]["slow_link_bytes_sent_per_worker"] == 64 * p["run"]["bytes_sent_per_worker"]
+    assert p["run"]["slow_link_bytes_sent_per_worker"] == 64 * p["run"]["bytes_sent_per_rank"]
     assert 0 < p["utilization"]["compute_utilization_one_link_per_worker"] < 1
 
 

@@ -99,7 +99,7 @@ def test_interrupted_and_resumed_run_is_bit_identical(algorithm, uninterrupted, 
         assert_same_tensors(a["algorithm"], b["algorithm"])  # model, optimizers, outer state
     sa = json.loads((out / "summary.json").read_text())
     sb = json.loads((full / "summary.json").read_text())
-    for key in ("final_eval_loss", "bytes_sent_per_worker", "peak_sync_bytes_per_worker",
+    for key in ("final_eval_loss", "bytes_sent_per_rank", "peak_sync_bytes_per_rank",
                 "syncs", "tokens"):
         assert sa[key] == sb[key], key
     assert sa["resumed_from_step"] == state["step"] and sb["resumed_from_step"] is None

@@ -78,20 +78,20 @@ def test_the_digest_is_the_same_on_the_gpu():
 # ------------------------------------------------------------------------ check_replicas
 def check_worker(ctx, algo_name="diloco", bad=(), steps=8, **kw):
     """Train ``steps`` steps, flip one bit of the replicated state of the workers in ``bad``
-    (their shard ``ctx.shard``, each a different value), check; return the verdict (or
+    (their shard ``ctx.worker_rank``, each a different value), check; return the verdict (or
     the error), the digests before the flip and after the check."""
     model = make_model()
     opt = make_optimizer(model)
     cls = {"diloco": loco.DiLoCo, "streaming": loco.StreamingDiLoCo, "ddp": loco.DataParallel,
            "demo": loco.DeMo, "noloco": loco.NoLoCo, "sparta": loco.Sparta}[algo_name]
     algo = cls(model, opt, ctx.comm, inner=ctx.inner, **kw)
-    train_steps(model, opt, ctx.replica * ctx.mesh.shards + ctx.shard, range(steps),
+    train_steps(model, opt, ctx.worker * ctx.worker_ranks + ctx.worker_rank, range(steps),
                 lambda: (algo.step(), algo.zero_grad()))
     algo.flush()
     tensors = algo.replicated_tensors()
     before = digest(tensors) if tensors else None
-    if ctx.replica in bad:
-        flip(tensors[0], 7 + bad.index(ctx.replica), 20)
+    if ctx.worker in bad:
+        flip(tensors[0], 7 + bad.index(ctx.worker), 20)
     try:
         verdict = check_replicas(algo, ctx.comm, steps, [ctx.inner])
     except ReplicasDisagree as e:
@@ -114,7 +114,7 @@ def check_worker(ctx, algo_name="diloco", bad=(), steps=8, **kw):
     ("demo", {}),
 ])
 def test_a_flipped_bit_is_named_and_healed_from_the_majority(algo_name, kw):
-    out = loco.launch(check_worker, replicas=4, args=(algo_name, (2,)), kwargs=kw)
+    out = loco.launch(check_worker, 4, args=(algo_name, (2,)), kwargs=kw)
     for r in out:
         v = r["verdict"]
         assert (v.step, v.workers, v.healed_from) == (8, [2], 0)
@@ -129,9 +129,9 @@ def test_a_flipped_bit_is_named_and_healed_from_the_majority(algo_name, kw):
 
 
 def test_identical_replicas_agree_and_two_named_workers_of_five_are_healed():
-    agree = loco.launch(check_worker, replicas=3, args=("diloco",), kwargs=dict(sync_every=4))
+    agree = loco.launch(check_worker, 3, args=("diloco",), kwargs=dict(sync_every=4))
     assert all(r["verdict"].agree and torch.equal(r["after"], r["before"]) for r in agree)
-    out = loco.launch(check_worker, replicas=5, args=("diloco", (0, 3)),
+    out = loco.launch(check_worker, 5, args=("diloco", (0, 3)),
                       kwargs=dict(sync_every=4))
     for r in out:
         assert (r["verdict"].workers, r["verdict"].healed_from) == ([0, 3], 1)
@@ -140,8 +140,8 @@ def test_identical_replicas_agree_and_two_named_workers_of_five_are_healed():
 
 def test_a_worker_of_two_ranks_is_named_when_one_of_its_shares_differs():
     def worker(ctx):
-        return check_worker(ctx, "diloco", (1,) if ctx.shard == 1 else (), sync_every=4)
-    out = loco.launch(worker, replicas=3, shards=2)
+        return check_worker(ctx, "diloco", (1,) if ctx.worker_rank == 1 else (), sync_every=4)
+    out = loco.launch(worker, mesh=loco.Mesh(3, 1, 2))
     for r in out:
         assert (r["verdict"].workers, r["verdict"].healed_from) == ([1], 0)
     for rank, r in enumerate(out):
@@ -154,7 +154,7 @@ def test_a_worker_of_two_ranks_is_named_when_one_of_its_shares_differs():
     (4, (2, 3), "[0, 1] vs [2] vs [3]"),
 ])
 def test_without_a_majority_the_run_stops_with_one_line(m, bad, groups):
-    out = loco.launch(check_worker, replicas=m, args=("diloco", bad), kwargs=dict(sync_every=4))
+    out = loco.launch(check_worker, m, args=("diloco", bad), kwargs=dict(sync_every=4))
     for r in out:
         assert "\n" not in r["error"]
         assert r["error"] == (f"replicas disagree at step 8 with no majority: workers "
@@ -164,7 +164,7 @@ def test_without_a_majority_the_run_stops_with_one_line(m, bad, groups):
 
 @pytest.mark.parametrize("algo_name,kw", [("noloco", dict(sync_every=4)), ("sparta", {})])
 def test_methods_whose_replicas_differ_by_design_are_not_checked(algo_name, kw):
-    for r in loco.launch(check_worker, replicas=2, args=(algo_name,), kwargs=kw):
+    for r in loco.launch(check_worker, 2, args=(algo_name,), kwargs=kw):
         assert r["verdict"] is None and r["verify"] == []
 
 
@@ -199,12 +199,12 @@ def run_with_a_flip(corpus, out, monkeypatch, *extra):
     ends = {}
 
     def flip_at_6(w, loop, step):
-        if step == 6 and w.ctx.replica == 2:
+        if step == 6 and w.ctx.worker == 2:
             flip(w.algo.fragment_list[0].global_flat, 11, 22)
         checkpoint_if_due(w, loop, step)
 
     def digest_at_end(w):
-        ends[w.ctx.replica] = digest(w.algo.replicated_tensors())
+        ends[w.ctx.worker] = digest(w.algo.replicated_tensors())
         return final_evaluation(w)
 
     monkeypatch.setattr(loco.training.loop, "checkpoint_if_due", flip_at_6)
@@ -243,11 +243,11 @@ def elastic_check_worker(ctx, bad):
     algo = loco.StreamingDiLoCo(model, opt, ctx.comm, sync_every=4, fragments=2, overlap=1,
                                 codec="fp32")
     algo.join()
-    train_steps(model, opt, ctx.replica, range(8), lambda: (algo.step(), algo.zero_grad()))
+    train_steps(model, opt, ctx.worker, range(8), lambda: (algo.step(), algo.zero_grad()))
     algo.flush()
     tensors = algo.replicated_tensors()
     before = digest(tensors)
-    if ctx.replica == bad:
+    if ctx.worker == bad:
         flip(tensors[-1], 3, 21)
     first = check_replicas(algo, ctx.comm, 8)
     second = check_replicas(algo, ctx.comm, 8)
@@ -256,7 +256,7 @@ def elastic_check_worker(ctx, bad):
 
 
 def test_an_elastic_run_names_and_heals_a_drifted_worker():
-    out = loco.launch(elastic_check_worker, replicas=3, launcher="processes", timeout=60,
+    out = loco.launch(elastic_check_worker, 3, launcher="processes", timeout=60,
                       elastic=loco.Elastic(min_workers=3, restarts=0), args=(1,))
     for r in out:
         assert r["first"] == ([1], 0) and r["agree"]

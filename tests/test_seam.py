@@ -45,7 +45,7 @@ def test_a_method_registered_from_outside_trains_and_evaluates(averaging, corpus
     assert s["algorithm"] == "avg" and s["config"]["sync_every"] == 4  # the method's default
     # two all-reduces of the whole model, M = 2: each worker sends half of it twice per sync
     floats = s["model_parameters"]
-    assert s["bytes_sent_per_worker"] == 2 * 2 * 4 * (floats // 2 + floats % 2)
+    assert s["bytes_sent_per_rank"] == 2 * 2 * 4 * (floats // 2 + floats % 2)
     assert main(["eval", str(out), "--tasks", "loco_tiny_mc", "--include-path", tasks,
                  "--limit", "4", "--batch-size", "4"]) == 0
     assert "loco_tiny_mc" in summary(out)["downstream"]

@@ -94,7 +94,7 @@ def seeded(label, algorithm, loss, seed, sent=1000, peak=100, **config):
     config = {"seed": seed, "sync_every": 8, "fragments": 2, "overlap": "1", "mixing": 0.5,
               "codec": "fp32", "group_size": 2, "gamma": 0.7, **config}
     return Run(label, label, {"algorithm": algorithm, "final_eval_loss": loss,
-                              "bytes_sent_per_worker": sent, "peak_sync_bytes_per_worker": peak,
+                              "bytes_sent_per_rank": sent, "peak_sync_bytes_per_rank": peak,
                               "model_parameters": 1000, "config": config}, [])
 
 
@@ -150,7 +150,7 @@ def test_a_method_over_its_seeds():
     mean = mean_run("diloco", groups["diloco"])
     assert (mean.label, mean.seed, mean.name) == ("diloco", None, "DiLoCo")
     assert mean.summary.final_eval_loss == pytest.approx(5.0)
-    assert mean.summary.bytes_sent_per_worker == 5
+    assert mean.summary.bytes_sent_per_rank == 5
     # One seed is not several: no groups, and the runs stand for themselves.
     assert seed_groups([r for r in runs if r.seed == 1]) == []
 

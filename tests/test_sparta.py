@@ -285,5 +285,5 @@ def test_loco_train_runs_it(algorithm, extra, corpus, tmp_path):
     steps, n = s["config"]["steps"], s["model_parameters"]
     k = sparse_count(0.01, n)
     syncs = steps // 4 if algorithm == "sparta_diloco" else 0
-    assert s["bytes_sent_per_worker"] == steps * sparse_bytes(k, 2) + syncs * 2 * 4 * (
+    assert s["bytes_sent_per_rank"] == steps * sparse_bytes(k, 2) + syncs * 2 * 4 * (
         math.ceil(n / 2))

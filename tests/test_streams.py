@@ -198,7 +198,7 @@ def test_staging_records_its_copies_on_the_callers_stream_and_the_comm_thread_wa
         ctx.comm.stage_from = torch.device("cuda", 0)
         t = torch.ones(3)
         return ctx.comm.all_reduce_mean(t).wait(), t
-    value, t = loco.launch(fn, replicas=1)[0]
+    value, t = loco.launch(fn, 1)[0]
     assert value.data_ptr() == t.data_ptr()
     ready = next(e for e in log if e[0] == "record")
     assert ready[2] == "training"  # on the caller's stream, after its copies

@@ -42,7 +42,7 @@ def test_a_runs_summary_is_the_record_and_back(run):
     assert list(summary.to_dict()) == list(content)
     assert json.dumps(summary.to_dict(), indent=2) == text
     # the one currency is in the file too: 8 · bytes / (parameters · steps), bytes / token
-    sent = content["bytes_sent_per_worker"]
+    sent = content["bytes_sent_per_rank"]
     assert sent > 0 and content["bits_per_parameter_per_step"] == pytest.approx(
         8 * sent / (content["model_parameters"] * 8), rel=1e-12)
     assert content["bytes_per_token"] == pytest.approx(sent * 2 / content["tokens"], rel=1e-12)

@@ -212,7 +212,7 @@ def test_sweep_report_has_the_grid_table_and_plot(swept):
         summary = numbers[label]
         assert cells[1:3] == [summary["config"]["overlap"], str(summary["config"]["mixing"])]
         assert float(cells[3]) == round(summary["final_eval_loss"], 4)
-        assert int(cells[5].replace(",", "")) == summary["bytes_sent_per_worker"]
+        assert int(cells[5].replace(",", "")) == summary["bytes_sent_per_rank"]
     png = swept / "sweep_overlap_mixing.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
     assert "![sweep_overlap_mixing.png](sweep_overlap_mixing.png)" in report
@@ -225,11 +225,11 @@ def test_report_names_dataparallels_gradient_format_next_to_its_bytes(swept):
     numbers = json.loads((swept / "compare.json").read_text())
     bf16, fp32 = rows["DataParallel"], rows["ddp32 (DataParallel)"]
     assert bf16[1] == "gradients averaged every step, sent in bf16"
-    assert bf16[4] == f"{numbers['ddp']['bytes_sent_per_worker']:,} (bf16)"
-    assert fp32[4] == f"{numbers['ddp32']['bytes_sent_per_worker']:,} (fp32)"
+    assert bf16[4] == f"{numbers['ddp']['bytes_sent_per_rank']:,} (bf16)"
+    assert fp32[4] == f"{numbers['ddp32']['bytes_sent_per_rank']:,} (fp32)"
     assert numbers["ddp"]["compare"]["grad_codec"] == "bf16"
     # 16-bit gradients: half of fp32's bytes on the wire.
-    assert 2 * numbers["ddp"]["bytes_sent_per_worker"] == numbers["ddp32"]["bytes_sent_per_worker"]
+    assert 2 * numbers["ddp"]["bytes_sent_per_rank"] == numbers["ddp32"]["bytes_sent_per_rank"]
 
 
 def test_loco_report_reproduces_a_sweep_from_disk(swept):
@@ -243,7 +243,7 @@ def test_loco_report_reproduces_a_sweep_from_disk(swept):
 
 def fake_run(label, algorithm, loss, sent, **config):
     return Run(label, label, {"algorithm": algorithm, "config": config, "final_eval_loss": loss,
-                              "bytes_sent_per_worker": sent}, [])
+                              "bytes_sent_per_rank": sent}, [])
 
 
 def test_sweep_plot_has_one_line_per_method_and_value_of_the_other_options(tmp_path,

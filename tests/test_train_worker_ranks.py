@@ -68,8 +68,8 @@ def test_workers_of_two_ranks_send_no_more_over_the_slow_link(algorithm, runs):
     assert abs(two["slow_link_bytes_sent_per_rank"]
                - one["slow_link_bytes_sent_per_rank"] / R) <= slack
     # The old fields keep their meaning: the busiest rank of the slow link.
-    assert two["bytes_sent_per_worker"] == two["slow_link_bytes_sent_per_rank"]
-    assert one["bytes_sent_per_worker"] == one["slow_link_bytes_sent_per_worker"]
+    assert two["bytes_sent_per_rank"] == two["slow_link_bytes_sent_per_rank"]
+    assert one["bytes_sent_per_rank"] == one["slow_link_bytes_sent_per_worker"]
     assert one["fast_link_bytes_sent_per_worker"] == one["fast_link_bytes_sent_per_rank"] == 0
 
 
@@ -103,7 +103,8 @@ def test_summary_reports_memory_and_the_metrics_both_links(runs):
     assert last["fast_link_bytes_sent"] == two["per_worker"][0]["fast_link_bytes_sent"]
     assert "fast_link_bytes_sent" not in records_of(runs["diloco", 1])[-1]
     ranks = [json.loads((out / "comm" / f"rank{r}.json").read_text()) for r in range(M * R)]
-    assert [(r["replica"], r["shard"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(r["worker"], r["worker_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert [(r["replica"], r["shard"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # old keys
     assert [r["outer"]["train"]["sent_bytes"] for r in ranks] == [
         c["bytes_sent"] for c in two["per_worker"]]
     # Written after the final evaluation, which replica 1 does not take part in.
@@ -171,7 +172,7 @@ def test_dcp_checkpoint_reshards_to_workers_of_another_size(runs, corpus, tmp_pa
     for ranks, launcher in ((3, "processes"), (1, "threads")):
         cfg = loco.training.job.prepare_config(resume_config(str(out), {
             "worker_ranks": ranks, "launcher": launcher}))
-        got = loco.launch(resumed_tensors, M * ranks, launcher, shards=ranks,
+        got = loco.launch(resumed_tensors, M * ranks, launcher, worker_ranks=ranks,
                           args=(cfg, loco.training.job.prepare_data(cfg)))
         for m in range(M):
             mine, before = got[m * ranks:(m + 1) * ranks], saved[m * R:(m + 1) * R]
@@ -262,9 +263,9 @@ def test_each_link_is_emulated_on_its_own():
     two dependent phases, so it takes at least two latencies of its own link and is not
     slowed by the other's."""
     latency, n = 0.5, 1000  # wide: an unshaped all-reduce must stay under it on a busy CPU
-    fast = loco.launch(timed_reductions, 4, shards=2, args=(n,),
+    fast = loco.launch(timed_reductions, 4, worker_ranks=2, args=(n,),
                        fast_link=LinkSpec(latency=latency))
-    slow = loco.launch(timed_reductions, 4, shards=2, args=(n,),
+    slow = loco.launch(timed_reductions, 4, worker_ranks=2, args=(n,),
                        link=LinkSpec(latency=latency))
     for inner, outer in fast:
         assert inner >= 2 * latency and outer < latency
@@ -277,8 +278,9 @@ def test_the_fast_link_is_emulated_under_the_processes_launcher():
     worker of two ranks to keep it short: the fast link's all-reduce pays its own 0.1 s
     latency twice, and not the slow link's 0.3 s."""
     fast, slow = 0.1, 0.3
-    for inner, _ in loco.launch(timed_reductions, 2, "processes", shards=2, args=(1000,),
-                                link=LinkSpec(latency=slow), fast_link=LinkSpec(latency=fast)):
+    for inner, _ in loco.launch(timed_reductions, 2, "processes", worker_ranks=2,
+                                args=(1000,), link=LinkSpec(latency=slow),
+                                fast_link=LinkSpec(latency=fast)):
         assert 2 * fast <= inner < 2 * slow
 
 
@@ -296,8 +298,8 @@ def test_fast_link_emulation_blocks_every_step_and_is_reported(corpus, tmp_path)
 
 
 def test_launch_training_lays_out_workers_of_r_ranks(monkeypatch):
-    """M workers of R ranks: M·R ranks in all, R of them per worker (the mesh's shards), and
-    each link's emulation passed to its own Comm."""
+    """M workers of R ranks: M·R ranks in all, R of them per worker (the mesh's worker
+    ranks), and each link's emulation passed to its own Comm."""
     seen = {}
 
     def fake_launch(fn, **kw):
@@ -308,7 +310,7 @@ def test_launch_training_lays_out_workers_of_r_ranks(monkeypatch):
     cfg = TrainConfig(workers=3, worker_ranks=4, link_latency="50ms",
                       fast_link_bandwidth="100Gbit")
     loco.training.job.launch_training(cfg, corpus=None)
-    assert (seen["replicas"], seen["shards"], seen["stages"]) == (3, 4, 1)
+    assert seen["mesh"] == loco.Mesh(workers=3, stages=1, worker_ranks=4)
     assert seen["link"] == LinkSpec(latency=0.05)
     assert seen["fast_link"] == LinkSpec(bandwidth=100e9)
 
@@ -409,7 +411,7 @@ def test_fsdp_run_restarted_after_a_failure_ends_bit_identical(corpus, tmp_path,
                             final_state(full, rank)["algorithm"])
     # DCP reshards FSDP2's shards, AdamW's and the outer state's to workers of 3 ranks
     cfg = loco.training.job.prepare_config(resume_config(str(out), {"worker_ranks": 3}))
-    got = loco.launch(resumed_tensors, M * 3, "processes", shards=3,
+    got = loco.launch(resumed_tensors, M * 3, "processes", worker_ranks=3,
                       args=(cfg, loco.training.job.prepare_data(cfg)))
     for rank, r in enumerate(got):
         whole = final_state(out, rank // 3 * R)["algorithm"]["tensors"]

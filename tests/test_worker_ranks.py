@@ -30,7 +30,7 @@ def test_diloco_with_ranks_per_worker_matches_workers_with_the_whole_batch(m, r)
     the reference's; R = 3 gives uneven, padded ranges); a reference fed only rank 0's
     batches is 2.5e-2 away."""
     steps = 2 * H
-    out = loco.launch(sharded_worker, replicas=m, shards=r, args=(steps,),
+    out = loco.launch(sharded_worker, mesh=loco.Mesh(m, 1, r), args=(steps,),
                       kwargs=dict(sync_every=H, outer_lr=0.7, outer_momentum=0.9, **SMOOTH))
     ref = reference_diloco(m, steps, H, 0.7, 0.9, data=worker_batches(r), **SMOOTH)
     for o in out:
@@ -43,7 +43,7 @@ def test_streaming_with_ranks_per_worker_matches_the_reference(fragments, overla
     steps = 2 * H + 1
     kw = dict(sync_every=H, fragments=fragments, overlap=overlap, alpha=alpha, codec="fp32",
               layers=4)
-    out = loco.launch(sharded_worker, replicas=2, shards=2, args=(steps, "streaming"),
+    out = loco.launch(sharded_worker, mesh=loco.Mesh(2, 1, 2), args=(steps, "streaming"),
                       kwargs=dict(kw, **SMOOTH))
     ref = reference_streaming(2, steps, H, fragments, overlap, alpha, data=worker_batches(2),
                               **SMOOTH)
@@ -56,8 +56,8 @@ def test_no_worker_sends_r_copies_over_the_slow_link():
     the shards' rounding); each rank carries half. The fast link carries the gradients."""
     steps = 2 * H
     kw = dict(sync_every=H, outer_lr=0.7, outer_momentum=0.9)
-    one = loco.launch(sharded_worker, replicas=2, args=(steps,), kwargs=kw)
-    two = loco.launch(sharded_worker, replicas=2, shards=2, args=(steps,), kwargs=kw)
+    one = loco.launch(sharded_worker, 2, args=(steps,), kwargs=kw)
+    two = loco.launch(sharded_worker, mesh=loco.Mesh(2, 1, 2), args=(steps,), kwargs=kw)
     per_worker_one = one[0]["slow"]
     per_worker_two = two[0]["slow"] + two[1]["slow"]  # ranks 0 and 1 are worker 0
     assert abs(per_worker_two - per_worker_one) <= 2 * 2 * 4  # a padded value per shard
@@ -72,7 +72,7 @@ def test_noloco_with_ranks_per_worker_gossips_between_workers_only():
     steps = 2 * 4
     kw = dict(sync_every=4, group_size=2, outer_lr=0.7, outer_momentum=0.5, gamma=0.7,
               warn=False)
-    out = loco.launch(sharded_worker, replicas=4, shards=2, args=(steps, "noloco"),
+    out = loco.launch(sharded_worker, mesh=loco.Mesh(4, 1, 2), args=(steps, "noloco"),
                       kwargs=dict(kw, **SMOOTH))
     ref = reference_noloco(4, steps, 4, 2, 0.7, 0.5, 0.7, data=worker_batches(2), **SMOOTH)
     for rank, o in enumerate(out):
@@ -85,9 +85,9 @@ def test_data_parallel_with_ranks_per_worker_is_one_big_batch():
     (tolerance as above: the mean is taken inside the worker first); each rank sends 1/R of
     the worker's slow-link bytes."""
     steps = 4
-    out = loco.launch(sharded_worker, replicas=2, shards=2, args=(steps, "ddp"), kwargs=SMOOTH)
+    out = loco.launch(sharded_worker, mesh=loco.Mesh(2, 1, 2), args=(steps, "ddp"), kwargs=SMOOTH)
     ref, _ = reference_big_batch(4, steps, **SMOOTH)
-    flat = loco.launch(sharded_worker, replicas=2, args=(steps, "ddp"), kwargs=SMOOTH)
+    flat = loco.launch(sharded_worker, 2, args=(steps, "ddp"), kwargs=SMOOTH)
     for o in out:
         assert max_diff(o["params"], ref) < TOL
     assert abs(out[0]["slow"] + out[1]["slow"] - flat[0]["slow"]) <= 2 * 2 * 4 * steps
@@ -100,7 +100,7 @@ def test_streaming_fp4_with_ranks_per_worker_encodes_each_rank_s_shard():
     differ)."""
     steps = 2 * H + 1
     kw = dict(sync_every=H, fragments=2, overlap=1, alpha=0.5, codec="fp4_e3m0", layers=4)
-    out = loco.launch(sharded_worker, replicas=2, shards=2, args=(steps, "streaming"),
+    out = loco.launch(sharded_worker, mesh=loco.Mesh(2, 1, 2), args=(steps, "streaming"),
                       kwargs=dict(kw, **SMOOTH))
     data = worker_batches(2)
     ref = reference_streaming(2, steps, H, 2, 1, 0.5, "fp4_e3m0", data=data, shards=2, **SMOOTH)
@@ -117,7 +117,7 @@ def test_error_feedback_with_ranks_per_worker_is_sharded_like_the_outer_state():
     steps, parallel = 2 * H + 1, "ddp"
     kw = dict(sync_every=H, fragments=2, overlap=1, alpha=0.5, codec="fp4_e3m0", layers=4,
               error_feedback=0.9)
-    out = loco.launch(sharded_worker, replicas=2, shards=2, args=(steps, "streaming"),
+    out = loco.launch(sharded_worker, mesh=loco.Mesh(2, 1, 2), args=(steps, "streaming"),
                       kwargs=dict(kw, **SMOOTH))
     data = worker_batches(2)
     ref = reference_streaming(2, steps, H, 2, 1, 0.5, "fp4_e3m0", data=data, shards=2,
@@ -142,8 +142,9 @@ def test_each_rank_holds_one_rth_of_the_outer_state(algo_name, kw):
     """The global copy and outer momentum (NoLoCo: slow weights and δ) are split over the
     worker's ranks: each of R = 2 ranks holds half of a one-rank worker's (up to one padded
     value)."""
-    one = loco.launch(sharded_worker, replicas=2, args=(H, algo_name), kwargs=dict(kw))
-    two = loco.launch(sharded_worker, replicas=2, shards=2, args=(H, algo_name), kwargs=dict(kw))
+    one = loco.launch(sharded_worker, 2, args=(H, algo_name), kwargs=dict(kw))
+    two = loco.launch(sharded_worker, mesh=loco.Mesh(2, 1, 2), args=(H, algo_name),
+                      kwargs=dict(kw))
     whole = one[0]["outer_bytes"]
     assert whole > 0
     for o in two:
@@ -181,7 +182,7 @@ def fsdp_runs():
     """Every FSDP2 case, M = 2 workers x R = 2 ranks, in one processes launch."""
     cases = {k: (fn, args, {"parallel": "fsdp", **kw}) for k, (fn, args, kw) in
              FSDP_CASES.items()}
-    return loco.launch(sharded_cases, replicas=2, shards=2, launcher="processes", args=(cases,))
+    return loco.launch(sharded_cases, mesh=loco.Mesh(2, 1, 2), launcher="processes", args=(cases,))
 
 
 @pytest.mark.parametrize("case,reference", [
@@ -252,7 +253,7 @@ def test_dcp_checkpoint_with_a_sync_in_flight_resumes_bit_identically(fsdp_runs,
 def test_checkpoint_with_ranks_per_worker_and_a_sync_in_flight_resumes_bit_identically():
     """Data-parallel inside (threads): each rank's state_dict holds its 1/R of the outer
     state and of the pseudo-gradient in flight; resumed, the run ends bit for bit alike."""
-    out = loco.launch(resume_worker, replicas=2, shards=2, args=(FSDP_STEPS, 2, H, "streaming"),
+    out = loco.launch(resume_worker, mesh=loco.Mesh(2, 1, 2), args=(FSDP_STEPS, 2, H, "streaming"),
                       kwargs=dict(fragments=2, overlap=1, layers=4))
     for straight, resumed in out:
         assert max_diff(straight, resumed) == 0
@@ -284,7 +285,7 @@ def test_fsdp_with_more_workers_or_uneven_shards_matches_the_reference(m, r, alg
     reference's with M workers of batch R·b (tolerance as above)."""
     kw = (dict(sync_every=H, outer_lr=0.7, outer_momentum=0.9) if algo_name == "diloco"
           else dict(STREAMING, codec="fp32"))
-    out = loco.launch(sharded_worker, replicas=m, shards=r, launcher="processes",
+    out = loco.launch(sharded_worker, mesh=loco.Mesh(m, 1, r), launcher="processes",
                       args=(FSDP_STEPS, algo_name), kwargs=dict(kw, parallel="fsdp", **SMOOTH))
     ref = (reference_diloco(m, FSDP_STEPS, H, 0.7, 0.9, data=worker_batches(r), **SMOOTH)
            if algo_name == "diloco" else

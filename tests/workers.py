@@ -194,15 +194,15 @@ def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, parallel="
         return model, opt, method(algo_name)(model, opt, ctx.comm, inner=ctx.inner, **kw)
 
     dcp, mesh = ctx.checkpoint_group is not None, shard_mesh(ctx)
-    data_id = ctx.replica * ctx.mesh.shards + ctx.shard
+    data_id = ctx.worker * ctx.worker_ranks + ctx.worker_rank
     model, opt, algo = build()
     step = lambda: (algo.step(), algo.zero_grad())  # noqa: E731
     train_steps(model, opt, data_id, range(split), step)
     snapshot = copy.deepcopy(algo.state_dict(tensors=not dcp))  # optimizer: live tensors
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, f"worker{ctx.replica}")
+        path = os.path.join(tmp, f"worker{ctx.worker}")
         if dcp:  # every rank of the worker writes into the first rank's directory
-            path = _broadcast_path(ctx, path if ctx.shard == 0 else None)
+            path = _broadcast_path(ctx, path if ctx.worker_rank == 0 else None)
             checkpoint.save_worker(path, checkpoint.snapshot(algo.checkpoint_tensors(mesh)),
                                    ctx.checkpoint_group)
         train_steps(model, opt, data_id, range(split, steps), step)
@@ -483,12 +483,12 @@ def ulps(values: dict, n: float) -> float:
 
 # --------------------------------------------------------------------------- NoLoCo
 def noloco_worker(ctx, steps, **kw):
-    """NoLoCo; with ``launch(..., shards=R)`` a worker of R ranks, rank (m, r) training on
+    """NoLoCo; with ``launch(..., worker_ranks=R)`` a worker of R ranks, rank (m, r) training on
     batch(m * R + r, t)."""
     model = make_model()
     opt = make_optimizer(model)
     algo = loco.NoLoCo(model, opt, ctx.comm, inner=ctx.inner, **kw)
-    data_id = ctx.replica * ctx.mesh.shards + ctx.shard
+    data_id = ctx.worker * ctx.worker_ranks + ctx.worker_rank
     train_steps(model, opt, data_id, range(steps), lambda: (algo.step(), algo.zero_grad()))
     outer = [r for r in ctx.comm.records if r.tag == "train"]
     return {"params": params_of(dict(model.named_parameters())), "records": outer,
@@ -546,7 +546,7 @@ def sharded_worker(ctx, steps, algo_name="diloco", parallel="ddp", optimizer=mak
     cls = {"diloco": loco.DiLoCo, "streaming": loco.StreamingDiLoCo, "noloco": loco.NoLoCo,
            "ddp": loco.DataParallel}[algo_name]
     algo = cls(model, opt, ctx.comm, inner=ctx.inner, **kw)
-    data_id = ctx.replica * ctx.mesh.shards + ctx.shard
+    data_id = ctx.worker * ctx.worker_ranks + ctx.worker_rank
     train_steps(model, opt, data_id, range(steps), lambda: (algo.step(), algo.zero_grad()))
     algo.flush()
     named = (dict(model.named_parameters()) if algo_name in ("noloco", "ddp")
@@ -662,9 +662,9 @@ def elastic_worker(ctx, steps, kill=None, **kw):
         ctx.comm.stage_from = torch.device("cpu")
     handed = watch_transport(ctx.comm)
     groups = {}  # NoLoCo: outer step -> its groups, in workers' indexes
-    data_id = ctx.replica * ctx.mesh.shards + ctx.shard
-    victim = (kill is not None and kill[0] == ctx.replica and os.environ[RESTART_ENV] == "0"
-              and ctx.shard == (kill[3] if len(kill) > 3 else 0))
+    data_id = ctx.worker * ctx.worker_ranks + ctx.worker_rank
+    victim = (kill is not None and kill[0] == ctx.worker and os.environ[RESTART_ENV] == "0"
+              and ctx.worker_rank == (kill[3] if len(kill) > 3 else 0))
     if victim and kill[2] == "reduction":
         gather = ctx.comm._gather
 
@@ -675,7 +675,7 @@ def elastic_worker(ctx, steps, kill=None, **kw):
         ctx.comm._gather = dying_gather
     ticks = None
     if plan is not None:
-        ticks = LocalSteps(kw["sync_every"], ctx.comm.workers, ctx.replica, rounds=plan,
+        ticks = LocalSteps(kw["sync_every"], ctx.comm.workers, ctx.worker, rounds=plan,
                            max_staleness=staleness, last_round=steps // kw["sync_every"] - 1,
                            quorum=ctx.comm)
         ctx.comm.register_state("local_steps", ticks.heal_state, ticks.load_heal_state)

@@ -63,7 +63,7 @@ def worker(ctx, steps=60):                         # runs on every worker
 
 def main(steps: int = 60, workers: int = 4) -> float:
     """Train, then evaluate the global model on held-out batches; returns its loss."""
-    results = loco.launch(worker, replicas=workers, launcher="threads", kwargs={"steps": steps})
+    results = loco.launch(worker, workers, launcher="threads", kwargs={"steps": steps})
     model = TinyLM()
     model.load_state_dict(results[0])              # the same on every worker
     with torch.no_grad():

@@ -14,9 +14,9 @@ _EXPORTS = {
     "StreamingDiLoCo": "loco.algorithms", "SparseLoCo": "loco.algorithms",
     "DeMo": "loco.algorithms", "Sparta": "loco.algorithms", "SpartaDiLoCo": "loco.algorithms",
     "Comm": "loco.comm", "Elastic": "loco.runtime", "Mesh": "loco.runtime",
-    "WorkerContext": "loco.runtime", "WorkerError": "loco.runtime", "launch": "loco.runtime",
+    "RankContext": "loco.runtime", "WorkerError": "loco.runtime", "launch": "loco.runtime",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
-__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS, {"WorkerContext": "RankContext"})

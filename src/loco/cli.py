@@ -398,8 +398,8 @@ def _train(args: argparse.Namespace) -> int:
     print(f"{summary.tokens:,} tokens in {summary.wall_seconds:.1f} s "
           f"({summary.tokens_per_second:,.0f} tokens/s); sent per "
           f"{'worker' if (summary.worker_ranks or 1) == 1 else 'rank'} "
-          f"{human_bytes(summary.bytes_sent_per_worker)}, peak sync "
-          f"{human_bytes(summary.peak_sync_bytes_per_worker)}"
+          f"{human_bytes(summary.bytes_sent_per_rank)}, peak sync "
+          f"{human_bytes(summary.peak_sync_bytes_per_rank)}"
           + (f", {summary.bits_per_parameter_per_step:.3g} bits per parameter per step"
              if summary.bits_per_parameter_per_step is not None else ""))
     if summary.codec_kernel:

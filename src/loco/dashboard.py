@@ -296,7 +296,7 @@ class _TensorBoard:
         config = {k: v if isinstance(v, (bool, int, float, str)) else str(v)
                   for k, v in self.cfg.to_dict().items()}
         metrics = {k: v for k, v in numbers.items() if math.isfinite(v) and k in (
-            f"{SUMMARY}/final_eval_loss", f"{SUMMARY}/bytes_sent_per_worker",
+            f"{SUMMARY}/final_eval_loss", f"{SUMMARY}/bytes_sent_per_rank",
             f"{SUMMARY}/wall_seconds", f"{SUMMARY}/tokens_per_second",
             f"{SUMMARY}/compute_utilization")}
         for event in hparams(config, metrics):

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from loco.checkpoint.staging import Stager
 from loco.checkpoint.writer import Writer
 from loco.config import TrainConfig, duration_seconds
-from loco.runtime import WorkerContext
+from loco.runtime import RankContext
 
 
 def due(cfg: TrainConfig, step: int, time_is_up: Callable[[], bool]) -> bool:
@@ -46,14 +46,14 @@ def interval_passed(cfg: TrainConfig, since: float) -> bool:
     return time.perf_counter() - since >= duration_seconds(cfg.runtime.checkpoint_interval)
 
 
-def make_stager(ctx: WorkerContext) -> Stager | None:
+def make_stager(ctx: RankContext) -> Stager | None:
     """Host buffers for a checkpoint of a model on a GPU (written in the background); None
     for a model on the CPU, whose checkpoints are written in place (a copy would double the
     process's memory: docs/memory.md)."""
     return Stager() if ctx.device.type != "cpu" else None
 
 
-def make_writer(cfg: TrainConfig, ctx: WorkerContext, main: bool) -> Writer:
+def make_writer(cfg: TrainConfig, ctx: RankContext, main: bool) -> Writer:
     """This rank's background checkpoint writer. An elastic run's checkpoint is the lead's
     (whichever worker leads then): one file per rank of that worker, each with its share;
     otherwise a worker of R ranks saves its tensors through DCP.
@@ -65,11 +65,12 @@ def make_writer(cfg: TrainConfig, ctx: WorkerContext, main: bool) -> Writer:
     """
     elastic = ctx.comm.elastic
     dcp = ctx.checkpoint_group is not None and not elastic
-    world = ctx.mesh.shards if elastic else ctx.world_size
+    world = ctx.worker_ranks if elastic else ctx.world_size
     meta = {"world_size": world, "algorithm": cfg.method.algorithm, "worker_ranks": cfg.runtime.worker_ranks,
             "worker_parallel": cfg.runtime.worker_parallel, "dcp_workers": cfg.runtime.workers if dcp else 0,
             "elastic": elastic, "config": cfg.to_dict()}
-    return Writer(cfg.run.out, ctx.shard if elastic else ctx.rank, world, timeout=cfg.comm.comm_timeout,
-                  commit_meta=meta if main or elastic and ctx.shard == 0 else None,
-                  worker=ctx.replica if dcp else None,
+    return Writer(cfg.run.out, ctx.worker_rank if elastic else ctx.rank, world,
+                  timeout=cfg.comm.comm_timeout,
+                  commit_meta=meta if main or elastic and ctx.worker_rank == 0 else None,
+                  worker=ctx.worker if dcp else None,
                   group=ctx.checkpoint_group if dcp else None, keep=cfg.runtime.keep_checkpoints)

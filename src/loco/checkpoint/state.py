@@ -11,12 +11,12 @@ from loco.algorithms import Algorithm
 from loco.checkpoint import files
 from loco.config import TrainConfig
 from loco.data import Corpus, TokenLoader
-from loco.runtime import WorkerContext
+from loco.runtime import RankContext
 from loco.runtime.elastic import restart_count
 
 
 def rank_state(step: int, algo: Algorithm, schedule, loader: TokenLoader | None,
-               ctx: WorkerContext, tensors: bool = True) -> dict:
+               ctx: RankContext, tensors: bool = True) -> dict:
     """Everything this rank's algorithm, schedule, loader, random state and Comms need to
     continue after ``step``, live (the caller copies it or writes it at once); the caller
     adds its loop's running values under ``"loop"``. ``restore`` puts it back.
@@ -45,13 +45,13 @@ def elastic_state(step: int, algo: Algorithm) -> dict:
     return {"step": step, "elastic": True, "heal": algo.heal_state()}
 
 
-def shard_mesh(ctx: WorkerContext):
+def shard_mesh(ctx: RankContext):
     """The ``DeviceMesh`` of this worker's R ranks; None without one (threads, R = 1)."""
-    return ctx.device_mesh["shard"] if ctx.device_mesh is not None and ctx.mesh.shards > 1 \
+    return ctx.device_mesh["shard"] if ctx.device_mesh is not None and ctx.worker_ranks > 1 \
         else None
 
 
-def resume_state(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> dict | None:
+def resume_state(cfg: TrainConfig, ctx: RankContext, corpus: Corpus) -> dict | None:
     """This rank's state in the last complete checkpoint, if the run continues one: its
     rank file; for a checkpoint written by workers of another R, the rank files of its
     worker mapped onto this layout (:func:`reshard_rank_state`). The key ``"dcp"`` says
@@ -62,32 +62,32 @@ def resume_state(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> dict |
         return elastic_resume_state(cfg, ctx) if restart_count() == 0 else None
     meta = files.latest(cfg.run.out)
     files.discard_uncommitted(cfg.run.out, ctx.rank, None if meta is None else int(meta["step"]),
-                              worker=ctx.replica if ctx.checkpoint_group is not None
-                              and ctx.shard == 0 else None)
+                              worker=ctx.worker if ctx.checkpoint_group is not None
+                              and ctx.worker_rank == 0 else None)
     if meta is None:
         return None
     step, ranks = int(meta["step"]), int(meta.get("worker_ranks", 1))
-    if ranks == ctx.mesh.shards:
+    if ranks == ctx.worker_ranks:
         state = files.load_rank(cfg.run.out, step, ctx.rank, ctx.device)
     else:  # check_layout let only a DCP checkpoint through
-        old = [files.load_rank(cfg.run.out, step, ctx.replica * ranks + j, ctx.device)
+        old = [files.load_rank(cfg.run.out, step, ctx.worker * ranks + j, ctx.device)
                for j in range(ranks)]
         state = reshard_rank_state(old, ctx, cfg, corpus)
     if meta.get("dcp_workers"):
-        state["dcp"] = files.worker_dir(cfg.run.out, step, ctx.replica)
+        state["dcp"] = files.worker_dir(cfg.run.out, step, ctx.worker)
     return state
 
 
-def elastic_resume_state(cfg: TrainConfig, ctx: WorkerContext) -> dict | None:
+def elastic_resume_state(cfg: TrainConfig, ctx: RankContext) -> dict | None:
     """The last complete checkpoint of an elastic run: the files its lead worker wrote (one
     per rank, its share), which every worker continues from: rank r of each from file r."""
     meta = files.latest(cfg.run.out)
     if meta is None:
         return None
-    return files.load_rank(cfg.run.out, int(meta["step"]), ctx.shard, ctx.device)
+    return files.load_rank(cfg.run.out, int(meta["step"]), ctx.worker_rank, ctx.device)
 
 
-def reshard_rank_state(old: list[dict], ctx: WorkerContext, cfg: TrainConfig,
+def reshard_rank_state(old: list[dict], ctx: RankContext, cfg: TrainConfig,
                        corpus: Corpus) -> dict:
     """This rank's small state when its worker's checkpoint was written by R ranks and this
     run has R' (the tensors reshard through DCP). Rank r' takes rank (r' mod R)'s state
@@ -106,9 +106,9 @@ def reshard_rank_state(old: list[dict], ctx: WorkerContext, cfg: TrainConfig,
         cfg: the run's configuration.
         corpus: the tokenized corpus.
     """
-    ranks, shard = len(old), ctx.shard
+    ranks, shard = len(old), ctx.worker_rank
     state = dict(old[shard % ranks])
-    mine = [s for j, s in enumerate(old) if j % ctx.mesh.shards == shard]
+    mine = [s for j, s in enumerate(old) if j % ctx.worker_ranks == shard]
     for key in ("comm", "inner"):
         state[key] = _fold([s[key] for s in mine], state[key])
     algorithm = state["algorithm"] = dict(state["algorithm"])
@@ -139,24 +139,24 @@ def _fold(states: list, like, key: str = ""):
     return like
 
 
-def _reshard_loader(loader: dict, old_shard: int, ranks: int, ctx: WorkerContext,
+def _reshard_loader(loader: dict, old_shard: int, ranks: int, ctx: RankContext,
                     cfg: TrainConfig, corpus: Corpus) -> dict:
     """The position of this rank's loader after as many tokens per worker as the old
     layout's rank ``old_shard`` of R = ``ranks`` had read (see ``reshard_rank_state``)."""
     def batches_per_epoch(rank: int, readers: int) -> int:
         return TokenLoader(corpus.train, cfg.data.batch_size, cfg.data.seq_len, rank=rank,
                            world_size=readers, seed=cfg.run.seed).batches_per_epoch
-    workers = ctx.mesh.replicas
-    before = batches_per_epoch(ctx.replica * ranks + old_shard, workers * ranks)
+    workers = ctx.workers
+    before = batches_per_epoch(ctx.worker * ranks + old_shard, workers * ranks)
     read = int(loader["epoch"]) * before + int(loader["position"])  # batches, each rank
-    now = batches_per_epoch(ctx.replica * ctx.mesh.shards + ctx.shard,
-                            workers * ctx.mesh.shards)
-    epoch, position = divmod(read * ranks // ctx.mesh.shards, now)
+    now = batches_per_epoch(ctx.worker * ctx.worker_ranks + ctx.worker_rank,
+                            workers * ctx.worker_ranks)
+    epoch, position = divmod(read * ranks // ctx.worker_ranks, now)
     return {"epoch": epoch, "position": position}
 
 
 def restore(state: dict, algo: Algorithm, schedule, loader: TokenLoader | None,
-            ctx: WorkerContext) -> None:
+            ctx: RankContext) -> None:
     """Put a worker back where its checkpoint left it (the algorithm's tensors from its
     rank file, or through DCP from its worker's directory)."""
     algo.load_state_dict(state["algorithm"])
@@ -176,7 +176,7 @@ def restore(state: dict, algo: Algorithm, schedule, loader: TokenLoader | None,
 
 
 def restore_elastic(state: dict, algo: Algorithm, schedule, loader: TokenLoader | None,
-                    ctx: WorkerContext) -> None:
+                    ctx: RankContext) -> None:
     """Continue an elastic run from its lead's checkpoint, as a worker that joins takes a
     live one's state (``Algorithm.load_heal_state``: the counters and the outer state; the
     replica restarts from the global copy, the inner optimizer from zero, except

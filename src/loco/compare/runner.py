@@ -51,8 +51,8 @@ def run(p: Plan, progress: bool = True) -> dict[str, dict]:
                 wandb_group(p.out):
             summary = Summary.from_dict(launch_training(cfg, corpus))
         _advance(bar, done + steps, {})
-        bar.write(f"{m.label}: eval loss {summary.final_eval_loss:.4f}, sent per worker "
-                  f"{human_bytes(summary.bytes_sent_per_worker)}, "
+        bar.write(f"{m.label}: eval loss {summary.final_eval_loss:.4f}, sent per rank "
+                  f"{human_bytes(summary.bytes_sent_per_rank)}, "
                   f"{summary.wall_seconds:.0f} s")
         runs.append(load_run(cfg.run.out, m.label))
     bar.close()

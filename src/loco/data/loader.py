@@ -1,11 +1,11 @@
 """Sharded, resumable training batches and fixed evaluation batches of a token stream.
 
 The token stream is cut into non-overlapping windows of seq_len + 1 tokens (inputs plus the
-next-token targets).  Worker ``rank`` owns the windows whose index is ``rank`` modulo
-``world_size``, so workers never read the same data.  Each epoch visits a worker's windows in
-an order drawn from a generator seeded with (seed, rank, epoch): workers may be threads of one
-process, so no global RNG is involved, and the order can be rebuilt from (epoch, position)
-alone, which is all a checkpoint needs to store.
+next-token targets).  Reader ``rank`` (a training run's rank worker · R + worker rank) owns
+the windows whose index is ``rank`` modulo ``world_size``, so no two read the same data.  Each
+epoch visits a reader's windows in an order drawn from a generator seeded with (seed, rank,
+epoch): the ranks may be threads of one process, so no global RNG is involved, and the order
+can be rebuilt from (epoch, position) alone, which is all a checkpoint needs to store.
 """
 
 from __future__ import annotations

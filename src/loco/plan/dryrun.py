@@ -28,7 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from loco.comm import Comm
 from loco.config import TrainConfig
-from loco.runtime import Mesh, WorkerContext, shard_worker
+from loco.runtime import Mesh, RankContext, shard_worker
 from loco.training.build import make_local_steps, make_model, make_optimizer, mixed_precision
 from loco.training.counters import memory_bytes
 from loco.training.worker import Loop
@@ -242,8 +242,8 @@ def dry_run(cfg: TrainConfig, vocab_size: int, steps: int, shard: int = 0) -> Ra
     comm = DryComm(0, M)
     inner = DryComm(shard, R, name="inner") if R > 1 else None
     with _fsdp_mesh(cfg, shard) as device_mesh:
-        ctx = WorkerContext(shard, M * R, Mesh(M, 1, R), comm, META, cfg.runtime.launcher, inner=inner,
-                            device_mesh=device_mesh)
+        ctx = RankContext(shard, M * R, Mesh(M, 1, R), comm, META, cfg.runtime.launcher, inner=inner,
+                          device_mesh=device_mesh)
         model = make_model(cfg, vocab_size, "meta")
         parameters = model.num_parameters()
         if device_mesh is not None:

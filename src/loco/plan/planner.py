@@ -20,8 +20,8 @@ from loco.plan.dryrun import RankRun, Sync, dry_run
 from loco.plan.simulated import Op, default_step_time, utilization
 
 #: The keys of ``summary.json`` a plan predicts for the run's ``--steps`` (``run``).
-RUN_KEYS = ("bytes_sent_per_worker", "bytes_received_per_worker", "raw_bytes_per_worker",
-            "peak_sync_bytes_per_worker", "syncs", "slow_link_bytes_sent_per_rank",
+RUN_KEYS = ("bytes_sent_per_rank", "bytes_received_per_rank", "raw_bytes_per_rank",
+            "peak_sync_bytes_per_rank", "syncs", "slow_link_bytes_sent_per_rank",
             "slow_link_bytes_sent_per_worker", "fast_link_bytes_sent_per_rank",
             "fast_link_bytes_sent_per_worker")
 
@@ -176,10 +176,10 @@ def run_totals(classes: dict[int, RankClass], steps: int, H: int) -> dict:
     lead = classes[0].exact
     peak = max((s.record.sent_bytes for c in classes.values() for s in c.exact.slow),
                default=0)
-    return {"bytes_sent_per_worker": max(n for _, n in sent),
-            "bytes_received_per_worker": max(n for _, n in by_rank("slow", "recv_bytes")),
-            "raw_bytes_per_worker": max(n for _, n in by_rank("slow", "raw_bytes")),
-            "peak_sync_bytes_per_worker": peak,
+    return {"bytes_sent_per_rank": max(n for _, n in sent),
+            "bytes_received_per_rank": max(n for _, n in by_rank("slow", "recv_bytes")),
+            "raw_bytes_per_rank": max(n for _, n in by_rank("slow", "raw_bytes")),
+            "peak_sync_bytes_per_rank": peak,
             "syncs": over_run(lead.slow, lead.steps, steps, H, len),
             "slow_link_bytes_sent_per_rank": max(n for _, n in sent),
             "slow_link_bytes_sent_per_worker": sum(c * n for c, n in sent),

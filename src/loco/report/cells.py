@@ -30,12 +30,12 @@ def pct_cell(x: float | None) -> str:
 
 
 def sent_cell(run: Run) -> str:
-    """Bytes sent per worker; DataParallel's with its gradients' wire format.
+    """Bytes sent by the busiest rank (a worker's, for workers of one rank); DataParallel's with its gradients' wire format.
 
     Args:
         run: a run.
     """
-    sent = f"{run.summary.bytes_sent_per_worker:,}"
+    sent = f"{run.summary.bytes_sent_per_rank:,}"
     wire = run.method.wire(run.summary.config)
     return f"{sent} ({wire})" if wire else sent
 

@@ -129,12 +129,12 @@ def comparison(runs: list[Run], out: str = ".") -> dict[str, dict]:
         if ddp is not None:
             base = ddp.summary.final_eval_loss
             rel["eval_loss_vs_ddp_pct"] = 100 * (s.final_eval_loss - base) / base
-            if s.bytes_sent_per_worker:
-                rel["ddp_bytes_over_bytes"] = (ddp.summary.bytes_sent_per_worker
-                                               / s.bytes_sent_per_worker)
-        if diloco is not None and s.peak_sync_bytes_per_worker:
-            rel["diloco_peak_over_peak"] = (diloco.summary.peak_sync_bytes_per_worker
-                                            / s.peak_sync_bytes_per_worker)
+            if s.bytes_sent_per_rank:
+                rel["ddp_bytes_over_bytes"] = (ddp.summary.bytes_sent_per_rank
+                                               / s.bytes_sent_per_rank)
+        if diloco is not None and s.peak_sync_bytes_per_rank:
+            rel["diloco_peak_over_peak"] = (diloco.summary.peak_sync_bytes_per_rank
+                                            / s.peak_sync_bytes_per_rank)
         numbers[r.label] = {**s.to_dict(), "compare": rel}
     return numbers
 

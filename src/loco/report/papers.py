@@ -276,8 +276,8 @@ def loss_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
 
 def bytes_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
     """``ref`` sends at least ``claim.limit`` times ``run``'s bytes per worker."""
-    sent = run.summary.bytes_sent_per_worker
-    ratio = ref.summary.bytes_sent_per_worker / sent if sent else float("inf")
+    sent = run.summary.bytes_sent_per_rank
+    ratio = ref.summary.bytes_sent_per_rank / sent if sent else float("inf")
     wire = ref.method.wire(ref.summary.config)
     note = f" ({ref.group_name}'s gradients in {wire})" if wire else ""
     return Claim(f"{ref.group_name} sends at least {claim.limit:g}× the bytes of "
@@ -290,8 +290,8 @@ def peak_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
     factored out, and what is left must be at least 0.9 P."""
     config = run.summary.config
     p = config["fragments"]
-    peak = run.summary.peak_sync_bytes_per_worker
-    ratio = ref.summary.peak_sync_bytes_per_worker / peak if peak else float("inf")
+    peak = run.summary.peak_sync_bytes_per_rank
+    ratio = ref.summary.peak_sync_bytes_per_rank / peak if peak else float("inf")
     codec = config.get("codec", "fp32")
     squeeze = codec_compression(codec, config.get("codec_block", 32), config.get("codec_keep"))
     frag = ratio / squeeze

@@ -54,7 +54,7 @@ def over_seeds(members: list[Run]) -> dict[str, Any]:
 
 
 #: Summary numbers a method's row over its seeds averages (bytes rounded to whole bytes).
-MEAN_FIELDS = ("final_eval_loss", "bytes_sent_per_worker", "peak_sync_bytes_per_worker",
+MEAN_FIELDS = ("final_eval_loss", "bytes_sent_per_rank", "peak_sync_bytes_per_rank",
                "slow_link_bytes_sent_per_worker", "fast_link_bytes_sent_per_worker",
                "wall_seconds", "tokens_per_second", "compute_utilization")
 

@@ -47,8 +47,8 @@ def table(runs: list[Run], numbers: dict[str, dict],
         s, rel = r.summary, numbers[r.label]["compare"]
         row = [r.name, rel["setting"], f"{s.final_eval_loss:.4f}",
                pct_cell(rel["eval_loss_vs_ddp_pct"]), sent_cell(r),
-               f"{s.peak_sync_bytes_per_worker:,}",
-               "∞" if rel["eval_loss_vs_ddp_pct"] is not None and not s.bytes_sent_per_worker
+               f"{s.peak_sync_bytes_per_rank:,}",
+               "∞" if rel["eval_loss_vs_ddp_pct"] is not None and not s.bytes_sent_per_rank
                else ratio_cell(rel["ddp_bytes_over_bytes"]),
                f"{s.wall_seconds:.1f}", f"{s.tokens_per_second:,.0f}",
                bits_cell(s.bits_per_parameter_per_step)]
@@ -159,7 +159,7 @@ def sweep_tables(runs: list[Run], numbers: dict[str, dict]) -> list[str]:
             lines.append("| " + " | ".join(
                 [r.method_name, *(value_cell(v) for v in r.sweep[1].values()),
                  f"{s.final_eval_loss:.4f}", pct_cell(rel["eval_loss_vs_ddp_pct"]), sent_cell(r),
-                 f"{s.peak_sync_bytes_per_worker:,}", ratio_cell(rel["ddp_bytes_over_bytes"])])
+                 f"{s.peak_sync_bytes_per_rank:,}", ratio_cell(rel["ddp_bytes_over_bytes"])])
                 + " |")
         if ddp is not None:
             lines += ["", f"For reference, {ddp.name}: {ddp.summary.final_eval_loss:.4f}, "

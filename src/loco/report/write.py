@@ -95,12 +95,12 @@ def sweep_plots(runs: list[Run], out: str) -> list[str]:
             name = ", ".join([r.method_name] + [f"{k}={value_cell(point[k])}" for k in others])
             pos = float(value_cell(point[x])) if numeric else xs.index(value_cell(point[x]))
             lines.setdefault(name, []).append(
-                (pos, r.summary.final_eval_loss, r.summary.bytes_sent_per_worker))
+                (pos, r.summary.final_eval_loss, r.summary.bytes_sent_per_rank))
         ticks = [(float(v) if numeric else i, v) for i, v in enumerate(xs)]
-        references = [(r.name, r.summary.final_eval_loss, r.summary.bytes_sent_per_worker)
+        references = [(r.name, r.summary.final_eval_loss, r.summary.bytes_sent_per_rank)
                       for r in bases if r not in members]
         name = "sweep_" + "_".join(keys) + ".png"
-        sent = {r.summary.bytes_sent_per_worker for r in members}
+        sent = {r.summary.bytes_sent_per_rank for r in members}
         plot_sweep(os.path.join(out, name), x, ticks, list(lines.items()), references,
                    show_bytes=len(sent) > 1 and max(sent) > 0)
         written.append(name)

@@ -1,8 +1,8 @@
 """What one rank of a run knows, and the pieces every launcher builds it from.
 
-A run's ranks form a mesh of M replicas × S pipeline stages × R shards:
-[`Mesh`][loco.runtime.context.Mesh] lays them out and
-[`WorkerContext`][loco.runtime.context.WorkerContext] is one rank's view of it, handed to the
+A run's ranks form a mesh of M workers × S pipeline stages × R ranks per worker (and
+stage): [`Mesh`][loco.runtime.context.Mesh] lays them out and
+[`RankContext`][loco.runtime.context.RankContext] is one rank's view of it, handed to the
 function every rank runs. The fixed launchers ([`launch`][loco.runtime.launch.launch]) and the
 elastic one (``loco.runtime.elastic``) share the rest: the rendezvous store of a torch elastic
 attempt, the emulated links, and the fast-link Comm over a worker's R ranks.
@@ -21,104 +21,150 @@ import torch.distributed as dist
 from loco.comm import Comm
 from loco.comm.link import EmulatedLink, LinkSpec
 from loco.comm.thread import CommThread
+from loco.lazy import old_names, renamed, renamed_arguments
 
 MESH_DIMS = ("replica", "stage", "shard")
-"""The named dimensions of a run's ``DeviceMesh``, outermost first: the workers (replicas)
-of the outer algorithm, the pipeline stages of a worker, and the ranks that share one stage
-of one worker (its fast-link group)."""
+"""The named dimensions of a run's ``DeviceMesh``, outermost first, in FSDP's words
+(``device_mesh["shard"]`` is what FSDP2 shards over): the M workers of the outer algorithm
+(``"replica"``), the S pipeline stages of a worker, and the R ranks that share one stage of
+one worker, its fast-link group (``"shard"``)."""
+
+_OLD_MESH = {"replicas": "workers", "shards": "worker_ranks"}
+"""``Mesh``'s old names, read for one release."""
 
 
 @dataclass(frozen=True)
 class Mesh:
-    """Ranks laid out as ``replicas × stages × shards``: rank = (replica · S + stage) · R +
-    shard, so the ranks of one worker's stage are adjacent (on one node where possible).
+    """Ranks laid out as ``workers × stages × worker_ranks``: rank = (worker · S + stage) · R
+    + worker_rank, so the ranks of one worker's stage are adjacent (on one node where
+    possible).
 
     Args:
-        replicas: M, the workers (replicas) of the outer algorithm, >= 1.
-        stages: S, the pipeline stages of each replica, >= 1; default 1.
-        shards: R, the ranks that share each stage of a worker and talk over its fast link
-            (``ctx.inner``), >= 1; default 1.
+        workers: M, the workers of the outer algorithm, >= 1.
+        stages: S, the pipeline stages of each worker, >= 1; default 1.
+        worker_ranks: R, the ranks that share each stage of a worker and talk over its fast
+            link (``ctx.inner``), >= 1; default 1.
+
+    ``replicas`` and ``shards``, the old names of ``workers`` and ``worker_ranks`` (keywords
+    and attributes), still work for one release, with a ``DeprecationWarning``.
     """
 
-    replicas: int
+    workers: int
     stages: int = 1
-    shards: int = 1
+    worker_ranks: int = 1
 
     @property
     def world_size(self) -> int:
         """All ranks: M · S · R."""
-        return self.replicas * self.stages * self.shards
+        return self.workers * self.stages * self.worker_ranks
 
     @property
     def shape(self) -> tuple[int, int, int]:
         """(M, S, R): the sizes of ``MESH_DIMS``."""
-        return (self.replicas, self.stages, self.shards)
+        return (self.workers, self.stages, self.worker_ranks)
 
     def coords(self, rank: int) -> tuple[int, int]:
-        """(replica, stage) of a global rank.
+        """(worker, stage) of a global rank.
 
         Args:
             rank: a global rank, in [0, world_size).
         """
-        return divmod(rank // self.shards, self.stages)
+        return divmod(rank // self.worker_ranks, self.stages)
 
-    def shard_of(self, rank: int) -> int:
+    def worker_rank_of(self, rank: int) -> int:
         """The rank's index among the ranks of its worker's stage, in [0, R).
 
         Args:
             rank: a global rank, in [0, world_size).
         """
-        return rank % self.shards
+        return rank % self.worker_ranks
+
+    def outer_peers(self, stage: int, worker_rank: int = 0) -> list[int]:
+        """Global ranks that hold the same place in every worker: the outer group (the
+        slow link), in worker order.
+
+        Args:
+            stage: the pipeline stage, in [0, S).
+            worker_rank: the index among the stage's ranks, in [0, R); default 0.
+        """
+        return [self.rank_of(w, stage, worker_rank) for w in range(self.workers)]
+
+    def worker_peers(self, worker: int, stage: int) -> list[int]:
+        """Global ranks of one stage of one worker: its fast-link group, in worker-rank
+        order.
+
+        Args:
+            worker: the worker, in [0, M).
+            stage: the pipeline stage, in [0, S).
+        """
+        return [self.rank_of(worker, stage, k) for k in range(self.worker_ranks)]
+
+    def rank_of(self, worker: int, stage: int, worker_rank: int = 0) -> int:
+        """Global rank of pipeline stage ``stage`` of ``worker``.
+
+        Args:
+            worker: the worker, in [0, M).
+            stage: the pipeline stage, in [0, S).
+            worker_rank: the index among the stage's ranks, in [0, R); default 0.
+        """
+        return (worker * self.stages + stage) * self.worker_ranks + worker_rank
+
+    @property
+    def replicas(self) -> int:
+        """The old name of ``workers``, for one release."""
+        renamed("Mesh.replicas", "Mesh.workers")
+        return self.workers
+
+    @property
+    def shards(self) -> int:
+        """The old name of ``worker_ranks``, for one release."""
+        renamed("Mesh.shards", "Mesh.worker_ranks")
+        return self.worker_ranks
+
+    def shard_of(self, rank: int) -> int:
+        """The old name of ``worker_rank_of``, for one release.
+
+        Args:
+            rank: a global rank, in [0, world_size).
+        """
+        renamed("Mesh.shard_of", "Mesh.worker_rank_of")
+        return self.worker_rank_of(rank)
 
     def replica_peers(self, stage: int, shard: int = 0) -> list[int]:
-        """Global ranks that hold the same place in every replica: the outer group (the
-        slow link).
+        """The old name of ``outer_peers``, for one release.
 
         Args:
             stage: the pipeline stage, in [0, S).
-            shard: the index among the stage's ranks, in [0, R); default 0.
+            shard: the old name of ``worker_rank``, in [0, R); default 0.
         """
-        return [self.rank_of(r, stage, shard) for r in range(self.replicas)]
+        renamed("Mesh.replica_peers", "Mesh.outer_peers")
+        return self.outer_peers(stage, shard)
 
-    def worker_peers(self, replica: int, stage: int) -> list[int]:
-        """Global ranks of one stage of one worker: its fast-link group, in shard order.
 
-        Args:
-            replica: the replica, in [0, M).
-            stage: the pipeline stage, in [0, S).
-        """
-        return [self.rank_of(replica, stage, k) for k in range(self.shards)]
-
-    def rank_of(self, replica: int, stage: int, shard: int = 0) -> int:
-        """Global rank of pipeline stage ``stage`` of ``replica``.
-
-        Args:
-            replica: the replica, in [0, M).
-            stage: the pipeline stage, in [0, S).
-            shard: the index among the stage's ranks, in [0, R); default 0.
-        """
-        return (replica * self.stages + stage) * self.shards + shard
+Mesh.__init__ = renamed_arguments("Mesh", _OLD_MESH)(Mesh.__init__)
 
 
 @dataclass
-class WorkerContext:
+class RankContext:
     """What one rank knows about the run; [`launch`][loco.runtime.launch.launch] passes it to
-    the function as its first argument.
+    the function as its first argument. (Its old name ``WorkerContext`` still imports, for
+    one release, with a ``DeprecationWarning``; so do the old names of its properties:
+    ``replica``, ``shard``, ``replicas``, ``shards``.)
 
     Args:
         rank: this rank's global rank, in [0, world_size).
         world_size: all ranks of the run, M · S · R.
         mesh: the layout of the ranks.
-        comm: the [`Comm`][loco.comm.comm.Comm] over the replicas of this rank's stage
-            (its rank there is the replica index): what the outer algorithm talks through.
+        comm: the [`Comm`][loco.comm.comm.Comm] over the workers of this rank's stage
+            (its rank there is the worker index): what the outer algorithm talks through.
         device: this rank's device (a CUDA device under torchrun with GPUs, else CPU).
         launcher: how it was started: ``"threads"``, ``"processes"`` or ``"torchrun"``.
         extras: free room for the caller's own per-rank values; default empty.
         pipe: a Comm over the whole world (rank there = global rank) for the traffic
             between pipeline stages; None (default) when S = 1.
-        inner: a Comm over the R ranks of this worker's stage (rank there = the shard), the
-            fast link inside a worker, shaped only by ``launch``'s ``fast_link``; None
-            (default) when R = 1.
+        inner: a Comm over the R ranks of this worker's stage (rank there = the worker
+            rank), the fast link inside a worker, shaped only by ``launch``'s
+            ``fast_link``; None (default) when R = 1.
         device_mesh: the run's ``torch.distributed.device_mesh.DeviceMesh`` of shape
             (M, S, R) with dimension names ``MESH_DIMS`` (processes and torchrun); None
             (default) under the threads launcher, whose groups torch.distributed's registry
@@ -141,40 +187,64 @@ class WorkerContext:
     checkpoint_group: Any = None
 
     @property
-    def replica(self) -> int:
-        """The replica this rank belongs to (its rank in ``comm``), in [0, M)."""
+    def worker(self) -> int:
+        """The worker this rank belongs to (its rank in ``comm``), in [0, M)."""
         return self.mesh.coords(self.rank)[0]
 
     @property
     def stage(self) -> int:
-        """Pipeline stage of this rank (its position inside the replica), in [0, S)."""
+        """Pipeline stage of this rank (its position inside the worker), in [0, S)."""
         return self.mesh.coords(self.rank)[1]
 
     @property
-    def shard(self) -> int:
+    def worker_rank(self) -> int:
         """This rank's index among the ranks of its worker's stage (its rank in ``inner``),
         in [0, R)."""
-        return self.mesh.shard_of(self.rank)
+        return self.mesh.worker_rank_of(self.rank)
 
     @property
-    def replicas(self) -> int:
-        """M, the replicas of the run."""
-        return self.mesh.replicas
+    def workers(self) -> int:
+        """M, the workers of the run."""
+        return self.mesh.workers
 
     @property
     def stages(self) -> int:
-        """S, the pipeline stages of every replica."""
+        """S, the pipeline stages of every worker."""
         return self.mesh.stages
 
     @property
-    def shards(self) -> int:
+    def worker_ranks(self) -> int:
         """R, the ranks of each stage of a worker."""
-        return self.mesh.shards
+        return self.mesh.worker_ranks
 
     @property
     def is_main(self) -> bool:
         """Whether this is global rank 0."""
         return self.rank == 0
+
+    @property
+    def replica(self) -> int:
+        """The old name of ``worker``, for one release."""
+        renamed("ctx.replica", "ctx.worker")
+        return self.worker
+
+    @property
+    def shard(self) -> int:
+        """The old name of ``worker_rank``, for one release."""
+        renamed("ctx.shard", "ctx.worker_rank")
+        return self.worker_rank
+
+    @property
+    def replicas(self) -> int:
+        """The old name of ``workers``, for one release."""
+        renamed("ctx.replicas", "ctx.workers")
+        return self.workers
+
+    @property
+    def shards(self) -> int:
+        """The old name of ``worker_ranks``, for one release."""
+        renamed("ctx.shards", "ctx.worker_ranks")
+        return self.worker_ranks
 
 
 class WorkerError(RuntimeError):
@@ -226,9 +296,9 @@ def _worker_group(mesh: Mesh, rank: int, backend: str | None = None):
     operations in the order they are issued, which would then differ between ranks). Every
     rank creates every worker's group, in the same order."""
     mine = None
-    for replica in range(mesh.replicas):
+    for worker in range(mesh.workers):
         for stage in range(mesh.stages):
-            ranks = mesh.worker_peers(replica, stage)
+            ranks = mesh.worker_peers(worker, stage)
             group = dist.new_group(ranks, backend=backend)
             if rank in ranks:
                 mine = group
@@ -263,12 +333,14 @@ def worker_comms(mesh: Mesh, rank: int, device: torch.device, fast_link: LinkSpe
         thread: the rank's communication thread, shared with its other Comms (NCCL); None
             for the Comm's own.
     """
-    if mesh.shards == 1:
+    if mesh.worker_ranks == 1:
         return None, None
-    inner = Comm(_worker_group(mesh, rank), mesh.shard_of(rank), mesh.shards, device,
+    inner = Comm(_worker_group(mesh, rank), mesh.worker_rank_of(rank), mesh.worker_ranks, device,
                  name="inner", link=emulated(fast_link), thread=thread)
     return inner, _worker_group(mesh, rank, "gloo")
 
 
-__all__ = ["MESH_DIMS", "Mesh", "WorkerContext", "WorkerError", "attempt_store", "emulated",
+__all__ = ["MESH_DIMS", "Mesh", "RankContext", "WorkerError", "attempt_store", "emulated",
            "rank_device", "worker_comms"]
+
+__getattr__ = old_names(__name__, {"WorkerContext": "RankContext"})

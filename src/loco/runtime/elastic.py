@@ -1,6 +1,6 @@
 """Elastic runs: workers that die are restarted alone, and the others keep training.
 
-``launch(fn, replicas=M, launcher="processes", elastic=Elastic(...))`` starts torchft's
+``launch(fn, M, launcher="processes", elastic=Elastic(...))`` starts torchft's
 Lighthouse (the quorum service) in this process and every worker as a process of its own,
 with an [`ElasticComm`][loco.comm.membership.ElasticComm] as ``ctx.comm``. There is no
 ``torch.distributed`` world spanning the workers: each sync's group is the quorum of the
@@ -28,10 +28,11 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from loco.comm.thread import CommThread
+from loco.lazy import renamed_arguments
 from loco.runtime.context import (
     MESH_DIMS,
     Mesh,
-    WorkerContext,
+    RankContext,
     WorkerError,
     attempt_store,
     emulated,
@@ -82,18 +83,18 @@ class Elastic:
     lighthouse: str | None = None
     worker: int | None = None
 
-    def check(self, replicas: int) -> int:
+    def check(self, workers: int) -> int:
         """Validate against M workers; returns the min_workers in effect.
 
         Args:
-            replicas: M, the workers of the job.
+            workers: M, the workers of the job.
 
         Raises:
             ValueError: an option out of its range.
         """
-        need = replicas // 2 + 1 if self.min_workers is None else self.min_workers
-        if not isinstance(need, int) or not 1 <= need <= replicas:
-            raise ValueError(f"min_workers must be an integer in [1, workers={replicas}] "
+        need = workers // 2 + 1 if self.min_workers is None else self.min_workers
+        if not isinstance(need, int) or not 1 <= need <= workers:
+            raise ValueError(f"min_workers must be an integer in [1, workers={workers}] "
                              f"(got {self.min_workers!r})")
         if not isinstance(self.restarts, int) or self.restarts < 0:
             raise ValueError(f"restarts must be an integer >= 0 (got {self.restarts!r})")
@@ -103,30 +104,32 @@ class Elastic:
             raise ValueError("lighthouse and worker go together: this process is worker "
                              f"`worker` of the job of that Lighthouse (got lighthouse="
                              f"{self.lighthouse!r}, worker={self.worker!r})")
-        if self.worker is not None and not 0 <= self.worker < replicas:
-            raise ValueError(f"worker must be in [0, workers={replicas}) (got {self.worker!r})")
+        if self.worker is not None and not 0 <= self.worker < workers:
+            raise ValueError(f"worker must be in [0, workers={workers}) (got {self.worker!r})")
         return need
 
 
-def launch_elastic(fn: Callable[..., Any], args: tuple, replicas: int, timeout: float,
-                   spec: Elastic, links: tuple = (None, None), shards: int = 1) -> list:
+@renamed_arguments("launch_elastic", {"replicas": "workers", "shards": "worker_ranks"})
+def launch_elastic(fn: Callable[..., Any], args: tuple, workers: int, timeout: float,
+                   spec: Elastic, links: tuple = (None, None), worker_ranks: int = 1) -> list:
     """Run ``fn(ctx, *args)`` on M workers of R rank processes each, with elastic
     membership (see the module).
 
     Args:
         fn: the worker function (picklable).
         args: its positional arguments after ``ctx``.
-        replicas: M, the workers.
+        workers: M, the workers (``replicas``, its old name, is read for one release with a
+            ``DeprecationWarning``; so is ``shards`` for ``worker_ranks``).
         timeout: seconds any wait of a worker may last.
         spec: the [`Elastic`][loco.runtime.elastic.Elastic] options.
         links: the emulated slow and fast links ([`LinkSpec`][loco.comm.link.LinkSpec] or
             None each); default none.
-        shards: R, the ranks (processes) of every worker, joined by its own process group
+        worker_ranks: R, the ranks (processes) of every worker, joined by its own process group
             (``ctx.inner``, ``ctx.device_mesh``); default 1. When one of them dies, the
             worker's other ranks are stopped and all R restart together.
 
     Returns:
-        Each rank's return value, in rank order (worker · R + shard); None for the ranks
+        Each rank's return value, in rank order (worker · R + worker rank); None for the ranks
             of a worker lost for good (it died more than ``restarts`` times).
 
     Raises:
@@ -135,18 +138,19 @@ def launch_elastic(fn: Callable[..., Any], args: tuple, replicas: int, timeout: 
     """
     from loco.comm.membership import start_lighthouse
 
-    min_workers = spec.check(replicas)
+    min_workers = spec.check(workers)
     lighthouse = start_lighthouse(min_workers, spec.heartbeat_timeout,
                                   join_timeout=timeout)
     ctx = context(getattr(fn, "__module__", None))
-    job = _Job(ctx, _RankSpec(fn, args, replicas, shards, lighthouse.address(), min_workers,
-                              timeout, links, "127.0.0.1", ctx.Event(), dict(os.environ)))
+    job = _Job(ctx, _RankSpec(fn, args, workers, worker_ranks, lighthouse.address(),
+                              min_workers, timeout, links, "127.0.0.1", ctx.Event(),
+                              dict(os.environ)))
     try:
-        for w in range(replicas):
+        for w in range(workers):
             job.start(w, 0)
         while not job.settled():
             job.collect()
-            for w in range(replicas):
+            for w in range(workers):
                 job.check(w, spec.restarts)
             time.sleep(0.05)
     finally:
@@ -162,8 +166,8 @@ class _RankSpec:
     Args:
         fn: the worker function.
         args: its positional arguments after ``ctx``.
-        replicas: M, the workers of the job.
-        shards: R, the ranks of every worker.
+        workers: M, the workers of the job.
+        worker_ranks: R, the ranks of every worker.
         lighthouse: the Lighthouse's address.
         min_workers: the fewest live workers a sync counts with.
         timeout: seconds any wait may last.
@@ -177,8 +181,8 @@ class _RankSpec:
 
     fn: Callable[..., Any]
     args: tuple
-    replicas: int
-    shards: int
+    workers: int
+    worker_ranks: int
     lighthouse: str
     min_workers: int
     timeout: float
@@ -190,14 +194,14 @@ class _RankSpec:
 
 class _Job:
     """The supervisor's view of an elastic job's processes: R per worker, keyed
-    (worker, shard); a worker's ranks live, die and restart together. Each process sends
+    (worker, worker rank); a worker's ranks live, die and restart together. Each process sends
     its one result down a pipe of its own: a process killed mid-send (the supervisor stops
     the ranks of a worker that lost one) breaks only its pipe, never another's (a queue
     shared by all holds one write lock, which a process killed while writing keeps
     forever, and every other process then hangs at exit)."""
 
     def __init__(self, ctx, spec: _RankSpec, entry: Callable | None = None):
-        self.ctx, self.spec, self.shards = ctx, spec, spec.shards
+        self.ctx, self.spec, self.ranks = ctx, spec, spec.worker_ranks
         self.entry = entry or _entry  # a rank's process: (spec, key, restart, port, pipe)
         self.pipes: dict[tuple[int, int], Any] = {}  # the read ends, until each one's result
         self.procs: dict[int, list] = {}
@@ -210,13 +214,13 @@ class _Job:
 
     def start(self, worker: int, restart: int) -> None:
         port = None
-        if self.shards > 1:  # the rendezvous of the worker's own process group
+        if self.ranks > 1:  # the rendezvous of the worker's own process group
             store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
             self.stores.append(store)
             port = store.port
         self.restarts[worker] = restart
         self.procs[worker] = []
-        for r in range(self.shards):
+        for r in range(self.ranks):
             if (old := self.pipes.pop((worker, r), None)) is not None:
                 old.close()  # the killed process's, never to be read
             reader, writer = self.ctx.Pipe(duplex=False)
@@ -230,13 +234,13 @@ class _Job:
 
     def settled(self) -> bool:
         return all(self._finished(w) or w in self.lost or self._raised(w)
-                   for w in range(self.spec.replicas))
+                   for w in range(self.spec.workers))
 
     def _finished(self, worker: int) -> bool:
-        return all((worker, r) in self.done for r in range(self.shards))
+        return all((worker, r) in self.done for r in range(self.ranks))
 
     def _raised(self, worker: int) -> bool:
-        return any((worker, r) in self.raised for r in range(self.shards))
+        return any((worker, r) in self.raised for r in range(self.ranks))
 
     def collect(self, wait: float = 0.0) -> None:
         """Take every result sent so far, waiting up to ``wait`` seconds for the first."""
@@ -283,12 +287,12 @@ class _Job:
             return
         if any(k[0] == worker for k in self.raised):
             log.warning("elastic: worker %d lost a rank; its other ranks stopped", worker)
-        for r in range(self.shards):
+        for r in range(self.ranks):
             self.done.pop((worker, r), None)
             self.raised.pop((worker, r), None)
         code = silent[0].exitcode
         record = read_vitals(os.environ.get(DIR_ENV),
-                             worker * self.shards + self.procs[worker].index(silent[0]))
+                             worker * self.ranks + self.procs[worker].index(silent[0]))
         died = death_note(code, record)
         again = died and record is not None and self.deaths.get(worker) == record["step"]
         if died and record is not None:
@@ -319,8 +323,8 @@ class _Job:
         if not self.done:
             raise WorkerError("every worker of the elastic run was lost: " + "; ".join(
                 f"worker {w} {e}" for w, e in sorted(self.lost.items())))
-        return [self.done.get((w, r)) for w in range(self.spec.replicas)
-                for r in range(self.shards)]
+        return [self.done.get((w, r)) for w in range(self.spec.workers)
+                for r in range(self.ranks)]
 
 
 #: A rank's one result goes down its pipe whole: the main thread's and ``_too_late``'s
@@ -341,9 +345,10 @@ def _too_late(job_over, comm, key: tuple[int, int], results) -> None:
     os._exit(0)
 
 
-def run_worker(fn: Callable[..., Any], args: tuple, replicas: int, timeout: float,
+@renamed_arguments("run_worker", {"replicas": "workers", "shards": "worker_ranks"})
+def run_worker(fn: Callable[..., Any], args: tuple, workers: int, timeout: float,
                spec: Elastic, links: tuple = (None, None), launcher: str = "processes",
-               shards: int = 1) -> Any:
+               worker_ranks: int = 1) -> Any:
     """Run ``fn(ctx, *args)`` as (one rank of) worker ``spec.worker`` of the elastic job
     whose Lighthouse runs at ``spec.lighthouse`` (``launch`` with ``Elastic(lighthouse=...,
     worker=...)``). A worker of R > 1 ranks is a torchrun job of R processes: this is its
@@ -352,14 +357,15 @@ def run_worker(fn: Callable[..., Any], args: tuple, replicas: int, timeout: floa
     Args:
         fn: the worker function.
         args: its positional arguments after ``ctx``.
-        replicas: M, the workers of the job.
+        workers: M, the workers of the job (``replicas``, its old name, is read for one
+            release with a ``DeprecationWarning``; so is ``shards`` for ``worker_ranks``).
         timeout: seconds any wait may last.
         spec: the [`Elastic`][loco.runtime.elastic.Elastic] options, with ``lighthouse``
             and ``worker``.
         links: the emulated slow and fast links ([`LinkSpec`][loco.comm.link.LinkSpec] or
             None each); default none.
         launcher: what ``ctx.launcher`` says; default ``"processes"``.
-        shards: R, the ranks of every worker (torchrun's world here); default 1.
+        worker_ranks: R, the ranks of every worker (torchrun's world here); default 1.
 
     Returns:
         ``fn``'s return value.
@@ -367,16 +373,16 @@ def run_worker(fn: Callable[..., Any], args: tuple, replicas: int, timeout: floa
     # The address the other workers reach this one at (its torchft servers, its store, its
     # gloo pairs): LOCO_ELASTIC_HOST, or this machine's name.
     host = os.environ.get(HOST_ENV) or socket.gethostname()
-    shard = int(os.environ["RANK"]) if shards > 1 else 0
-    store = attempt_store(shard, shards, timeout) if shards > 1 else None
+    index = int(os.environ["RANK"]) if worker_ranks > 1 else 0
+    store = attempt_store(index, worker_ranks, timeout) if worker_ranks > 1 else None
 
     def watch(comm):
         if restart_count() > 0:
             threading.Thread(target=_alone, args=(comm,), daemon=True,
                              name="loco-alone").start()
-    job = _RankSpec(fn, args, replicas, shards, spec.lighthouse, spec.check(replicas),
+    job = _RankSpec(fn, args, workers, worker_ranks, spec.lighthouse, spec.check(workers),
                     timeout, links, host)
-    return _run(job, (spec.worker, shard), store, launcher, started=watch)
+    return _run(job, (spec.worker, index), store, launcher, started=watch)
 
 
 def _alone(comm, polls: int = 3) -> None:
@@ -405,18 +411,18 @@ def _run(job: _RankSpec, key: tuple[int, int], store, launcher: str,
     device = rank_device(launcher)
     os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers: no line per quorum
     inner, device_mesh, checkpoint_group = (
-        _worker_world(store, shard, job.shards, job.timeout, job.links[1], device)
-        if job.shards > 1 else (None, None, None))
-    comm = ElasticComm(worker, job.replicas, job.lighthouse, job.min_workers, job.timeout,
-                       host=job.host, shard=shard, shards=job.shards, store=store,
+        _worker_world(store, shard, job.worker_ranks, job.timeout, job.links[1], device)
+        if job.worker_ranks > 1 else (None, None, None))
+    comm = ElasticComm(worker, job.workers, job.lighthouse, job.min_workers, job.timeout,
+                       host=job.host, shard=shard, shards=job.worker_ranks, store=store,
                        link=emulated(job.links[0]),
                        stage_from=device if device.type != "cpu" else None)
     if started is not None:
         started(comm)
-    mesh = Mesh(job.replicas, 1, job.shards)
-    ctx = WorkerContext(mesh.rank_of(worker, 0, shard), mesh.world_size, mesh, comm,
-                        device, launcher, inner=inner, device_mesh=device_mesh,
-                        checkpoint_group=checkpoint_group)
+    mesh = Mesh(job.workers, 1, job.worker_ranks)
+    ctx = RankContext(mesh.rank_of(worker, 0, shard), mesh.world_size, mesh, comm,
+                      device, launcher, inner=inner, device_mesh=device_mesh,
+                      checkpoint_group=checkpoint_group)
     try:
         return job.fn(ctx, *job.args)
     finally:
@@ -452,7 +458,7 @@ def _entry(job: _RankSpec, key: tuple[int, int], restart: int, port: int | None,
     if job.env is not None:
         adopt_environment(job.env)
     os.environ[RESTART_ENV] = str(restart)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (job.replicas * job.shards)))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (job.workers * job.worker_ranks)))
     store = (dist.TCPStore("127.0.0.1", port, is_master=False,
                            timeout=datetime.timedelta(seconds=job.timeout))
              if port is not None else None)

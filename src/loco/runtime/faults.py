@@ -1,7 +1,7 @@
-"""Fault injection, for tests and drills: make one worker fail at one step.
+"""Fault injection, for tests and drills: make one rank fail at one step.
 
-Set ``LOCO_FAULT=RANK:STEP[:KIND]`` in the environment of ``loco train`` (worker processes
-inherit it). Worker RANK then fails at inner step STEP of a fresh run; a run that resumed
+Set ``LOCO_FAULT=RANK:STEP[:KIND]`` in the environment of ``loco train`` (rank processes
+inherit it). Rank RANK then fails at inner step STEP of a fresh run; a run that resumed
 from a checkpoint, or that torch elastic restarted, is left alone, so that recovery can be
 watched. Kinds:
 

@@ -35,13 +35,13 @@ from torch import nn
 if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    from loco.runtime.context import WorkerContext
+    from loco.runtime.context import RankContext
 
 NO_MESH_ERROR = ("--worker-parallel fsdp needs a torch.distributed process group per rank: "
                  "use --launcher processes or torchrun (the threads launcher has none)")
 
 
-def shard_worker(model: nn.Module, ctx: WorkerContext,
+def shard_worker(model: nn.Module, ctx: RankContext,
                  mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """Shard ``model`` over the ranks of this rank's worker with FSDP2, in place.
 
@@ -55,7 +55,7 @@ def shard_worker(model: nn.Module, ctx: WorkerContext,
         model: the worker's model, with its repeated blocks in an ``nn.ModuleList`` (see
             [`find_blocks`][loco.algorithms.fragments.find_blocks]), on the meta device or
             real.
-        ctx: this rank's [`WorkerContext`][loco.runtime.context.WorkerContext]; its
+        ctx: this rank's [`RankContext`][loco.runtime.context.RankContext]; its
             ``device_mesh["shard"]`` is the group the model is sharded over.
         mp_policy: an FSDP2 ``MixedPrecisionPolicy`` (parameter, reduction and output
             dtypes) for every unit; default None, FSDP2's default (everything in the

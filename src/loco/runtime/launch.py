@@ -1,12 +1,14 @@
 """Run one function on every rank: as threads, as local processes, or under torchrun.
 
-``launch(fn, replicas=M, stages=S, shards=R)`` calls ``fn(ctx, *args)`` on each of the
-M · S · R ranks and returns their return values in rank order. ``ctx`` is the rank's
-[`WorkerContext`][loco.runtime.context.WorkerContext]: its place in the
-[`Mesh`][loco.runtime.context.Mesh], rank = (replica · S + stage) · R + shard, and its Comms:
+``launch(fn, mesh=Mesh(workers=M, stages=S, worker_ranks=R))`` calls ``fn(ctx, *args)`` on
+each of the M · S · R ranks and returns their return values in rank order. ``ctx`` is the
+rank's [`RankContext`][loco.runtime.context.RankContext]: its place in the
+[`Mesh`][loco.runtime.context.Mesh], rank = (worker · S + stage) · R + worker_rank, and its
+Comms:
 
-* ``ctx.comm``, over the M ranks that hold the same stage and shard in every replica (its
-  rank there is the replica index): what the outer algorithm talks through (the slow link);
+* ``ctx.comm``, over the M ranks that hold the same stage and worker rank in every worker
+  (its rank there is the worker index): what the outer algorithm talks through (the slow
+  link);
 * ``ctx.pipe`` (S > 1), over the whole world (rank there = global rank): the point-to-point
   traffic between pipeline stages (see [`loco.runtime.pipeline`][loco.runtime.pipeline]);
 * ``ctx.inner`` (R > 1), over the R ranks of this worker's stage: the fast link inside a
@@ -45,10 +47,11 @@ from loco.comm import Comm
 from loco.comm.handles import Aborted
 from loco.comm.link import LinkSpec
 from loco.comm.thread import CommThread
+from loco.lazy import renamed, renamed_arguments
 from loco.runtime.context import (
     MESH_DIMS,
     Mesh,
-    WorkerContext,
+    RankContext,
     WorkerError,
     attempt_store,
     emulated,
@@ -60,7 +63,7 @@ from loco.runtime.starter import START_METHOD, adopt_environment, context
 from loco.runtime.vitals import DIR_ENV, death_note, read_vitals
 
 LAUNCHERS = ("threads", "processes", "torchrun")
-"""How the workers run: threads of this process, local processes, or ranks of torchrun."""
+"""How the ranks run: threads of this process, local processes, or ranks of torchrun."""
 DEFAULT_TIMEOUT = 300.0
 """Seconds a communication may take before it fails (``timeout`` of ``launch``)."""
 
@@ -71,38 +74,45 @@ def under_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ and "RANK" in os.environ
 
 
-def launch(fn: Callable[..., Any], workers: int | None = None, launcher: str = "threads", *,
-           replicas: int | None = None, stages: int | None = None, shards: int = 1,
+@renamed_arguments("launch", {"workers": "ranks", "shards": "worker_ranks",
+                               "ranks_per_replica": "stages"})
+def launch(fn: Callable[..., Any], ranks: int | None = None, launcher: str = "threads", *,
+           mesh: Mesh | None = None, stages: int | None = None, worker_ranks: int | None = None,
            args: tuple = (), kwargs: dict | None = None, timeout: float = DEFAULT_TIMEOUT,
            max_restarts: int = 0, link: LinkSpec | None = None,
            fast_link: LinkSpec | None = None, elastic: Elastic | None = None,
-           ranks_per_replica: int | None = None) -> list:
+           replicas: int | None = None) -> list:
     """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the results in rank order.
 
-    The run has M replicas of S pipeline stages of R shards each: M · S · R ranks. Under
-    torchrun (detected from the environment, whatever ``launcher`` says) this process is one
-    rank: it runs ``fn`` once and returns a one-item list.
+    The run has M workers of S pipeline stages of R ranks each: M · S · R ranks, laid out by
+    ``mesh``, or by the count of ``ranks`` split into workers of ``stages`` × ``worker_ranks``.
+    Under torchrun (detected from the environment, whatever ``launcher`` says) this process
+    is one rank: it runs ``fn`` once and returns a one-item list.
 
     Args:
         fn: the function each rank runs; its first argument is the rank's
-            [`WorkerContext`][loco.runtime.context.WorkerContext]. Must be picklable (a
+            [`RankContext`][loco.runtime.context.RankContext]. Must be picklable (a
             module-level function) for the ``"processes"`` launcher.
-        replicas: M, the workers (replicas) of the outer algorithm, >= 1. Default None:
-            from ``workers``, or without it two ranks in all (M = 2 ÷ (S · R)). Under
-            torchrun M · S · R must equal torchrun's world size, unless ``launcher`` is
-            ``"torchrun"`` (then M is torchrun's world size ÷ (S · R)).
-        stages: S, the pipeline stages of each replica, >= 1; default None: 1.
-        shards: R, the ranks that share each stage of a worker, joined by its fast link
-            (``ctx.inner``), >= 1; default 1. Not yet with pipeline stages (S > 1).
+        ranks: all ranks, M · S · R, >= 1 and a multiple of S · R; not with ``mesh``.
+            Default None: the mesh's, or without one two ranks. Under torchrun it must equal
+            torchrun's world size, unless ``launcher`` is ``"torchrun"`` (then the world
+            size is torchrun's).
         launcher: ``"threads"`` (default: threads of this process on gloo over loopback),
             ``"processes"`` (local processes by torch elastic) or ``"torchrun"`` (only valid
             in a process torchrun started).
+        mesh: the layout, [`Mesh`][loco.runtime.context.Mesh]``(workers=M, stages=S,
+            worker_ranks=R)``; default None: from the counts.
+        stages: S, the pipeline stages of each worker, >= 1; default None: 1. Not with
+            ``mesh``.
+        worker_ranks: R, the ranks that share each stage of a worker, joined by its fast
+            link (``ctx.inner``), >= 1; default None: 1. Not yet with pipeline stages
+            (S > 1); not with ``mesh``.
         args: positional arguments passed to ``fn`` after the context; default none.
         kwargs: keyword arguments passed to ``fn``; default none.
         timeout: seconds a communication may take before it fails instead of hanging;
             default 300.
         max_restarts: ``"processes"`` only: how many times torch elastic restarts all
-            workers after one died; default 0. Apart from these, ranks that all fail before
+            ranks after one died; default 0. Apart from these, ranks that all fail before
             any reached ``fn`` (while connecting) are started again once.
         link: an emulated link of that bandwidth and latency for every rank, shared by all
             its communication but ``ctx.inner`` (see [`LinkSpec`][loco.comm.link.LinkSpec]);
@@ -111,35 +121,36 @@ def launch(fn: Callable[..., Any], workers: int | None = None, launcher: str = "
             ``ctx.inner``, the fast link inside a worker, apart from ``link``; default None
             (the transport's own speed).
         elastic: run with elastic membership ([`Elastic`][loco.runtime.elastic.Elastic]):
-            workers of R = ``shards`` ranks each (S = 1), under ``"processes"``; a worker
-            that dies is restarted alone (all its ranks) and the others keep training (see
+            workers of R ranks each (S = 1), under ``"processes"``; a worker that dies is
+            restarted alone (all its ranks) and the others keep training (see
             [`launch_elastic`][loco.runtime.elastic.launch_elastic]). Default None: a fixed
             membership.
-        workers: the old name of the count (also the second positional argument): ALL
-            ranks, M · S · R, >= 1 and a multiple of S · R; not with ``replicas``.
-        ranks_per_replica: the old name of ``stages``; not with ``stages``.
+        replicas: the old name of M; use ``mesh=Mesh(M, ...)`` (or ``ranks``). Read for one
+            release with a ``DeprecationWarning``, as are ``workers`` (the old name of
+            ``ranks``, all ranks), ``shards`` (of ``worker_ranks``) and
+            ``ranks_per_replica`` (of ``stages``).
 
     Returns:
         ``fn``'s return value of every rank, in rank order (under torchrun: this rank's
             only).
 
     Raises:
-        ValueError: an unknown ``launcher``, a count below 1, ``workers`` not a multiple of
+        ValueError: an unknown ``launcher``, a count below 1, ``ranks`` not a multiple of
             S · R, R > 1 with S > 1, or ``"torchrun"`` outside torchrun.
-        TypeError: a count given by both its name and its old name.
-        WorkerError: a worker raised (its traceback is in the message); under torchrun
+        TypeError: a layout given twice (``mesh`` with a count, a count by both its name and
+            its old name).
+        WorkerError: a rank raised (its traceback is in the message); under torchrun
             the rank's own exception propagates instead.
     """
     if launcher not in LAUNCHERS:
         raise ValueError(f"launcher must be one of {', '.join(LAUNCHERS)} (got {launcher!r})")
-    world, stages = _counts(replicas, stages, shards, workers, ranks_per_replica)
-    if shards > 1 and stages > 1:
-        raise ValueError("shards > 1 with pipeline stages (stages > 1) is not supported yet; "
-                         "use one or the other")
+    mesh = _layout(ranks, mesh, stages, worker_ranks, replicas)
+    if mesh.worker_ranks > 1 and mesh.stages > 1:
+        raise ValueError("worker_ranks > 1 with pipeline stages (stages > 1) is not supported "
+                         "yet; use one or the other")
     if kwargs:
         fn = functools.partial(fn, **kwargs)
     links = (link, fast_link)
-    mesh = Mesh(world // (stages * shards), stages, shards)
     if elastic is not None:
         return _launch_elastic(fn, args, mesh, launcher, timeout, elastic, links)
     if launcher == "torchrun" and not under_torchrun():
@@ -147,40 +158,44 @@ def launch(fn: Callable[..., Any], workers: int | None = None, launcher: str = "
                          "(its RANK, WORLD_SIZE and TORCHELASTIC_RUN_ID are missing)")
     if under_torchrun():
         share_cores()
-        return [_run_from_env(fn, args, world if launcher != "torchrun" else None, stages,
-                              shards, timeout, "torchrun", links)]
+        return [_run_from_env(fn, args, mesh.world_size if launcher != "torchrun" else None,
+                              mesh.stages, mesh.worker_ranks, timeout, "torchrun", links)]
     if launcher == "threads":
         return _launch_threads(fn, args, mesh, timeout, links)
     return _launch_processes(fn, args, mesh, timeout, max_restarts, links)
 
 
-def _counts(replicas: int | None, stages: int | None, shards: int, workers: int | None,
-            ranks_per_replica: int | None) -> tuple[int, int]:
-    """(all ranks, S) from ``launch``'s counts, new names or old, checked. The old names
-    keep their old meaning and their old messages."""
-    if ranks_per_replica is not None:
-        if stages is not None:
-            raise TypeError("give stages or ranks_per_replica (its old name), not both")
-        stages = ranks_per_replica
-    stages = 1 if stages is None else stages
+def _layout(ranks: int | None, mesh: Mesh | None, stages: int | None,
+            worker_ranks: int | None, replicas: int | None) -> Mesh:
+    """The run's mesh from ``launch``'s arguments, checked: ``mesh`` itself, or ``ranks``
+    (default 2) split into workers of ``stages`` × ``worker_ranks`` ranks; ``replicas``, the
+    old name of M, with a DeprecationWarning."""
     if replicas is not None:
-        if workers is not None:
-            raise TypeError("give replicas (M) or workers (the old name of all ranks, "
-                            "M x S x R), not both")
-        for name, n in (("replicas", replicas), ("stages", stages), ("shards", shards)):
+        renamed("launch(replicas=M)", "launch(mesh=Mesh(workers=M, ...))", stacklevel=5)
+        if mesh is not None or ranks is not None:
+            raise TypeError("give mesh, ranks or replicas (the old name of M), not both")
+        mesh = Mesh(replicas, 1 if stages is None else stages,
+                    1 if worker_ranks is None else worker_ranks)
+        stages = worker_ranks = None
+    if mesh is not None:
+        if ranks is not None or stages is not None or worker_ranks is not None:
+            raise TypeError("give mesh or the counts (ranks, stages, worker_ranks), not both")
+        for name, n in zip(("workers", "stages", "worker_ranks"), mesh.shape):
             if n < 1:
                 raise ValueError(f"{name} must be >= 1 (got {n})")
-        return replicas * stages * shards, stages
-    workers = 2 if workers is None else workers
-    if workers < 1:
-        raise ValueError(f"workers must be >= 1 (got {workers})")
-    if stages < 1 or workers % stages:
-        raise ValueError(f"workers ({workers}) must be a multiple of ranks_per_replica "
-                         f"({stages}): replicas x pipeline stages")
-    if shards < 1 or workers % (stages * shards):
-        raise ValueError(f"workers ({workers}) must be a multiple of ranks_per_replica x "
-                         f"shards ({stages} x {shards}): replicas x stages x shards")
-    return workers, stages
+        return mesh
+    ranks = 2 if ranks is None else ranks
+    stages = 1 if stages is None else stages
+    worker_ranks = 1 if worker_ranks is None else worker_ranks
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1 (got {ranks})")
+    if stages < 1 or ranks % stages:
+        raise ValueError(f"ranks ({ranks}) must be a multiple of stages ({stages}): "
+                         "workers x pipeline stages")
+    if worker_ranks < 1 or ranks % (stages * worker_ranks):
+        raise ValueError(f"ranks ({ranks}) must be a multiple of stages x worker_ranks "
+                         f"({stages} x {worker_ranks}): workers x stages x worker ranks")
+    return Mesh(ranks // (stages * worker_ranks), stages, worker_ranks)
 
 
 def _launch_elastic(fn, args, mesh: Mesh, launcher: str, timeout: float, spec: Elastic,
@@ -191,20 +206,21 @@ def _launch_elastic(fn, args, mesh: Mesh, launcher: str, timeout: float, spec: E
         raise ValueError("elastic membership runs without pipeline stages "
                          "(stages must be 1) for now")
     if spec.lighthouse is not None:
-        spec.check(mesh.replicas)
+        spec.check(mesh.workers)
         world = int(os.environ["WORLD_SIZE"]) if under_torchrun() else 1
-        if world != mesh.shards:
-            raise ValueError(f"an elastic worker of {mesh.shards} rank(s) is one torchrun job "
-                             f"of {mesh.shards} process(es) (--nproc-per-node {mesh.shards}), "
+        r = mesh.worker_ranks
+        if world != r:
+            raise ValueError(f"an elastic worker of {r} rank(s) is one torchrun job "
+                             f"of {r} process(es) (--nproc-per-node {r}), "
                              "one job per worker, each with its --worker-index (got a world "
                              f"of {world})")
-        return [run_worker(fn, args, mesh.replicas, timeout, spec, links,
-                           "torchrun" if under_torchrun() else "processes", mesh.shards)]
+        return [run_worker(fn, args, mesh.workers, timeout, spec, links,
+                           "torchrun" if under_torchrun() else "processes", mesh.worker_ranks)]
     if launcher != "processes" or under_torchrun():
         raise ValueError("elastic membership starts its workers under the 'processes' "
                          "launcher; under torchrun give the Lighthouse's address and each "
                          "job's worker index (Elastic(lighthouse=..., worker=...))")
-    return launch_elastic(fn, args, mesh.replicas, timeout, spec, links, mesh.shards)
+    return launch_elastic(fn, args, mesh.workers, timeout, spec, links, mesh.worker_ranks)
 
 
 # ------------------------------------------------------------------------------- threads
@@ -219,29 +235,29 @@ def _gloo_group(store, rank: int, size: int, timeout: float, loopback: bool):
 
 
 def _thread_context(rank: int, mesh: Mesh, store, timeout: float, links: tuple,
-                    failed: threading.Event) -> WorkerContext:
+                    failed: threading.Event) -> RankContext:
     """One thread rank's context: its gloo groups on the shared ``store`` and their Comms,
     all stopped by ``failed``."""
-    replica, stage = mesh.coords(rank)
-    shard = mesh.shard_of(rank)
+    worker, stage = mesh.coords(rank)
+    index = mesh.worker_rank_of(rank)
     n = mesh.world_size
-    group = _gloo_group(dist.PrefixStore(f"loco/outer/{stage}/{shard}", store),
-                        replica, mesh.replicas, timeout, loopback=True)
+    group = _gloo_group(dist.PrefixStore(f"loco/outer/{stage}/{index}", store),
+                        worker, mesh.workers, timeout, loopback=True)
     wire = emulated(links[0])  # this rank's slow link
-    comm = Comm(group, replica, mesh.replicas, "cpu", abort_event=failed, link=wire)
+    comm = Comm(group, worker, mesh.workers, "cpu", abort_event=failed, link=wire)
     inner = None
-    if mesh.shards > 1:  # the worker's fast link
-        inner_group = _gloo_group(dist.PrefixStore(f"loco/inner/{replica}/{stage}", store),
-                                  shard, mesh.shards, timeout, loopback=True)
-        inner = Comm(inner_group, shard, mesh.shards, "cpu", name="inner",
+    if mesh.worker_ranks > 1:  # the worker's fast link
+        inner_group = _gloo_group(dist.PrefixStore(f"loco/inner/{worker}/{stage}", store),
+                                  index, mesh.worker_ranks, timeout, loopback=True)
+        inner = Comm(inner_group, index, mesh.worker_ranks, "cpu", name="inner",
                      abort_event=failed, link=emulated(links[1]))
     pipe = None
     if mesh.stages > 1:
         pipe_group = _gloo_group(dist.PrefixStore("loco/pipe", store), rank, n, timeout,
                                  loopback=True)
         pipe = Comm(pipe_group, rank, n, "cpu", name="pipe", abort_event=failed, link=wire)
-    return WorkerContext(rank, n, mesh, comm, torch.device("cpu"), "threads", pipe=pipe,
-                         inner=inner)
+    return RankContext(rank, n, mesh, comm, torch.device("cpu"), "threads", pipe=pipe,
+                       inner=inner)
 
 
 def _launch_threads(fn, args, mesh: Mesh, timeout: float, links: tuple) -> list:
@@ -307,7 +323,8 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
         with tempfile.TemporaryDirectory(prefix="loco-started-") as started:
             try:
                 out = _elastic_agent(mesh, max_restarts)(
-                    dict(os.environ), fn, args, mesh.stages, mesh.shards, timeout, links, started)
+                    dict(os.environ), fn, args, mesh.stages, mesh.worker_ranks, timeout, links,
+                    started)
                 return [out[r] for r in sorted(out)]
             except ChildFailedError as e:
                 error = _worker_error(e)
@@ -365,15 +382,15 @@ def share_cores() -> None:
                               // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
-def _process_entry(env: dict, fn, args, stages: int, shards: int, timeout: float,
+def _process_entry(env: dict, fn, args, stages: int, worker_ranks: int, timeout: float,
                    links: tuple, started: str):
     adopt_environment(env)
     share_cores()
-    return _run_from_env(fn, args, int(os.environ["WORLD_SIZE"]), stages, shards, timeout,
+    return _run_from_env(fn, args, int(os.environ["WORLD_SIZE"]), stages, worker_ranks, timeout,
                          "processes", links, started)
 
 
-def _run_from_env(fn, args, asked: int | None, stages: int, shards: int, timeout: float,
+def _run_from_env(fn, args, asked: int | None, stages: int, worker_ranks: int, timeout: float,
                   launcher: str, links: tuple, started: str | None = None):
     """This process as one rank of a torch.distributed world from the environment; ``asked``:
     the ranks the caller expects (None: whatever the world is); ``started``: a directory
@@ -382,34 +399,34 @@ def _run_from_env(fn, args, asked: int | None, stages: int, shards: int, timeout
     if asked is not None and asked != world:
         raise ValueError(f"{asked} ranks asked for (--workers x --worker-ranks x --stages) "
                          f"but torchrun started {world}; leave --workers out or make them agree")
-    if world % (stages * shards):
+    if world % (stages * worker_ranks):
         raise ValueError(f"torchrun's {world} ranks do not split into workers of "
-                         f"{stages} stage(s) x {shards} rank(s) (--stages x "
+                         f"{stages} stage(s) x {worker_ranks} rank(s) (--stages x "
                          "--worker-ranks must divide the world size)")
     rank = int(os.environ["RANK"])
     device = rank_device(launcher)
     use_cuda = device.type == "cuda"
-    mesh = Mesh(world // (stages * shards), stages, shards)
+    mesh = Mesh(world // (stages * worker_ranks), stages, worker_ranks)
     dist.init_process_group("nccl" if use_cuda else "gloo", store=attempt_store(rank, world,
                                                                                timeout),
                             rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout),
                             **({"device_id": device} if use_cuda else {}))
     try:
-        replica = mesh.coords(rank)[0]
+        worker = mesh.coords(rank)[0]
         # Every rank creates every group of every dimension, in the same order.
         device_mesh = init_device_mesh(device.type, mesh.shape, mesh_dim_names=MESH_DIMS)
-        group = device_mesh.get_group("replica")  # this stage and shard in every worker
+        group = device_mesh.get_group("replica")  # this stage and worker rank in every worker
         wire = emulated(links[0])  # this rank's slow link
         # NCCL: one thread issues every operation of this rank, in one order (CommThread).
         thread = CommThread(f"loco-comm-{rank}") if use_cuda else None
-        comm = Comm(group, replica, mesh.replicas, device, link=wire, thread=thread)
+        comm = Comm(group, worker, mesh.workers, device, link=wire, thread=thread)
         # Stages talk point to point over the default group, in global ranks.
         pipe = (Comm(dist.group.WORLD, rank, world, device, name="pipe", link=wire,
                      thread=thread) if stages > 1 else None)
         inner, checkpoint_group = worker_comms(mesh, rank, device, links[1], thread)
-        ctx = WorkerContext(rank, world, mesh, comm, device, launcher, pipe=pipe, inner=inner,
-                            device_mesh=device_mesh, checkpoint_group=checkpoint_group)
+        ctx = RankContext(rank, world, mesh, comm, device, launcher, pipe=pipe, inner=inner,
+                          device_mesh=device_mesh, checkpoint_group=checkpoint_group)
         if started is not None:
             open(os.path.join(started, str(rank)), "w").close()
         try:

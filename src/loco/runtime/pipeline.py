@@ -1,21 +1,21 @@
-"""Pipeline stages across the ranks of a replica, with fixed or random routing between them.
+"""Pipeline stages across the ranks of a worker, with fixed or random routing between them.
 
-Launched with ``launch(fn, replicas=M, stages=S)``, every replica is a pipeline of S ranks:
-rank = replica · S + stage. Each rank holds the whole model object but owns, trains and
+Launched with ``launch(fn, mesh=Mesh(M, S))``, every worker is a pipeline of S ranks:
+rank = worker · S + stage. Each rank holds the whole model object but owns, trains and
 synchronises only its stage's part: the model's
 [`stage_part`][loco.model.StagedModel.stage_part] (see
 [`split_stages`][loco.runtime.pipeline.split_stages]). When a part shares a parameter with another stage's (``tied``: the embedding that the output
 head reuses, on stage 0 and stage S − 1), the two copies' gradient increments are summed
 point to point after every backward, so both copies stay identical under the same optimizer;
-outer algorithms average each copy among the replicas of its own stage.
+outer algorithms average each copy among the workers of its own stage.
 
 [`PipelineStage`][loco.runtime.pipeline.PipelineStage] runs one training micro-step: stage 0
-embeds its replica's batch, the activations (and the int64 targets) cross every boundary
+embeds its worker's batch, the activations (and the int64 targets) cross every boundary
 k → k+1, the last stage computes the mean token loss and the activation gradients travel back
 along the same path, sequentially (no micro-batch interleaving).
 
-Routing. ``routing="fixed"``: every replica keeps its own pipeline. ``routing="random"``: sample
-``s`` of the batch held by replica ``r`` at stage ``k`` goes to replica ``π(r)`` at stage
+Routing. ``routing="fixed"``: every worker keeps its own pipeline. ``routing="random"``: sample
+``s`` of the batch held by worker ``r`` at stage ``k`` goes to worker ``π(r)`` at stage
 ``k+1``, where π = [`routing_permutation`][loco.runtime.pipeline.routing_permutation] of
 (seed, step, s, k); every rank computes π itself (no messages), each rank processes exactly its
 batch size of samples per step, and gradients return the same way. Evaluation
@@ -37,13 +37,14 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn as nn
 
+from loco.lazy import renamed_arguments
 from loco.model import StagedModel, StageModule, StagePart, stage_bounds
 
 if TYPE_CHECKING:
-    from loco.runtime.context import WorkerContext
+    from loco.runtime.context import RankContext
 
 ROUTINGS = ("fixed", "random")
-"""How samples cross the stage boundaries: each replica's own pipeline, or a random one."""
+"""How samples cross the stage boundaries: each worker's own pipeline, or a random one."""
 
 # Transport message tags of the two tensors that cross a boundary together.
 _TAG_ACT, _TAG_TARGET = 1, 2
@@ -87,10 +88,11 @@ def split_stages(model: nn.Module, stages: int) -> list[StagePart]:
     return [stage_part(model, k, stages) for k in range(stages)]
 
 
+@renamed_arguments("routing_permutation", {"replicas": "workers"})
 def routing_permutation(seed: int, step: int, sample: int, boundary: int,
-                        replicas: int) -> list[int]:
+                        workers: int) -> list[int]:
     """π for sample index ``sample`` crossing boundary ``boundary`` (stage k → k+1) at ``step``:
-    the sample held by replica r at stage k goes to replica π[r] at stage k+1.
+    the sample held by worker r at stage k goes to worker π[r] at stage k+1.
 
     A pure function of its arguments (a ``torch.Generator`` seeded from a hash of them), so
     every rank, and a single-process reference, computes the same permutation.
@@ -100,39 +102,40 @@ def routing_permutation(seed: int, step: int, sample: int, boundary: int,
         step: the training step, the same on every rank.
         sample: the sample's index in the batch, in [0, batch_size).
         boundary: k, the boundary between stage k and stage k + 1, in [0, S − 1).
-        replicas: M, the number of replicas.
+        workers: M, the number of workers.
 
     Returns:
-        A permutation of ``range(replicas)``.
+        A permutation of ``range(workers)``.
     """
     key = f"loco/pipeline-routing/{seed}/{step}/{sample}/{boundary}".encode()
     g = torch.Generator().manual_seed(int.from_bytes(hashlib.sha256(key).digest()[:8], "little")
                                       >> 1)
-    return torch.randperm(replicas, generator=g).tolist()
+    return torch.randperm(workers, generator=g).tolist()
 
 
-def routing_path(seed: int, step: int, sample: int, origin: int, replicas: int,
+@renamed_arguments("routing_path", {"replicas": "workers"})
+def routing_path(seed: int, step: int, sample: int, origin: int, workers: int,
                  stages: int, routing: str = "random") -> list[int]:
-    """Replica visited at every stage by sample ``sample`` of replica ``origin``'s batch.
+    """Worker visited at every stage by sample ``sample`` of worker ``origin``'s batch.
 
     Args:
         seed: the run's routing seed.
         step: the training step.
         sample: the sample's index in the batch.
-        origin: the replica whose stage 0 embedded the sample, in [0, replicas).
-        replicas: M, the number of replicas.
+        origin: the worker whose stage 0 embedded the sample, in [0, workers).
+        workers: M, the number of workers.
         stages: S, the pipeline stages.
         routing: ``"random"`` (default) follows
             [`routing_permutation`][loco.runtime.pipeline.routing_permutation] at every
             boundary; any other value (``"fixed"``) stays on ``origin``.
 
     Returns:
-        S replica indices, the first ``origin``.
+        S worker indices, the first ``origin``.
     """
     path = [origin]
     for k in range(stages - 1):
         r = path[-1]
-        path.append(routing_permutation(seed, step, sample, k, replicas)[r]
+        path.append(routing_permutation(seed, step, sample, k, workers)[r]
                     if routing == "random" else r)
     return path
 
@@ -150,14 +153,14 @@ class PipelineStage:
         model: this rank's full model object, a
             [`StagedModel`][loco.model.StagedModel]; only this stage's part is used and
             trained.
-        ctx: the launch's [`WorkerContext`][loco.runtime.context.WorkerContext]; its
+        ctx: the launch's [`RankContext`][loco.runtime.context.RankContext]; its
             ``pipe`` Comm carries the traffic between stages (required when S > 1), its mesh
-            gives the stage (``ctx.stage``) and the replica.
-        batch_size: samples per batch of every replica, >= 1 (later stages must know the
+            gives the stage (``ctx.stage``) and the worker.
+        batch_size: samples per batch of every worker, >= 1 (later stages must know the
             shapes they receive).
         seq_len: tokens per sample.
-        routing: ``"fixed"`` (default: every replica keeps its own pipeline) or
-            ``"random"`` (each sample crosses every boundary to a replica drawn by
+        routing: ``"fixed"`` (default: every worker keeps its own pipeline) or
+            ``"random"`` (each sample crosses every boundary to a worker drawn by
             [`routing_permutation`][loco.runtime.pipeline.routing_permutation]).
         seed: the routing seed, the same on every rank; default 0.
         autocast: a context manager entered around each stage's forward (e.g.
@@ -168,16 +171,16 @@ class PipelineStage:
             stages cannot split.
     """
 
-    def __init__(self, model: nn.Module, ctx: WorkerContext, batch_size: int, seq_len: int,
+    def __init__(self, model: nn.Module, ctx: RankContext, batch_size: int, seq_len: int,
                  *, routing: str = "fixed", seed: int = 0,
                  autocast: contextlib.AbstractContextManager | None = None):
         if routing not in ROUTINGS:
             raise ValueError(f"routing must be one of {', '.join(ROUTINGS)} (got {routing!r})")
         self.ctx = ctx
         self.stages = ctx.stages
-        self.replicas = ctx.replicas
+        self.workers = ctx.workers
         self.stage = ctx.stage
-        self.replica = ctx.replica
+        self.worker = ctx.worker
         if self.stages > 1 and ctx.pipe is None:
             raise ValueError("a pipeline of several stages needs ctx.pipe")
         self.pipe = ctx.pipe
@@ -191,8 +194,8 @@ class PipelineStage:
         # parameters' dtype, so a receiver always knows what arrives.
         self.autocast = autocast if autocast is not None else contextlib.nullcontext()
         self.dtype = next(self.module.parameters()).dtype
-        # For each sample index of the last step, the replica it came from at the previous
-        # stage (this replica for stage 0): every index exactly once, for any routing.
+        # For each sample index of the last step, the worker it came from at the previous
+        # stage (this worker for stage 0): every index exactly once, for any routing.
         self.last_sources: list[int] = []
         self.samples_processed = 0
 
@@ -217,16 +220,16 @@ class PipelineStage:
     def owned_parameters(self) -> list[torch.nn.Parameter]:
         """This stage's trainable parameters, without the last stage's copy of the tied
         embedding (stage 0 owns it): each of the model's parameters is owned by exactly one
-        stage, so sums over the stages of a replica (norms, spreads) count it once."""
+        stage, so sums over the stages of a worker (norms, spreads) count it once."""
         tied = self.module.tied if self.is_last else None
         return [p for p in self.module.parameters() if p.requires_grad and p is not tied]
 
     def grad_norm(self, params: Iterable[torch.Tensor]) -> torch.Tensor:
         """The gradient norm of the whole model, from this stage's ``params``: the squared
-        norms of every stage's owned gradients, summed over the replica's stages in stage
+        norms of every stage's owned gradients, summed over the worker's stages in stage
         order (the same float result on each). For ``Algorithm.grad_norm_fn``.
 
-        Collective over the replica's stages (with S > 1): every stage must call it.
+        Collective over the worker's stages (with S > 1): every stage must call it.
 
         Args:
             params: this stage's parameters whose gradients count (those of the algorithm);
@@ -242,7 +245,7 @@ class PipelineStage:
               else torch.zeros((), dtype=torch.float32, device=self.device)).reshape(1)
         if self.stages == 1:
             return sq.sqrt()[0]
-        members = [self.ctx.mesh.rank_of(self.replica, k) for k in range(self.stages)]
+        members = [self.ctx.mesh.rank_of(self.worker, k) for k in range(self.stages)]
         parts = self.pipe.exchange(sq, members, tag="train").wait()
         total = parts[0].clone()
         for part in parts[1:]:
@@ -259,18 +262,18 @@ class PipelineStage:
 
     # ------------------------------------------------------------------------ routing plan
     def _perm(self, step: int, sample: int, boundary: int, routing: str) -> list[int]:
-        if routing == "fixed" or self.replicas == 1:
-            return list(range(self.replicas))
-        return routing_permutation(self.seed, step, sample, boundary, self.replicas)
+        if routing == "fixed" or self.workers == 1:
+            return list(range(self.workers))
+        return routing_permutation(self.seed, step, sample, boundary, self.workers)
 
-    def _next_replicas(self, step: int, routing: str) -> list[int]:
-        """Replica at stage+1 that sample s of this rank goes to."""
-        return [self._perm(step, s, self.stage, routing)[self.replica]
+    def _next_workers(self, step: int, routing: str) -> list[int]:
+        """Worker at stage+1 that sample s of this rank goes to."""
+        return [self._perm(step, s, self.stage, routing)[self.worker]
                 for s in range(self.batch_size)]
 
-    def _prev_replicas(self, step: int, routing: str) -> list[int]:
-        """Replica at stage-1 that sample s of this rank comes from."""
-        return [self._perm(step, s, self.stage - 1, routing).index(self.replica)
+    def _prev_workers(self, step: int, routing: str) -> list[int]:
+        """Worker at stage-1 that sample s of this rank comes from."""
+        return [self._perm(step, s, self.stage - 1, routing).index(self.worker)
                 for s in range(self.batch_size)]
 
     def _groups(self, peers: list[int]) -> dict[int, torch.Tensor]:
@@ -294,7 +297,7 @@ class PipelineStage:
     # ------------------------------------------------------------------------ transport
     def _send(self, tensors: list[tuple[torch.Tensor, int]], peers: list[int], stage: int,
               tag: str):
-        """Send row s of every tensor to replica ``peers[s]`` at ``stage``; one message per
+        """Send row s of every tensor to worker ``peers[s]`` at ``stage``; one message per
         (peer, tensor)."""
         sends = []
         for peer, idx in self._groups(peers).items():
@@ -305,7 +308,7 @@ class PipelineStage:
 
     def _recv(self, specs: list[tuple[tuple, torch.dtype, int]], peers: list[int], stage: int,
               tag: str) -> list[torch.Tensor]:
-        """Receive row s of every tensor from replica ``peers[s]`` at ``stage``."""
+        """Receive row s of every tensor from worker ``peers[s]`` at ``stage``."""
         groups = self._groups(peers)
         outs = [torch.empty((self.batch_size, *shape), dtype=dt, device=self.device)
                 for shape, dt, _ in specs]
@@ -334,7 +337,7 @@ class PipelineStage:
         return x, y
 
     def _receive_inputs(self, step: int, routing: str, tag: str):
-        sources = self._prev_replicas(step, routing)
+        sources = self._prev_workers(step, routing)
         h, y = self._recv([(self._act_shape(), self.dtype, _TAG_ACT),
                            ((self.seq_len,), torch.long, _TAG_TARGET)],
                           sources, self.stage - 1, tag)
@@ -345,11 +348,11 @@ class PipelineStage:
                          step: int = 0) -> torch.Tensor | None:
         """One training micro-step of this stage; gradients accumulate into the parameters.
 
-        ``batch`` is ``(x, y)`` on stage 0 (this replica's batch) and ignored elsewhere.
+        ``batch`` is ``(x, y)`` on stage 0 (this worker's batch) and ignored elsewhere.
         ``step`` seeds the routing and must be the same on every rank. Returns the mean
         token loss of the samples this rank's last stage processed (a detached scalar), or
         None on the other stages. With S > 1 the tied embedding gradient is summed between
-        stage 0 and stage S−1 of the replica before this returns.
+        stage 0 and stage S−1 of the worker before this returns.
 
         Args:
             batch: ``(x, y)`` token ids and targets of shape ``(batch_size, seq_len)`` on
@@ -363,7 +366,7 @@ class PipelineStage:
         routing = self.routing
         if self.stages == 1:
             x, y = self._check_batch(batch)
-            self.last_sources = [self.replica] * self.batch_size
+            self.last_sources = [self.worker] * self.batch_size
             self.samples_processed += self.batch_size
             with self._tied_grad_sync():
                 loss = self.module.loss(self._forward(x), y)
@@ -374,7 +377,7 @@ class PipelineStage:
         with self._tied_grad_sync():
             if self.is_first:
                 x, y = self._check_batch(batch)
-                sources, h_in = [self.replica] * self.batch_size, None
+                sources, h_in = [self.worker] * self.batch_size, None
                 h = self._forward(x)
             else:
                 sources, h_in, y = self._receive_inputs(step, routing, "train")
@@ -387,7 +390,7 @@ class PipelineStage:
                 loss = self.module.loss(h, y)
                 loss.backward()
             else:
-                dests = self._next_replicas(step, routing)
+                dests = self._next_workers(step, routing)
                 pending.append(self._send([(h, _TAG_ACT), (y, _TAG_TARGET)], dests,
                                           self.stage + 1, "train"))
                 (grad,) = self._recv([(self._act_shape(), h.dtype, _TAG_ACT)], dests,
@@ -410,7 +413,7 @@ class PipelineStage:
     @torch.no_grad()
     def evaluate(self, batch: tuple[torch.Tensor, torch.Tensor] | None = None,
                  params: dict | None = None) -> torch.Tensor | None:
-        """Loss of one batch with fixed routing (each replica's own pipeline), no gradients;
+        """Loss of one batch with fixed routing (each worker's own pipeline), no gradients;
         traffic is tagged "eval". ``params`` (by name, e.g. an algorithm's
         ``global_parameters()``) replaces this stage's parameters for the call. ``batch`` is
         used on stage 0 and ignored elsewhere. Returns the loss on the last stage, None
@@ -435,14 +438,14 @@ class PipelineStage:
             h = self._forward(h_in, params)
         if self.is_last:
             return self.module.loss(h, y)
-        self._send([(h, _TAG_ACT), (y, _TAG_TARGET)], [self.replica] * self.batch_size,
+        self._send([(h, _TAG_ACT), (y, _TAG_TARGET)], [self.worker] * self.batch_size,
                    self.stage + 1, "eval").wait()
         return None
 
 
 class _TiedGradSync:
     """Sums the embedding-gradient increments of a backward between stage 0 and stage S−1 of
-    one replica. Only the increment travels, so micro-steps can accumulate gradients; the
+    one worker. Only the increment travels, so micro-steps can accumulate gradients; the
     two increments are added in rank order so both copies end bit-identical."""
 
     def __init__(self, stage: PipelineStage):
@@ -463,7 +466,7 @@ class _TiedGradSync:
         if self.before is not None:
             delta -= self.before
         mesh = st.ctx.mesh
-        members = [mesh.rank_of(st.replica, 0), mesh.rank_of(st.replica, st.stages - 1)]
+        members = [mesh.rank_of(st.worker, 0), mesh.rank_of(st.worker, st.stages - 1)]
         first, last = st.pipe.exchange(delta.contiguous(), members, tag="train").wait()
         total = first + last
         new = total if self.before is None else self.before + total

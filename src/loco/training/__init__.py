@@ -4,7 +4,7 @@
   it prepares, the launch, and what each rank runs (``train_worker``);
 - ``preflight``: the checks of what lies outside the configuration;
 - ``build``: a rank's model, optimizer, schedule, algorithm and loader (``setup_worker``);
-- ``worker``: what a rank's run is made of (``Worker``) and the loop's running values;
+- ``worker``: what a rank's run is made of (``Rank``) and the loop's running values;
 - ``checkpoints``: a worker's checkpoints, taken through ``loco.checkpoint`` when due;
 - ``loop``: the steps, their logging and the replicas' spread diagnostic;
 - ``hooks``: what a run's options add to the inner step (faults, an emulated speed,
@@ -28,7 +28,7 @@ _EXPORTS = {
     "run_training": "job", "prepare_config": "job", "prepare_data": "job",
     "launch_training": "job", "check_fits": "job", "train_worker": "job",
     "setup_worker": "build", "make_model": "build", "build_model": "build", "adamw": "build",
-    "lr_lambda": "build", "Worker": "worker", "Loop": "worker", "evaluate": "evaluation",
+    "lr_lambda": "build", "Rank": "worker", "Loop": "worker", "evaluate": "evaluation",
     "replica_report": "evaluation", "seek": "loco.checkpoint.state",
     "shard_mesh": "loco.checkpoint.state",
     "replica_spread": "loop", "blocked_seconds": "counters",
@@ -40,4 +40,4 @@ __all__ = sorted(_EXPORTS)
 
 __getattr__, __dir__ = lazy_exports(
     __name__, {name: module if "." in module else f"loco.training.{module}"
-               for name, module in _EXPORTS.items()})
+               for name, module in _EXPORTS.items()}, {"Worker": "Rank"})

@@ -1,5 +1,5 @@
 """Building one rank's run: the model, its optimizer and schedule, the algorithm, the
-loader, and the ``Worker`` that holds them, fresh or resumed."""
+loader, and the ``Rank`` that holds them, fresh or resumed."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from loco.config import TrainConfig, betas, model_dims, worker_speeds
 from loco.data import Corpus, TokenLoader
 from loco.hf import is_hf
 from loco.model import Transformer, materialise, model_config
-from loco.runtime import WorkerContext
+from loco.runtime import RankContext
 from loco.runtime.elastic import restart_count
 from loco.runtime.faults import Fault
 from loco.runtime.pipeline import PipelineStage
@@ -29,7 +29,7 @@ from loco.training.local_steps import LocalSteps
 from loco.training.optimizers import inner_optimizer
 from loco.training.quorum import QuorumSteps, quorum_kwargs
 from loco.training.runlog import RunLog
-from loco.training.worker import SAVED_LOOP, Loop, Worker
+from loco.training.worker import SAVED_LOOP, Loop, Rank
 
 
 def lr_lambda(cfg: TrainConfig):
@@ -92,7 +92,7 @@ def make_model(cfg: TrainConfig, vocab_size: int,
     return model if str(device) == "meta" else materialise(model, device)
 
 
-def build_model(cfg: TrainConfig, ctx: WorkerContext, vocab_size: int) -> torch.nn.Module:
+def build_model(cfg: TrainConfig, ctx: RankContext, vocab_size: int) -> torch.nn.Module:
     """The model (`make_model`) on this rank's device. With ``--worker-parallel fsdp`` it is
     built on the meta device, sharded over the worker's ranks by FSDP2 (before any optimizer
     sees its parameters; in bf16 with ``--dtype bf16``, `mixed_precision`), and only then
@@ -130,7 +130,7 @@ def mixed_precision(cfg: TrainConfig):
     return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
-def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[Worker, Loop]:
+def setup_worker(ctx: RankContext, cfg: TrainConfig, corpus: Corpus) -> tuple[Rank, Loop]:
     """Build the model, pipeline stage, optimizer, algorithm and loader; resume from the
     last complete checkpoint when asked (--resume) or after torch elastic restarted the
     workers.
@@ -178,7 +178,7 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
     resumed_from = algo.inner_steps if joined else None if state is None else int(state["step"])
     bar = progress_bar(cfg, ctx, main, resumed_from)
     writer = make_writer(cfg, ctx, main)
-    worker = Worker(
+    worker = Rank(
         cfg, ctx, corpus, model, trained, pipeline, schedule, algo, loader, autocast, main,
         log=open_log(cfg, state, joined, loop) if main else None, bar=bar, writer=writer,
         fault=(Fault.for_rank(ctx.rank, cfg.runtime.fault) if state is None and restart_count() == 0
@@ -187,13 +187,13 @@ def setup_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> tuple[
         stager=make_stager(ctx), throttle=make_throttle(cfg, ctx),
         local_steps=plan)
     if resumed_from is not None:  # a checkpoint counts its tokens; a joiner estimates them
-        nominal = resumed_from * ctx.mesh.replicas * ctx.mesh.shards * cfg.data.batch_size * cfg.data.seq_len
+        nominal = resumed_from * ctx.workers * ctx.worker_ranks * cfg.data.batch_size * cfg.data.seq_len
         worker.resumed_tokens = int(state["loop"].get("tokens", nominal)) if state else nominal
     worker.elastic_tokens = worker.resumed_tokens
     return worker, loop
 
 
-def admit_worker(ctx: WorkerContext, cfg: TrainConfig) -> None:
+def admit_worker(ctx: RankContext, cfg: TrainConfig) -> None:
     """With a job key (``--job-key-file``, else ``$LOCO_JOB_KEY_FILE``), the replicas prove
     it to each other before any state moves ([`admit`][loco.comm.auth.admit]; an elastic
     Comm does it at every new quorum, ``ElasticComm.use_key``), and ``ctx.comm.job_key`` is
@@ -217,13 +217,13 @@ def admit_worker(ctx: WorkerContext, cfg: TrainConfig) -> None:
         ctx.comm.job_key = admit(ctx.comm, key)
 
 
-def make_throttle(cfg: TrainConfig, ctx: WorkerContext) -> Throttle | None:
+def make_throttle(cfg: TrainConfig, ctx: RankContext) -> Throttle | None:
     """This worker's emulated speed (``--worker-speed``, its factor); None without one."""
     speeds = worker_speeds(cfg)
-    return Throttle(speeds[ctx.replica], ctx.device) if speeds is not None else None
+    return Throttle(speeds[ctx.worker], ctx.device) if speeds is not None else None
 
 
-def make_local_steps(cfg: TrainConfig, ctx: WorkerContext, algo, loop: Loop,
+def make_local_steps(cfg: TrainConfig, ctx: RankContext, algo, loop: Loop,
                      resumed: bool = False) -> LocalSteps | None:
     """Speed-aware local steps (``--local-steps proportional``; the rounds a checkpoint
     agreed), the algorithm's pseudo-gradients weighed by them; with ``--max-staleness``,
@@ -236,13 +236,13 @@ def make_local_steps(cfg: TrainConfig, ctx: WorkerContext, algo, loop: Loop,
     kind, extra = LocalSteps, {"quorum": ctx.comm if ctx.comm.elastic else None}
     if cfg.runtime.quorum is not None:  # Decoupled DiLoCo's quorum decides the syncs (not elastic)
         kind, extra = QuorumSteps, quorum_kwargs(cfg, ctx.comm, loop.local_admitted)
-    plan = kind(cfg.method.sync_every, ctx.mesh.replicas, ctx.replica, rounds=loop.local_rounds,
+    plan = kind(cfg.method.sync_every, ctx.workers, ctx.worker, rounds=loop.local_rounds,
                 max_staleness=cfg.runtime.max_staleness, last_round=cfg.run.steps // cfg.method.sync_every - 1,
                 ahead=1 if cfg.method_class.checkpoint_delay(cfg) == 0 else 2, **extra)
     if ctx.comm.elastic:
         ctx.comm.register_state("local_steps", plan.heal_state, plan.load_heal_state)
         if resumed:
-            plan.restarts = dict.fromkeys(range(ctx.mesh.replicas),
+            plan.restarts = dict.fromkeys(range(ctx.workers),
                                           algo.inner_steps // cfg.method.sync_every)
     algo.pacing.weight_of = plan.weight
     if cfg.runtime.quorum is not None:
@@ -252,7 +252,7 @@ def make_local_steps(cfg: TrainConfig, ctx: WorkerContext, algo, loop: Loop,
     return plan
 
 
-def make_loader(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> TokenLoader | None:
+def make_loader(cfg: TrainConfig, ctx: RankContext, corpus: Corpus) -> TokenLoader | None:
     """This rank's training batches: every rank of every worker reads its own, M x R
     readers; None on later pipeline stages (they receive their inputs).
 
@@ -264,12 +264,12 @@ def make_loader(cfg: TrainConfig, ctx: WorkerContext, corpus: Corpus) -> TokenLo
     if ctx.stage != 0:
         return None
     return TokenLoader(corpus.train, cfg.data.batch_size, cfg.data.seq_len,
-                       rank=ctx.replica * ctx.mesh.shards + ctx.shard,
-                       world_size=ctx.mesh.replicas * ctx.mesh.shards, seed=cfg.run.seed,
+                       rank=ctx.worker * ctx.worker_ranks + ctx.worker_rank,
+                       world_size=ctx.workers * ctx.worker_ranks, seed=cfg.run.seed,
                        device=ctx.device)
 
 
-def progress_bar(cfg: TrainConfig, ctx: WorkerContext, main: bool,
+def progress_bar(cfg: TrainConfig, ctx: RankContext, main: bool,
                  resumed_from: int | None) -> tqdm:
     """The run's progress bar, shown on the lead rank with ``--progress`` only.
 
@@ -280,9 +280,10 @@ def progress_bar(cfg: TrainConfig, ctx: WorkerContext, main: bool,
         resumed_from: the step the run continues after; None for a fresh run.
     """
     return tqdm(total=cfg.run.steps, initial=resumed_from or 0,
-                desc=f"{cfg.method.algorithm} x{ctx.mesh.replicas}"
+                desc=f"{cfg.method.algorithm} x{ctx.workers}"
                 + (f"x{ctx.stages} stages" if ctx.stages > 1 else "")
-                + (f"x{ctx.mesh.shards} ranks" if ctx.mesh.shards > 1 else ""), unit="step",
+                + (f"x{ctx.worker_ranks} ranks" if ctx.worker_ranks > 1 else ""),
+                unit="step",
                 disable=not (main and cfg.run.progress), dynamic_ncols=True)
 
 

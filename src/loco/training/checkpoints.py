@@ -14,14 +14,14 @@ from loco.checkpoint import policy
 from loco.checkpoint.state import elastic_state, rank_state, shard_mesh
 from loco.comm.handles import Aborted
 from loco.training.errors import failure
-from loco.training.worker import Loop, Worker
+from loco.training.worker import Loop, Rank
 
 log = logging.getLogger("loco")
 
 
-def checkpoint_if_due(w: Worker, loop: Loop, step: int) -> None:
+def checkpoint_if_due(w: Rank, loop: Loop, step: int) -> None:
     """Checkpoint after ``step`` if ``policy.due`` says so (at the same step on every rank).
-    A model on a GPU: the state is copied into host buffers allocated once (``Worker.stager``)
+    A model on a GPU: the state is copied into host buffers allocated once (``Rank.stager``)
     and the writer saves it in the background; on the CPU, where a copy would double the
     memory, the training thread writes it in place (the commit is left to the background).
     The previous checkpoint is written before the next begins, so that one copy of the state
@@ -34,7 +34,7 @@ def checkpoint_if_due(w: Worker, loop: Loop, step: int) -> None:
         loop.last_checkpoint = time.perf_counter()
 
 
-def _time_is_up(w: Worker, loop: Loop) -> bool:
+def _time_is_up(w: Rank, loop: Loop) -> bool:
     """Whether --checkpoint-interval has passed since the last checkpoint (or the start):
     on any rank (a one-number gather over every rank, outside the training bytes), or, in
     an elastic run, where only the lead writes, on this one."""
@@ -45,7 +45,7 @@ def _time_is_up(w: Worker, loop: Loop) -> bool:
     return any(bool(f.item()) for f in flags)
 
 
-def _checkpoint(w: Worker, loop: Loop, step: int) -> None:
+def _checkpoint(w: Rank, loop: Loop, step: int) -> None:
     """Wait for the previous write, then hand the state to the writer: copied into the
     stager's buffers (a model on a GPU) for the background writer, or written in place."""
     cfg = w.cfg
@@ -57,7 +57,7 @@ def _checkpoint(w: Worker, loop: Loop, step: int) -> None:
                     "written: they are due faster than the disk takes them (raise "
                     "--checkpoint-every)", step, time.perf_counter() - t0)
     if w.ctx.comm.elastic:
-        if w.ctx.replica == min(w.ctx.comm.members):  # the lead writes the one file
+        if w.ctx.worker == min(w.ctx.comm.members):  # the lead writes the one file
             _hand_over(w, step, elastic_checkpoint_state(w, loop, step))
         return
     dcp = w.ctx.checkpoint_group is not None  # the tensors go through DCP
@@ -65,7 +65,7 @@ def _checkpoint(w: Worker, loop: Loop, step: int) -> None:
                w.algo.checkpoint_tensors(shard_mesh(w.ctx)) if dcp else None)
 
 
-def _hand_over(w: Worker, step: int, state: dict, tensors: dict | None = None) -> None:
+def _hand_over(w: Rank, step: int, state: dict, tensors: dict | None = None) -> None:
     """Give the writer ``state`` (and DCP's ``tensors``), live: staged, or written in place."""
     if w.stager is None:
         w.writer.save(step, checkpoint.compact(state), w.ctx.comm.check_aborted,
@@ -77,7 +77,7 @@ def _hand_over(w: Worker, step: int, state: dict, tensors: dict | None = None) -
                   ready=w.stager.ready)
 
 
-def checkpoint_state(w: Worker, loop: Loop, step: int, tensors: bool = True) -> dict:
+def checkpoint_state(w: Rank, loop: Loop, step: int, tensors: bool = True) -> dict:
     """Everything this rank needs to continue after ``step``, live (the caller copies it or
     writes it at once): ``rank_state``, and the loop's running values under ``"loop"``;
     without the algorithm's tensors when ``tensors`` is False (DCP saves them)."""
@@ -86,7 +86,7 @@ def checkpoint_state(w: Worker, loop: Loop, step: int, tensors: bool = True) -> 
     return state
 
 
-def elastic_checkpoint_state(w: Worker, loop: Loop, step: int) -> dict:
+def elastic_checkpoint_state(w: Rank, loop: Loop, step: int) -> dict:
     """What an elastic run's lead saves after ``step``: ``elastic_state`` and the loop's
     running values (the length of metrics.jsonl only when the lead writes it)."""
     state = elastic_state(step, w.algo)
@@ -94,7 +94,7 @@ def elastic_checkpoint_state(w: Worker, loop: Loop, step: int) -> dict:
     return state
 
 
-def local_rounds(w: Worker) -> list | None:
+def local_rounds(w: Rank) -> list | None:
     """The speed-aware schedule's rounds so far (the gather in flight settled), or None."""
     if w.local_steps is None:
         return None
@@ -102,7 +102,7 @@ def local_rounds(w: Worker) -> list | None:
     return [list(r) for r in w.local_steps.rounds]
 
 
-def loop_state(w: Worker, loop: Loop, step: int) -> dict:
+def loop_state(w: Rank, loop: Loop, step: int) -> dict:
     """The loop's running values after ``step``, for a checkpoint (``metrics_bytes``: the
     length of metrics.jsonl; None on a rank that does not write it in an elastic run)."""
     loop.settle_losses()
@@ -116,7 +116,7 @@ def loop_state(w: Worker, loop: Loop, step: int) -> dict:
             "tokens": w.tokens_at(step)}
 
 
-def last_checkpoint(w: Worker) -> None:
+def last_checkpoint(w: Rank) -> None:
     """Wait for the last checkpoint's write (on the lead rank: and its commit)."""
     try:
         w.writer.close(check=w.ctx.comm.check_aborted)

@@ -11,9 +11,9 @@ import torch
 
 from loco import checkpoint
 from loco.algorithms import Algorithm
-from loco.runtime import WorkerContext
+from loco.runtime import RankContext
 from loco.training.goodput import goodput
-from loco.training.worker import Loop, Worker
+from loco.training.worker import Loop, Rank
 
 #: The counters every rank reports at the end, in the order of its report tensor.
 COUNTERS = ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes", "syncs",
@@ -31,7 +31,7 @@ MEMORY_PARTS = ("model", "gradients", "inner_optimizer", "outer", "comm", "stagi
 ALGORITHM_PARTS = ("model", "gradients", "inner_optimizer", "outer")
 
 
-def gather_counters(w: Worker, loop: Loop) -> list[dict]:
+def gather_counters(w: Rank, loop: Loop) -> list[dict]:
     """Every rank's counters, by name (a tiny gather outside the training traffic). The
     outer algorithm's bytes travel between replicas (ctx.comm, the slow link); the
     gradients of a worker's ranks between them (ctx.inner, the fast link); activations,
@@ -104,7 +104,7 @@ def applied_steps(algo: Algorithm, trained: int) -> int:
                - getattr(algo, "discarded_inner_steps", 0))
 
 
-def memory_bytes(algo: Algorithm, ctx: WorkerContext | None = None,
+def memory_bytes(algo: Algorithm, ctx: RankContext | None = None,
                  stager: checkpoint.Stager | None = None) -> dict[str, int] | None:
     """Bytes of the tensors this rank holds, by ``MEMORY_PARTS``: ``algo.memory_bytes()``,
     its ``comm`` with the buffers of the pipeline's Comm (``ctx.pipe``) added, and
@@ -177,7 +177,7 @@ def link_bytes(mesh, counters: list[dict]) -> dict[str, int]:
     """
     out = {}
     for link, key in (("slow_link", "bytes_sent"), ("fast_link", "fast_link_bytes_sent")):
-        per_worker = [0] * mesh.replicas
+        per_worker = [0] * mesh.workers
         for rank, c in enumerate(counters):
             per_worker[mesh.coords(rank)[0]] += c[key]
         out[f"{link}_bytes_sent_per_rank"] = max(c[key] for c in counters)
@@ -197,7 +197,7 @@ def memory_per_rank(counters: list[dict]) -> dict[str, int] | None:
     return {k: max(c["memory_bytes"][k] for c in counters) for k in MEMORY_PARTS}
 
 
-def summarize_counters(ctx: WorkerContext, counters: list[dict], held: float = 0.0) -> dict:
+def summarize_counters(ctx: RankContext, counters: list[dict], held: float = 0.0) -> dict:
     """The summary's fields made of every rank's counters: bytes (the busiest rank's or
     worker's), memory, syncs, communication time, compute utilization (the mean over ranks),
     the non-finite skips (summed over ranks) and the goodput.
@@ -209,12 +209,12 @@ def summarize_counters(ctx: WorkerContext, counters: list[dict], held: float = 0
             wait out (see ``loco.training.goodput.goodput``).
     """
     most = {k: max(c[k] for c in counters) for k in COUNTERS if k not in HOST_READS}
-    per_worker = ctx.stages * ctx.mesh.shards  # rank order: worker-major
+    per_worker = ctx.stages * ctx.worker_ranks  # rank order: worker-major
     return {
-        "bytes_sent_per_worker": most["bytes_sent"],
-        "bytes_received_per_worker": most["bytes_received"],
-        "raw_bytes_per_worker": most["raw_bytes"],
-        "peak_sync_bytes_per_worker": most["peak_sync_bytes"],
+        "bytes_sent_per_rank": most["bytes_sent"],
+        "bytes_received_per_rank": most["bytes_received"],
+        "raw_bytes_per_rank": most["raw_bytes"],
+        "peak_sync_bytes_per_rank": most["peak_sync_bytes"],
         "pipeline_bytes_sent_per_rank": most["pipeline_bytes_sent"] if ctx.stages > 1 else None,
         **link_bytes(ctx.mesh, counters),
         "memory_bytes_per_rank": memory_per_rank(counters),
@@ -231,7 +231,7 @@ def summarize_counters(ctx: WorkerContext, counters: list[dict], held: float = 0
                                       range(0, len(counters), per_worker)], held)}
 
 
-def settle_times(ctx: WorkerContext) -> None:
+def settle_times(ctx: RankContext) -> None:
     """Fill in every time of this rank's Comms still waiting for its device events (on a
     GPU, ``Comm.update_times(wait=True)``: the run is over, the host may wait for them;
     nothing to do on the CPU).
@@ -244,7 +244,7 @@ def settle_times(ctx: WorkerContext) -> None:
             c.update_times(wait=True)
 
 
-def blocked_seconds(ctx: WorkerContext) -> float:
+def blocked_seconds(ctx: RankContext) -> float:
     """Time this rank has spent blocked waiting for its training traffic (tag ``train``):
     the slow link's, its pipeline's and its worker's fast link's; not for the spread
     diagnostic, the checkpoints or the report, which are no part of the algorithm."""
@@ -252,7 +252,7 @@ def blocked_seconds(ctx: WorkerContext) -> float:
     return sum(c.totals("train").waited for c in comms)
 
 
-def issued_link_bytes(ctx: WorkerContext) -> dict[str, int]:
+def issued_link_bytes(ctx: RankContext) -> dict[str, int]:
     """This rank's training bytes so far on the slow and the fast link, counted as each
     operation is issued (the same at a step whatever their timing), for a metrics record;
     empty for a worker of one rank (``bytes_sent`` says it all).
@@ -266,9 +266,11 @@ def issued_link_bytes(ctx: WorkerContext) -> dict[str, int]:
             "fast_link_bytes_sent": ctx.inner.issued_bytes("train")}
 
 
-def write_comm_totals(out: str, ctx: WorkerContext) -> None:
-    """``out/comm/rank<r>.json``: this rank's byte and time totals by tag, for every Comm,
-    after its last operation of the run (what a packet counter on its link should see)."""
+def write_comm_totals(out: str, ctx: RankContext) -> None:
+    """``out/comm/rank<r>.json``: this rank's place (``worker``, ``stage``, ``worker_rank``)
+    and its byte and time totals by tag, for every Comm, after its last operation of the run
+    (what a packet counter on its link should see). The place's old keys, ``replica`` and
+    ``shard``, are written too, for one release."""
     comms = {"outer": ctx.comm, **({"pipe": ctx.pipe} if ctx.pipe is not None else {}),
              **({"inner": ctx.inner} if ctx.inner is not None else {})}
     settle_times(ctx)
@@ -279,6 +281,7 @@ def write_comm_totals(out: str, ctx: WorkerContext) -> None:
     os.makedirs(os.path.join(out, "comm"), exist_ok=True)
     path = os.path.join(out, "comm", f"rank{ctx.rank}.json")
     with open(path + ".tmp", "w") as f:
-        json.dump({"rank": ctx.rank, "replica": ctx.replica, "stage": ctx.stage,
-                   "shard": ctx.shard, **totals}, f, indent=2)
+        json.dump({"rank": ctx.rank, "worker": ctx.worker, "stage": ctx.stage,
+                   "worker_rank": ctx.worker_rank, "replica": ctx.worker,  # old keys, for
+                   "shard": ctx.worker_rank, **totals}, f, indent=2)  # one release
     os.replace(path + ".tmp", path)

@@ -14,7 +14,7 @@ from loco.algorithms.base import flatten_fp32, unflatten_views
 from loco.algorithms.sharding import is_sharded, local
 from loco.data import Corpus, eval_batches
 from loco.runtime.pipeline import PipelineStage
-from loco.training.worker import Loop, Worker
+from loco.training.worker import Loop, Rank
 
 
 @torch.no_grad()
@@ -103,7 +103,7 @@ def held_out(corpus: Corpus) -> list[tuple[str, Any]]:
     return sets
 
 
-def periodic_eval(w: Worker, loop: Loop, step: int) -> dict:
+def periodic_eval(w: Rank, loop: Loop, step: int) -> dict:
     """Every --eval-every steps but the last, on replica 0's ranks: the global model's loss
     on the validation split (``eval_loss``) and on ``--eval-corpus`` (``eval_loss_extra``),
     on its last stage; empty elsewhere."""
@@ -122,7 +122,7 @@ def periodic_eval(w: Worker, loop: Loop, step: int) -> dict:
     return {k: v for k, v in losses.items() if v is not None}
 
 
-def final_evaluation(w: Worker) -> tuple[float | None, dict | None]:
+def final_evaluation(w: Rank) -> tuple[float | None, dict | None]:
     """The final model's eval loss (on the lead rank; None elsewhere), and, for methods
     whose replicas differ, every replica's (see :func:`replica_report`)."""
     cfg, algo = w.cfg, w.algo
@@ -150,7 +150,7 @@ def final_evaluation(w: Worker) -> tuple[float | None, dict | None]:
     return None, replicas
 
 
-def final_extra_evaluation(w: Worker) -> float | None:
+def final_extra_evaluation(w: Rank) -> float | None:
     """The final model's loss on ``--eval-corpus`` (on the lead rank; None elsewhere or
     without one): the global model, or for NoLoCo and Local the lead worker's replica (the
     replicas' average with ``--final-average``), over at most --final-eval-batches."""

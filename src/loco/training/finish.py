@@ -21,10 +21,10 @@ from loco.training.checkpoints import last_checkpoint, local_rounds
 from loco.training.summary import Summary
 from loco.training.guard_report import guard_summary
 from loco.training.verify import replicas_verified
-from loco.training.worker import Loop, Worker
+from loco.training.worker import Loop, Rank
 
 
-def finish_worker(w: Worker, loop: Loop) -> dict:
+def finish_worker(w: Rank, loop: Loop) -> dict:
     """The end of the run: gather every rank's counters, evaluate the final model(s), wait
     for the last checkpoint, write this rank's comm totals; the lead writes the summary."""
     if w.ctx.comm.elastic:
@@ -40,11 +40,11 @@ def finish_worker(w: Worker, loop: Loop) -> dict:
     return write_summary(w, loop, per_worker, final_eval, replicas, extra, guard)
 
 
-def take_lead(w: Worker) -> None:
+def take_lead(w: Rank) -> None:
     """At the end of an elastic run the lowest live worker reports (worker 0 if alive); one
     that takes over from a lost worker 0 appends to its metrics.jsonl."""
     w.lead = min(w.ctx.comm.members)
-    lead = w.ctx.replica == w.lead and w.ctx.shard == 0
+    lead = w.ctx.worker == w.lead and w.ctx.worker_rank == 0
     if lead and not w.main:
         path = os.path.join(w.cfg.run.out, "metrics.jsonl")
         w.log = RunLog(w.cfg.run.out, resume_at=os.path.getsize(path) if os.path.exists(path)
@@ -52,7 +52,7 @@ def take_lead(w: Worker) -> None:
     w.main = lead
 
 
-def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float | None,
+def write_summary(w: Rank, loop: Loop, workers: list[dict], final_eval: float | None,
                   replicas: dict | None, extra: float | None = None,
                   guard: dict | None = None) -> dict:
     """The lead rank's last metrics record, ``summary.json`` and ``loss.png``; returns the
@@ -77,7 +77,7 @@ def write_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float 
     return summary.to_dict()
 
 
-def make_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float | None,
+def make_summary(w: Rank, loop: Loop, workers: list[dict], final_eval: float | None,
                  replicas: dict | None, extra: float | None, guard: dict | None = None
                  ) -> Summary:
     """The run's summary, now (its ``wall_seconds`` end here); the arguments are
@@ -89,9 +89,9 @@ def make_summary(w: Worker, loop: Loop, workers: list[dict], final_eval: float |
     # methods without a barrier, whose workers drift apart in speed.
     train_seconds = max(c["train_seconds"] for c in workers)
     return Summary(
-        algorithm=cfg.method.algorithm, workers=ctx.mesh.replicas, stages=ctx.stages,
+        algorithm=cfg.method.algorithm, workers=ctx.workers, stages=ctx.stages,
         routing=cfg.runtime.routing if ctx.stages > 1 else None, launcher=ctx.launcher,
-        worker_ranks=ctx.mesh.shards, worker_parallel=cfg.runtime.worker_parallel,
+        worker_ranks=ctx.worker_ranks, worker_parallel=cfg.runtime.worker_parallel,
         inner_steps=cfg.run.steps, tokens=tokens, final_eval_loss=final_eval,
         final_model=final_model(cfg),
         final_eval_loss_extra=extra, unigram_entropy=corpus.unigram_entropy,
@@ -165,7 +165,7 @@ def machine_info(device: torch.device) -> dict:
 
 def final_model(cfg) -> str:
     """Which model the final eval loss is of (``Summary.final_model``)."""
-    method = cfg.method_class
+    method = cfg.method
     if method.global_copy:
         return "the global model"
     if method.replicas_identical:

@@ -7,7 +7,7 @@ import torch
 
 from loco.comm.attacks import parse_attacks
 from loco.comm.guard import named
-from loco.training.worker import Worker
+from loco.training.worker import Rank
 
 #: What each aggregation does with a row named for each sign.
 ACTIONS = {"drop": {"high": "left out", "low": "left out (named only in a weighed merge)"},
@@ -25,7 +25,7 @@ def action(aggregation: str, sign: str) -> str:
     return by_sign.get("*") or by_sign.get(sign, "left out")
 
 
-def guard_summary(w: Worker) -> dict | None:
+def guard_summary(w: Rank) -> dict | None:
     """The summary's ``guard``: ``aggregation``, ``factor``, ``injected`` (the ``--inject``
     entries), ``detected`` (by worker and sign: ``rows`` named over every reducer,
     ``first_step``, ``last_step`` and the ``action`` taken) and ``peak_ratio`` (by worker:

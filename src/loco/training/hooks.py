@@ -33,7 +33,7 @@ from loco.runtime.faults import Fault, silence
 from loco.training.counters import blocked_seconds
 from loco.training.emulation import Throttle
 from loco.training.local_steps import DeviceSpan, LocalSteps
-from loco.training.worker import Loop, Worker
+from loco.training.worker import Loop, Rank
 
 
 class StepHook:
@@ -235,7 +235,7 @@ class NonFinite(StepHook):
 
 
 class ElasticTokens(StepHook):
-    """An elastic run's training tokens (``Worker.elastic_tokens``), counted as the live
+    """An elastic run's training tokens (``Rank.elastic_tokens``), counted as the live
     workers train: with speed-aware local steps at the start of every tick, the steps the
     members of the latest sync train at it; else after every step, the quorum of the
     latest sync (its members, after this step's sync if any) times every rank's batch.
@@ -244,7 +244,7 @@ class ElasticTokens(StepHook):
         w: the rank's worker.
     """
 
-    def __init__(self, w: Worker):
+    def __init__(self, w: Rank):
         self.w = w
 
     def start(self, step: int) -> None:
@@ -258,11 +258,11 @@ class ElasticTokens(StepHook):
         """Without them: count the step's."""
         w = self.w
         if w.local_steps is None:  # the quorum of the latest sync trained
-            w.elastic_tokens += (len(w.ctx.comm.members) * w.ctx.mesh.shards
+            w.elastic_tokens += (len(w.ctx.comm.members) * w.ctx.worker_ranks
                                  * w.cfg.data.batch_size * w.cfg.data.seq_len)
 
 
-def step_hooks(w: Worker, loop: Loop) -> StepHooks:
+def step_hooks(w: Rank, loop: Loop) -> StepHooks:
     """A run's hooks of the inner step, in their order (see the module), once per run.
 
     Args:

@@ -22,7 +22,7 @@ from loco.config import ConfigError, TrainConfig, resolve, validate, warnings_fo
 from loco.data import (Corpus, CorpusError, EvalCorpusError, TokenizerError, prepare_corpus,
                        prepare_eval_tokens)
 from loco.hf import is_hf
-from loco.runtime import Elastic, WorkerContext, launch, under_torchrun
+from loco.runtime import Elastic, Mesh, RankContext, launch, under_torchrun
 from loco.runtime.vitals import DIR_ENV
 from loco.training.build import setup_worker
 from loco.training.finish import finish_worker
@@ -97,8 +97,8 @@ def launch_training(cfg: TrainConfig, corpus: Corpus) -> dict:
     # one dies without a word.
     if cfg.run.out is not None:
         os.environ[DIR_ENV] = os.path.join(cfg.run.out, "vitals")
-    results = launch(train_worker, replicas=cfg.runtime.workers, stages=cfg.runtime.stages,
-                     shards=cfg.runtime.worker_ranks, launcher=cfg.runtime.launcher, args=(cfg, corpus),
+    results = launch(train_worker, mesh=Mesh(cfg.runtime.workers, cfg.runtime.stages, cfg.runtime.worker_ranks),
+                     launcher=cfg.runtime.launcher, args=(cfg, corpus),
                      timeout=cfg.comm.comm_timeout, max_restarts=cfg.runtime.max_restarts,
                      link=LinkSpec.parse(cfg.comm.link_bandwidth, cfg.comm.link_latency),
                      fast_link=LinkSpec.parse(cfg.comm.fast_link_bandwidth, cfg.comm.fast_link_latency),
@@ -148,7 +148,7 @@ def check_fits(cfg: TrainConfig, corpus: Corpus) -> None:
                           f"{cfg.data.batch_size}; lower --batch-size or raise --val-fraction")
 
 
-def train_worker(ctx: WorkerContext, cfg: TrainConfig, corpus: Corpus) -> dict:
+def train_worker(ctx: RankContext, cfg: TrainConfig, corpus: Corpus) -> dict:
     """Everything one rank does in ``loco train``: set up (or resume), train, evaluate,
     checkpoint, report; the lead rank returns the summary, the others ``{"rank": r}``."""
     torch.set_flush_denormal(True)  # denormal floats slow CPU steps down (see Design)

@@ -30,10 +30,10 @@ from loco.training.checkpoints import checkpoint_if_due
 from loco.training.hooks import StepHooks, step_hooks
 from loco.training.summary import human_bytes
 from loco.training.verify import verify_if_due
-from loco.training.worker import Loop, Worker
+from loco.training.worker import Loop, Rank
 
 
-def train_loop(w: Worker, loop: Loop) -> None:
+def train_loop(w: Rank, loop: Loop) -> None:
     """Every step of the run; a failure becomes a TrainingError naming the rank and step."""
     step = w.first
     profiler = step_profiler(w)
@@ -86,7 +86,7 @@ def host_read_check(device):
         yield None
 
 
-def step_profiler(w: Worker) -> StepProfiler:
+def step_profiler(w: Rank) -> StepProfiler:
     """This rank's profiler of the ``--profile`` steps: every rank's under the processes
     launcher and torchrun, rank 0's alone under the threads launcher (one process: its
     profiler sees every rank's threads)."""
@@ -102,7 +102,7 @@ def step_profiler(w: Worker) -> StepProfiler:
                         else " and every other rank's next to it")
 
 
-def train_step(w: Worker, step: int, loop: Loop, hooks: StepHooks) -> torch.Tensor | None:
+def train_step(w: Rank, step: int, loop: Loop, hooks: StepHooks) -> torch.Tensor | None:
     """One tick: an inner step where this worker trains at ``step``, else an idle tick
     (speed-aware local steps leave it out: the algorithm's schedule moves on); the run's
     hooks around it (``loco.training.hooks``). Returns the loss (None on an idle tick and on
@@ -120,7 +120,7 @@ def train_step(w: Worker, step: int, loop: Loop, hooks: StepHooks) -> torch.Tens
     return loss
 
 
-def inner_step(w: Worker, step: int, loop: Loop, hooks: StepHooks) -> torch.Tensor | None:
+def inner_step(w: Rank, step: int, loop: Loop, hooks: StepHooks) -> torch.Tensor | None:
     """One inner step: a batch, the forward and backward passes, the algorithm's step
     (which syncs when due) and the schedule's, with the hooks' phases between them;
     returns the loss (None on pipeline stages but the last)."""
@@ -137,7 +137,7 @@ def inner_step(w: Worker, step: int, loop: Loop, hooks: StepHooks) -> torch.Tens
     return loss
 
 
-def forward_backward(w: Worker, batch, step: int) -> torch.Tensor | None:
+def forward_backward(w: Rank, batch, step: int) -> torch.Tensor | None:
     """The forward and backward passes of ``batch`` (None on later pipeline stages: they
     receive their inputs); with pipeline stages, this stage's, its activations and
     gradients routed between the stages' replicas. Returns the loss (on the last stage
@@ -150,7 +150,7 @@ def forward_backward(w: Worker, batch, step: int) -> torch.Tensor | None:
     return loss
 
 
-def spread_diagnostic(w: Worker, loop: Loop, step: int) -> float | None:
+def spread_diagnostic(w: Rank, loop: Loop, step: int) -> float | None:
     """Every --spread-every steps (methods whose replicas differ): the replicas' RMS distance
     to their mean. A diagnostic, not part of the algorithm: its all-worker reductions and
     their time are kept out of the training bytes, blocked time and loop time."""
@@ -219,7 +219,7 @@ def buckets(tensors: list[torch.Tensor], size: int):
         yield batch
 
 
-def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[dict],
+def log_step(w: Rank, loop: Loop, step: int, loss: torch.Tensor, syncs: list[dict],
              spread: float | None, evals: dict) -> None:
     """The lead rank's records of a step: its sync events, and a metrics record when there
     is something to log (every --log-every steps, a spread or an evaluation); then the
@@ -255,7 +255,7 @@ def log_step(w: Worker, loop: Loop, step: int, loss: torch.Tensor, syncs: list[d
     w.bar.update(1)
 
 
-def log_membership(w: Worker, step: int) -> None:
+def log_membership(w: Rank, step: int) -> None:
     """An elastic run's records (lead rank): every committed sync's participants and every
     change of membership or dropped sync since the last call; changes also on the console."""
     comm = w.ctx.comm

@@ -11,13 +11,16 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from loco.lazy import renamed
+
 
 @dataclass
 class Summary:
     """The final numbers of one ``loco train`` run, as the lead rank writes them to
     ``summary.json``. Every field but ``unknown`` is one key of the file; a key that an
-    older run did not write is None. "Per worker" values are the largest over the workers'
-    ranks (each rank sends its share); "bytes" count the training traffic only (tag
+    older run did not write is None. "Per rank" values are the largest of any rank's (each
+    rank of a worker sends its share), "per worker" ones the largest of any worker's, its
+    ranks summed; "bytes" count the training traffic only (tag
     ``train``, see How bytes are counted).
 
     Args:
@@ -41,11 +44,12 @@ class Summary:
         unigram_entropy: the training split's unigram entropy, in nats per token (a
             reference loss).
         model_parameters: parameters of the whole model.
-        bytes_sent_per_worker: bytes sent between workers, the busiest rank's.
-        bytes_received_per_worker: bytes received from other workers, the busiest rank's.
-        raw_bytes_per_worker: what ``bytes_sent_per_worker`` would be in fp32 without a
+        bytes_sent_per_rank: bytes sent between workers, the busiest rank's (as
+            ``slow_link_bytes_sent_per_rank``).
+        bytes_received_per_rank: bytes received from other workers, the busiest rank's.
+        raw_bytes_per_rank: what ``bytes_sent_per_rank`` would be in fp32 without a
             codec, in bytes.
-        peak_sync_bytes_per_worker: bytes of the largest single synchronization, the busiest
+        peak_sync_bytes_per_rank: bytes of the largest single synchronization, the busiest
             rank's.
         pipeline_bytes_sent_per_rank: bytes sent between pipeline stages, the busiest
             rank's; None without stages.
@@ -149,10 +153,10 @@ class Summary:
     final_eval_loss_extra: float | None = None
     unigram_entropy: float | None = None
     model_parameters: int | None = None
-    bytes_sent_per_worker: int | None = None
-    bytes_received_per_worker: int | None = None
-    raw_bytes_per_worker: int | None = None
-    peak_sync_bytes_per_worker: int | None = None
+    bytes_sent_per_rank: int | None = None
+    bytes_received_per_rank: int | None = None
+    raw_bytes_per_rank: int | None = None
+    peak_sync_bytes_per_rank: int | None = None
     pipeline_bytes_sent_per_rank: int | None = None
     slow_link_bytes_sent_per_rank: int | None = None
     slow_link_bytes_sent_per_worker: int | None = None
@@ -195,11 +199,11 @@ class Summary:
 
     @property
     def _sent_per_worker(self) -> int | None:
-        """A worker's slow-link bytes, its ranks together (``bytes_sent_per_worker`` for
-        runs that predate the per-worker count)."""
+        """A worker's slow-link bytes, its ranks together (``bytes_sent_per_rank``, a
+        worker's of one rank, for runs that predate the per-worker count)."""
         if self.slow_link_bytes_sent_per_worker is not None:
             return self.slow_link_bytes_sent_per_worker
-        return self.bytes_sent_per_worker
+        return self.bytes_sent_per_rank
 
     @property
     def bits_per_parameter_per_step(self) -> float | None:
@@ -229,6 +233,13 @@ class Summary:
         records them (an ``unknown`` key); None for a run not scored."""
         return self.unknown.get("downstream")
 
+    def __getattr__(self, name: str) -> Any:
+        """A field's old name (``OLD_KEYS``), for one release, with a DeprecationWarning."""
+        if name in OLD_KEYS:
+            renamed(f"Summary.{name}", f"Summary.{OLD_KEYS[name]}")
+            return getattr(self, OLD_KEYS[name])
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def to_dict(self) -> dict[str, Any]:
         """The content of ``summary.json``: every known key in the record's order, the
         currency (``DERIVED``: computed from them, for readers of the file), then the
@@ -243,11 +254,32 @@ class Summary:
 
         Args:
             d: the file's content, of this version of loco or an older one: a missing key
-                is None, a key the record does not know is kept in ``unknown``.
+                is None, a key the record does not know is kept in ``unknown``, an old key
+                (``OLD_KEYS``) is read as its new one, with a DeprecationWarning.
         """
+        d = _new_keys(d)
         names = {f.name for f in dataclasses.fields(cls)} - {"unknown"}
         return cls(**{k: v for k, v in d.items() if k in names},
                    unknown={k: v for k, v in d.items() if k not in names and k not in DERIVED})
+
+
+OLD_KEYS = {f"{what}_per_worker": f"{what}_per_rank"
+            for what in ("bytes_sent", "bytes_received", "raw_bytes", "peak_sync_bytes")}
+"""Keys of ``summary.json`` renamed, by old name: runs written before the rename are read for
+one release. Each was the busiest rank's figure under a name that said worker (a worker's
+figure, its ranks summed, is ``slow_link_bytes_sent_per_worker``)."""
+
+
+def _new_keys(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with its old keys (``OLD_KEYS``) under their new names, with one
+    DeprecationWarning naming them; a new key present wins."""
+    old = [k for k in OLD_KEYS if k in d]
+    if not old:
+        return d
+    renamed(f"summary.json's {', '.join(old)} (a run of an older loco)",
+            ", ".join(OLD_KEYS[k] for k in old), stacklevel=4)
+    out = {k: v for k, v in d.items() if k not in OLD_KEYS}
+    return {**{OLD_KEYS[k]: d[k] for k in old if OLD_KEYS[k] not in d}, **out}
 
 
 DERIVED = ("bits_per_parameter_per_step", "bytes_per_token")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from loco.algorithms.replicas import TAG, ReplicasDisagree, check_replicas
 from loco.comm.handles import Aborted
 from loco.comm.hostreads import allowed
-from loco.training.worker import Loop, Worker
+from loco.training.worker import Loop, Rank
 
 log = logging.getLogger("loco")
 
@@ -63,7 +63,7 @@ def verify_due(cfg, step: int, elastic_gap: int | None = None) -> bool:
     return step > delay and rest == 0 and rounds % cfg.trust.verify_every == 0
 
 
-def elastic_gap(w: Worker) -> int | None:
+def elastic_gap(w: Rank) -> int | None:
     """``verify_due``'s ``elastic_gap`` for this run: None for a fixed membership; H / P for
     an elastic method with a global copy; 0 (never checked) for one that syncs every step
     (DataParallel: a worker may join at any step)."""
@@ -74,14 +74,14 @@ def elastic_gap(w: Worker) -> int | None:
     return w.cfg.method.sync_every // len(w.algo.fragment_list)
 
 
-def checked(w: Worker) -> bool:
+def checked(w: Rank) -> bool:
     """Whether this run checks its replicas at all: K > 0, a method with replicated state
     and, in an elastic run, a step to check at."""
     return (bool(w.cfg.trust.verify_every) and bool(w.algo.replicated_tensors())
             and elastic_gap(w) != 0)
 
 
-def verify_if_due(w: Worker, loop: Loop, step: int) -> None:
+def verify_if_due(w: Rank, loop: Loop, step: int) -> None:
     """Check the replicas after ``step`` if it is due (``verify_due``) and the method has
     replicated state; record the verdict in ``loop.replica_checks``.
 
@@ -115,7 +115,7 @@ def verify_if_due(w: Worker, loop: Loop, step: int) -> None:
                         verdict.healed_from)
 
 
-def replicas_verified(w: Worker, loop: Loop) -> dict | None:
+def replicas_verified(w: Rank, loop: Loop) -> dict | None:
     """The summary's ``replicas_verified``: ``every`` (K), ``checks``, ``differed`` (each
     check that named workers), ``skipped``, the ``bytes_sent`` of this rank's checks (tag
     ``verify``) and their ``seconds``; None when nothing is checked (``checked``).

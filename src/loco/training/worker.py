@@ -1,5 +1,6 @@
-"""What one rank's run is made of (``Worker``) and the training loop's running values
-(``Loop``)."""
+"""What one rank's run is made of (``Rank``) and the training loop's running values
+(``Loop``). ``Rank``'s old name, ``Worker``, still imports for one release, with a
+``DeprecationWarning``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from loco import checkpoint
 from loco.algorithms import Algorithm
 from loco.config import TrainConfig
 from loco.data import Corpus, TokenLoader
-from loco.runtime import WorkerContext
+from loco.lazy import old_names
+from loco.runtime import RankContext
 from loco.runtime.faults import Fault
 from loco.runtime.pipeline import PipelineStage
 from loco.runtime.vitals import Vitals
@@ -23,7 +25,7 @@ from loco.training.runlog import RunLog
 
 
 @dataclass
-class Worker:
+class Rank:
     """What one rank's run is made of, built once by :func:`setup_worker`.
 
     Args:
@@ -57,7 +59,7 @@ class Worker:
     """
 
     cfg: TrainConfig
-    ctx: WorkerContext
+    ctx: RankContext
     corpus: Corpus
     model: torch.nn.Module
     trained: torch.nn.Module
@@ -89,7 +91,7 @@ class Worker:
             return self.elastic_tokens
         if self.local_steps is not None:  # the steps every worker trained, tick by tick
             return self.local_steps.steps_until(step) * self.tokens_per_step // (
-                self.ctx.mesh.replicas)
+                self.ctx.workers)
         if self.resumed_from is None:
             return step * self.tokens_per_step
         return self.resumed_tokens + (step - self.resumed_from) * self.tokens_per_step
@@ -104,12 +106,12 @@ class Worker:
         """Whether this rank evaluates the global model (replica 0's stages and ranks do,
         together: its global parameters are gathered over the worker's ranks; at the end
         of an elastic run, the lead's)."""
-        return self.ctx.replica == self.lead
+        return self.ctx.worker == self.lead
 
     @property
     def tokens_per_step(self) -> int:
         """Training tokens of one inner step, every rank of every replica together."""
-        return (self.ctx.mesh.replicas * self.ctx.mesh.shards * self.cfg.data.batch_size
+        return (self.ctx.workers * self.ctx.worker_ranks * self.cfg.data.batch_size
                 * self.cfg.data.seq_len)
 
     def gather_all(self, tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -127,7 +129,7 @@ class Worker:
         # (elastic on a GPU: the inner Comm is on the GPU, the elastic one on the CPU)
         inside = ctx.inner.all_gather(across.to(ctx.inner.device), tag="report").wait()
         return [inside[shard][replica] for replica in range(len(across))  # (elastic: the
-                for shard in range(ctx.mesh.shards)]  # members) rank = replica x R + shard
+                for shard in range(ctx.worker_ranks)]  # members) rank = replica x R + shard
 
 
 #: The running values a checkpoint saves (under "loop"), to continue them exactly.
@@ -220,3 +222,6 @@ class Loop:
         """Training-loop seconds of the whole run so far, without evaluation and the spread
         diagnostic."""
         return time.perf_counter() - self.origin - self.eval_seconds - self.diagnostic_seconds
+
+
+__getattr__ = old_names(__name__, {"Worker": "Rank"})
