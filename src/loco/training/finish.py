@@ -165,7 +165,7 @@ def machine_info(device: torch.device) -> dict:
 
 def final_model(cfg) -> str:
     """Which model the final eval loss is of (``Summary.final_model``)."""
-    method = cfg.method
+    method = cfg.method_class
     if method.global_copy:
         return "the global model"
     if method.replicas_identical:
