@@ -4,6 +4,7 @@ and the bytes and round trips of random rows, bit for bit. The shared references
 (``workers.reference_streaming``) take their round trips from the quantiser, so these pins
 are what ties a reference run to the formats as documented."""
 
+import itertools
 import math
 import struct
 
@@ -108,7 +109,7 @@ def test_ties_go_to_the_even_code_in_both_grids():
     """Every midpoint of both FP4 grids, scaled to fill the block (its largest value is the
     grid's top): the even neighbour, as docs/codecs.md says."""
     for name, grid in q.GRIDS.items():
-        mids = [(a + b) / 2 for a, b in zip(grid, grid[1:])]
+        mids = [(a + b) / 2 for a, b in itertools.pairwise(grid)]
         want = [grid[i + (i % 2)] for i in range(len(mids))]  # of codes i, i + 1: the even
         x = torch.tensor([*mids, grid[-1]])
         assert torch.equal(library_roundtrip(name, x, 8), torch.tensor([*want, grid[-1]]))

@@ -286,11 +286,18 @@ FRAGMENTS = {
                            ("blocks.2.", "blocks.3.", "norm.")],
     (2, 2, "strided"): [("embed.", "blocks.0."), ("blocks.1.", "norm.")],
 }
-# When fragment p is sent: after the inner steps t with t % H == SEND_OFFSETS[H, P][p] (the
-# paper's (p + 1) H / P, the last fragment at the round's end), worked out by hand; (1, 1) for
-# one fragment at any H.
-SEND_OFFSETS = {(1, 1): [0], (4, 2): [2, 0], (6, 2): [3, 0], (8, 2): [4, 0], (12, 2): [6, 0],
-                (12, 3): [4, 8, 0], (12, 4): [3, 6, 9, 0]}
+# When fragment p is sent: after the inner steps t with t % H == SEND_OFFSETS[H, P][p], the
+# paper's floor((p + 1) H / P) mod H (the last fragment at the round's end), worked out by hand
+# (not from send_offsets); (1, 1) for one fragment at any H.
+SEND_OFFSETS = {
+    (1, 1): [0], (4, 2): [2, 0], (6, 2): [3, 0], (7, 2): [3, 0], (8, 2): [4, 0],
+    (10, 3): [3, 6, 0], (10, 4): [2, 5, 7, 0], (12, 2): [6, 0], (12, 3): [4, 8, 0],
+    (12, 4): [3, 6, 9, 0], (50, 2): [25, 0], (7, 3): [2, 4, 0],
+    (12, 12): [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0],
+    (30, 8): [3, 7, 11, 15, 18, 22, 26, 0], (100, 8): [12, 25, 37, 50, 62, 75, 87, 0],
+    (100, 36): [2, 5, 8, 11, 13, 16, 19, 22, 25, 27, 30, 33, 36, 38, 41, 44, 47, 50, 52, 55,
+                58, 61, 63, 66, 69, 72, 75, 77, 80, 83, 86, 88, 91, 94, 97, 0],
+}
 
 
 def fragment_names(model, layers: int, fragments: int, pattern: str = "strided"
