@@ -2,6 +2,8 @@
 on real gloo process groups. How close each comparison must be, and why: see the
 tolerances in ``workers.py`` and each test's comment."""
 
+import math
+
 import pytest
 import torch
 
@@ -107,7 +109,9 @@ def test_data_parallel_sends_H_times_diloco():
     steps, H, M = 8, 4, 2
     ddp = loco.launch(ddp_worker, M, args=(steps,))
     dil = loco.launch(diloco_worker, M, args=(steps, H, 0.7, 0.9))
-    assert dil[0]["sent"] > 0
+    n = sum(p.numel() for p in make_model().parameters())
+    # two syncs of an fp32 ring all-reduce: 2 (M - 1) · ceil(n / M) values of 4 bytes each
+    assert dil[0]["sent"] == 2 * 2 * (M - 1) * math.ceil(n / M) * 4
     assert ddp[0]["sent"] == H * dil[0]["sent"]
 
 
@@ -158,7 +162,8 @@ def test_data_parallel_bf16_gradients_halve_the_bytes_and_round_as_stated():
             expected = r((r(bf16[0]["raw"][step][name]) + r(bf16[1]["raw"][step][name])) / 2)
             assert torch.equal(applied, expected)
     assert max_diff(bf16[0]["params"], bf16[1]["params"]) == 0
-    assert max_diff(bf16[0]["params"], fp32[0]["params"]) > 0
+    # bf16 gradients (8 bits of mantissa) move AdamW's steps: measured 0.003 after 3 steps
+    assert max_diff(bf16[0]["params"], fp32[0]["params"]) > 1e-4
     with pytest.raises(ValueError, match="fp32 or bf16"):
         model = make_model()
         loco.DataParallel(model, make_optimizer(model), loco.Comm(None, 0, 1), codec="int8")

@@ -42,7 +42,9 @@ def test_error_feedback_matches_the_reference_with_every_codec(codec):
     assert max_diff(out[1]["params"], out[0]["params"]) == 0
     without = reference_streaming(2, steps, H, 1, 0, 0.0, codec=codec, outer_lr=0.7,
                                   block=block, keep=keep)
-    assert max_diff(without, ref) > 0  # the feedback changed something
+    # the feedback changed something: measured 2.3e-4 (bf16) to 0.04 (the top-k codecs) of
+    # the parameters, whose ulps are about 1e-7; a codec that dropped the feedback gives 0
+    assert max_diff(without, ref) > 1e-5
 
 
 @pytest.mark.parametrize("codec,workers", [("fp4_e3m0", 3), ("topk_2bit", 3), ("int2", 2)])

@@ -6,8 +6,8 @@ import warnings
 import pytest
 
 import loco
-from loco.algorithms.noloco import convergence_warnings
-from workers import (diloco_worker, make_model, make_optimizer, max_diff, noloco_worker,
+from loco.algorithms.noloco import convergence_warnings, gossip_groups
+from workers import (GOSSIP, diloco_worker, make_model, make_optimizer, max_diff, noloco_worker,
                      reference_noloco, ulps)
 
 pytestmark = pytest.mark.numerics
@@ -28,6 +28,14 @@ def test_matches_reference(workers, group_size, nesterov):
         assert max_diff(r["params"], expected) == 0
     if group_size < workers:  # replicas stay different: only pairs talked
         assert max_diff(out[0]["params"], out[1]["params"]) > 1e-6
+
+
+def test_the_groups_are_the_references_table():
+    """gossip_groups against the literal groups the reference uses (``workers.GOSSIP``):
+    the draw is pinned here, and the reference does not call it."""
+    for (seed, workers, size), groups in GOSSIP.items():
+        for k, expected in enumerate(groups):
+            assert gossip_groups(seed, k, workers, size) == expected, (workers, size, k)
 
 
 def test_groups_agree_change_and_partition():

@@ -11,6 +11,7 @@ from loco.config import ConfigError
 from loco.simulate import utilization as u
 from loco.simulate.utilization import (METHODS, PRESETS, TARGETS, ModelSpec, required_bandwidth,
                                        utilization)
+from workers import SEND_OFFSETS
 
 BANDWIDTHS = np.logspace(-2, 4, 25)
 CASES = [(name, method) for name in PRESETS for method in METHODS]
@@ -111,8 +112,9 @@ def test_streaming_reduction_waits_only_for_each_layers_next_use(tau):
 
 @pytest.mark.parametrize("H,P", [(100, 8), (30, 8), (100, 36), (12, 12), (7, 3)])
 def test_fragments_are_sent_on_the_training_schedule(H, P):
-    """Fragment p goes at the inner steps t with t % H == ((p + 1) * H // P) % H."""
-    offsets = [((p + 1) * H // P) % H for p in range(P)]
+    """Fragment p goes at the inner steps t with t % H == ((p + 1) * H // P) % H (by hand:
+    ``workers.SEND_OFFSETS``, not the formula again)."""
+    offsets = SEND_OFFSETS[H, P]
     assert u.send_offsets(H, P) == offsets
     assert len(set(offsets)) == P
     gaps = [((p + 2) * H // P) - ((p + 1) * H // P) for p in range(P)]

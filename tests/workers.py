@@ -9,6 +9,7 @@ import math
 import os
 import time
 
+import quantise
 import torch
 
 import loco
@@ -270,6 +271,60 @@ def unflatten_named(flats, names, like) -> dict[str, torch.Tensor]:
     return out
 
 
+# Streaming DiLoCo's fragments of the test model (``make_model(layers=L)``), as literal tables
+# by name prefix, not from split_fragments: the blocks dealt out strided (block i to fragment
+# i mod P) or sequential (runs), then the parameters outside them largest first to the fragment
+# with the fewest values so far, the lower index on a tie (a block holds 13,408 values, the
+# embedding 2,048, the final norm 32). (L, P, pattern) -> each fragment's prefixes.
+FRAGMENTS = {
+    (4, 2, "strided"): [("embed.", "blocks.0.", "blocks.2."), ("blocks.1.", "blocks.3.", "norm.")],
+    (4, 3, "strided"): [("blocks.0.", "blocks.3."), ("embed.", "blocks.1."),
+                        ("blocks.2.", "norm.")],
+    (4, 4, "strided"): [("embed.", "blocks.0."), ("blocks.1.", "norm."), ("blocks.2.",),
+                        ("blocks.3.",)],
+    (4, 2, "sequential"): [("embed.", "blocks.0.", "blocks.1."),
+                           ("blocks.2.", "blocks.3.", "norm.")],
+    (2, 2, "strided"): [("embed.", "blocks.0."), ("blocks.1.", "norm.")],
+}
+# When fragment p is sent: after the inner steps t with t % H == SEND_OFFSETS[H, P][p], the
+# paper's floor((p + 1) H / P) mod H (the last fragment at the round's end), worked out by hand
+# (not from send_offsets); (1, 1) for one fragment at any H.
+SEND_OFFSETS = {
+    (1, 1): [0], (4, 2): [2, 0], (6, 2): [3, 0], (7, 2): [3, 0], (8, 2): [4, 0],
+    (10, 3): [3, 6, 0], (10, 4): [2, 5, 7, 0], (12, 2): [6, 0], (12, 3): [4, 8, 0],
+    (12, 4): [3, 6, 9, 0], (50, 2): [25, 0], (7, 3): [2, 4, 0],
+    (12, 12): [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 0],
+    (30, 8): [3, 7, 11, 15, 18, 22, 26, 0], (100, 8): [12, 25, 37, 50, 62, 75, 87, 0],
+    (100, 36): [2, 5, 8, 11, 13, 16, 19, 22, 25, 27, 30, 33, 36, 38, 41, 44, 47, 50, 52, 55,
+                58, 61, 63, 66, 69, 72, 75, 77, 80, 83, 86, 88, 91, 94, 97, 0],
+}
+
+
+def fragment_names(model, layers: int, fragments: int, pattern: str = "strided"
+                   ) -> list[list[str]]:
+    """Each fragment's parameter names in the model's order, from ``FRAGMENTS`` (one
+    fragment: the whole model)."""
+    prefixes = [("",)] if fragments == 1 else FRAGMENTS[layers, fragments, pattern]
+    return [[n for n, _ in model.named_parameters() if n.startswith(p)] for p in prefixes]
+
+
+def codec_roundtrip(codec: str, block, keep, rows: int):
+    """D(C(x)) of ``codec`` on ``rows`` rows (the all-reduce's M; 1: the whole vector as one
+    row) from the test-side quantiser (tests/quantise.py); ``dare`` and ``random_drop``,
+    whose positions are a keyed hash of the row, from the library's codec."""
+    if codec in quantise.NAMES:
+        return lambda x: quantise.roundtrip(codec, x, block, keep, rows)
+    from loco.comm.codecs import get_codec
+
+    qdq = get_codec(codec, block, keep=keep)
+
+    def library(x):
+        chunk = qdq.padded(math.ceil(x.numel() / rows))
+        padded = torch.nn.functional.pad(x, (0, chunk * rows - x.numel())).view(rows, chunk)
+        return qdq.decode_rows(qdq.encode_rows(padded), chunk).view(-1)[:x.numel()]
+    return library
+
+
 def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, codec="fp32",
                         outer_lr=0.4, outer_momentum=0.9, nesterov=True, layers=4,
                         pattern="strided", block=None, data=batch, shards=1, parallel="ddp",
@@ -278,7 +333,10 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
     """Streaming DiLoCo as the paper's algorithm box, in one process: per-fragment
     pseudo-gradients, quantized (and the mean re-quantized) with the codec, an outer Nesterov
     step by hand, and the α-merge into each worker's moved-on parameters at t + τ_m (``overlap``
-    an int, or one τ per worker). Fragment p is sent at t % H == floor((p + 1) H / P) % H.
+    an int, or one τ per worker). Fragment p is sent at t % H == floor((p + 1) H / P) % H
+    (``SEND_OFFSETS``), its parameters those of ``FRAGMENTS``; the codec's round trip is the
+    test-side quantiser's (tests/quantise.py): literal tables and an independent quantiser,
+    so that the library cannot agree with a reference made of its own functions.
 
     Elastic membership: ``lost={m: s}``: worker m's contributions are dropped from the sync
     sent at step s on (the mean is over the others); ``rejoin={m: (s, start)}``: it joins again
@@ -345,21 +403,13 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
 
     def trains(m, t):
         return m not in lost or t < lost[m] or (m in rejoin and t > rejoin[m][1])
-    from loco.algorithms.fragments import split_fragments
-    from loco.comm.codecs import get_codec
-
-    qdq = get_codec(codec, block, keep=keep)
-
-    def roundtrip(x):  # D(C(x)), laid out as the collective encodes it
-        if qdq.gathers or shards > 1:
-            return qdq.decode(qdq.encode(x), x.shape)
-        chunk = qdq.padded(math.ceil(x.numel() / workers))
-        rows = torch.nn.functional.pad(x, (0, chunk * workers - x.numel())).view(workers, chunk)
-        return qdq.decode_rows(qdq.encode_rows(rows), chunk).view(-1)[:x.numel()]
+    gathers = codec in quantise.CHUNKED
+    roundtrip = codec_roundtrip(codec, block, keep, 1 if gathers or shards > 1 else workers)
     models = [make_model(layers=layers) for _ in range(workers)]
     opts = [optimizer(m) for m in models]
-    names = split_fragments(models[0], fragments, pattern)
+    names = fragment_names(models[0], layers, fragments, pattern)
     P = len(names)
+    sends = SEND_OFFSETS[1 if P == 1 else H, P]
     local = [dict(m.named_parameters()) for m in models]
     glob = [torch.cat([local[0][n].detach().reshape(-1) for n in frag]) for frag in names]
     starts = [[g.clone() for g in glob] for _ in range(workers)]  # asynchronous blocks
@@ -393,7 +443,7 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
             if trains(m, t) and ticks(m, t):
                 train_steps(models[m], opts[m], m, [t - 1], data=data)
         for p in range(P):
-            if t % H == ((p + 1) * H // P) % H:
+            if t % H == sends[p]:
                 live = [m for m in range(workers) if contributes(m, t)]
                 if any(r[0] == t for r in rejoin.values()):
                     before = [g.clone() for g in glob]
@@ -413,7 +463,7 @@ def reference_streaming(workers, steps, sync_every, fragments, overlap, alpha, c
                         if error_feedback:
                             errors[m][p].sub_(deltas[-1])
                     mean = torch.stack(deltas).sum(0) / len(live)
-                in_flight = [p, t, mean if qdq.gathers else per_shard[p](mean)]
+                in_flight = [p, t, mean if gathers else per_shard[p](mean)]
                 outer_step(p, in_flight[2])  # the same on every worker, whenever it applies
                 in_flight.append({m for m in range(workers)  # (a joiner takes it too)
                                   if blocks is None or t // H - 1 in blocks[m]
@@ -495,12 +545,25 @@ def noloco_worker(ctx, steps, **kw):
             "groups": [algo.groups(k) for k in range(algo.outer_steps + 2)]}
 
 
+# NoLoCo's groups at outer steps k = 0, 1, 2, 3 for (seed, M, n): a permutation drawn from
+# (seed, k), cut into groups of n (the library's gossip_groups; tests/test_noloco.py pins it to
+# this table). Literals, so that the reference does not share the library's draw.
+GOSSIP = {
+    (0, 2, 2): [[[0, 1]]] * 4,
+    (0, 4, 4): [[[0, 1, 2, 3]]] * 4,
+    (0, 4, 2): [[[0, 1], [2, 3]], [[1, 3], [0, 2]], [[0, 1], [2, 3]], [[2, 3], [0, 1]]],
+    (0, 8, 2): [[[0, 4], [3, 7], [2, 5], [1, 6]], [[4, 5], [2, 6], [3, 7], [0, 1]],
+                [[0, 4], [2, 7], [5, 6], [1, 3]], [[2, 4], [3, 5], [0, 1], [6, 7]]],
+    (0, 8, 4): [[[0, 3, 4, 7], [1, 2, 5, 6]], [[2, 4, 5, 6], [0, 1, 3, 7]],
+                [[0, 2, 4, 7], [1, 3, 5, 6]], [[2, 3, 4, 5], [0, 1, 6, 7]]],
+}
+
+
 def reference_noloco(workers, steps, sync_every, group_size, beta, alpha, gamma,
                      nesterov=False, seed=0, data=batch, optimizer=make_optimizer):
-    """NoLoCo's outer step by hand, in one process, for every worker, with the same groups;
-    ``data(m, t)``: worker m's batch at step t."""
-    from loco.algorithms.noloco import gossip_groups
-
+    """NoLoCo's outer step by hand, in one process, for every worker, with the groups of
+    ``GOSSIP`` (a literal table, not the library's draw); ``data(m, t)``: worker m's batch at
+    step t."""
     models = [make_model() for _ in range(workers)]
     opts = [optimizer(m) for m in models]
     flat = lambda m: torch.cat([p.detach().reshape(-1) for p in m.parameters()])  # noqa: E731
@@ -514,7 +577,7 @@ def reference_noloco(workers, steps, sync_every, group_size, beta, alpha, gamma,
         k = (t + 1) // sync_every - 1
         deltas = [flat(models[i]) - slow[i] for i in range(workers)]  # new minus old
         new_slow = list(slow)
-        for group in gossip_groups(seed, k, workers, group_size):
+        for group in GOSSIP[seed, workers, group_size][k]:
             mean_delta = torch.stack([deltas[j] for j in group]).mean(0)
             mean_slow = torch.stack([slow[j] for j in group]).mean(0)
             for i in group:

@@ -37,7 +37,10 @@ class ChunkTopKCodec(Codec):
     ``ceil(log2 block)``-bit integers: 12 bits for 4096, the peers' packing).
 
     Of each chunk of ``block`` values, the ``k = ceil(keep · block)`` largest magnitudes
-    are sent (ties: the lower position, as ``torch.topk`` orders them on one device).
+    are sent. Where several equal magnitudes share the k-th place, ``torch.topk`` picks which
+    of them are kept, and it promises no order for ties (not the lower position): k values
+    are kept all the same, but which ones, and so the bytes, may differ between devices or
+    torch builds. The workers agree regardless: each decodes the bytes that were sent.
     Each kept value is 2 bits: its sign, and whether its magnitude is at least the mean
     magnitude ``m`` of the chunk's kept values. It decodes as ``±lo`` or ``±hi``, the mean
     magnitude of the kept values below ``m`` and of those at or above it (each rounded to
