@@ -168,7 +168,7 @@ class StreamingDiLoCo(GlobalCopy):
     defaults = {"sync_every": 50, "outer_lr": 0.4, "outer_momentum": 0.9, "nesterov": True,
                 "codec": "fp4_e3m0", "error_feedback": 0.0}
     claims = (
-        PaperClaim("loss", "twin", 1, want={"codec": "fp32"}, free=("codec_block", "codec_keep")),
+        PaperClaim("loss", "twin", 1, want={"codec": "fp32"}, free=("codec_block", "codec_chunk", "codec_keep")),
         PaperClaim("loss", "diloco", 2),
         PaperClaim("bytes", "ddp", 100),
         PaperClaim("peak", "diloco"),
