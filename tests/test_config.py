@@ -3,6 +3,7 @@ the environment are the preflight step's, and a resumed run says which options m
 
 import dataclasses
 import os
+import re
 
 import pytest
 
@@ -157,3 +158,31 @@ def test_a_saved_configuration_of_an_older_release_is_read_without_other_methods
     assert cfg.method.algorithm == "noloco" and not hasattr(cfg.method, "eager")
     with pytest.raises(ConfigError, match="--eager: applies to"):
         TrainConfig(**{k: v for k, v in saved.items() if k != "a_future_option"})
+
+
+def test_the_top_k_chunk_has_its_own_flag_and_the_block_is_read_for_it_one_release():
+    from loco.algorithms.diloco import outer_kwargs
+    from loco.config import warnings_for
+
+    chunk = resolve(build_config(overrides={"algorithm": "sparseloco", "codec_chunk": 1024,
+                                            "steps": 60}))
+    validate(chunk)
+    assert outer_kwargs(chunk)["codec_block"] == 1024 and warnings_for(chunk) == []
+    old = resolve(build_config(overrides={"algorithm": "sparseloco", "codec_block": 1024,
+                                          "steps": 60}))
+    validate(old)
+    assert outer_kwargs(old)["codec_block"] == 1024  # the same codec, with a deprecation line
+    assert ("--codec-block with --codec topk_2bit is deprecated: it is read as --codec-chunk "
+            "1024 for this release; give --codec-chunk") in warnings_for(old)
+    scaled = resolve(build_config(overrides={"algorithm": "diloco", "codec": "int8",
+                                             "codec_block": 64, "steps": 400}))
+    assert outer_kwargs(scaled)["codec_block"] == 64 and warnings_for(scaled) == []
+    for overrides, message in [
+            ({"algorithm": "diloco", "codec": "int8", "codec_chunk": 64},
+             "--codec-chunk: applies to --codec topk_2bit or topk_2bit_packed"),
+            ({"algorithm": "sparseloco", "codec_chunk": 1}, "--codec-chunk: must be an integer "
+                                                             "in [2, 65536] (got 1)"),
+            ({"algorithm": "sparseloco", "codec_chunk": 64, "codec_block": 64},
+             "--codec-chunk: give --codec-chunk alone")]:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            validate(build_config(overrides=overrides))

@@ -112,3 +112,21 @@ def test_old_summary_keys_still_read_and_warn():
         assert Summary.from_dict(s.to_dict()) == s  # a new file: no warning
     with pytest.raises(AttributeError):
         s.no_such_key
+
+
+def test_streaming_diloco_takes_its_flags_names_and_reads_the_old_keywords_one_release():
+    import torch
+
+    import loco
+
+    def build(ctx, **kw):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+        algo = loco.StreamingDiLoCo(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                                    ctx.comm, sync_every=4, codec="fp32", **kw)
+        return algo.alpha, algo.fragment_pattern
+
+    assert loco.launch(build, 1, kwargs=dict(mixing=0.25, fragment_pattern="sequential")) \
+        == [(0.25, "sequential")]
+    with pytest.warns(DeprecationWarning, match=r"StreamingDiLoCo\(alpha=...\)"):
+        assert loco.launch(build, 1, kwargs=dict(alpha=0.25, pattern="sequential")) \
+            == [(0.25, "sequential")]

@@ -74,14 +74,17 @@ class WireOptions(GlobalCopyOptions):
                                    "topk_2bit (default 1/64: 64 of 4096, SparseLoCo's)")
     codec_block: int | None = opt(None, "values per power-of-two scale of the 8-, 4- and 2-bit "
                                   "codecs (default 32; larger blocks send fewer scale bytes "
-                                  "but clip less evenly), or per chunk of topk_2bit (default "
-                                  "4096)")
+                                  "but clip less evenly); with topk_2bit read as --codec-chunk "
+                                  "for one release, with a deprecation line")
+    codec_chunk: int | None = opt(None, "values per chunk of topk_2bit and topk_2bit_packed, "
+                                  "each keeping its top --codec-keep share, in [2, 65536] "
+                                  "(default 4096, SparseLoCo's)")
     error_feedback: float | None = opt(None, "beta of the error feedback (diloco, streaming, "
                                        "sparseloco), in [0, 1): each worker keeps what its "
                                        "codec did not send, e <- beta e + delta, sends C(e) "
                                        "and keeps e - D(C(e)); 0: none (default: the "
                                        "method's: diloco and streaming 0, sparseloco 0.95)")
-    sparse_layout: str | None = opt(None, "where topk_2bit's chunks lie: runs of --codec-block "
+    sparse_layout: str | None = opt(None, "where topk_2bit's chunks lie: runs of --codec-chunk "
                                     "values of the flat fragment, or tiles: 2-D tiles of "
                                     "each tensor, sides the largest divisors <= 64, 1-D "
                                     "tensors sent whole (SparseLoCo's reference code) "
@@ -162,7 +165,7 @@ class DiLoCo(GlobalCopy):
               PaperClaim("loss", "twin", 0, want={"error_feedback": 0.0},
                          text="at least as good as without error feedback ({ref})"),
               PaperClaim("loss", "twin", 0, want={"inner_optimizer": "adamw"},
-                         free=("codec", "codec_block", "codec_keep", "error_feedback", "lr"),
+                         free=("codec", "codec_block", "codec_chunk", "codec_keep", "error_feedback", "lr"),
                          text="with Muon inside at least as good as {ref} (AdamW inside)"),
               # Workers of unequal speed (docs/unequal.md): speed-aware local steps and
               # asynchronous outer steps against the synchronous barrier, and against
@@ -250,11 +253,19 @@ def outer_kwargs(cfg) -> dict[str, Any]:
     feedback), as a method with a global copy takes them."""
     return {"sync_every": cfg.method.sync_every, "outer_lr": cfg.method.outer_lr,
             "outer_momentum": cfg.method.outer_momentum, "nesterov": cfg.method.nesterov,
-            "offload": cfg.method.offload, "codec": cfg.method.codec, "codec_block": cfg.method.codec_block,
+            "offload": cfg.method.offload, "codec": cfg.method.codec, "codec_block": wire_block(cfg),
             "codec_keep": cfg.method.codec_keep, "error_feedback": cfg.method.error_feedback or 0.0,
             "eager": cfg.method.eager, "eager_variant": cfg.method.eager_variant,
             "sparse_layout": cfg.method.sparse_layout,
             "sparse_values": cfg.method.sparse_values, "sparse_mean": cfg.method.sparse_mean}
+
+
+def wire_block(cfg) -> int | None:
+    """The codec's block: ``codec_chunk`` for a chunked top-k codec (``codec_block`` there, an
+    older release's spelling, for one more), else ``codec_block`` (None: the codec's own)."""
+    if cfg.method.codec not in CHUNK_TOPK_CODEC_NAMES:
+        return cfg.method.codec_block
+    return cfg.method.codec_chunk if cfg.method.codec_chunk is not None else cfg.method.codec_block
 
 
 def check_wire(cfg) -> None:
@@ -272,6 +283,14 @@ def check_wire(cfg) -> None:
              "codec_block", "must be an integer in [2, 65536]"
              + (f" and a multiple of {per_byte} with --codec {cfg.method.codec}" if per_byte > 1
                 else ""))
+    if cfg.method.codec_chunk is not None:
+        need(cfg, cfg.method.codec in CHUNK_TOPK_CODEC_NAMES, "codec_chunk",
+             f"applies to --codec {' or '.join(CHUNK_TOPK_CODEC_NAMES)} (the scaled codecs' "
+             f"blocks are --codec-block; got --codec {cfg.method.codec})")
+        need(cfg, 2 <= cfg.method.codec_chunk <= 65536, "codec_chunk",
+             "must be an integer in [2, 65536]")
+        need(cfg, cfg.method.codec_block is None, "codec_chunk", "give --codec-chunk alone: "
+             "--codec-block is the scaled codecs' block")
     need(cfg, 0 <= cfg.method.error_feedback < 1, "error_feedback", "must be in [0, 1) (0: none)")
     for option in ("sparse_layout", "sparse_values", "sparse_mean"):
         need(cfg, getattr(cfg.method, option) is None or cfg.method.codec in CHUNK_TOPK_CODEC_NAMES, option,
@@ -294,7 +313,11 @@ def check_wire(cfg) -> None:
 
 
 def wire_warnings(cfg) -> list[str]:
-    """Error feedback on a lossless wire, or a top-k chunk format without it."""
+    """``codec_block`` for a top-k chunk (deprecated), error feedback on a lossless wire, or a
+    top-k chunk format without it."""
+    if cfg.method.codec in CHUNK_TOPK_CODEC_NAMES and cfg.method.codec_block is not None:
+        return [f"--codec-block with --codec {cfg.method.codec} is deprecated: it is read as "
+                f"--codec-chunk {cfg.method.codec_block} for this release; give --codec-chunk"]
     if cfg.method.error_feedback and cfg.method.codec == "fp32":
         return ["--error-feedback has nothing to feed back with --codec fp32 (lossless)"]
     if not cfg.method.error_feedback and cfg.method.codec in CHUNK_TOPK_CODEC_NAMES:

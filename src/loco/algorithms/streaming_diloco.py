@@ -36,6 +36,7 @@ from loco.algorithms.global_copy import GlobalCopy
 from loco.algorithms.method import PaperClaim
 from loco.algorithms.schedule import send_offsets
 from loco.comm import Comm
+from loco.lazy import renamed_arguments
 from loco.options import ConfigError, need, opt
 
 
@@ -118,14 +119,16 @@ class StreamingDiLoCo(GlobalCopy):
             [`split_fragments`][loco.algorithms.fragments.split_fragments]), of length <= H.
             Fragment p is sent at the steps of
             [`send_offsets`][loco.algorithms.schedule.send_offsets]; P need not divide H.
-        pattern: how blocks are dealt out for an integer P > 1: ``"strided"`` (default, the
-            paper's: block i to fragment i mod P) or ``"sequential"`` (contiguous runs).
+        fragment_pattern: how blocks are dealt out for an integer P > 1: ``"strided"``
+            (default, the paper's: block i to fragment i mod P) or ``"sequential"``
+            (contiguous runs). (``pattern=``, its old name, is read for one release.)
         overlap: τ, inner steps a sync stays in flight before it is applied; an integer with
             0 <= τ < floor(H / P), the smallest gap between two sends; default 1 (0: applied
             right after it was sent, no overlap). Workers may use different τ (the paper's
             robustness experiment): every worker sends at the same steps and applies τ later.
-        alpha: α, the share of the local parameters kept when a synced fragment is merged
-            back, 0 <= α <= 1; default 0.5 (0: replaced by the global value).
+        mixing: α, the share of the local parameters kept when a synced fragment is merged
+            back, 0 <= α <= 1; default 0.5 (0: replaced by the global value). (``alpha=``,
+            its old name, is read for one release.)
         codec: wire format of the pseudo-gradients, one of
             [`CODEC_NAMES`][loco.comm.codecs.formats.CODEC_NAMES]; default ``"fp4_e3m0"`` (4-bit, the
             paper's). The reduction itself is fp32.
@@ -152,7 +155,7 @@ class StreamingDiLoCo(GlobalCopy):
     Raises:
         ValueError: an argument outside the ranges above (also from
             [`split_fragments`][loco.algorithms.fragments.split_fragments] for a bad
-            ``fragments`` or ``pattern``, and from
+            ``fragments`` or ``fragment_pattern``, and from
             [`get_codec`][loco.comm.codecs.catalog.get_codec] for a bad ``codec`` or
             ``codec_block``).
         RuntimeError: the codec cannot run on ``comm``'s device, or the workers' initial
@@ -168,7 +171,7 @@ class StreamingDiLoCo(GlobalCopy):
     defaults = {"sync_every": 50, "outer_lr": 0.4, "outer_momentum": 0.9, "nesterov": True,
                 "codec": "fp4_e3m0", "error_feedback": 0.0}
     claims = (
-        PaperClaim("loss", "twin", 1, want={"codec": "fp32"}, free=("codec_block", "codec_keep")),
+        PaperClaim("loss", "twin", 1, want={"codec": "fp32"}, free=("codec_block", "codec_chunk", "codec_keep")),
         PaperClaim("loss", "diloco", 2),
         PaperClaim("bytes", "ddp", 100),
         PaperClaim("peak", "diloco"),
@@ -209,9 +212,9 @@ class StreamingDiLoCo(GlobalCopy):
         0), the pattern, this replica's τ and α."""
         tied = pipeline is not None and pipeline.module.tied is not None
         return {**outer_kwargs(cfg), "fragments": _fragment_spec(cfg, model, tied),
-                "pattern": cfg.method.fragment_pattern,
+                "fragment_pattern": cfg.method.fragment_pattern,
                 "overlap": overlaps(cfg)[comm.rank],  # the outer Comm's rank: the replica
-                "alpha": cfg.method.mixing}
+                "mixing": cfg.method.mixing}
 
     @classmethod
     def setting(cls, config: dict) -> str:
@@ -230,22 +233,24 @@ class StreamingDiLoCo(GlobalCopy):
         """The fragments as ``kwargs`` builds them (a tied embedding's copy in fragment 0)."""
         return split_fragments(module, _fragment_spec(cfg, module, tied), cfg.method.fragment_pattern)
 
+    @renamed_arguments("StreamingDiLoCo", {"alpha": "mixing", "pattern": "fragment_pattern"})
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, comm: Comm,
-                 sync_every: int = 100,
-                 fragments: int | Sequence = 1, pattern: str = "strided", overlap: int = 1,
-                 alpha: float = 0.5, codec: str = "fp4_e3m0", codec_block: int | None = None,
+                 sync_every: int = 100, fragments: int | Sequence = 1,
+                 fragment_pattern: str = "strided", overlap: int = 1,
+                 mixing: float = 0.5, codec: str = "fp4_e3m0", codec_block: int | None = None,
                  codec_keep: float | None = None, error_feedback: float = 0.0,
                  outer_lr: float = 0.4, outer_momentum: float = 0.9, nesterov: bool = True,
                  offload: bool = False, outer_thread: bool | None = None, eager: bool = False,
                  eager_variant: str | None = None, **kwargs: Any):
         super().__init__(model, inner_optimizer, comm, sync_every=sync_every,
-                         fragments=fragments, pattern=pattern, overlap=overlap, alpha=alpha,
+                         fragments=fragments, pattern=fragment_pattern, overlap=overlap,
+                         alpha=mixing,
                          codec=codec, codec_block=codec_block, codec_keep=codec_keep,
                          error_feedback=error_feedback, outer_lr=outer_lr,
                          outer_momentum=outer_momentum, nesterov=nesterov, offload=offload,
                          outer_thread=outer_thread, eager=eager, eager_variant=eager_variant,
                          **kwargs)
-        self.pattern = pattern
+        self.fragment_pattern = fragment_pattern
 
 
 __all__ = ["PATTERNS", "GlobalCopyOptions", "StreamingDiLoCo", "StreamingOptions", "WireOptions",

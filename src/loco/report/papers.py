@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loco.algorithms import PaperClaim, methods
+from loco.comm.codecs.formats import CHUNK_TOPK_CODEC_NAMES
 from loco.report.cells import ratio_cell
 from loco.report.numbers import baseline, codec_compression
 from loco.report.runs import Run
@@ -293,7 +294,9 @@ def peak_claim(run: Run, ref: Run, claim: PaperClaim) -> Claim:
     peak = run.summary.peak_sync_bytes_per_rank
     ratio = ref.summary.peak_sync_bytes_per_rank / peak if peak else float("inf")
     codec = config.get("codec", "fp32")
-    squeeze = codec_compression(codec, config.get("codec_block", 32), config.get("codec_keep"))
+    block = config.get("codec_chunk") if codec in CHUNK_TOPK_CODEC_NAMES else None
+    squeeze = codec_compression(codec, block or config.get("codec_block", 32),
+                                config.get("codec_keep"))
     frag = ratio / squeeze
     # What the split allows at best: the whole model against the largest fragment.
     largest = max((f["elements"] for f in run.summary.fragments or []), default=0)
