@@ -35,9 +35,9 @@ _OLD_MESH = {"replicas": "workers", "shards": "worker_ranks"}
 
 @dataclass(frozen=True)
 class Mesh:
-    """Ranks laid out as ``workers × stages × worker_ranks``: rank = (worker · S + stage) · R
-    + worker_rank, so the ranks of one worker's stage are adjacent (on one node where
-    possible).
+    """Ranks laid out as ``workers × stages × worker_ranks``:
+    rank = (worker · S + stage) · R + worker_rank, so the ranks of one worker's stage are
+    adjacent (on one node where possible).
 
     Args:
         workers: M, the workers of the outer algorithm, >= 1.
