@@ -51,6 +51,21 @@ def old_names(package: str, names: dict[str, str],
     return __getattr__
 
 
+def old_attribute(old: str, new: str, attr: str) -> property:
+    """A read-only property under an attribute's old name, for one release: it reads ``attr``
+    with a ``DeprecationWarning`` (see ``renamed``).
+
+    Args:
+        old: the old name as the user writes it (``"ctx.replica"``).
+        new: the new one (``"ctx.worker"``).
+        attr: the attribute it reads.
+    """
+    def get(self):
+        renamed(old, new)
+        return getattr(self, attr)
+    return property(get, doc=f"The old name of ``{attr}``, for one release.")
+
+
 def renamed_arguments(where: str, names: dict[str, str]) -> Callable:
     """A decorator that still takes a function's renamed keyword arguments, for one release:
     each old keyword is passed as the new one, with a ``DeprecationWarning``.

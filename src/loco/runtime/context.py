@@ -21,7 +21,7 @@ import torch.distributed as dist
 from loco.comm import Comm
 from loco.comm.link import EmulatedLink, LinkSpec
 from loco.comm.thread import CommThread
-from loco.lazy import old_names, renamed, renamed_arguments
+from loco.lazy import old_attribute, old_names, renamed, renamed_arguments
 
 MESH_DIMS = ("replica", "stage", "shard")
 """The named dimensions of a run's ``DeviceMesh``, outermost first, in FSDP's words
@@ -109,17 +109,9 @@ class Mesh:
         """
         return (worker * self.stages + stage) * self.worker_ranks + worker_rank
 
-    @property
-    def replicas(self) -> int:
-        """The old name of ``workers``, for one release."""
-        renamed("Mesh.replicas", "Mesh.workers")
-        return self.workers
+    replicas = old_attribute("Mesh.replicas", "Mesh.workers", "workers")
 
-    @property
-    def shards(self) -> int:
-        """The old name of ``worker_ranks``, for one release."""
-        renamed("Mesh.shards", "Mesh.worker_ranks")
-        return self.worker_ranks
+    shards = old_attribute("Mesh.shards", "Mesh.worker_ranks", "worker_ranks")
 
     def shard_of(self, rank: int) -> int:
         """The old name of ``worker_rank_of``, for one release.
@@ -222,29 +214,13 @@ class RankContext:
         """Whether this is global rank 0."""
         return self.rank == 0
 
-    @property
-    def replica(self) -> int:
-        """The old name of ``worker``, for one release."""
-        renamed("ctx.replica", "ctx.worker")
-        return self.worker
+    replica = old_attribute("ctx.replica", "ctx.worker", "worker")
 
-    @property
-    def shard(self) -> int:
-        """The old name of ``worker_rank``, for one release."""
-        renamed("ctx.shard", "ctx.worker_rank")
-        return self.worker_rank
+    shard = old_attribute("ctx.shard", "ctx.worker_rank", "worker_rank")
 
-    @property
-    def replicas(self) -> int:
-        """The old name of ``workers``, for one release."""
-        renamed("ctx.replicas", "ctx.workers")
-        return self.workers
+    replicas = old_attribute("ctx.replicas", "ctx.workers", "workers")
 
-    @property
-    def shards(self) -> int:
-        """The old name of ``worker_ranks``, for one release."""
-        renamed("ctx.shards", "ctx.worker_ranks")
-        return self.worker_ranks
+    shards = old_attribute("ctx.shards", "ctx.worker_ranks", "worker_ranks")
 
 
 class WorkerError(RuntimeError):
