@@ -18,7 +18,8 @@ import math
 
 import pytest
 import torch
-from workers import batch, make_model, make_optimizer, max_diff, once, params_of, train_steps
+from workers import (batch, make_model, make_optimizer, max_diff, once, params_of,
+                     train_steps)
 
 import loco
 from loco.comm.codecs.formats import ef_bytes, packed_bytes
