@@ -161,12 +161,12 @@ def scaled_bytes(name: str, x: torch.Tensor, block: int = 32) -> bytes:
 
 # --------------------------------------------------------------------------- top-k
 def top_positions(x: torch.Tensor, k: int) -> torch.Tensor:
-    """The positions of the k largest magnitudes of the 1-D ``x`` (NaN and ±Inf rank above
-    every finite value), in ascending order. A tie at the k-th magnitude is not settled by
-    the formats: the tests' values have none there."""
+    """The positions of the k largest magnitudes of each row of ``x`` (1-D: the one row;
+    NaN and ±Inf rank above every finite value), in ascending order. A tie at the k-th
+    magnitude is not settled by the formats: the tests' values have none there."""
     mag = torch.where(torch.isnan(x), math.inf, x.double().abs())
-    order = torch.sort(-mag, stable=True).indices  # by magnitude, down; a tie: lower first
-    return order[:k].sort().values
+    order = torch.sort(-mag, dim=-1, stable=True).indices  # magnitude down; a tie: lower first
+    return order[..., :k].sort(dim=-1).values
 
 
 def topk_rows(x: torch.Tensor, rows: int, keep: float) -> torch.Tensor:
@@ -179,50 +179,49 @@ def topk_rows(x: torch.Tensor, rows: int, keep: float) -> torch.Tensor:
     return out
 
 
-def chunk_levels(v: torch.Tensor) -> tuple[torch.Tensor, float, float]:
-    """SparseLoCo's 2 bits of a chunk's kept values ``v``: (whether each magnitude is at
-    least their mean m, lo, hi), lo and hi the mean magnitude of those below m and of those
-    at or above it (0 for an empty group), as fp32 numbers (rounded to bf16 by the
-    caller)."""
+def chunk_levels(v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """SparseLoCo's 2 bits of each chunk's kept values (a row of ``v``): (whether each
+    magnitude is at least the row's mean m, lo, hi), lo and hi per row the mean magnitude
+    of those below m and of those at or above it (0 for an empty group), in float64
+    (rounded to fp32, then bf16, by the caller)."""
     mag = v.double().abs()
-    hi = mag >= mag.mean()
-    n_hi = int(hi.sum())
-    s_hi = mag[hi].sum().item() / max(n_hi, 1)
-    s_lo = mag[~hi].sum().item() / max(len(v) - n_hi, 1)
+    hi = mag >= mag.mean(dim=-1, keepdim=True)
+    n_hi = hi.sum(dim=-1)
+    s_hi = torch.where(hi, mag, 0.0).sum(dim=-1) / n_hi.clamp(min=1)
+    s_lo = torch.where(hi, 0.0, mag).sum(dim=-1) / (v.shape[-1] - n_hi).clamp(min=1)
     return hi, s_lo, s_hi
 
 
-def bf16(value: float) -> torch.Tensor:
-    """``value`` as fp32, then bf16 (nearest, ties to even); finite values above bf16's
-    maximum are clamped to it first."""
-    f = torch.tensor(value, dtype=torch.float64).to(torch.float32)
-    if torch.isfinite(f):
-        f = f.clamp(max=torch.finfo(torch.bfloat16).max)
-    return f.to(torch.bfloat16)
+def bf16(value: torch.Tensor) -> torch.Tensor:
+    """float64 ``value`` (any shape) as fp32, then bf16 (nearest, ties to even); finite
+    values above bf16's maximum are clamped to it first, a NaN is the positive quiet NaN."""
+    f = value.to(torch.float32)
+    f = torch.where(torch.isfinite(f), f.clamp(max=torch.finfo(torch.bfloat16).max), f)
+    b = f.to(torch.bfloat16)
+    return torch.where(torch.isnan(b), torch.tensor(math.nan).to(torch.bfloat16), b)
 
 
-def chunk_topk(x: torch.Tensor, block: int, k: int) -> list[tuple]:
-    """Per chunk of ``block`` values of the 1-D ``x`` (a multiple of ``block``): (kept
-    positions, their codes sign | hi << 1, lo and hi as bf16)."""
-    out = []
-    for chunk in x.view(-1, block):
-        idx = top_positions(chunk, k)
-        v = chunk[idx]
-        hi, lo, top = chunk_levels(v)
-        codes = (v < 0).to(torch.int64) | hi.to(torch.int64) << 1
-        out.append((idx, codes, bf16(lo), bf16(top)))
-    return out
+def chunk_topk(x: torch.Tensor, block: int, k: int) -> tuple[torch.Tensor, ...]:
+    """Per chunk of ``block`` values of the 1-D ``x`` (a multiple of ``block``), one row
+    each of: kept positions (chunks, k), their codes sign | hi << 1 (chunks, k), lo and hi
+    as bf16 (chunks,). Every chunk by the same element-wise rules, all chunks at once."""
+    chunks = x.view(-1, block)
+    idx = top_positions(chunks, k)
+    v = chunks.gather(1, idx)
+    hi, lo, top = chunk_levels(v)
+    codes = (v < 0).to(torch.int64) | hi.to(torch.int64) << 1
+    return idx, codes, bf16(lo), bf16(top)
 
 
 def chunk_topk_roundtrip(x: torch.Tensor, block: int, k: int) -> torch.Tensor:
     """D(C(x)) of the chunked 2-bit top-k: each kept value ±lo or ±hi, zeros elsewhere; a
     chunk whose levels are not finite is NaN throughout."""
+    idx, codes, lo, hi = chunk_topk(x, block, k)
+    mag = torch.where(codes >= 2, hi.float()[:, None], lo.float()[:, None])
     out = torch.zeros_like(x).view(-1, block)
-    for dense, (idx, codes, lo, hi) in zip(out, chunk_topk(x, block, k)):
-        mag = torch.where(codes >= 2, hi.float(), lo.float())
-        dense[idx] = torch.where(codes & 1 == 1, -mag, mag)
-        if not (torch.isfinite(lo) and torch.isfinite(hi)):
-            dense.fill_(math.nan)
+    out.scatter_(1, idx, torch.where(codes & 1 == 1, -mag, mag))
+    finite = torch.isfinite(lo) & torch.isfinite(hi)
+    out[~finite] = math.nan
     return out.view(-1)
 
 
@@ -243,7 +242,7 @@ def chunk_topk_bytes(name: str, x: torch.Tensor, block: int, k: int) -> bytes:
     positions Elias-Fano coded (``topk_2bit``) or in ceil(log2 block) bits each
     (``topk_2bit_packed``), none when every value is kept."""
     out = b""
-    for idx, codes, lo, hi in chunk_topk(x, block, k):
+    for idx, codes, lo, hi in zip(*chunk_topk(x, block, k)):
         scales = torch.stack([lo, hi]).view(torch.uint8)  # little-endian bf16
         where = idx.tolist()
         if k == block:

@@ -515,6 +515,19 @@ def max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+_ONCE: dict = {}
+
+
+def once(fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, computed once per test session for the same function and
+    arguments (told apart by their ``repr``): a reference or a run that several tests
+    compare against, deterministic, whose result the tests only read."""
+    key = (fn, repr(args), repr(sorted(kwargs.items())))
+    if key not in _ONCE:
+        _ONCE[key] = fn(*args, **kwargs)
+    return _ONCE[key]
+
+
 # --------------------------------------------------------------------------- tolerances
 # A result and its single-process reference, computed on the same CPU, agree bit for bit
 # when both run the same operations in the same order; the tests then assert equality, on
