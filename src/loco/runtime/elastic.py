@@ -141,7 +141,7 @@ def launch_elastic(fn: Callable[..., Any], args: tuple, workers: int, timeout: f
     min_workers = spec.check(workers)
     lighthouse = start_lighthouse(min_workers, spec.heartbeat_timeout,
                                   join_timeout=timeout)
-    ctx = context(getattr(fn, "__module__", None))
+    ctx = context(getattr(fn, "__module__", None), "loco.comm.membership")  # every rank's
     job = _Job(ctx, _RankSpec(fn, args, workers, worker_ranks, lighthouse.address(),
                               min_workers, timeout, links, "127.0.0.1", ctx.Event(),
                               dict(os.environ)))
