@@ -219,7 +219,8 @@ def check_elastic(cfg) -> None:
     """``elastic``'s options only with it; ``lighthouse`` and ``worker_index`` together,
     the index in [0, ``workers``); no pipeline stages (nor a method's options that need a
     fixed group, e.g. ``eval_replicas``: the method's check);
-    ``min_workers`` in [1, ``workers``]; ``start_wait`` finite and > 0. (Where its workers may start: the preflight step.)
+    ``min_workers`` in [1, ``workers``]; ``start_wait`` finite and > 0. (Where its workers
+    may start: the preflight step.)
 
     Raises:
         ConfigError: naming the option and what is allowed.
