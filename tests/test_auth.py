@@ -365,20 +365,20 @@ def test_elastic_joiner_heals_from_a_sealed_state(tmp_path):
 @pytest.mark.slow
 def test_loco_train_elastic_with_a_key_rejoins_a_restarted_worker(corpus, tmp_path,
                                                                   monkeypatch):
-    """The CLI, elastic, with a key: worker 2 is killed at step 20 and restarted; it proves
+    """The CLI, elastic, with a key: worker 2 is killed at step 16 and restarted; it proves
     the key at the next quorum, takes a live worker's sealed state, and the syncs count it
     again (its operations numbered from the quorum, as the others'). ``--min-workers 3``:
     the survivors wait for it at that quorum, so a loaded machine, where the restart takes
-    longer than the 40 steps left, cannot end the run before it is back."""
+    longer than the 16 steps left, cannot end the run before it is back."""
     import json
 
     from test_cli import small_run
 
     from loco.cli import main
 
-    monkeypatch.setenv("LOCO_FAULT", "2:20:kill")
+    monkeypatch.setenv("LOCO_FAULT", "2:16:kill")
     out = tmp_path / "run"
-    assert main(small_run(corpus, out, "--workers", "3", "--steps", "60", "--elastic",
+    assert main(small_run(corpus, out, "--workers", "3", "--steps", "32", "--elastic",
                           "--launcher", "processes", "--max-restarts", "1", "--min-workers", "3",
                           "--link-latency", "50ms", "--checkpoint-every", "0",
                           "--eval-every", "0", "--final-eval-batches", "2",

@@ -82,8 +82,8 @@ def test_survivors_finish_without_the_lost_worker(where, kill_step, lost_from, s
 
 @pytest.mark.numerics
 def test_a_restarted_worker_rejoins_from_a_peer_bit_for_bit():
-    # Steps slowed to 0.15 s so that the restarted process (~3 s to start) joins mid-run,
-    # with some 8 s to spare on a loaded machine.
+    # Steps slowed to 0.15 s while worker 3 is missing (only then), so that the restarted
+    # process (~3 s to start) joins mid-run, with some 8 s to spare on a loaded machine.
     steps = 96
     out = run((3, 20, "reduction"), restarts=1, steps=steps, step_seconds=0.15)
     joiner, peers = out[3], out[:3]
@@ -199,6 +199,9 @@ def test_elastic_options_are_checked_before_any_worker_starts():
     with pytest.raises(ValueError, match="restarts must be an integer >= 0"):
         loco.launch(elastic_worker, 4, launcher="processes",
                     elastic=loco.Elastic(restarts=-1))
+    with pytest.raises(ValueError, match=r"start_wait must be > 0 \(got 0\)"):
+        loco.launch(elastic_worker, 4, launcher="processes",
+                    elastic=loco.Elastic(start_wait=0))
     with pytest.raises(ValueError, match="'processes' launcher"):
         loco.launch(elastic_worker, 4, launcher="threads", elastic=loco.Elastic())
 

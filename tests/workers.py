@@ -715,7 +715,8 @@ def elastic_worker(ctx, steps, kill=None, **kw):
     the middle of the reduction of the sync sent at ``step`` (``"reduction"``: after its
     reduce-scatter, before its all-gather). ``parallel="fsdp"`` shards the model over the
     worker's ranks. ``plan`` (every round's steps per worker, fixed): speed-aware local steps
-    under the quorum, with ``max_staleness``, asynchronous outer steps."""
+    under the quorum, with ``max_staleness``, asynchronous outer steps. ``step_seconds``: a
+    pause after each step taken while a worker of the job is missing from the quorum."""
     import signal
     import time
 
@@ -724,7 +725,9 @@ def elastic_worker(ctx, steps, kill=None, **kw):
 
     from loco.training.local_steps import LocalSteps
 
-    pause = kw.pop("step_seconds", 0.0)  # slower steps: a restarted worker can catch up
+    # slower steps while a worker is missing from the quorum: a restarted one can catch up
+    # (the margin is the steps left times the pause); at full speed before and after
+    pause = kw.pop("step_seconds", 0.0)
     plan, staleness = kw.pop("plan", None), kw.pop("max_staleness", 0)
     kw_stage = kw.pop("stage", False)
     name = kw.pop("algo_name", "streaming")
@@ -781,7 +784,8 @@ def elastic_worker(ctx, steps, kill=None, **kw):
         if name == "noloco" and algo.inner_steps % algo.sync_every == 0:
             k, members = algo.outer_steps - 1, ctx.comm.members
             groups[k] = sorted(sorted(members[r] for r in g) for g in algo.groups(k))
-        time.sleep(pause)
+        if len(ctx.comm.members) < ctx.comm.workers:
+            time.sleep(pause)
     algo.flush()
     return {"params": params_of(algo.global_parameters()), "joined": joined, "start": start,
             "after_join": after_join, "join_sync": join_sync,

@@ -106,13 +106,13 @@ class Healing:
             return False
         comm.joining = True
         try:
-            deadline = time.monotonic() + comm.timeout
+            deadline = time.monotonic() + getattr(comm, "start_wait", comm.timeout)
             while True:
                 if comm.begin():
                     algo._resume()
                     return True
                 if _enough_came(algo.ranks, comm, time.monotonic() > deadline):
-                    break  # all M, or as many as came within the timeout (>= min_workers)
+                    break  # all M, or as many as came within the start wait (>= min_workers)
                 time.sleep(0.5)  # the others are still starting
             start_identical(algo.model, comm, algo.ranks, self.init_sync)
             comm.commit(True, record=False)

@@ -230,6 +230,8 @@ class ElasticComm(Comm):
         shards: R, the ranks of every worker; default 1.
         store: with R > 1, a store the worker's ranks share (their own process group's),
             where rank 0 publishes the address of the worker's torchft store; default None.
+        start_wait: seconds the first quorum's members wait for all M workers before they
+            begin with those that came (``Algorithm.join``); default None: ``timeout``.
         **kwargs: passed to [`Comm`][loco.comm.comm.Comm] (``device``, ``name``,
             ``link``, ``abort_event``, ...).
     """
@@ -239,7 +241,8 @@ class ElasticComm(Comm):
 
     def __init__(self, worker: int, workers: int, lighthouse: str, min_workers: int,
                  timeout: float, host: str = "127.0.0.1", shard: int = 0, shards: int = 1,
-                 store: dist.Store | None = None, **kwargs: Any):
+                 store: dist.Store | None = None, start_wait: float | None = None,
+                 **kwargs: Any):
         super().__init__(None, 0, 1, **kwargs)
         self.lighthouse = lighthouse
         self.waiting = False
@@ -251,6 +254,7 @@ class ElasticComm(Comm):
         self.worker, self.workers, self.min_workers, self.timeout = (worker, workers,
                                                                       min_workers, timeout)
         self.shard = shard
+        self.start_wait = timeout if start_wait is None else start_wait
         store_host, store_port = self._worker_store(host, shard, shards, store, td)
         self._members_group = _group_class()(timeout=td)
         self._transport = _transport(host, td)

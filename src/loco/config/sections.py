@@ -219,12 +219,13 @@ def check_elastic(cfg) -> None:
     """``elastic``'s options only with it; ``lighthouse`` and ``worker_index`` together,
     the index in [0, ``workers``); no pipeline stages (nor a method's options that need a
     fixed group, e.g. ``eval_replicas``: the method's check);
-    ``min_workers`` in [1, ``workers``]. (Where its workers may start: the preflight step.)
+    ``min_workers`` in [1, ``workers``]; ``start_wait`` finite and > 0. (Where its workers
+    may start: the preflight step.)
 
     Raises:
         ConfigError: naming the option and what is allowed.
     """
-    for name in ("min_workers", "lighthouse", "worker_index"):
+    for name in ("min_workers", "lighthouse", "worker_index", "start_wait"):
         if cfg.option(name) is not None and not cfg.runtime.elastic:
             raise ConfigError(name, f"only means something with --elastic (got "
                               f"{cfg.option(name)})")
@@ -244,6 +245,9 @@ def check_elastic(cfg) -> None:
     if cfg.runtime.min_workers is not None and not 1 <= cfg.runtime.min_workers <= cfg.runtime.workers:
         raise ConfigError("min_workers", f"must be in [1, --workers {cfg.runtime.workers}] (got "
                           f"{cfg.runtime.min_workers})")
+    wait = cfg.runtime.start_wait
+    if wait is not None and not (math.isfinite(wait) and wait > 0):
+        raise ConfigError("start_wait", f"must be a number of seconds > 0 (got {wait})")
 
 
 @dataclass
@@ -531,6 +535,11 @@ class RuntimeOptions:
     min_workers: int | None = opt(None, "with --elastic: the fewest live workers a sync counts "
                                   "with; below it the workers wait (at most --comm-timeout) "
                                   "for more (default: a majority, workers // 2 + 1)")
+    start_wait: float | None = opt(None, "with --elastic: seconds the workers that start "
+                                   "together wait for all --workers before they begin with "
+                                   "those that came (at least --min-workers); a worker "
+                                   "started later joins the running job (default: "
+                                   "--comm-timeout)")
     lighthouse: str | None = opt(None, "with --elastic: the address (http://host:port) of a "
                                  "running torchft Lighthouse (torchft_lighthouse "
                                  "--min_replicas N); this process is then one worker, "

@@ -75,6 +75,9 @@ class Elastic:
             (one process per worker, on any machine); default None: ``launch`` starts the
             Lighthouse and every worker, as processes of this machine.
         worker: with ``lighthouse``: this process's worker index, in [0, M).
+        start_wait: seconds the workers that start together wait for all M before they
+            begin with those that came (at least ``min_workers``), > 0; default None: the
+            launch's ``timeout``.
     """
 
     min_workers: int | None = None
@@ -82,6 +85,7 @@ class Elastic:
     heartbeat_timeout: float = 1.0
     lighthouse: str | None = None
     worker: int | None = None
+    start_wait: float | None = None
 
     def check(self, workers: int) -> int:
         """Validate against M workers; returns the min_workers in effect.
@@ -100,6 +104,8 @@ class Elastic:
             raise ValueError(f"restarts must be an integer >= 0 (got {self.restarts!r})")
         if not self.heartbeat_timeout > 0:
             raise ValueError(f"heartbeat_timeout must be > 0 (got {self.heartbeat_timeout!r})")
+        if self.start_wait is not None and not self.start_wait > 0:
+            raise ValueError(f"start_wait must be > 0 (got {self.start_wait!r})")
         if (self.lighthouse is None) != (self.worker is None):
             raise ValueError("lighthouse and worker go together: this process is worker "
                              f"`worker` of the job of that Lighthouse (got lighthouse="
@@ -141,10 +147,10 @@ def launch_elastic(fn: Callable[..., Any], args: tuple, workers: int, timeout: f
     min_workers = spec.check(workers)
     lighthouse = start_lighthouse(min_workers, spec.heartbeat_timeout,
                                   join_timeout=timeout)
-    ctx = context(getattr(fn, "__module__", None))
+    ctx = context(getattr(fn, "__module__", None), "loco.comm.membership")  # every rank's
     job = _Job(ctx, _RankSpec(fn, args, workers, worker_ranks, lighthouse.address(),
                               min_workers, timeout, links, "127.0.0.1", ctx.Event(),
-                              dict(os.environ)))
+                              dict(os.environ), spec.start_wait))
     try:
         for w in range(workers):
             job.start(w, 0)
@@ -177,6 +183,8 @@ class _RankSpec:
             (then one still joining stops); None for a worker of an external Lighthouse.
         env: the supervisor's environment at launch, which every rank process (and every
             restart) adopts; None: keep the process's own.
+        start_wait: seconds the starting workers wait for all M (``Elastic.start_wait``);
+            None: ``timeout``.
     """
 
     fn: Callable[..., Any]
@@ -190,6 +198,7 @@ class _RankSpec:
     host: str
     job_over: Any = None
     env: dict | None = None
+    start_wait: float | None = None
 
 
 class _Job:
@@ -381,7 +390,7 @@ def run_worker(fn: Callable[..., Any], args: tuple, workers: int, timeout: float
             threading.Thread(target=_alone, args=(comm,), daemon=True,
                              name="loco-alone").start()
     job = _RankSpec(fn, args, workers, worker_ranks, spec.lighthouse, spec.check(workers),
-                    timeout, links, host)
+                    timeout, links, host, start_wait=spec.start_wait)
     return _run(job, (spec.worker, index), store, launcher, started=watch)
 
 
@@ -415,7 +424,7 @@ def _run(job: _RankSpec, key: tuple[int, int], store, launcher: str,
         if job.worker_ranks > 1 else (None, None, None))
     comm = ElasticComm(worker, job.workers, job.lighthouse, job.min_workers, job.timeout,
                        host=job.host, shard=shard, shards=job.worker_ranks, store=store,
-                       link=emulated(job.links[0]),
+                       link=emulated(job.links[0]), start_wait=job.start_wait,
                        stage_from=device if device.type != "cpu" else None)
     if started is not None:
         started(comm)

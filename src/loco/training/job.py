@@ -103,7 +103,8 @@ def launch_training(cfg: TrainConfig, corpus: Corpus) -> dict:
                      link=LinkSpec.parse(cfg.comm.link_bandwidth, cfg.comm.link_latency),
                      fast_link=LinkSpec.parse(cfg.comm.fast_link_bandwidth, cfg.comm.fast_link_latency),
                      elastic=Elastic(min_workers=cfg.runtime.min_workers, restarts=cfg.runtime.max_restarts,
-                                     lighthouse=cfg.runtime.lighthouse, worker=cfg.runtime.worker_index)
+                                     lighthouse=cfg.runtime.lighthouse, worker=cfg.runtime.worker_index,
+                                     start_wait=cfg.runtime.start_wait)
                      if cfg.runtime.elastic else None)
     # The lead rank's summary (under torchrun the list holds only this rank's value; in an
     # elastic run a worker lost for good has None).
