@@ -25,9 +25,10 @@ It writes ``gpu_check.json`` and ``gpu_check.md`` (the table) into ``--out`` and
 table last. Every section stops at the deadline (``--budget`` seconds in all) and a section
 that fails records its error and the rest go on.
 
-Without a GPU (``--dry-run``, the suite's test) every section runs on the CPU at a tiny size,
-with gloo and the host-read counter (``LOCO_HOST_READS=count``) instead of the sync-debug
-mode, to check the script itself.
+Without a GPU (``--dry-run``, the suite's test) every section runs on the CPU at a tiny size
+(once or twice where a GPU's section repeats), with gloo, one CPU thread per run and the
+host-read counter (``LOCO_HOST_READS=count``) instead of the sync-debug mode, to check the
+script itself.
 
     PYTHONPATH=src python benchmarks/gpu_check.py --out gpu-check      # on a GPU, ~6 min
     python benchmarks/gpu_check.py --dry-run --out /tmp/gpu-check       # the CPU dry run
@@ -139,7 +140,7 @@ def device_section(args, dev: torch.device) -> dict:
     n = (1 << 28) if dev.type == "cuda" else (1 << 22)  # 1 GiB of fp32 on a GPU
     x, y = torch.randn(n, device=dev), torch.empty(n, device=dev)
     info["copy_gbs"] = 2 * 4 * n / timed(lambda: y.copy_(x), dev, 10) / 1e9
-    size = 8192 if dev.type == "cuda" else 512
+    size = 8192 if dev.type == "cuda" else 128  # bf16 on a CPU: ~1 s a product of 512
     a, b = (torch.randn(size, size, device=dev, dtype=torch.bfloat16) for _ in range(2))
     info["matmul_tflops"] = 2 * size ** 3 / timed(lambda: a @ b, dev, 10) / 1e12
     return info
@@ -156,7 +157,7 @@ def mfu_section(args, dev: torch.device, env: dict) -> dict:
     from loco.model import Transformer, model_config, parameter_count
 
     name, vocab, seq, batch = ("1b", 32768, 2048, 4) if not args.dry_run else ("tiny", 512,
-                                                                                 64, 2)
+                                                                                 32, 1)
     cfg = model_config(name, vocab, seq)
     n = parameter_count(cfg)
     model = Transformer(cfg, torch.Generator().manual_seed(0)).to(dev)
@@ -185,7 +186,7 @@ def mfu_section(args, dev: torch.device, env: dict) -> dict:
             out["compile_seconds"] = time.perf_counter() - t0
         if dev.type == "cuda":
             torch.cuda.reset_peak_memory_stats(dev)
-        seconds = timed(run(module), dev, reps=10 if not args.dry_run else 3)
+        seconds = timed(run(module), dev, *((10, 2) if not args.dry_run else (1, 1)))
         row = {"tokens_per_second": batch * seq / seconds,
                "model_tflops": flops / seconds / 1e12}
         if peak:
@@ -309,8 +310,8 @@ def method_env(args, dev: torch.device) -> dict:
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "LOCO_HOST_READS": args.host_reads if dev.type == "cuda" else "count",
            "PYTHONWARNINGS": "always"}
-    if args.dry_run:
-        env["LOCO_GPU_CHECK_DRY"] = "1"
+    if args.dry_run:  # the tiny runs share the CPU --parallel at a time: one thread each
+        env.update(LOCO_GPU_CHECK_DRY="1", LOCO_CPU_THREADS="1")
     return env
 
 

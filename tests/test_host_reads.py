@@ -1,6 +1,7 @@
 """No inner step reads the device on the host (on a GPU such a read makes the CPU wait for
 every queued kernel, and the GPU idles): every method, with AdamW and with Muon inside, with
-workers of one rank and of two ranks (DDP-style and FSDP2 inside), built as ``loco train``
+workers of one rank, and with workers of two ranks (DDP-style and FSDP2 inside) every pair
+of method, optimizer and parallel (``TWO_RANK_CASES``, one launch), built as ``loco train``
 builds it (``Method.from_config``), on the GPU's code path (``LOCO_HOST_READS=count`` takes it
 on the CPU too) and counted by ``loco.comm.hostreads.HostReadCounter`` around every step:
 forward, backward, the algorithm's step. Reads are allowed only at a sync (``allowed("sync")``),
@@ -32,24 +33,34 @@ DiLoCo at each fragment's landing, SparseLoCo, SPARTA + DiLoCo), 3 (NoLoCo), one
 check with two ranks per worker; 0 for DeMo, SPARTA, DataParallel and Local."""
 
 
-def cases(names):
-    return [(name, opt) for name in names for opt in ("adamw", "muon")
+def cases(names, parallel="ddp"):
+    """Every (method, inner optimizer, parallel) of ``names`` with both optimizers."""
+    return [(name, opt, parallel) for name in names for opt in ("adamw", "muon")
             if not (name == "demo" and opt == "muon")]  # DeMo is its own optimizer
 
 
-def count_worker(ctx, names, parallel=None):
-    """Every (method, inner optimizer) of ``names`` in turn, STEPS steps each, the host reads
-    of every step by reason."""
+TWO_RANK_CASES = [(name, opt, parallel) for i, name in enumerate(SEVERAL_RANKS)
+                  for opt, parallel in ((("adamw", "ddp"), ("muon", "fsdp")) if i % 2 else
+                                        (("muon", "ddp"), ("adamw", "fsdp")))]
+"""Workers of two ranks: a covering design of the pairs, not the whole grid (one launch
+serves both): every method under DDP-style averaging and under FSDP2, every method with
+AdamW and with Muon, and both optimizers under each (Muon under FSDP2 with Streaming
+DiLoCo, NoLoCo and Local, under DDP-style averaging with DiLoCo, SparseLoCo and
+DataParallel)."""
+
+
+def count_worker(ctx, cases):
+    """Every (method, inner optimizer, parallel) of ``cases`` in turn, STEPS steps each, the
+    host reads of every step by reason."""
     from loco.config import TrainConfig, resolve
     from loco.runtime.fsdp import shard_worker
     from loco.training.build import make_optimizer
 
     out = {}
-    for name, opt in cases(names):
+    for name, opt, parallel in cases:
         cfg = resolve(TrainConfig(algorithm=name, inner_optimizer=opt, model="tiny",
                                   workers=ctx.workers, worker_ranks=ctx.worker_ranks,
-                                  worker_parallel=parallel or "ddp", sync_every=H,
-                                  steps=STEPS))
+                                  worker_parallel=parallel, sync_every=H, steps=STEPS))
         model = make_model()
         if parallel == "fsdp":
             shard_worker(model, ctx)
@@ -64,30 +75,45 @@ def count_worker(ctx, names, parallel=None):
                 algo.zero_grad()
                 steps.append(dict(counter.take()))
         algo.flush()
-        out[name, opt] = steps
+        out[name, opt, parallel] = steps
     return out
 
 
-def check(results):
+def check(results, parallel="ddp"):
+    """No read outside a sync, at most SYNC_READS at one, on every rank, in every case run
+    with ``parallel``."""
+    ran = 0
     for rank in results:
-        for (name, opt), steps in rank.items():
+        for (name, opt, how), steps in rank.items():
+            if how != parallel:
+                continue
+            ran += 1
             outside = [t + 1 for t, reads in enumerate(steps) if reads.get("step")]
             assert not outside, f"{name} with {opt}: host reads at steps {outside}"
             assert max(r.get("sync", 0) for r in steps) <= SYNC_READS, (name, opt, steps)
             assert set().union(*steps) <= {"sync", "host"}, (name, opt, steps)
+    assert ran, parallel
 
 
 def test_no_inner_step_reads_the_device_with_workers_of_one_rank(monkeypatch):
     monkeypatch.setenv(hostreads.MODE_ENV, "count")
-    check(loco.launch(count_worker, 2, args=(METHODS,)))
+    check(loco.launch(count_worker, 2, args=(cases(METHODS),)))
+
+
+@pytest.fixture(scope="module")
+def two_rank_reads():
+    """The reads of TWO_RANK_CASES: two workers of two ranks each, as processes."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv(hostreads.MODE_ENV, "count")
+        return loco.launch(count_worker, launcher="processes", mesh=loco.Mesh(2, 1, 2),
+                           args=(TWO_RANK_CASES,))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-def test_no_inner_step_reads_the_device_with_workers_of_two_ranks(parallel, monkeypatch):
-    monkeypatch.setenv(hostreads.MODE_ENV, "count")
-    check(loco.launch(count_worker, launcher="processes", mesh=loco.Mesh(2, 1, 2),
-                      args=(SEVERAL_RANKS, parallel)))
+def test_no_inner_step_reads_the_device_with_workers_of_two_ranks(parallel, two_rank_reads):
+    check(two_rank_reads, parallel)
+    assert len(two_rank_reads) == 4
 
 
 def test_the_counter_sees_each_kind_of_read_and_files_it_by_region():

@@ -223,10 +223,17 @@ def test_every_rank_torchrun_starts_gets_its_share_of_the_cores(monkeypatch):
     threads = []
     monkeypatch.setattr(torch, "set_num_threads", threads.append)
     monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    monkeypatch.delenv("LOCO_CPU_THREADS", raising=False)
     for ranks, want in (("1", 16), ("4", 4), ("32", 1)):
         monkeypatch.setenv("LOCAL_WORLD_SIZE", ranks)
         launch.share_cores()
         assert threads[-1] == want
+    monkeypatch.setenv("LOCO_CPU_THREADS", "3")  # given: whatever the ranks and cores
+    launch.share_cores()
+    assert threads[-1] == 3
+    monkeypatch.setenv("LOCO_CPU_THREADS", "0")
+    with pytest.raises(ValueError, match="LOCO_CPU_THREADS must be a whole number >= 1"):
+        launch.share_cores()
 
 
 @pytest.mark.parametrize("name", ["fp8_e4m3", "int8", "fp4_e3m0", "fp4_e2m1", "int2"])

@@ -39,7 +39,7 @@ from loco.runtime.context import (
     rank_device,
     worker_comms,
 )
-from loco.runtime.starter import adopt_environment, context
+from loco.runtime.starter import adopt_environment, context, cpu_threads
 from loco.runtime.vitals import DIR_ENV, death_note, read_vitals
 
 log = logging.getLogger("loco.elastic")
@@ -467,7 +467,7 @@ def _entry(job: _RankSpec, key: tuple[int, int], restart: int, port: int | None,
     if job.env is not None:
         adopt_environment(job.env)
     os.environ[RESTART_ENV] = str(restart)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // (job.workers * job.worker_ranks)))
+    torch.set_num_threads(cpu_threads(job.workers * job.worker_ranks))
     store = (dist.TCPStore("127.0.0.1", port, is_master=False,
                            timeout=datetime.timedelta(seconds=job.timeout))
              if port is not None else None)

@@ -59,7 +59,7 @@ from loco.runtime.context import (
     worker_comms,
 )
 from loco.runtime.elastic import Elastic, launch_elastic, run_worker
-from loco.runtime.starter import START_METHOD, adopt_environment, context
+from loco.runtime.starter import START_METHOD, adopt_environment, context, cpu_threads
 from loco.runtime.vitals import DIR_ENV, death_note, read_vitals
 
 LAUNCHERS = ("threads", "processes", "torchrun")
@@ -269,7 +269,7 @@ def _launch_threads(fn, args, mesh: Mesh, timeout: float, links: tuple) -> list:
 
     # One intra-op thread per worker when workers outnumber cores: more only oversubscribes.
     prev_threads = torch.get_num_threads()
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
+    torch.set_num_threads(cpu_threads(n))
 
     def body(rank: int):
         try:
@@ -377,9 +377,9 @@ def share_cores() -> None:
     """Give this process its share of the machine's cores for torch's CPU threads: the cores
     divided by the ranks started on this machine (``LOCAL_WORLD_SIZE``), at least one.
     torchrun sets ``OMP_NUM_THREADS=1`` in every rank it starts, which would leave an
-    offloaded outer step or a codec on the CPU to one core whatever the machine has."""
-    torch.set_num_threads(max(1, (os.cpu_count() or 1)
-                              // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
+    offloaded outer step or a codec on the CPU to one core whatever the machine has
+    (``$LOCO_CPU_THREADS`` instead when set: `cpu_threads`)."""
+    torch.set_num_threads(cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
 
 
 def _process_entry(env: dict, fn, args, stages: int, worker_ranks: int, timeout: float,

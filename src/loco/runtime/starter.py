@@ -28,6 +28,9 @@ would import on its own. ``torch._dynamo`` is imported by the first optimizer a 
 builds (``torch.optim.Optimizer.__init__``): 1.2 s of CPU in each rank, 5 s of wall for
 a job of 4 ranks on 2 cores, paid again by every restart; it starts no thread."""
 
+THREADS_ENV = "LOCO_CPU_THREADS"
+"""Set to a number: torch's CPU threads in every rank, whatever the machine's cores."""
+
 _ENV_AT_IMPORT = dict(os.environ)
 """This process's environment when this module was imported: in a forked rank, the server's
 (it imported the module before forking), or the rank's own before its starter changed it."""
@@ -47,6 +50,23 @@ def context(*modules: str):
     preload = ["torch", *PRELOAD, "loco.runtime.launch", *modules]
     mp.set_forkserver_preload([m for m in preload if m and m != "__main__"])
     return mp.get_context(START_METHOD)
+
+
+def cpu_threads(ranks: int) -> int:
+    """torch's intra-op CPU threads for each of ``ranks`` ranks on this machine: the
+    machine's cores divided by the ranks, at least one; ``$LOCO_CPU_THREADS`` instead when
+    set (e.g. 1 on a machine other jobs keep busy: there a rank's second thread makes
+    every operation wait for a core, and a tiny model's step takes ten times longer).
+
+    Raises:
+        ValueError: ``$LOCO_CPU_THREADS`` is set but not a whole number >= 1.
+    """
+    given = os.environ.get(THREADS_ENV)
+    if given:
+        if not given.isdigit() or int(given) < 1:
+            raise ValueError(f"{THREADS_ENV} must be a whole number >= 1 (got {given!r})")
+        return int(given)
+    return max(1, (os.cpu_count() or 1) // max(1, ranks))
 
 
 def adopt_environment(launcher_env: dict[str, str]) -> None:
