@@ -6,6 +6,9 @@ elastic's for ``processes``, and the elastic supervisor) start their ranks with
 multiprocessing's ``forkserver`` instead: the server is started once per Python process, it
 imports torch and the worker's module, and every rank (and every restart) is a fork of it.
 Like spawn, and unlike a plain fork, no rank inherits the launcher's threads or locks.
+The server also imports ``torch._dynamo``: torch imports it lazily on the first call of a
+function it keeps out of compilation, and every rank makes one (an optimizer's
+``add_param_group``, a DTensor's constructor), which cost each rank another 1.5 s of CPU.
 
 A fork of the server has the server's environment, taken when it started, not the
 launcher's at this launch. [`adopt_environment`][loco.runtime.starter.adopt_environment]
@@ -30,14 +33,14 @@ def context(*modules: str):
     """The multiprocessing context rank processes start from.
 
     Args:
-        modules: modules the server imports before its first fork besides torch and loco's
-            launchers (e.g. the worker function's); a module that fails to import is left
+        modules: modules the server imports before its first fork besides torch,
+            ``torch._dynamo`` and loco's launchers (e.g. the worker function's); a module that fails to import is left
             to the rank. They count only before the server starts, once per process.
 
     Returns:
         The ``forkserver`` context.
     """
-    preload = ["torch", "loco.runtime.launch", *modules]
+    preload = ["torch", "torch._dynamo", "loco.runtime.launch", *modules]
     mp.set_forkserver_preload([m for m in preload if m and m != "__main__"])
     return mp.get_context(START_METHOD)
 
