@@ -34,8 +34,9 @@ def context(*modules: str):
 
     Args:
         modules: modules the server imports before its first fork besides torch,
-            ``torch._dynamo`` and loco's launchers (e.g. the worker function's); a module that fails to import is left
-            to the rank. They count only before the server starts, once per process.
+            ``torch._dynamo`` and loco's launchers (e.g. the worker function's); a module
+            that fails to import is left to the rank. They count only before the server
+            starts, once per process.
 
     Returns:
         The ``forkserver`` context.
