@@ -119,11 +119,13 @@ print(split_fragments(Net(), 2))
 
 def test_fragments_are_the_same_in_every_process():
     """Equal-sized parameters outside the blocks (a Llama's input and output embeddings) are
-    placed in the model's order, not a set's, whose order changes with the hash seed."""
-    seen = {subprocess.run([sys.executable, "-c", FRAGMENTS_OF_TWIN_EMBEDDINGS], check=True,
-                           text=True, capture_output=True, env={"PYTHONHASHSEED": seed}).stdout
-            for seed in ("1", "4")}  # seeds that order the two names differently
-    assert len(seen) == 1
+    placed in the model's order, not a set's, whose order changes with the hash seed. (The
+    two processes run at once: each spends its time importing torch.)"""
+    runs = [subprocess.Popen([sys.executable, "-c", FRAGMENTS_OF_TWIN_EMBEDDINGS], text=True,
+                             stdout=subprocess.PIPE, env={"PYTHONHASHSEED": seed})
+            for seed in ("1", "4")]  # seeds that order the two names differently
+    seen = {run.communicate(timeout=300)[0] for run in runs}
+    assert [run.returncode for run in runs] == [0, 0] and len(seen) == 1
 
 
 def test_fresh_model_is_drawn_from_the_seed(models):

@@ -359,39 +359,36 @@ def test_staging_buffers_are_allocated_once_and_hold_the_state_at_the_stage():
     assert third["model"]["weight"].shape == (5,) and stager.nbytes == (5 + 2) * 4
 
 
-STAGE_DTENSOR = """
-import os, sys, torch, torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Shard
-from loco import checkpoint
-from loco.algorithms import method
-dist.init_process_group("gloo", store=dist.FileStore(sys.argv[1] + "/store", 1), rank=0,
-                        world_size=1)
-mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
-live = DTensor.from_local(torch.arange(6.0).view(2, 3), mesh, [Shard(0)])
-stager = checkpoint.Stager()
-first = stager.stage({"dcp": {"w": live}, "step": 1})["dcp"]["w"]
-assert type(first) is DTensor and first.placements == live.placements
-pointer = first.to_local().data_ptr()
-live.to_local().add_(1)
-assert not torch.equal(first.to_local(), live.to_local())  # a copy, not the live one
-second = stager.stage({"dcp": {"w": live}, "step": 2})["dcp"]["w"]
-assert second.to_local().data_ptr() == pointer and stager.nbytes == 6 * 4  # the same buffer
-assert torch.equal(second.to_local(), live.to_local())
-path = sys.argv[1] + "/worker"
-checkpoint.save_worker(path, {"w": second})
-assert torch.equal(checkpoint.read_worker(path)["w"], live.full_tensor())
-print("ok")
-"""
+def stage_dtensor(ctx, path):
+    """Stage a DTensor twice, then save it through DCP and read it back (a rank of its own:
+    the launcher made its one-rank gloo group)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("shard",))
+    live = DTensor.from_local(torch.arange(6.0).view(2, 3), mesh, [Shard(0)])
+    stager = checkpoint.Stager()
+    first = stager.stage({"dcp": {"w": live}, "step": 1})["dcp"]["w"]
+    assert type(first) is DTensor and first.placements == live.placements
+    pointer = first.to_local().data_ptr()
+    live.to_local().add_(1)
+    assert not torch.equal(first.to_local(), live.to_local())  # a copy, not the live one
+    second = stager.stage({"dcp": {"w": live}, "step": 2})["dcp"]["w"]
+    assert second.to_local().data_ptr() == pointer and stager.nbytes == 6 * 4  # same buffer
+    assert torch.equal(second.to_local(), live.to_local())
+    checkpoint.save_worker(path, {"w": second})
+    assert torch.equal(checkpoint.read_worker(path)["w"], live.full_tensor())
+    return "ok"
 
 
 def test_a_dtensor_is_staged_into_a_buffer_allocated_once(tmp_path):
     """FSDP2's shards (DTensors) are staged like any tensor: their local shard into a
     buffer allocated at the first checkpoint and reused, wrapped with the live DTensor's
-    placements, and DCP saves that copy (a one-rank gloo group in a process of its own)."""
-    run = subprocess.run([sys.executable, "-c", STAGE_DTENSOR, str(tmp_path)],
-                         capture_output=True, text=True, timeout=300)
-    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+    placements, and DCP saves that copy (a one-rank gloo group in a process of its own:
+    a rank of the processes launcher, forked from its server rather than a fresh Python)."""
+    from loco import launch
+
+    assert launch(stage_dtensor, 1, "processes", args=(str(tmp_path / "worker"),)) == ["ok"]
 
 
 @pytest.mark.parametrize("interval, expected", [("0.001s", [4, 8, 12, 16]), ("1h", [16])])
@@ -503,6 +500,13 @@ def _set_event() -> threading.Event:
     return e
 
 
+def freed_memory_returned(ctx) -> bool:
+    """``return_freed_memory()``'s answer in a rank process."""
+    from loco.runtime.vitals import return_freed_memory
+
+    return return_freed_memory()
+
+
 def test_large_models_return_freed_memory_to_the_kernel(corpus, tmp_path, monkeypatch):
     """glibc's fixed mmap threshold is set for a model of LARGE_MODEL_BYTES or more of
     parameters (here the bar is lowered to the tiny model's size), not for a smaller one;
@@ -512,8 +516,9 @@ def test_large_models_return_freed_memory_to_the_kernel(corpus, tmp_path, monkey
     from loco.training import build
 
     if sys.platform.startswith("linux"):  # in a process of its own: it lasts for the process
-        code = "from loco.runtime.vitals import return_freed_memory as r; assert r() is True"
-        assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+        from loco import launch
+
+        assert launch(freed_memory_returned, 1, "processes") == [True]
     calls = []
     monkeypatch.setattr(build, "return_freed_memory", lambda: calls.append(1) or True)
     argv = job(corpus, tmp_path / "a", "--steps", "4", "--checkpoint-every", "0")
