@@ -9,7 +9,6 @@ import datetime
 import json
 import os
 import socket
-import subprocess
 import sys
 import textwrap
 
@@ -218,16 +217,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _exec_script(script: str, argv: list[str], out: str) -> None:
+    """A rank of ``_run_pair``: ``script`` run as ``__main__`` with ``argv``, its output to
+    ``out`` (.stdout, .stderr)."""
+    sys.argv = ["-c", *argv]
+    sys.stdout, sys.stderr = open(out + ".stdout", "w", buffering=1), open(out + ".stderr", "w")
+    exec(compile(script, "<script>", "exec"), {"__name__": "__main__"})
+
+
 def _run_pair(script: str, argvs: list[list[str]], timeout: float = 120) -> list[str]:
-    """Run ``script`` in one process per argv, at once; their stdout, in order."""
-    procs = [subprocess.Popen([sys.executable, "-c", script, *argv], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for argv in argvs]
-    outs = []
-    for p in procs:
-        out, err = p.communicate(timeout=timeout)
-        assert p.returncode == 0, err[-3000:]
-        outs.append(out)
-    return outs
+    """Run ``script`` in one process per argv, at once; their stdout, in order. Each is a
+    process of its own forked from loco's rank server (torch already imported there), as a
+    rank of the processes launcher is; a fresh ``python -c`` would only add the imports."""
+    import tempfile
+
+    from loco.runtime import starter
+
+    ctx = starter.context()
+    with tempfile.TemporaryDirectory() as td:
+        outs = [os.path.join(td, str(i)) for i in range(len(argvs))]
+        procs = [ctx.Process(target=_exec_script, args=(script, argv, out))
+                 for argv, out in zip(argvs, outs)]
+        for p in procs:
+            p.start()
+        try:
+            for p, out in zip(procs, outs):
+                p.join(timeout)
+                assert p.exitcode == 0, open(out + ".stderr").read()[-3000:]
+        finally:
+            for p in procs:
+                p.kill()
+        return [open(out + ".stdout").read() for out in outs]
 
 
 def test_a_stranger_process_that_knows_the_address_is_refused(tmp_path):
