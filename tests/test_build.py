@@ -62,8 +62,22 @@ def built_worker(ctx, models: dict[str, str], block: int):
         built = build_model(config(model, ctx.worker_ranks), ctx, VOCAB)
         out[key] = {"tensors": whole(built),
                     "sharded": sorted(n for n, p in built.named_parameters()
-                                      if hasattr(p, "placements"))}
+                                      if hasattr(p, "placements")),
+                    "over": {p.device_mesh.size() for p in built.parameters()
+                             if hasattr(p, "placements")}}
     return out
+
+
+def built_workers(ctx, models: dict[str, str], block: int):
+    """`built_worker` on this rank of a worker of 4 ranks (``ctx``), then as a rank of a
+    worker of 2: ranks 0 and 1, and 2 and 3, each pair a worker sharded over a device mesh
+    of its own (what ``ctx`` holds for a worker of 2 ranks). One launch for both sizes."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    pairs = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pair", "shard"))
+    two = SimpleNamespace(device_mesh=pairs, device=ctx.device, worker_ranks=2,
+                          inner=SimpleNamespace(size=2, account=lambda *a: None))
+    return {4: built_worker(ctx, models, block), 2: built_worker(two, models, block)}
 
 
 @pytest.fixture(scope="module")
@@ -89,17 +103,23 @@ def equal(a: dict, b: dict) -> list[str]:
     return [n for n in a if not torch.equal(a[n], b[n])]
 
 
+@pytest.fixture(scope="module")
+def sharded(models):
+    """What every rank of a worker of 4 ranks builds, and of a worker of 2 (processes)."""
+    return loco.launch(built_workers, mesh=loco.Mesh(1, 1, 4), launcher="processes",
+                       args=(models, BLOCK))
+
+
 @pytest.mark.parametrize("ranks", [2, 4])
-def test_fsdp_shards_equal_the_unsharded_model_bit_for_bit(models, unsharded, ranks):
+def test_fsdp_shards_equal_the_unsharded_model_bit_for_bit(models, unsharded, sharded, ranks):
     """Every rank of a worker of R ranks builds on meta, shards, and draws only its rows;
     gathered, the parameters (and the recomputed rotary tables) are the R = 1 model's, bit
     for bit: the built-in model, a GQA Llama with tied embeddings, a GPT-2."""
-    out = loco.launch(built_worker, mesh=loco.Mesh(1, 1, ranks), launcher="processes",
-                      args=(models, BLOCK))
-    for rank in out:
+    for rank in sharded:
         for key in models:
-            assert rank[key]["sharded"], key  # FSDP2 really sharded it
-            assert equal(rank[key]["tensors"], unsharded[key]["tensors"]) == [], key
+            assert rank[ranks][key]["sharded"], key  # FSDP2 really sharded it
+            assert rank[ranks][key]["over"] == {ranks}, key  # over the worker's R ranks
+            assert equal(rank[ranks][key]["tensors"], unsharded[key]["tensors"]) == [], key
 
 
 def test_the_reference_is_drawn_and_tied(unsharded):
