@@ -262,10 +262,11 @@ def _steps(cfg: TrainConfig, algo, steps: int, comms: list[DryComm], plan=None) 
     """``steps`` inner steps of ``algo``, then ``flush``. Each step is the loop's: a forward
     and backward pass (`Passes`), ``step()``, ``zero_grad()``; with speed-aware local steps
     (``plan``), the plan's bookkeeping and its gathers of the step times, every worker as
-    fast as the others. After the first step the inner optimizer's state exists and later
-    inner updates change no size, so their arithmetic (clipping, the optimizer's step) is
-    skipped."""
+    fast as the others. Clipping keeps no state: its arithmetic is skipped (the norm is
+    0); after the first step the inner optimizer's state exists and later inner updates
+    change no size, so the optimizer's step is skipped too."""
     passes = Passes(cfg, algo, comms)
+    algo.clip_gradients = _zero_norm
     for t in range(1, steps + 1):
         for c in comms:
             c.step = t
@@ -280,7 +281,6 @@ def _steps(cfg: TrainConfig, algo, steps: int, comms: list[DryComm], plan=None) 
                 plan.trained(STEP_SECONDS)
         if t == 1:
             algo.inner_optimizer.step = _no_step
-            algo.clip_gradients = _zero_norm
         if plan is not None:
             plan.tick_done(comms[0], t)
     for c in comms:
