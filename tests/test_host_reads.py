@@ -23,9 +23,10 @@ METHODS = ("diloco", "streaming", "sparseloco", "noloco", "demo", "sparta", "spa
            "ddp", "local")
 SEVERAL_RANKS = ("diloco", "streaming", "sparseloco", "noloco", "ddp", "local")
 """The methods that take workers of several ranks (DeMo and SPARTA refuse them)."""
-H, STEPS = 2, 5
-"""Each case's schedule: syncs at steps 2 and 4 (the first, and one on the steady path with
-the outer state in place), inner steps 1, 3 and 5 around them."""
+H, STEPS = 2, 4
+"""Each case's schedule: every kind of step once, in order: an inner step before any sync
+(1), the first sync (2), an inner step after a sync (3), a sync on the steady path, with the
+outer state in place (4)."""
 SCHEDULE = {"streaming": (4, 7)}
 """(H, steps) where the default does not fit: Streaming DiLoCo's two fragments with tau = 1
 need H = 4 (tau < H / P): fragment 0 sent at steps 2 and 6 and landed at 3 and 7, fragment 1
