@@ -24,7 +24,9 @@ def gpu_check():
 @pytest.mark.slow
 def test_the_dry_run_runs_every_section_and_writes_the_table(gpu_check, tmp_path):
     out = tmp_path / "check"
-    res = gpu_check.main(["--dry-run", "--out", str(out), "--methods", "diloco,demo,noloco",
+    # One method run under torchrun (each is two fresh Pythons, ~5 s of CPU): DiLoCo, first,
+    # alone; NoLoCo, after it in the pool, is turned down for want of a second worker.
+    res = gpu_check.main(["--dry-run", "--out", str(out), "--methods", "diloco,noloco",
                           "--parallel", "2"])
     assert set(res) == {"device", "mfu", "codecs", "overlap", "methods"}
     assert not [name for name, sec in res.items() if "error" in sec], res
@@ -32,10 +34,9 @@ def test_the_dry_run_runs_every_section_and_writes_the_table(gpu_check, tmp_path
     assert all(r["eager"]["encode_gbs"] > 0 for r in res["codecs"]["codecs"].values())
     rows = res["methods"]["methods"]
     assert res["methods"]["mode"] == "count"
-    for name in ("diloco", "demo"):
-        assert rows[name]["returncode"] == 0 and rows[name]["final_eval_loss"] > 0
-        (per_step, per_sync), = rows[name]["host_reads"]
-        assert per_step == 0 and per_sync is not None
+    assert rows["diloco"]["returncode"] == 0 and rows["diloco"]["final_eval_loss"] > 0
+    (per_step, per_sync), = rows["diloco"]["host_reads"]
+    assert per_step == 0 and per_sync is not None
     assert "needs 2 workers" in rows["noloco"]["skipped"]
     saved = json.loads((out / "gpu_check.json").read_text())["methods"]
     assert saved == json.loads(json.dumps(res["methods"]))

@@ -23,7 +23,14 @@ METHODS = ("diloco", "streaming", "sparseloco", "noloco", "demo", "sparta", "spa
            "ddp", "local")
 SEVERAL_RANKS = ("diloco", "streaming", "sparseloco", "noloco", "ddp", "local")
 """The methods that take workers of several ranks (DeMo and SPARTA refuse them)."""
-STEPS, H = 9, 4
+H, STEPS = 2, 4
+"""Each case's schedule: every kind of step once, in order: an inner step before any sync
+(1), the first sync (2), an inner step after a sync (3), a sync on the steady path, with the
+outer state in place (4)."""
+SCHEDULE = {"streaming": (4, 7)}
+"""(H, steps) where the default does not fit: Streaming DiLoCo's two fragments with tau = 1
+need H = 4 (tau < H / P): fragment 0 sent at steps 2 and 6 and landed at 3 and 7, fragment 1
+sent at 4 and landed at 5."""
 SYNC_READS = 5
 """The most reads one sync step may make: the skips counted on the device since the last
 (one read of both counts), and whether the averaged pseudo-gradient is finite (one read;
@@ -50,17 +57,18 @@ DataParallel)."""
 
 
 def count_worker(ctx, cases):
-    """Every (method, inner optimizer, parallel) of ``cases`` in turn, STEPS steps each, the
-    host reads of every step by reason."""
+    """Every (method, inner optimizer, parallel) of ``cases`` in turn, on its schedule
+    (``SCHEDULE``, else ``H`` and ``STEPS``), the host reads of every step by reason."""
     from loco.config import TrainConfig, resolve
     from loco.runtime.fsdp import shard_worker
     from loco.training.build import make_optimizer
 
     out = {}
     for name, opt, parallel in cases:
+        h, n = SCHEDULE.get(name, (H, STEPS))
         cfg = resolve(TrainConfig(algorithm=name, inner_optimizer=opt, model="tiny",
                                   workers=ctx.workers, worker_ranks=ctx.worker_ranks,
-                                  worker_parallel=parallel, sync_every=H, steps=STEPS))
+                                  worker_parallel=parallel, sync_every=h, steps=n))
         model = make_model()
         if parallel == "fsdp":
             shard_worker(model, ctx)
@@ -68,7 +76,7 @@ def count_worker(ctx, cases):
                                       ctx.inner)
         steps = []
         with hostreads.HostReadCounter() as counter:
-            for t in range(STEPS):
+            for t in range(n):
                 x, y = batch(ctx.worker * ctx.worker_ranks + ctx.worker_rank, t)
                 model(x, y).backward()
                 algo.step()
