@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from test_cli import small_run
-from workers import batch, make_model, max_diff, params_of, smooth_optimizer, ulps
+from workers import batch, make_model, max_diff, once, params_of, smooth_optimizer, ulps
 
 import loco
 from loco.algorithms.asynchronous import BlockStarts
@@ -407,7 +407,7 @@ def test_speed_aware_local_steps_match_the_box(fragments, overlap, alpha):
     the H ticks up to its send; a worker with none there (worker 2 at tick 18) weighs 0 and
     still takes the new global copy."""
     out = loco.launch(planned, 3, args=(AWARE_STEPS, AWARE_ROUNDS, fragments, overlap, alpha))
-    compare(out, reference(AWARE_STEPS, AWARE_TICKS, fragments, overlap, alpha))
+    compare(out, once(reference, AWARE_STEPS, AWARE_TICKS, fragments, overlap, alpha))
 
 
 @pytest.mark.numerics
@@ -416,7 +416,7 @@ def test_asynchronous_outer_steps_match_the_box(staleness):
     """DiLoCo with asynchronous outer steps, S = 1 and 2: the table's blocks merge from the
     global copy they began at, token-weighted among those ending at the same sync."""
     out = loco.launch(planned, 3, args=(ASYNC_STEPS, ASYNC_ROUNDS, 1, 0, 0.0, staleness))
-    compare(out, reference(ASYNC_STEPS, ASYNC_TICKS, blocks=BLOCKS[staleness]))
+    compare(out, once(reference, ASYNC_STEPS, ASYNC_TICKS, blocks=BLOCKS[staleness]))
 
 
 def _spread_first_round(orig):
@@ -464,15 +464,16 @@ MISTAKES = {  # name -> (the class, its method replaced, the replacement given t
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_a_planted_mistake_is_caught(mistake, monkeypatch):
     """Each mistake, planted in the library for the run, takes the global copy far outside
-    the tolerance of the box's reference: the reference can fail."""
+    the tolerance of the box's reference: the reference can fail. (The references are the
+    box tests' above, computed once: they do not depend on the library.)"""
     cls, method, replace = MISTAKES[mistake]
     monkeypatch.setattr(cls, method, replace(getattr(cls, method)))
     if mistake.startswith("speed-aware"):
         out = loco.launch(planned, 3, args=(AWARE_STEPS, AWARE_ROUNDS))
-        ref = reference(AWARE_STEPS, AWARE_TICKS)
+        ref = once(reference, AWARE_STEPS, AWARE_TICKS, 1, 0, 0.0)
     else:
         out = loco.launch(planned, 3, args=(ASYNC_STEPS, ASYNC_ROUNDS, 1, 0, 0.0, 1))
-        ref = reference(ASYNC_STEPS, ASYNC_TICKS, blocks=BLOCKS[1])
+        ref = once(reference, ASYNC_STEPS, ASYNC_TICKS, blocks=BLOCKS[1])
     assert max(max_diff(got, ref) for got in out) > ulps(ref, 1e4)
 
 
