@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 from test_cli import small_run
-from workers import batch, make_model, max_diff, params_of, smooth_optimizer, ulps
+from workers import batch, make_model, max_diff, once, params_of, smooth_optimizer, ulps
 
 import loco
 from loco.algorithms.asynchronous import BlockStarts
@@ -306,31 +306,35 @@ AWARE_TICKS = [  # the ticks each worker trains
     [1, 2, 3, 4, 5, 14, 16, 18, 20, 22, 24, 27, 30, 33, 36, 37, 38, 39, 40, 41],
     [1, 2, 3, 24, *range(25, 37), 37, 38, 39, 40, 41]]  # (no tick in 7..18: weight 0 at 18)
 
-ASYNC_STEPS = 5 * UH
-ASYNC_ROUNDS = [[12, 8, 5], [12, 6, 4], [12, 6, 4], [12, 6, 4], [12, 12, 4]]
+# Asynchronous outer steps, one fragment: rounds of H = 6 are enough. Worker 1's blocks end
+# holding more than H (7 at round 1) and exactly H; worker 2's at S + 1 rounds (S = 1), at
+# both at once (S = 2, round 2: 7 steps in 3 rounds), and at the run's last round.
+ASYNC_H = 6
+ASYNC_STEPS = 5 * ASYNC_H
+ASYNC_ROUNDS = [[6, 4, 3], [6, 3, 2], [6, 3, 2], [6, 3, 2], [6, 6, 2]]
 ASYNC_TICKS = [
-    range(1, 61),
-    [*range(1, 9), *range(14, 49, 2), *range(49, 61)],
-    [1, 2, 3, 4, 5, *range(15, 61, 3)]]
+    range(1, 31),
+    [*range(1, 5), *range(8, 25, 2), *range(25, 31)],
+    [1, 2, 3, *range(9, 31, 3)]]
 BLOCKS = {  # S -> every worker's blocks: {the round whose sync ends one: its steps}
-    1: [dict.fromkeys(range(5), 12), {1: 14, 3: 12, 4: 12}, {1: 9, 3: 8, 4: 4}],
-    2: [dict.fromkeys(range(5), 12), {1: 14, 3: 12, 4: 12}, {2: 13, 4: 8}]}
+    1: [dict.fromkeys(range(5), 6), {1: 7, 3: 6, 4: 6}, {1: 5, 3: 4, 4: 2}],
+    2: [dict.fromkeys(range(5), 6), {1: 7, 3: 6, 4: 6}, {2: 7, 4: 4}]}
 # Rounding: the reference sums Σ n_m Δ_m / N by name; loco weighs each Δ_m by M n_m / N and
 # averages, and its outer step and merge are fused kernels: an ulp or two of the values,
 # which the inner AdamW (eps 1e-3: tests/workers.py) carries on without blowing them up.
 UTOL = 16
 
 
-def planned(ctx, steps, rounds, fragments=1, overlap=0, alpha=0.0, staleness=0):
-    """DiLoCo (P = 1) or Streaming DiLoCo on the test model, AdamW with eps 1e-3, its ticks
-    and weights from loco's plan of ``rounds``; returns the global copy."""
+def planned(ctx, steps, rounds, fragments=1, overlap=0, alpha=0.0, staleness=0, h=UH):
+    """DiLoCo (P = 1) or Streaming DiLoCo on the test model, AdamW with eps 1e-3, H = ``h``,
+    its ticks and weights from loco's plan of ``rounds``; returns the global copy."""
     model = make_model(layers=4)
-    kw = dict(sync_every=UH, codec="fp32", outer_lr=OUTER_LR, outer_momentum=OUTER_MU)
+    kw = dict(sync_every=h, codec="fp32", outer_lr=OUTER_LR, outer_momentum=OUTER_MU)
     algo = (loco.DiLoCo(model, smooth_optimizer(model), ctx.comm, **kw) if fragments == 1 else
             loco.StreamingDiLoCo(model, smooth_optimizer(model), ctx.comm, fragments=fragments,
                                  overlap=overlap, alpha=alpha, **kw))
-    plan = LocalSteps(UH, ctx.comm.size, ctx.rank, rounds=rounds, max_staleness=staleness,
-                            last_round=steps // UH - 1)
+    plan = LocalSteps(h, ctx.comm.size, ctx.rank, rounds=rounds, max_staleness=staleness,
+                      last_round=steps // h - 1)
     algo.pacing.weight_of = plan.weight
     if staleness:
         algo.keep_block_starts()
@@ -346,9 +350,9 @@ def planned(ctx, steps, rounds, fragments=1, overlap=0, alpha=0.0, staleness=0):
     return params_of(algo.global_parameters())
 
 
-def reference(steps, ticks, fragments=1, overlap=0, alpha=0.0, blocks=None):
-    """The boxes above in one process, the workers training at ``ticks``; with ``blocks``,
-    asynchronous outer steps (one fragment). Returns the global copy by name."""
+def reference(steps, ticks, fragments=1, overlap=0, alpha=0.0, blocks=None, h=UH):
+    """The boxes above in one process, H = ``h``, the workers training at ``ticks``; with
+    ``blocks``, asynchronous outer steps (one fragment). Returns the global copy by name."""
     M = len(ticks)
     models = [make_model(layers=4) for _ in range(M)]
     opts = [smooth_optimizer(m) for m in models]
@@ -367,13 +371,13 @@ def reference(steps, ticks, fragments=1, overlap=0, alpha=0.0, blocks=None):
                 opts[m].step()
                 opts[m].zero_grad()
                 held[m] += 1
-        p = SENDS[fragments].get(t % UH)
+        p = SENDS[fragments].get(t % h)
         if p is not None:
             if blocks is None:
-                n = [sum(t - UH < u <= t for u in ticks[m]) for m in range(M)]
+                n = [sum(t - h < u <= t for u in ticks[m]) for m in range(M)]
                 origin, merged = [glob] * M, range(M)
             else:
-                n = [blocks[m].get(t // UH - 1, 0) for m in range(M)]
+                n = [blocks[m].get(t // h - 1, 0) for m in range(M)]
                 origin, merged = start, [m for m in range(M) if n[m]]
                 assert all(n[m] == held[m] for m in merged), "the tables disagree"
             with torch.no_grad():
@@ -407,7 +411,7 @@ def test_speed_aware_local_steps_match_the_box(fragments, overlap, alpha):
     the H ticks up to its send; a worker with none there (worker 2 at tick 18) weighs 0 and
     still takes the new global copy."""
     out = loco.launch(planned, 3, args=(AWARE_STEPS, AWARE_ROUNDS, fragments, overlap, alpha))
-    compare(out, reference(AWARE_STEPS, AWARE_TICKS, fragments, overlap, alpha))
+    compare(out, once(reference, AWARE_STEPS, AWARE_TICKS, fragments, overlap, alpha))
 
 
 @pytest.mark.numerics
@@ -415,8 +419,10 @@ def test_speed_aware_local_steps_match_the_box(fragments, overlap, alpha):
 def test_asynchronous_outer_steps_match_the_box(staleness):
     """DiLoCo with asynchronous outer steps, S = 1 and 2: the table's blocks merge from the
     global copy they began at, token-weighted among those ending at the same sync."""
-    out = loco.launch(planned, 3, args=(ASYNC_STEPS, ASYNC_ROUNDS, 1, 0, 0.0, staleness))
-    compare(out, reference(ASYNC_STEPS, ASYNC_TICKS, blocks=BLOCKS[staleness]))
+    out = loco.launch(planned, 3, args=(ASYNC_STEPS, ASYNC_ROUNDS, 1, 0, 0.0, staleness,
+                                       ASYNC_H))
+    compare(out, once(reference, ASYNC_STEPS, ASYNC_TICKS, blocks=BLOCKS[staleness],
+                      h=ASYNC_H))
 
 
 def _spread_first_round(orig):
@@ -464,15 +470,16 @@ MISTAKES = {  # name -> (the class, its method replaced, the replacement given t
 @pytest.mark.parametrize("mistake", MISTAKES)
 def test_a_planted_mistake_is_caught(mistake, monkeypatch):
     """Each mistake, planted in the library for the run, takes the global copy far outside
-    the tolerance of the box's reference: the reference can fail."""
+    the tolerance of the box's reference: the reference can fail. (The references are the
+    box tests' above, computed once: they do not depend on the library.)"""
     cls, method, replace = MISTAKES[mistake]
     monkeypatch.setattr(cls, method, replace(getattr(cls, method)))
     if mistake.startswith("speed-aware"):
         out = loco.launch(planned, 3, args=(AWARE_STEPS, AWARE_ROUNDS))
-        ref = reference(AWARE_STEPS, AWARE_TICKS)
+        ref = once(reference, AWARE_STEPS, AWARE_TICKS, 1, 0, 0.0)
     else:
-        out = loco.launch(planned, 3, args=(ASYNC_STEPS, ASYNC_ROUNDS, 1, 0, 0.0, 1))
-        ref = reference(ASYNC_STEPS, ASYNC_TICKS, blocks=BLOCKS[1])
+        out = loco.launch(planned, 3, args=(ASYNC_STEPS, ASYNC_ROUNDS, 1, 0, 0.0, 1, ASYNC_H))
+        ref = once(reference, ASYNC_STEPS, ASYNC_TICKS, blocks=BLOCKS[1], h=ASYNC_H)
     assert max(max_diff(got, ref) for got in out) > ulps(ref, 1e4)
 
 
