@@ -81,6 +81,11 @@ def test_goodput_of_the_synchronous_barrier_is_the_slowest_share():
     # the lead's 2 s of evaluation, which the other waited out (blocked), leave the wall
     g = goodput([counters(10, 0, 10, 10), counters(12, 2, 10, 10)], [[0], [1]], held=2)
     assert g["total"] == 1.0
+    # worker 1 reached that sync 1.5 s late and waited only 0.5 s of the 2: busy 11.5 s,
+    # more than the 10 s left once the evaluation is out; the wall is then its busy time
+    # (goodput above 1 before), and the lead's share is 10 / 11.5
+    g = goodput([counters(10, 0, 10, 10), counters(12, 0.5, 10, 10)], [[0], [1]], held=2)
+    assert g["per_worker"] == [round(10 / 11.5, 4), 1.0] and g["step_seconds"] == [1.0, 1.15]
 
 
 def test_a_worker_trains_the_steps_that_fit_into_the_fastest_ones_round():

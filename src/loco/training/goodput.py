@@ -16,9 +16,15 @@ def goodput(counters: list[dict], ranks_of_worker: list[list[int]], held: float 
 
     A rank's step time when it does not wait is its training time less the time it was
     blocked on communication, over the steps it trained; in the run's wall time (the
-    slowest rank's training time, less ``held``) it could have trained ``wall / that``
-    steps. Goodput is the steps applied (trained, less those skipped or discarded) over
-    those capacities.
+    slowest rank's training time, less ``held``, and never less than any rank's busy time)
+    it could have trained ``wall / that`` steps. Goodput is the steps applied (trained,
+    less those skipped or discarded) over those capacities: at most 1, since a rank
+    applies no more steps than it trains and is busy no longer than the wall time.
+
+    ``held`` is taken out because the other workers wait it out at their next sync; a
+    worker that reaches that sync late (slower, or on a loaded machine) waits less than
+    ``held``, and without the floor its busy time would exceed the wall time (goodput
+    above 1).
 
     Args:
         counters: every rank's counters, with ``train_seconds``, ``blocked_seconds``,
@@ -32,13 +38,13 @@ def goodput(counters: list[dict], ranks_of_worker: list[list[int]], held: float 
         ``total`` and ``per_worker`` (fractions; None where a rank trained nothing) and
             ``step_seconds`` (each worker's step time when not waiting, its slowest rank's).
     """
-    wall = max(c["train_seconds"] for c in counters) - held
+    busy = [c["train_seconds"] - c["blocked_seconds"] for c in counters]
+    wall = max(max(c["train_seconds"] for c in counters) - held, *busy)
 
-    def capacity(c: dict) -> float | None:
-        busy = c["train_seconds"] - c["blocked_seconds"]
+    def capacity(c: dict, busy: float) -> float | None:
         return wall * c["trained_steps"] / busy if busy > 0 and c["trained_steps"] else None
 
-    caps = [capacity(c) for c in counters]
+    caps = [capacity(c, b) for c, b in zip(counters, busy)]
     per_worker, step_seconds = [], []
     for ranks in ranks_of_worker:
         cap = [caps[r] for r in ranks]
