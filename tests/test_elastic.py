@@ -88,9 +88,10 @@ def test_survivors_finish_without_the_lost_worker(where, kill_step, lost_from, s
 def test_a_restarted_worker_rejoins_from_a_peer_bit_for_bit():
     # Steps slowed to 0.45 s while worker 3 is missing (only then), so that the restarted
     # process (forked from the warm server: about a second to start) joins mid-run, with
-    # some 12 s to spare on a loaded machine (the 27 steps after the loss, slowed).
+    # some 12 s to spare on a loaded machine (the 27 steps after the loss, slowed). A model
+    # of 2 layers, a fragment of each (the optimizer's steps cost per parameter).
     steps = 48
-    out = run((3, 20, "reduction"), restarts=1, steps=steps, step_seconds=0.45)
+    out = run((3, 20, "reduction"), restarts=1, steps=steps, step_seconds=0.45, layers=2)
     joiner, peers = out[3], out[:3]
     assert joiner["joined"] and 20 < joiner["start"] < steps
     s = joiner["join_sync"]
@@ -101,7 +102,7 @@ def test_a_restarted_worker_rejoins_from_a_peer_bit_for_bit():
     assert s == 20 or all(torch.equal(joiner["after_join"][n], v)
                           for n, v in peers[0]["sent"][s].items())
     assert_same_bits(out)
-    ref = reference_streaming(M, steps, H, P, TAU, ALPHA, lost={3: 20},
+    ref = reference_streaming(M, steps, H, P, TAU, ALPHA, layers=2, lost={3: 20},
                               rejoin={3: (s, joiner["start"])})
     assert max_diff(joiner["params"], ref) < TOL
     syncs = {at: rec for at, rec in zip([x["step"] for x in peers[0]["sync_log"]],
@@ -276,20 +277,22 @@ def test_asynchronous_outer_steps_go_on_when_a_slow_worker_is_lost_and_rejoins()
     the new global copy and starts its blocks with the next round. The same global model
     as the reference's, on every worker."""
     # 8 rounds; steps slowed to 0.3 s while worker 3 is missing: some 11 s for its restart
-    # to join (the 39 steps after the loss), which leaves it rounds for blocks after the join
+    # to join (the 39 steps after the loss), which leaves it rounds for blocks after the join;
+    # a model of 2 layers (one fragment: the whole model)
     steps = 64
     plan = [[8, 8, 8, 8]] + [[8, 8, 4, 2]] * 7
     algo = dict(sync_every=H, fragments=1, overlap=0, alpha=0.0, codec="fp32",
                 plan=plan, max_staleness=2)
-    out = run((3, 20, "reduction"), restarts=1, steps=steps, algo=algo, step_seconds=0.3)
+    out = run((3, 20, "reduction"), restarts=1, steps=steps, algo=algo, step_seconds=0.3,
+              layers=2)
     joiner, peers = out[3], out[:3]
     assert joiner["joined"] and 24 <= joiner["start"] < steps
     assert_same_bits(out)
-    ref = reference_streaming(M, steps, H, 1, 0, 0.0, plan=plan, max_staleness=2,
+    ref = reference_streaming(M, steps, H, 1, 0, 0.0, layers=2, plan=plan, max_staleness=2,
                               lost={3: 24}, rejoin={3: (joiner["join_sync"], joiner["start"])})
     assert max_diff(joiner["params"], ref) < TOL
     assert max_diff(joiner["params"], reference_streaming(
-        M, steps, H, 1, 0, 0.0, plan=plan, max_staleness=2, lost={3: 24})) > 1e-4
+        M, steps, H, 1, 0, 0.0, layers=2, plan=plan, max_staleness=2, lost={3: 24})) > 1e-4
     syncs = dict(zip([x["step"] for x in peers[0]["sync_log"]], peers[0]["syncs"]))
     assert (syncs[24]["participants"], syncs[24]["retries"]) == ([0, 1, 2], 1)
     assert syncs[joiner["join_sync"]]["contributors"] == 3
