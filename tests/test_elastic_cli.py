@@ -7,6 +7,9 @@ so it is a file of its own that the suite's workers run beside the others."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 
@@ -105,17 +108,33 @@ def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_pat
     assert joined and joined[-1]["members"] == list(range(workers))
 
 
-# Worker 2's Python, started with workers 0 and 1: it imports what `loco train` runs on
-# (torch, torchft, the training modules) and waits for the file argv[1]; its `loco train`
-# starts once the file is there. The worker itself (its Lighthouse client, model, state)
-# begins only then, mid-run.
-HELD_WORKER = """
-import os, sys, time
-import loco.cli, loco.comm.membership, loco.runtime.elastic, loco.training.job
-while not os.path.exists(sys.argv[1]):
-    time.sleep(0.05)
-sys.exit(loco.cli.main(sys.argv[2:]))
-"""
+def _by_hand(argv: list[str], env: dict, log: str, gate: str | None) -> None:
+    """A worker started by hand, ``loco train`` with ``argv``, in a process forked from
+    loco's rank server (torch imported there once; a fresh ``python -m loco`` would only add
+    the imports) with ``env`` and its output to ``log``. With ``gate``, it imports what
+    ``loco train`` runs on (torchft, the training modules) and then waits for that file:
+    the worker itself (its Lighthouse client, model, state) begins only once it is there."""
+    import time
+
+    import torch
+
+    from loco.runtime import starter
+
+    starter.adopt_environment(env)
+    # what OMP_NUM_THREADS=1 in the environment of a fresh Python gives (torch's thread
+    # pool here is the server's, made before the environment above)
+    torch.set_num_threads(1)
+    with open(log, "w") as f:  # the workers' own prints and gloo's, as a terminal's would
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    import loco.cli
+    if gate:
+        import loco.comm.membership
+        import loco.runtime.elastic
+        import loco.training.job
+        while not os.path.exists(gate):
+            time.sleep(0.05)
+    sys.exit(loco.cli.main(argv))
 
 
 def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_path):
@@ -126,15 +145,13 @@ def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_
     (each used to end on its own clock, and worker 0 then broadcast the start to a worker 1
     still asking for a quorum, until gloo's time-out)."""
     import json
-    import os
-    import subprocess
-    import sys
     import time
 
     from test_cli import small_run
 
     from loco.comm.membership import start_lighthouse
     from loco.data import prepare_corpus
+    from loco.runtime import starter
 
     text, cache = corpus
     prepare_corpus(text, 300, 0.05, cache)
@@ -145,44 +162,47 @@ def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_
     # broadcast when the whole file ran (workers 0 and 1 reach them seconds apart). The wait
     # for worker 2 at the start is --start-wait's alone: 5 s, over for worker 0 (started 5 s
     # earlier) when the first quorum forms and not for worker 1, whose wait ends with it.
-    # 100 steps: worker 2's Python has imported torch before it is released at step 20, so
-    # its join (its set-up and one quorum) took 10 steps (load 10 on 2 cores) of the 80
-    # left: a wider margin than a fresh Python released at step 50 of 300 had (it joined 82
-    # steps later at load 22).
+    # 100 steps: worker 2's process has imported torch and loco before it is released at
+    # step 20, so its join (its set-up and one quorum) took 10 steps (load 10 on 2 cores) of
+    # the 80 left: a wider margin than a fresh Python released at step 50 of 300 had (it
+    # joined 82 steps later at load 22).
     args = small_run(corpus, out, "--workers", "3", "--steps", "100", "--elastic",
                      "--min-workers", "2", "--comm-timeout", "30", "--start-wait", "5",
                      "--link-latency", "20ms",
                      "--log-every", "10", "--eval-every", "0", "--checkpoint-every", "0",
                      "--lighthouse", lighthouse.address(), "--final-eval-batches", "2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    gate = tmp_path / "go"
+    gate, logs = tmp_path / "go", [tmp_path / f"worker{w}.log" for w in range(3)]
+    ctx = starter.context()
 
-    def start(w, *python):
-        return subprocess.Popen([sys.executable, *python, *args, "--worker-index", str(w)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
-    held = start(2, "-c", HELD_WORKER, str(gate))
+    def start(w, gate=None):
+        job = ctx.Process(target=_by_hand, args=([*args, "--worker-index", str(w)], env,
+                                                 str(logs[w]), gate and str(gate)))
+        job.start()
+        return job
+
+    def ends():  # the failed ones' logs
+        return "\n".join(f"worker {w}:\n{log.read_text()[-3000:]}"
+                         for w, (log, job) in enumerate(zip(logs, jobs)) if job.exitcode)
+    jobs = [start(0), start(2, gate)]
     try:
-        jobs = [start(0, "-m", "loco")]
         time.sleep(5)
-        jobs.append(start(1, "-m", "loco"))
+        jobs.insert(1, start(1))
         metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
         while not (metrics.exists() and '"step": 20,' in metrics.read_text()):
-            if jobs[0].poll() is not None or time.monotonic() > deadline:
+            if not jobs[0].is_alive() or time.monotonic() > deadline:
                 pytest.fail("worker 0 ended or stalled before step 20:\n"
-                            + jobs[0].communicate(timeout=30)[0][-3000:])
+                            + logs[0].read_text()[-3000:])
             time.sleep(0.2)
         gate.touch()  # worker 2's `loco train` starts now
-        jobs.append(held)
-        # a hang, not a speed: ~70 s alone, 164 s with one core busy, over 240 s once so
-        logs = [job.communicate(timeout=900)[0] for job in jobs]
+        deadline = time.monotonic() + 900  # a hang, not a speed: ~70 s alone, 164 s with
+        for job in jobs:                   # one core busy, over 240 s once so
+            job.join(max(deadline - time.monotonic(), 1))
     finally:
         lighthouse.shutdown()
-        if not gate.exists():  # never released: it would wait for ever
-            held.kill()
-    assert [job.returncode for job in jobs] == [0, 0, 0], "\n".join(  # the failed ones' ends
-        f"worker {w}:\n{log[-3000:]}" for w, (log, job) in enumerate(zip(logs, jobs))
-        if job.returncode)
+        for job in jobs:
+            job.kill()  # any still running (or still waiting for the gate) after a failure
+    assert [job.exitcode for job in jobs] == [0, 0, 0], ends()
     elastic = json.loads((out / "summary.json").read_text())["elastic"]
     assert set(elastic["syncs_by_participants"]) == {"2", "3"} and elastic["losses"] == []
     joins = [e for e in elastic["events"] if e["event"] == "membership" and e["joined"]]
