@@ -49,6 +49,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from datetime import datetime
@@ -60,6 +61,9 @@ BRIDGE = "br0"
 # counters exclude preamble, FCS and the inter-frame gap) + IPv4 20 + TCP 20 + the timestamp
 # option 12 that Linux puts on every segment.
 HEADER_BYTES = 14 + 20 + 20 + 12
+# The C library, opened once here: the child between fork and exec (``_die_with_parent``)
+# then only calls into it (no dlopen there, in a process that may run other threads).
+LIBC = ctypes.CDLL(None, use_errno=True)
 NEEDS = "benchmarks/netns_wan.py needs root and iproute2 (ip, tc): it creates network namespaces"
 
 
@@ -289,7 +293,7 @@ def _die_with_parent() -> None:
     (Its trainer process may outlive it then; the next run removes the namespace and ends
     the processes left in it.)"""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        LIBC.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except Exception:  # noqa: BLE001 - best effort; cleanup also kills by namespace
         pass
 
@@ -330,22 +334,40 @@ def _spawn(cmd: list[str], env: dict, log_path: str) -> subprocess.Popen:
                                 preexec_fn=_die_with_parent)
 
 
-def start_lighthouse(net: WanNet, out: str, min_workers: int,
-                     timeout: float = 60.0) -> tuple[subprocess.Popen, str]:
-    """torchft's Lighthouse in worker 0's namespace; returns the process and its address."""
-    code = ("import sys, time; from loco.comm.membership import start_lighthouse; "
-            f"h = start_lighthouse({min_workers}); "
-            "print('PORT', h.address().rsplit(':', 1)[1], flush=True); time.sleep(1e9)")
-    path = os.path.join(out, "logs", "lighthouse.log")
-    proc = _spawn(["ip", "netns", "exec", net.ns(0), sys.executable, "-c", code],
-                  dict(os.environ, PYTHONUNBUFFERED="1"), path)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        found = re.search(r"^PORT (\d+)$", open(path).read(), re.M)
-        if found:
-            return proc, f"http://{net.addr(0)}:{found.group(1)}"
-        time.sleep(0.2)
-    raise CommandError(f"the Lighthouse did not start; see {path}")
+CLONE_NEWNET = 0x40000000  # setns(2): join a network namespace
+
+
+def start_lighthouse(net: WanNet, min_workers: int) -> tuple[object, str]:
+    """torchft's Lighthouse, in this process but listening in worker 0's namespace; returns
+    the server (``shutdown()`` stops it) and its address.
+
+    A thread of this process joins the namespace (setns, which moves only the calling
+    thread) and starts the server there: its socket, and the threads it starts, belong to
+    that namespace for good, while the rest of this process stays on the host's network.
+    No Python of its own to start (torch imported again: seconds of CPU)."""
+    from loco.comm.membership import start_lighthouse as start
+
+    made: dict = {}
+
+    def inside() -> None:
+        try:
+            fd = os.open(f"/run/netns/{net.ns(0)}", os.O_RDONLY)
+            try:
+                if LIBC.setns(fd, CLONE_NEWNET) != 0:
+                    raise OSError(ctypes.get_errno(), f"setns into {net.ns(0)}")
+            finally:
+                os.close(fd)
+            made["server"] = start(min_workers)
+        except BaseException as e:  # noqa: BLE001 - raised again in the caller
+            made["error"] = e
+
+    thread = threading.Thread(target=inside, name="loco-wan-lighthouse")
+    thread.start()
+    thread.join()
+    if "error" in made:
+        raise CommandError(f"the Lighthouse did not start in {net.ns(0)}: {made['error']}")
+    server = made["server"]
+    return server, f"http://{net.addr(0)}:{server.address().rsplit(':', 1)[1]}"
 
 
 def stop_workers(procs: list[subprocess.Popen]) -> None:
@@ -608,7 +630,8 @@ def parse_args(argv: list[str]):
     ap.add_argument("--json", metavar="PATH", help="also write the results here as JSON")
     ap.add_argument("--elastic", action="store_true",
                     help="an elastic job instead (loco train --elastic): a torchft Lighthouse "
-                    "in worker 0's namespace, each worker a torchrun job of its own that "
+                    "listening in worker 0's namespace (served by this script's process), "
+                    "each worker a torchrun job of its own that "
                     "advertises its namespace's address; reports the membership, not the "
                     "byte agreement (torchft's own traffic is not the library's)")
     ap.add_argument("--kill", metavar="WORKER:STEP",
@@ -657,6 +680,7 @@ def main(argv: list[str] | None = None) -> int:
 
     net = WanNet(args.workers, args.rate, args.burst, args.limit, args.mtu)
     procs: list[subprocess.Popen] = []
+    lighthouse = None
     cleaning = False
 
     def on_signal(signum, _frame):
@@ -680,14 +704,13 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         if args.elastic:
             need = args.min_workers or args.workers // 2 + 1
-            lighthouse, address = start_lighthouse(net, out, need)
-            procs.append(lighthouse)
-            procs += start_workers(net, [*train_args, "--min-workers", str(need)], out,
-                                   args.port, address, args.max_restarts,
-                                   fault=f"{args.kill}:kill" if args.kill else None)
+            lighthouse, address = start_lighthouse(net, need)
+            procs = start_workers(net, [*train_args, "--min-workers", str(need)], out,
+                                  args.port, address, args.max_restarts,
+                                  fault=f"{args.kill}:kill" if args.kill else None)
         else:
             procs = start_workers(net, train_args, out, args.port)
-        codes = wait_workers(procs[1:] if args.elastic else procs, args.timeout)
+        codes = wait_workers(procs, args.timeout)
         wall = time.perf_counter() - t0
         after = net.counters()
         result.update(exit_codes=codes, wall_seconds=wall)
@@ -719,6 +742,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         cleaning = True
         stop_workers(procs)
+        if lighthouse is not None:
+            lighthouse.shutdown()
         made = len(net.created)
         left = net.down()
         for s, h in previous.items():

@@ -7,6 +7,9 @@ so it is a file of its own that the suite's workers run beside the others."""
 
 from __future__ import annotations
 
+import os
+import sys
+
 import pytest
 
 
@@ -53,7 +56,7 @@ def test_loco_train_elastic_survives_a_killed_worker(corpus, tmp_path, monkeypat
 def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_path, workers,
                                                                  ranks):
     """One torchrun job per worker (the multi-machine setting), of R processes each, all
-    joined by one Lighthouse: the last worker's last rank is killed at step 20; torchrun
+    joined by one Lighthouse: the last worker's last rank is killed at step 10; torchrun
     restarts the job (all R ranks, --max-restarts 1) and the worker rejoins from a live one
     while the others go on (with 3 workers; with 2, --min-workers 2 makes the other wait
     for it)."""
@@ -73,14 +76,15 @@ def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_pat
     out = tmp_path / "run"
     # over an emulated 20 ms link; with 2 workers and --min-workers 2 the survivor waits for
     # the restarted one at the sync after the kill however long its restart takes, and the
-    # 40 steps left are 20 syncs with it
+    # 14 steps left are 7 syncs with it (the steps cost CPU, not the wait: the restart
+    # happens the same way at step 10 as at any later one)
     args = small_run(corpus, out, "--workers", str(workers), "--worker-ranks", str(ranks),
-                     "--steps", "60", "--elastic", "--min-workers", "2",
+                     "--steps", "24", "--elastic", "--min-workers", "2",
                      "--link-latency", "20ms", "--log-every", "50", "--eval-every", "0",
                      "--lighthouse", lighthouse.address(), "--checkpoint-every", "0",
                      "--final-eval-batches", "2")
     victim = workers - 1
-    env = {**os.environ, "LOCO_FAULT": f"{victim * ranks + ranks - 1}:20:kill",
+    env = {**os.environ, "LOCO_FAULT": f"{victim * ranks + ranks - 1}:10:kill",
            "OMP_NUM_THREADS": "1"}
     try:
         jobs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -104,23 +108,50 @@ def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_pat
     assert joined and joined[-1]["members"] == list(range(workers))
 
 
+def _by_hand(argv: list[str], env: dict, log: str, gate: str | None) -> None:
+    """A worker started by hand, ``loco train`` with ``argv``, in a process forked from
+    loco's rank server (torch imported there once; a fresh ``python -m loco`` would only add
+    the imports) with ``env`` and its output to ``log``. With ``gate``, it imports what
+    ``loco train`` runs on (torchft, the training modules) and then waits for that file:
+    the worker itself (its Lighthouse client, model, state) begins only once it is there."""
+    import time
+
+    import torch
+
+    from loco.runtime import starter
+
+    starter.adopt_environment(env)
+    # what OMP_NUM_THREADS=1 in the environment of a fresh Python gives (torch's thread
+    # pool here is the server's, made before the environment above)
+    torch.set_num_threads(1)
+    with open(log, "w") as f:  # the workers' own prints and gloo's, as a terminal's would
+        os.dup2(f.fileno(), 1)
+        os.dup2(f.fileno(), 2)
+    import loco.cli
+    if gate:
+        import loco.comm.membership
+        import loco.runtime.elastic
+        import loco.training.job
+        while not os.path.exists(gate):
+            time.sleep(0.05)
+    sys.exit(loco.cli.main(argv))
+
+
 def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_path):
     """Scaling up: a job of M = 3 whose workers 0 and 1 start alone (--min-workers 2: they
     wait --start-wait for worker 2, then begin); worker 2, started by hand once they are
-    past step 50, joins at their next sync from a live worker, and the syncs from then on
+    past step 20, joins at their next sync from a live worker, and the syncs from then on
     count three. Worker 1 starts 5 s after worker 0: their waits end together all the same
     (each used to end on its own clock, and worker 0 then broadcast the start to a worker 1
     still asking for a quorum, until gloo's time-out)."""
     import json
-    import os
-    import subprocess
-    import sys
     import time
 
     from test_cli import small_run
 
     from loco.comm.membership import start_lighthouse
     from loco.data import prepare_corpus
+    from loco.runtime import starter
 
     text, cache = corpus
     prepare_corpus(text, 300, 0.05, cache)
@@ -131,35 +162,47 @@ def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_
     # broadcast when the whole file ran (workers 0 and 1 reach them seconds apart). The wait
     # for worker 2 at the start is --start-wait's alone: 5 s, over for worker 0 (started 5 s
     # earlier) when the first quorum forms and not for worker 1, whose wait ends with it.
-    args = small_run(corpus, out, "--workers", "3", "--steps", "300", "--elastic",
+    # 100 steps: worker 2's process has imported torch and loco before it is released at
+    # step 20, so its join (its set-up and one quorum) took 10 steps (load 10 on 2 cores) of
+    # the 80 left: a wider margin than a fresh Python released at step 50 of 300 had (it
+    # joined 82 steps later at load 22).
+    args = small_run(corpus, out, "--workers", "3", "--steps", "100", "--elastic",
                      "--min-workers", "2", "--comm-timeout", "30", "--start-wait", "5",
                      "--link-latency", "20ms",
                      "--log-every", "10", "--eval-every", "0", "--checkpoint-every", "0",
                      "--lighthouse", lighthouse.address(), "--final-eval-batches", "2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    gate, logs = tmp_path / "go", [tmp_path / f"worker{w}.log" for w in range(3)]
+    ctx = starter.context()
 
-    def start(w):
-        return subprocess.Popen([sys.executable, "-m", "loco", *args, "--worker-index", str(w)],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                text=True)
+    def start(w, gate=None):
+        job = ctx.Process(target=_by_hand, args=([*args, "--worker-index", str(w)], env,
+                                                 str(logs[w]), gate and str(gate)))
+        job.start()
+        return job
+
+    def ends():  # the failed ones' logs
+        return "\n".join(f"worker {w}:\n{log.read_text()[-3000:]}"
+                         for w, (log, job) in enumerate(zip(logs, jobs)) if job.exitcode)
+    jobs = [start(0), start(2, gate)]
     try:
-        jobs = [start(0)]
         time.sleep(5)
-        jobs.append(start(1))
-        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 90
-        while not (metrics.exists() and '"step": 50,' in metrics.read_text()):
-            if jobs[0].poll() is not None or time.monotonic() > deadline:
-                pytest.fail("worker 0 ended or stalled before step 50:\n"
-                            + jobs[0].communicate(timeout=30)[0][-3000:])
+        jobs.insert(1, start(1))
+        metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
+        while not (metrics.exists() and '"step": 20,' in metrics.read_text()):
+            if not jobs[0].is_alive() or time.monotonic() > deadline:
+                pytest.fail("worker 0 ended or stalled before step 20:\n"
+                            + logs[0].read_text()[-3000:])
             time.sleep(0.2)
-        jobs.append(start(2))
-        # a hang, not a speed: ~70 s alone, 164 s with one core busy, over 240 s once so
-        logs = [job.communicate(timeout=900)[0] for job in jobs]
+        gate.touch()  # worker 2's `loco train` starts now
+        deadline = time.monotonic() + 900  # a hang, not a speed: ~70 s alone, 164 s with
+        for job in jobs:                   # one core busy, over 240 s once so
+            job.join(max(deadline - time.monotonic(), 1))
     finally:
         lighthouse.shutdown()
-    assert [job.returncode for job in jobs] == [0, 0, 0], "\n".join(  # the failed ones' ends
-        f"worker {w}:\n{log[-3000:]}" for w, (log, job) in enumerate(zip(logs, jobs))
-        if job.returncode)
+        for job in jobs:
+            job.kill()  # any still running (or still waiting for the gate) after a failure
+    assert [job.exitcode for job in jobs] == [0, 0, 0], ends()
     elastic = json.loads((out / "summary.json").read_text())["elastic"]
     assert set(elastic["syncs_by_participants"]) == {"2", "3"} and elastic["losses"] == []
     joins = [e for e in elastic["events"] if e["event"] == "membership" and e["joined"]]
@@ -167,7 +210,7 @@ def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_
     records = [json.loads(line) for line in metrics.read_text().splitlines()]
     first_three = min(r["step"] for r in records if r.get("event") == "elastic_sync"
                       and len(r["participants"]) == 3)
-    assert first_three > 50  # it joined the running job, after the step it was started at
+    assert first_three > 20  # it joined the running job, after the step it was started at
 
 
 # Workers of 2 ranks: the lead's checkpoint is a file per rank, each read by its own rank;
@@ -190,7 +233,7 @@ def test_an_elastic_run_that_lost_every_worker_resumes_from_its_lead_checkpoint(
     from loco import checkpoint
     from loco.cli import main
 
-    out, steps = tmp_path / "run", 50
+    out, steps = tmp_path / "run", 34  # checkpoints at 9, 17, 25 and 33: 3 late chances
     args = small_run(corpus, out, "--workers", str(workers), "--worker-ranks", str(ranks),
                      "--steps", str(steps), "--elastic",
                      "--launcher", "processes", "--checkpoint-every", "2",
