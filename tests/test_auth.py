@@ -231,22 +231,13 @@ def _run_pair(script: str, argvs: list[list[str]], timeout: float = 120) -> list
     rank of the processes launcher is; a fresh ``python -c`` would only add the imports."""
     import tempfile
 
-    from loco.runtime import starter
+    from workers import forked, join_all
 
-    ctx = starter.context()
     with tempfile.TemporaryDirectory() as td:
         outs = [os.path.join(td, str(i)) for i in range(len(argvs))]
-        procs = [ctx.Process(target=_exec_script, args=(script, argv, out))
-                 for argv, out in zip(argvs, outs)]
-        for p in procs:
-            p.start()
-        try:
-            for p, out in zip(procs, outs):
-                p.join(timeout)
-                assert p.exitcode == 0, open(out + ".stderr").read()[-3000:]
-        finally:
-            for p in procs:
-                p.kill()
+        procs = [forked(_exec_script, script, argv, out) for argv, out in zip(argvs, outs)]
+        for code, out in zip(join_all(procs, timeout), outs):
+            assert code == 0, open(out + ".stderr").read()[-3000:]
         return [open(out + ".stdout").read() for out in outs]
 
 

@@ -208,16 +208,11 @@ def fake_rank(rank: int, world: int, model: str, out) -> dict:
     """``FAKE_RANK`` run as rank ``rank`` of ``world`` in a process of its own, forked from
     the launchers' fork server (torch already imported there: what a rank process starts
     from); what it measured."""
-    from loco.runtime.starter import context
+    from workers import forked, join_all
 
     code = {"rank": rank, "world": world, "model": model, "out": str(out)}
-    proc = context().Process(target=exec, args=(FAKE_RANK, code))
-    proc.start()
-    proc.join(600)
-    if proc.is_alive():  # hung: not left behind
-        proc.kill()
-        proc.join()
-    assert proc.exitcode == 0, proc.exitcode
+    exitcode, = join_all([forked(exec, FAKE_RANK, code)], 600)
+    assert exitcode == 0, exitcode
     return json.loads(out.read_text())
 
 

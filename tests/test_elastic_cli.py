@@ -151,7 +151,7 @@ def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_
 
     from loco.comm.membership import start_lighthouse
     from loco.data import prepare_corpus
-    from loco.runtime import starter
+    from workers import forked, join_all
 
     text, cache = corpus
     prepare_corpus(text, 300, 0.05, cache)
@@ -173,13 +173,10 @@ def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_
                      "--lighthouse", lighthouse.address(), "--final-eval-batches", "2")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     gate, logs = tmp_path / "go", [tmp_path / f"worker{w}.log" for w in range(3)]
-    ctx = starter.context()
 
     def start(w, gate=None):
-        job = ctx.Process(target=_by_hand, args=([*args, "--worker-index", str(w)], env,
-                                                 str(logs[w]), gate and str(gate)))
-        job.start()
-        return job
+        return forked(_by_hand, [*args, "--worker-index", str(w)], env, str(logs[w]),
+                      gate and str(gate))
 
     def ends():  # the failed ones' logs
         return "\n".join(f"worker {w}:\n{log.read_text()[-3000:]}"
@@ -195,9 +192,7 @@ def test_a_worker_started_mid_run_joins_a_job_that_began_without_it(corpus, tmp_
                             + logs[0].read_text()[-3000:])
             time.sleep(0.2)
         gate.touch()  # worker 2's `loco train` starts now
-        deadline = time.monotonic() + 900  # a hang, not a speed: ~70 s alone, 164 s with
-        for job in jobs:                   # one core busy, over 240 s once so
-            job.join(max(deadline - time.monotonic(), 1))
+        join_all(jobs, 900)  # a hang, not a speed: ~70 s alone, 164 s with one core busy
     finally:
         lighthouse.shutdown()
         for job in jobs:

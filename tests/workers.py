@@ -518,6 +518,30 @@ def max_diff(a: dict, b: dict) -> float:
 _ONCE: dict = {}
 
 
+def forked(target, *args):
+    """A process running ``target(*args)``, started: forked from loco's rank server (torch
+    already imported there, as a rank process of the launchers starts), not a fresh Python
+    that imports it again (seconds of CPU each)."""
+    from loco.runtime.starter import context
+
+    proc = context().Process(target=target, args=args)
+    proc.start()
+    return proc
+
+
+def join_all(procs: list, timeout: float) -> list:
+    """Each process's exit code once it ends, all within ``timeout`` seconds; one still
+    running then (hung) is killed, not left behind, and its code is the kill's."""
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        proc.join(max(deadline - time.monotonic(), 0.01))
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    return [proc.exitcode for proc in procs]
+
+
 def once(fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, computed once per test session for the same function and
     arguments (told apart by their ``repr``): a reference or a run that several tests
