@@ -106,6 +106,14 @@ def test_a_different_tau_per_worker_matches_the_reference(overlaps):
     assert max_diff(ref, same) > 1e-3
 
 
+def quantized_run(codec, fragments, overlap, workers):
+    """The run of ``STEPS`` steps, α = 0.5, of a codec and layout, launched once for the
+    tests that read it (test_quantized_matches_reference_with_same_codec and
+    test_schedule_and_wire_bytes_of_every_sync)."""
+    kw = dict(sync_every=H, fragments=fragments, overlap=overlap, alpha=0.5, codec=codec)
+    return once(loco.launch, streaming_worker, workers, args=(STEPS,), kwargs=kw)
+
+
 # The paper's codec in every layout; the others each in one (the codec and the layout meet
 # only in which rows a worker encodes, which the FP4 cases already cover).
 @pytest.mark.parametrize("codec,fragments,overlap,workers", [
@@ -113,8 +121,7 @@ def test_a_different_tau_per_worker_matches_the_reference(overlaps):
     ("fp4_e2m1", 2, 1, 2), ("int8", 4, 2, 4)])
 def test_quantized_matches_reference_with_same_codec(codec, fragments, overlap, workers):
     steps = STEPS
-    kw = dict(sync_every=H, fragments=fragments, overlap=overlap, alpha=0.5, codec=codec)
-    out = loco.launch(streaming_worker, workers, args=(steps,), kwargs=kw)
+    out = quantized_run(codec, fragments, overlap, workers)
     ref = reference_streaming(workers, steps, H, fragments, overlap, 0.5, codec)
     fp32 = once(reference_streaming, workers, steps, H, fragments, overlap, 0.5)
     for r in out:
@@ -132,14 +139,15 @@ def test_diloco_is_streaming_with_one_fragment_no_overlap_fp32_alpha_zero():
     assert dil[0]["sent"] == stream[0]["sent"]
 
 
-@pytest.mark.parametrize("fragments,overlap", [(1, 0), (2, 1), (4, 2), (3, 0)])
-def test_schedule_and_wire_bytes_of_every_sync(fragments, overlap):
+@pytest.mark.parametrize("fragments,overlap,M", [(1, 0, 2), (2, 1, 2), (4, 2, 4), (3, 0, 3)])
+def test_schedule_and_wire_bytes_of_every_sync(fragments, overlap, M):
     """Fragment p is sent when t % H == ((p+1)·H/P) % H, applied τ steps later, and each
     sync moves exactly 2(M-1)·(c/2 + c/32) bytes, c = ceil(n/M) rounded up to whole blocks.
-    Two rounds: every fragment sent in each, the run's last sync at its last step."""
-    M, steps = 3, 2 * H
-    out = loco.launch(streaming_worker, M, args=(steps,),
-                      kwargs=dict(sync_every=H, fragments=fragments, overlap=overlap))
+    Two rounds: every fragment sent in each, the run's last sync at its last step. The FP4
+    runs (α = 0.5) of test_quantized_matches_reference_with_same_codec, read again (M = 2, 2,
+    4; c is rounded up in each); P = 3 on M = 3 workers, a run of its own."""
+    steps = STEPS
+    out = quantized_run("fp4_e3m0", fragments, overlap, M)
     syncs = out[0]["syncs"]
     offsets = SEND_OFFSETS[1 if fragments == 1 else H, fragments]  # by hand, not the formula
     expected = [(t, p) for t in range(1, steps + 1) for p in range(fragments)
@@ -375,13 +383,18 @@ def test_offload_moves_the_outer_state_off_the_gpu():
     assert max_diff(params_of(off.global_parameters()), params_of(plain.global_parameters())) == 0
 
 
-@pytest.mark.parametrize("split,eager", [  # mid-round, a sync in flight, just applied
-    (13, False), (16, False), (18, False), (16, True), (18, True)])
+SPLITS = {False: (13, 16, 18), True: (16, 18)}  # mid-round, a sync in flight, just applied
+
+
+@pytest.mark.parametrize("split,eager", [(s, e) for e in SPLITS for s in SPLITS[e]])
 def test_state_dict_resumes_bit_identically(split, eager):
+    """The straight run checkpoints at every split of ``SPLITS`` (one run, launched once for
+    the cases of ``eager``), each checkpoint resumed on its own."""
     kw = dict(fragments=4, overlap=2, alpha=0.5, layers=4, eager=eager)
-    for straight, resumed in loco.launch(resume_worker, 2, args=(2 * H, split, H, "streaming"),
-                                         kwargs=kw):
-        assert max_diff(straight, resumed) == 0
+    out = once(loco.launch, resume_worker, 2, args=(2 * H, SPLITS[eager], H, "streaming"),
+               kwargs=kw)
+    for straight, resumed in out:
+        assert max_diff(straight, resumed[SPLITS[eager].index(split)]) == 0
 
 
 @pytest.mark.parametrize("method", ["streaming", "noloco"])

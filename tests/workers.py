@@ -177,48 +177,82 @@ def resume_worker(ctx, steps, split, sync_every, algo_name, layers=2, parallel="
     (``ctx.inner``) the model is whole on every rank or FSDP2-sharded (``parallel``). Under
     the processes launcher (``ctx.checkpoint_group``) the tensors go through
     ``torch.distributed.checkpoint`` into a temporary directory, as ``loco train`` saves
-    them; otherwise the whole ``state_dict`` is kept in memory."""
+    them; otherwise the whole ``state_dict`` is kept in memory. ``split`` a list of steps
+    (ascending): the one straight run checkpoints at each, and each checkpoint is resumed
+    and finished on its own; returns the straight run's parameters and the list of the
+    resumed runs' (the same runs as one call per split, without repeating the straight one)."""
     import tempfile
 
-    from loco import checkpoint
-    from loco.algorithms import method
-    from loco.runtime.fsdp import shard_worker
     from loco.training import shard_mesh
 
-    def build():
-        model = make_model(layers=layers)
-        if parallel == "fsdp":
-            shard_worker(model, ctx)
-        opt = make_optimizer(model)
-        kw = ({"sync_every": sync_every, **extra}
-              if algo_name in ("diloco", "streaming", "noloco", "sparseloco") else {})
-        return model, opt, method(algo_name)(model, opt, ctx.comm, inner=ctx.inner, **kw)
-
+    splits = list(split) if isinstance(split, (list, tuple)) else [split]
     dcp, mesh = ctx.checkpoint_group is not None, shard_mesh(ctx)
     data_id = ctx.worker * ctx.worker_ranks + ctx.worker_rank
-    model, opt, algo = build()
-    step = lambda: (algo.step(), algo.zero_grad())  # noqa: E731
-    train_steps(model, opt, data_id, range(split), step)
-    snapshot = copy.deepcopy(algo.state_dict(tensors=not dcp))  # optimizer: live tensors
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, f"worker{ctx.worker}")
-        if dcp:  # every rank of the worker writes into the first rank's directory
-            path = _broadcast_path(ctx, path if ctx.worker_rank == 0 else None)
-            checkpoint.save_worker(path, checkpoint.snapshot(algo.checkpoint_tensors(mesh)),
-                                   ctx.checkpoint_group)
-        train_steps(model, opt, data_id, range(split, steps), step)
-        straight = params_of(algo.global_parameters())
+    build = lambda: _resume_build(ctx, sync_every, algo_name, layers, parallel, extra)  # noqa: E731
 
-        model, opt, algo = build()
-        algo.load_state_dict(snapshot)
+    def finish(parts, first, last):
+        model, opt, algo = parts
+        train_steps(model, opt, data_id, range(first, last),
+                    lambda: (algo.step(), algo.zero_grad()))
+
+    parts, done, saved = build(), 0, []
+    with tempfile.TemporaryDirectory() as tmp:
+        for k, at in enumerate(splits):
+            finish(parts, done, at)
+            done = at
+            saved.append(_resume_save(ctx, parts[2], dcp, mesh,
+                                      os.path.join(tmp, f"worker{ctx.worker}-{k}")))
+        finish(parts, done, steps)
+        straight = params_of(parts[2].global_parameters())
+        resumed = []
+        for at, (snapshot, path) in zip(splits, saved):
+            parts = build()
+            _resume_load(ctx, parts[2], snapshot, path, mesh)
+            finish(parts, at, steps)
+            resumed.append(params_of(parts[2].global_parameters()))
         if dcp:
-            tensors = algo.checkpoint_tensors(mesh)
-            checkpoint.load_worker(path, tensors, ctx.checkpoint_group)
-            algo.load_checkpoint_tensors(tensors, mesh)
             torch.distributed.barrier(ctx.checkpoint_group)  # before the first rank cleans up
-    step = lambda: (algo.step(), algo.zero_grad())  # noqa: E731
-    train_steps(model, opt, data_id, range(split, steps), step)
-    return straight, params_of(algo.global_parameters())
+    return straight, (resumed if isinstance(split, (list, tuple)) else resumed[0])
+
+
+def _resume_build(ctx, sync_every, algo_name, layers, parallel, extra):
+    """resume_worker's model, inner optimizer and algorithm, built anew."""
+    from loco.algorithms import method
+    from loco.runtime.fsdp import shard_worker
+
+    model = make_model(layers=layers)
+    if parallel == "fsdp":
+        shard_worker(model, ctx)
+    opt = make_optimizer(model)
+    kw = ({"sync_every": sync_every, **extra}
+          if algo_name in ("diloco", "streaming", "noloco", "sparseloco") else {})
+    return model, opt, method(algo_name)(model, opt, ctx.comm, inner=ctx.inner, **kw)
+
+
+def _resume_save(ctx, algo, dcp, mesh, path):
+    """resume_worker's checkpoint of ``algo``: its state (a deep copy; with ``dcp`` without
+    the tensors, which every rank of the worker writes into the first rank's ``path``) and
+    that path (None without ``dcp``)."""
+    from loco import checkpoint
+
+    snapshot = copy.deepcopy(algo.state_dict(tensors=not dcp))  # optimizer: live tensors
+    if not dcp:
+        return snapshot, None
+    path = _broadcast_path(ctx, path if ctx.worker_rank == 0 else None)
+    checkpoint.save_worker(path, checkpoint.snapshot(algo.checkpoint_tensors(mesh)),
+                           ctx.checkpoint_group)
+    return snapshot, path
+
+
+def _resume_load(ctx, algo, snapshot, path, mesh):
+    """Load what ``_resume_save`` kept into the freshly built ``algo``."""
+    from loco import checkpoint
+
+    algo.load_state_dict(snapshot)
+    if path is not None:
+        tensors = algo.checkpoint_tensors(mesh)
+        checkpoint.load_worker(path, tensors, ctx.checkpoint_group)
+        algo.load_checkpoint_tensors(tensors, mesh)
 
 
 def _broadcast_path(ctx, path):
