@@ -218,11 +218,12 @@ def fake_rank(rank: int, world: int, model: str, out) -> dict:
 
 @pytest.mark.slow
 def test_one_rank_of_a_70b_worker_holds_only_its_shard(tmp_path):
-    """Rank 37 of a 64-rank FSDP2 worker of ``--model 70b`` (vocab 4096: 68.5B parameters,
+    """Rank 37 of a 128-rank FSDP2 worker of ``--model 70b`` (vocab 4096: 68.5B parameters,
     274 GB in fp32), under torch's fake process group in a process of its own: building,
     sharding and materialising raise its resident memory by at most 1.1 x its shard's bytes
-    (4.28 GB). Measured: 1.01 x; the build takes 7 to 11 s on the 2-core CPU."""
-    got = fake_rank(37, 64, "70b", tmp_path / "rank.json")
-    assert got["whole"] == 4 * 68_485_935_104 and got["shard"] == got["whole"] // 64
+    (2.14 GB; every dimension divides by 128, so the shard is exactly 1/128). Measured:
+    1.01 x (of 64 ranks' 4.28 GB shard as well, whose draw took twice the CPU)."""
+    got = fake_rank(37, 128, "70b", tmp_path / "rank.json")
+    assert got["whole"] == 4 * 68_485_935_104 and got["shard"] == got["whole"] // 128
     assert got["growth"] <= 1.1 * got["shard"], got
     assert abs(got["drawn"] - 0.02) < 1e-3 and got["ones"]

@@ -155,9 +155,12 @@ def test_each_rank_holds_one_rth_of_the_outer_state(algo_name, kw):
 STREAMING = dict(sync_every=H, fragments=2, overlap=1, alpha=0.5, layers=4)
 NOLOCO = dict(sync_every=H, group_size=2, outer_lr=0.7, outer_momentum=0.5, gamma=0.7,
               warn=False)
+#: Streaming DiLoCo's runs take one step past two rounds, so that the last sync (tau = 1)
+#: lands; DiLoCo and NoLoCo two outer steps; DataParallel, which syncs every step, one round.
 FSDP_STEPS = 2 * H + 1
+STEPS_OF = {"diloco": 2 * H, "noloco": 2 * H, "ddp": H}
 FSDP_CASES = {
-    "diloco": (sharded_worker, (FSDP_STEPS, "diloco"),
+    "diloco": (sharded_worker, (STEPS_OF["diloco"], "diloco"),
                dict(sync_every=H, outer_lr=0.7, outer_momentum=0.9, **SMOOTH)),
     "streaming": (sharded_worker, (FSDP_STEPS, "streaming"),
                   dict(STREAMING, codec="fp32", **SMOOTH)),
@@ -165,8 +168,8 @@ FSDP_CASES = {
                       dict(STREAMING, codec="fp4_e3m0", **SMOOTH)),
     "streaming_fp4_ef": (sharded_worker, (FSDP_STEPS, "streaming"),
                          dict(STREAMING, codec="fp4_e3m0", error_feedback=0.9, **SMOOTH)),
-    "noloco": (sharded_worker, (FSDP_STEPS, "noloco"), dict(NOLOCO, **SMOOTH)),
-    "ddp": (sharded_worker, (FSDP_STEPS, "ddp"), SMOOTH),
+    "noloco": (sharded_worker, (STEPS_OF["noloco"], "noloco"), dict(NOLOCO, **SMOOTH)),
+    "ddp": (sharded_worker, (STEPS_OF["ddp"], "ddp"), SMOOTH),
     # a checkpoint taken while fragment 0's sync is in flight (sent at step 6, tau = 1),
     # both fragments with outer momentum
     "resume": (resume_worker, (FSDP_STEPS, H + 2, H, "streaming"),
@@ -174,7 +177,8 @@ FSDP_CASES = {
     # the same through DCP with the model whole on every rank (ddp inside), and NoLoCo's
     "resume_ddp": (resume_worker, (FSDP_STEPS, H + 2, H, "streaming"),
                    dict(fragments=2, overlap=1, layers=4, parallel="ddp")),
-    "resume_noloco": (resume_worker, (FSDP_STEPS, H + 1, H, "noloco"),
+    # (NoLoCo's checkpoint one step before its second outer step)
+    "resume_noloco": (resume_worker, (2 * H, 2 * H - 1, H, "noloco"),
                       {k: v for k, v in NOLOCO.items() if k != "sync_every"})}
 
 
@@ -187,12 +191,13 @@ def fsdp_runs():
 
 
 @pytest.mark.parametrize("case,reference", [
-    ("diloco", lambda data: reference_diloco(2, FSDP_STEPS, H, 0.7, 0.9, data=data, **SMOOTH)),
+    ("diloco", lambda data: reference_diloco(2, STEPS_OF["diloco"], H, 0.7, 0.9, data=data,
+                                             **SMOOTH)),
     ("streaming", lambda data: reference_streaming(2, FSDP_STEPS, H, 2, 1, 0.5, data=data,
                                                    **SMOOTH)),
-    ("noloco", lambda data: reference_noloco(2, FSDP_STEPS, H, 2, 0.7, 0.5, 0.7, data=data,
-                                             **SMOOTH)[0]),
-    ("ddp", lambda data: reference_big_batch(4, FSDP_STEPS, **SMOOTH)[0])])
+    ("noloco", lambda data: reference_noloco(2, STEPS_OF["noloco"], H, 2, 0.7, 0.5, 0.7,
+                                             data=data, **SMOOTH)[0]),
+    ("ddp", lambda data: reference_big_batch(4, STEPS_OF["ddp"], **SMOOTH)[0])])
 def test_fsdp_inside_a_worker_matches_the_reference(fsdp_runs, case, reference):
     """FSDP2 over the R = 2 ranks of each of M = 2 workers (processes): each rank keeps and
     syncs its own shards with the same rank of the other worker (DataParallel: its gradient
@@ -276,7 +281,7 @@ def test_fsdp_collectives_are_counted_as_fast_link_bytes(fsdp_runs):
     blocks = padded([p for p in model.parameters() if id(p) in in_blocks])
     root = padded([p for p in model.parameters() if id(p) not in in_blocks])
     per_step = (2 - 1) * (2 * blocks + root + blocks + root)
-    assert all(r["ddp"]["fast"] == FSDP_STEPS * per_step for r in fsdp_runs)
+    assert all(r["ddp"]["fast"] == STEPS_OF["ddp"] * per_step for r in fsdp_runs)
 
 
 @pytest.mark.parametrize("m,r,algo_name", [(3, 2, "diloco"), (2, 3, "streaming")])
