@@ -17,6 +17,11 @@ torch.set_num_threads(1)
 # the cores are shared with other files, and a rank's second thread waits on a busy core at
 # every op (a torchrun job of one rank: 10 steps of the tiny model 0.84 s, against 0.06 s).
 os.environ.setdefault("LOCO_CPU_THREADS", "1")
+# The threads launcher's ranks on one core (each launch on the core it was started from):
+# they share one GIL, and handing it to a thread on the other core at every operation of
+# the tiny model cost the suite's threads-launched tests about a third more CPU
+# (`loco.runtime.starter.thread_ranks_core`; measured in docs/testing.md).
+os.environ.setdefault("LOCO_THREADS_ONE_CORE", "1")
 
 # The files that take longest (measured with --durations, most first), collected first. Under
 # pytest-xdist (`make test`) each file goes whole to the next free worker in collection

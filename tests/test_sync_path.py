@@ -2,6 +2,8 @@
 buffers, the flat outer step (and old checkpoints of the per-parameter one), the training
 loss read every --log-every steps, and a non-finite inner step skipped on the device."""
 
+import os
+
 import pytest
 import torch
 
@@ -245,3 +247,30 @@ def test_scaled_codecs_do_not_read_the_device_off_the_cpu(name):
     x = torch.empty(4, 2 * codec.block, device="meta")
     buf = codec._encode_rows(x)
     assert buf.device.type == "meta" and codec._decode_rows(buf, 2 * codec.block).shape == x.shape
+
+
+def _affinity(ctx):
+    import threading
+    seen = []
+    t = threading.Thread(target=lambda: seen.append(os.sched_getaffinity(0)))  # its own thread
+    t.start()
+    t.join()
+    return os.sched_getaffinity(0), seen[0]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="Linux: thread affinity")
+def test_thread_ranks_share_one_core_only_when_asked(monkeypatch):
+    """$LOCO_THREADS_ONE_CORE=1: every rank of a threads launch, and the threads a rank
+    starts, run on one core, the same for all; 0 (the default): where the process may run;
+    anything else is refused naming the variable. The launching thread is left as it was."""
+    whole = os.sched_getaffinity(0)
+    monkeypatch.setenv("LOCO_THREADS_ONE_CORE", "1")
+    pinned = loco.launch(_affinity, 3)
+    assert len({frozenset(s) for r in pinned for s in r}) == 1
+    assert len(pinned[0][0]) == 1 and pinned[0][0] <= whole
+    assert os.sched_getaffinity(0) == whole
+    monkeypatch.setenv("LOCO_THREADS_ONE_CORE", "0")
+    assert all(s == whole for r in loco.launch(_affinity, 2) for s in r)
+    monkeypatch.setenv("LOCO_THREADS_ONE_CORE", "yes")
+    with pytest.raises(ValueError, match="LOCO_THREADS_ONE_CORE must be 0 or 1"):
+        loco.launch(_affinity, 2)

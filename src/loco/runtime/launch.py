@@ -59,7 +59,8 @@ from loco.runtime.context import (
     worker_comms,
 )
 from loco.runtime.elastic import Elastic, launch_elastic, run_worker
-from loco.runtime.starter import START_METHOD, adopt_environment, context, cpu_threads
+from loco.runtime.starter import (START_METHOD, adopt_environment, context, cpu_threads,
+                                  thread_ranks_core)
 from loco.runtime.vitals import DIR_ENV, death_note, read_vitals
 
 LAUNCHERS = ("threads", "processes", "torchrun")
@@ -270,8 +271,11 @@ def _launch_threads(fn, args, mesh: Mesh, timeout: float, links: tuple) -> list:
     # One intra-op thread per worker when workers outnumber cores: more only oversubscribes.
     prev_threads = torch.get_num_threads()
     torch.set_num_threads(cpu_threads(n))
+    core = thread_ranks_core()
 
     def body(rank: int):
+        if core is not None:  # the threads it starts (Comm, gloo's) stay there too
+            os.sched_setaffinity(0, {core})
         try:
             ctx = _thread_context(rank, mesh, store, timeout, links, failed)
             try:
