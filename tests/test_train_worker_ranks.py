@@ -33,6 +33,18 @@ def run(corpus, out, *extra):
     return small_run(corpus, out, "--final-eval-batches", "2", *extra)
 
 
+@pytest.fixture(scope="module", autouse=True)
+def no_loss_plots():
+    """No test here reads a run's ``loss.png`` (tests/test_cli.py does): the runs this
+    module trains in its own process (threads) skip drawing it, 0.17 s of CPU each (the
+    ranks of the processes launcher, forked from their server, still draw theirs)."""
+    import loco.plot
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loco.plot, "plot_losses", lambda *args, **kw: None)
+        yield
+
+
 @pytest.fixture(scope="module")
 def runs(corpus, tmp_path_factory):
     """Every algorithm with workers of one rank and of R, the job otherwise the same."""
