@@ -23,7 +23,7 @@ from loco.config import ConfigError, TrainConfig
 from loco.report import find_runs, write_report
 from test_cli import expect_error, records_of, small_run
 from test_reliability import assert_same_tensors, final_state, records
-from workers import resumed_tensors
+from workers import resumed_tensors, resumed_tensors_of_each
 
 ALGORITHMS = ["diloco", "streaming", "noloco", "ddp", "local"]
 M, R, STEPS = 2, 2, 12  # small_run's workers and steps
@@ -165,27 +165,54 @@ def test_check_layout_names_the_option_that_differs():
         check_layout(dcp, 2, "fsdp", "threads")
 
 
-def test_dcp_checkpoint_reshards_to_workers_of_another_size(runs, corpus, tmp_path,
+@pytest.fixture(scope="module")
+def resharded(corpus, tmp_path_factory):
+    """The two runs whose DCP checkpoints reshard to workers of 3 ranks, in one launch of
+    M * 3 processes (one start of the ranks, not two): ``"ddp"``, DiLoCo with ddp inside
+    workers of R ranks (processes), rank 1 failing at step 11 without restarts (its last
+    checkpoint: step 8); ``"fsdp"``, the FSDP2 run restarted after rank 1 failed at step 7.
+    ``(name, "seen")``: the run's exit code, its metrics records and every rank's final
+    state, read before the reshard (resuming trims a resumed run's metrics), then its ranks'
+    ``resumed_tensors`` at 3 ranks per worker."""
+    root = tmp_path_factory.mktemp("resharded")
+    out = {"ddp": root / "ddp", "fsdp": root / "fsdp"}
+    codes = {}
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("LOCO_FAULT", "1:11")
+        codes["ddp"] = main(run(corpus, out["ddp"], "--algorithm", "diloco", "--worker-ranks",
+                                str(R), "--launcher", "processes", "--max-restarts", "0"))
+        patch.setenv("LOCO_FAULT", "1:7")
+        codes["fsdp"] = main(run(corpus, out["fsdp"], *FSDP_FLAGS, "--max-restarts", "1"))
+    seen = {name: (codes[name], records(d), [final_state(d, rank) for rank in range(M * R)])
+            for name, d in out.items()}
+    jobs = []
+    for d in out.values():
+        cfg = loco.training.job.prepare_config(resume_config(str(d), {
+            "worker_ranks": 3, "launcher": "processes"}))
+        jobs.append((cfg, loco.training.job.prepare_data(cfg)))
+    got = loco.launch(resumed_tensors_of_each, M * 3, "processes", worker_ranks=3,
+                      args=(jobs,))
+    for i, name in enumerate(seen):
+        out[name, "seen"] = (*seen[name], [r[i] for r in got])
+    return out
+
+
+def test_dcp_checkpoint_reshards_to_workers_of_another_size(runs, resharded, tmp_path,
                                                            monkeypatch, capsys):
     """Workers of 2 ranks (processes) save through torch.distributed.checkpoint; a run
     resumed with workers of 3 ranks (processes) or of 1 (threads: no process group needed)
     loads every tensor of the worker exactly (model, AdamW, global copy, outer momentum),
     its byte counters sum to the old ranks' and its loaders continue after as many tokens;
     then it trains to the end, its tokens and slow-link bytes those of the whole run."""
-    out = tmp_path / "run"
-    monkeypatch.setenv("LOCO_FAULT", "1:11")
-    assert main(run(corpus, out, "--algorithm", "diloco", "--worker-ranks", str(R),
-                    "--launcher", "processes", "--max-restarts", "0")) == 1
-    monkeypatch.delenv("LOCO_FAULT")
-    capsys.readouterr()
+    out, (code, _, saved, by_three) = resharded["ddp"], resharded["ddp", "seen"]
+    assert code == 1
     meta = checkpoint.latest(str(out))
     assert (meta["step"], meta["dcp_workers"]) == (8, M)
-    saved = [final_state(out, rank) for rank in range(M * R)]
-    for ranks, launcher in ((3, "processes"), (1, "threads")):
-        cfg = loco.training.job.prepare_config(resume_config(str(out), {
-            "worker_ranks": ranks, "launcher": launcher}))
-        got = loco.launch(resumed_tensors, M * ranks, launcher, worker_ranks=ranks,
-                          args=(cfg, loco.training.job.prepare_data(cfg)))
+    cfg = loco.training.job.prepare_config(resume_config(str(out), {
+        "worker_ranks": 1, "launcher": "threads"}))
+    by_one = loco.launch(resumed_tensors, M, "threads", worker_ranks=1,
+                         args=(cfg, loco.training.job.prepare_data(cfg)))
+    for ranks, got in ((3, by_three), (1, by_one)):
         for m in range(M):
             mine, before = got[m * ranks:(m + 1) * ranks], saved[m * R:(m + 1) * R]
             whole = before[0]["algorithm"]["tensors"]
@@ -407,28 +434,23 @@ def test_fsdp_inside_workers_trains_as_ddp_inside_them(runs, corpus, tmp_path, f
         assert max(shards) < b["memory_bytes_per_rank"]["model"]
 
 
-def test_fsdp_run_restarted_after_a_failure_ends_bit_identical(corpus, tmp_path, monkeypatch,
-                                                               fsdp_run):
+def test_fsdp_run_restarted_after_a_failure_ends_bit_identical(resharded, fsdp_run):
     """--worker-parallel fsdp under the processes launcher: rank 1 (worker 0's second rank)
     fails at step 7 of 8; the launcher restarts every rank from the checkpoint of step 5, each
     loading its own FSDP2 shards, AdamW state, share of the outer state and the sync in
     flight through torch.distributed.checkpoint; the run ends with every rank's state and
     every metrics record as the uninterrupted run's, bit for bit. Its last checkpoint then
     loads into workers of 3 ranks, every tensor exactly."""
-    full, out = fsdp_run, tmp_path / "restarted"
-    monkeypatch.setenv("LOCO_FAULT", "1:7")
-    assert main(run(corpus, out, *FSDP_FLAGS, "--max-restarts", "1")) == 0
+    full, out = fsdp_run, resharded["fsdp"]
+    code, got_records, states, got = resharded["fsdp", "seen"]
+    assert code == 0
     assert summary_of(out)["restarts"] == 1 and summary_of(out)["resumed_from_step"] == 5
-    assert records(out) == records(full)
+    assert got_records == records(full)
     for rank in range(M * R):
-        assert_same_tensors(final_state(out, rank)["algorithm"],
-                            final_state(full, rank)["algorithm"])
+        assert_same_tensors(states[rank]["algorithm"], final_state(full, rank)["algorithm"])
     # DCP reshards FSDP2's shards, AdamW's and the outer state's to workers of 3 ranks
-    cfg = loco.training.job.prepare_config(resume_config(str(out), {"worker_ranks": 3}))
-    got = loco.launch(resumed_tensors, M * 3, "processes", worker_ranks=3,
-                      args=(cfg, loco.training.job.prepare_data(cfg)))
     for rank, r in enumerate(got):
-        whole = final_state(out, rank // 3 * R)["algorithm"]["tensors"]
+        whole = states[rank // 3 * R]["algorithm"]["tensors"]
         assert_same_tensors(r["tensors"]["model"], whole["model"])
         assert_same_tensors(r["tensors"]["outer"], whole["outer"])
         assert_same_tensors(r["tensors"]["inner_optimizer"]["state"],

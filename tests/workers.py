@@ -765,6 +765,11 @@ def resumed_tensors(ctx, cfg, corpus):
             "tokens": w.resumed_tokens}
 
 
+def resumed_tensors_of_each(ctx, jobs):
+    """``resumed_tensors`` of each ``(cfg, corpus)`` in ``jobs`` in turn, in one launch."""
+    return [resumed_tensors(ctx, cfg, corpus) for cfg, corpus in jobs]
+
+
 def elastic_worker(ctx, steps, kill=None, **kw):
     """Streaming DiLoCo under elastic membership: joins, trains until ``steps`` inner steps
     from wherever it joined (rank (m, r) reads batch(m * R + r, t) at each step), flushes.
