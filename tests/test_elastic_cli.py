@@ -56,7 +56,7 @@ def test_loco_train_elastic_survives_a_killed_worker(corpus, tmp_path, monkeypat
 def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_path, workers,
                                                                  ranks):
     """One torchrun job per worker (the multi-machine setting), of R processes each, all
-    joined by one Lighthouse: the last worker's last rank is killed at step 10; torchrun
+    joined by one Lighthouse: the last worker's last rank is killed at step 4; torchrun
     restarts the job (all R ranks, --max-restarts 1) and the worker rejoins from a live one
     while the others go on (with 3 workers; with 2, --min-workers 2 makes the other wait
     for it)."""
@@ -76,15 +76,16 @@ def test_torchrun_workers_of_a_lighthouse_job_survive_and_rejoin(corpus, tmp_pat
     out = tmp_path / "run"
     # over an emulated 20 ms link; with 2 workers and --min-workers 2 the survivor waits for
     # the restarted one at the sync after the kill however long its restart takes, and the
-    # 14 steps left are 7 syncs with it (the steps cost CPU, not the wait: the restart
-    # happens the same way at step 10 as at any later one)
+    # 8 steps left are 4 syncs with it (the steps cost CPU, not the wait: the restart
+    # happens the same way at step 4, after the fragment of step 2 went to both workers,
+    # as at any later one)
     args = small_run(corpus, out, "--workers", str(workers), "--worker-ranks", str(ranks),
-                     "--steps", "24", "--elastic", "--min-workers", "2",
+                     "--steps", "12", "--elastic", "--min-workers", "2",
                      "--link-latency", "20ms", "--log-every", "50", "--eval-every", "0",
                      "--lighthouse", lighthouse.address(), "--checkpoint-every", "0",
                      "--final-eval-batches", "2")
     victim = workers - 1
-    env = {**os.environ, "LOCO_FAULT": f"{victim * ranks + ranks - 1}:10:kill",
+    env = {**os.environ, "LOCO_FAULT": f"{victim * ranks + ranks - 1}:4:kill",
            "OMP_NUM_THREADS": "1"}
     try:
         jobs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
