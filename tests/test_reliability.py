@@ -118,7 +118,9 @@ def test_a_killed_worker_process_is_restarted_from_the_checkpoint(how, uninterru
         del argv[i:i + 2]  # torchrun decides the number of workers
         res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                               "--nproc-per-node", "2", "--max-restarts", "1", "-m", "loco",
-                              *argv], capture_output=True, text=True, timeout=240)
+                              *argv], capture_output=True, text=True, timeout=900)
+        # (900 s catches a hang, not a speed: ~40 s alone, 87 s with one core busy, and
+        # over 240 s once when the machine itself was slow, its final evaluation written)
         # every worker's own report first: a restarted attempt's can be far from the tail
         lines = res.stderr.splitlines()
         reports = [line for i, line in enumerate(lines) if "terminate" in line
