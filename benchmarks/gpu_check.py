@@ -40,8 +40,8 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -237,19 +237,16 @@ def corpus(root: str) -> str:
     return path
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def train_command(args, root: str, name: str, extra: list[str], out: str) -> list[str]:
-    """``torchrun --nproc-per-node 1 -m loco train`` of one method's short run."""
+    """``torchrun --standalone -m loco train`` of one method's short run. Standalone, the
+    agent's store binds a port the kernel picks: a port chosen free beforehand can be taken
+    by another process before torchrun binds it (EADDRINUSE, seen with the suite's parallel
+    jobs on a loaded machine)."""
     size = ["--model", "small", "--steps", "50", "--batch-size", "8", "--seq-len", "128"]
     if args.dry_run:
         size = ["--model", "tiny", "--steps", "12", "--batch-size", "2", "--seq-len", "32"]
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(args.ranks),
-            "--master-port", str(free_port()), "-m", "loco", "train", *extra, *size,
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc-per-node", str(args.ranks), "-m", "loco", "train", *extra, *size,
             "--sync-every", "10" if not args.dry_run else "4", "--eval-every", "0",
             "--final-eval-batches", "2", "--log-every", "10", "--corpus", corpus(root),
             "--cache-dir", os.path.join(root, "cache"), "--vocab-size", "1024",
@@ -289,14 +286,21 @@ def run_method(args, root: str, name: str, extra: list[str], env: dict) -> dict:
     return row
 
 
+RAISED = re.compile(r"[A-Za-z_][\w.]*(Error|Exception)\b")  # a traceback's last line
+
+
 def failure(lines: list[str]) -> tuple[str, list[str]]:
-    """A failed run's one-line reason (a ``loco train: error:`` line, or the last line of
-    the rank's traceback) and the end of that traceback."""
+    """A failed run's one-line reason (a ``loco train: error:`` line, the last line of the
+    rank's traceback or, where no rank started, of torchrun's own) and the end of that
+    traceback."""
     said = [ln for ln in lines if ln.startswith("loco train: error:")]
     if said:
         return said[-1], []
     start = max((i for i, ln in enumerate(lines) if "failed:" in ln and "[loco]" in ln),
                 default=None)
+    raised = [ln for ln in lines if RAISED.match(ln)]
+    if start is None and raised:  # torchrun failed before any rank ran (its agent's store)
+        return first_line(raised[-1]), lines[-14:]
     block = lines[start:] if start is not None else lines[-40:]
     end = next((i for i, ln in enumerate(block) if ln.startswith("E1") or "elastic" in ln
                 and "error" in ln), len(block))
@@ -345,9 +349,11 @@ def overlap_section(args, dev: torch.device, root: str) -> dict:
         cmd[cmd.index("small")] = "large"
     proc = subprocess.run(cmd, env={**method_env(args, dev), "LOCO_HOST_READS": ""},
                           capture_output=True, text=True, timeout=max(30.0, args.left()))
+    with open(out + ".log", "w") as f:
+        f.write(proc.stdout + proc.stderr)
     trace = os.path.join(out, "profile", "trace-rank0.json")
     if proc.returncode != 0 or not os.path.exists(trace):
-        return {"error": first_line(proc.stderr[-300:] or "no trace")}
+        return {"error": failure(proc.stderr.splitlines())[0] if proc.returncode else "no trace"}
     return stream_overlap(json.load(open(trace)))
 
 

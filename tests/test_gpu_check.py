@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import types
 
 import pytest
 
@@ -72,3 +73,24 @@ def test_a_failed_run_is_named_with_its_rank_s_error(gpu_check):
     assert tail[0] == "[loco] worker 0 failed:" and tail[-1].startswith("RuntimeError")
     said = gpu_check.failure(["loco train: error: --group-size: must divide --workers"])
     assert said == ("loco train: error: --group-size: must divide --workers", [])
+    # torchrun failing before any rank ran: its agent's traceback, whose last line says why
+    agent = ["Traceback (most recent call last):",
+             '  File ".../torch/distributed/elastic/multiprocessing/errors/__init__.py", line '
+             "362, in wrapper", '  File ".../static_tcp_rendezvous.py", line 67, in '
+             "next_rendezvous", "    self._store = TCPStore(  # type: ignore[call-arg]",
+             "                  ^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^^",
+             "torch.distributed.DistNetworkError: The server socket has failed to listen on "
+             "any local network address. port: 44177, code: -98, name: EADDRINUSE"]
+    reason, tail = gpu_check.failure(agent)
+    assert reason.startswith("torch.distributed.DistNetworkError: The server socket")
+    assert tail == agent
+
+
+def test_torchrun_jobs_bind_a_port_the_kernel_picks(gpu_check):
+    """Each run is ``torchrun --standalone``: its agent binds port 0. A port chosen free
+    beforehand (``--master-port``) could be taken by another job before torchrun binds it:
+    the overlap section once failed so beside the suite's parallel jobs on a loaded machine."""
+    args = types.SimpleNamespace(dry_run=True, ranks=1)
+    cmd = gpu_check.train_command(args, "/root", "diloco", [], "/out")
+    assert cmd[1:4] == ["-m", "torch.distributed.run", "--standalone"]
+    assert not [a for a in cmd if a.startswith(("--master-port", "--rdzv-endpoint"))]

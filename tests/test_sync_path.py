@@ -2,6 +2,7 @@
 buffers, the flat outer step (and old checkpoints of the per-parameter one), the training
 loss read every --log-every steps, and a non-finite inner step skipped on the device."""
 
+import importlib
 import os
 
 import pytest
@@ -217,7 +218,6 @@ def test_batches_go_to_a_gpu_from_pinned_memory_without_blocking(monkeypatch):
 def test_every_rank_torchrun_starts_gets_its_share_of_the_cores(monkeypatch):
     """torchrun sets OMP_NUM_THREADS=1 in every rank: loco gives each rank the machine's
     cores divided by the ranks on it (as its own processes launcher does)."""
-    import importlib
     import os
 
     launch = importlib.import_module("loco.runtime.launch")  # the module, not its function
@@ -274,3 +274,16 @@ def test_thread_ranks_share_one_core_only_when_asked(monkeypatch):
     monkeypatch.setenv("LOCO_THREADS_ONE_CORE", "yes")
     with pytest.raises(ValueError, match="LOCO_THREADS_ONE_CORE must be 0 or 1"):
         loco.launch(_affinity, 2)
+
+
+def test_the_processes_launcher_binds_a_port_the_kernel_picks(monkeypatch):
+    """torch elastic's agent for a processes launch binds its rendezvous store to port 0, so
+    the kernel picks a free port as it binds: a port picked free beforehand could be taken
+    by another job before the agent binds it (EADDRINUSE)."""
+    import torch.distributed.launcher.api as api
+
+    configs = []
+    monkeypatch.setattr(api, "elastic_launch", lambda config, entry: configs.append(config))
+    importlib.import_module("loco.runtime.launch")._elastic_agent(loco.Mesh(2), 0)
+    (config,) = configs
+    assert config.rdzv_backend == "c10d" and config.rdzv_endpoint == "127.0.0.1:0"

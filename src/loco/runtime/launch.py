@@ -31,7 +31,6 @@ import datetime
 import functools
 import os
 import signal
-import socket
 import sys
 import tempfile
 import threading
@@ -308,12 +307,6 @@ def _launch_threads(fn, args, mesh: Mesh, timeout: float, links: tuple) -> list:
 
 
 # ----------------------------------------------------------------------------- processes
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
                       links: tuple) -> list:
     """The ranks as processes of torch elastic's local agent. A launch whose ranks all fail
@@ -339,13 +332,15 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
 
 
 def _elastic_agent(mesh: Mesh, max_restarts: int):
-    """torch elastic's launcher of ``_process_entry`` on this machine, for one launch."""
+    """torch elastic's launcher of ``_process_entry`` on this machine, for one launch. Its
+    rendezvous store binds port 0, a port the kernel picks as it binds: one picked free
+    beforehand could be taken by another process before the agent binds it."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     config = LaunchConfig(
         min_nodes=1, max_nodes=1, nproc_per_node=mesh.world_size,
         run_id=f"loco-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{_free_port()}",
+        rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
         rdzv_configs={"is_host": True}, local_addr="127.0.0.1",
         max_restarts=max_restarts, monitor_interval=0.1, start_method=START_METHOD,
     )
