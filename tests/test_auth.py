@@ -8,7 +8,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import sys
 import textwrap
 
@@ -198,7 +197,7 @@ STRANGER = textwrap.dedent("""
     rank, port, path = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
     key = load_key(path)
     timeout = datetime.timedelta(seconds=60)
-    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timeout)
+    store = dist.TCPStore("127.0.0.1", port, timeout=timeout)  # the test's, as a client
     dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timeout)
     comm = Comm(dist.group.WORLD, rank, 2)
     try:
@@ -211,10 +210,13 @@ STRANGER = textwrap.dedent("""
 """)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _pair(keys: list[str]) -> list[str]:
+    """STRANGER's two ranks with these key files, over a TCPStore this process serves on a
+    port the kernel picks as it binds (a port found free beforehand can be taken by another
+    job before a rank binds it)."""
+    store = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    return _run_pair(STRANGER, [[str(rank), str(store.port), key]
+                                for rank, key in enumerate(keys)])
 
 
 def _exec_script(script: str, argv: list[str], out: str) -> None:
@@ -244,13 +246,12 @@ def _run_pair(script: str, argvs: list[list[str]], timeout: float = 120) -> list
 def test_a_stranger_process_that_knows_the_address_is_refused(tmp_path):
     """Two processes over gloo and a TCPStore: rank 1 knows the address but holds another
     key; the keyed rank refuses it, naming it, before anything else is sent."""
-    port = _free_port()
     mine = key_file(tmp_path, KEY.hex().encode(), "mine.key")
     theirs = key_file(tmp_path, OTHER.hex().encode(), "theirs.key")
-    keyed, stranger = _run_pair(STRANGER, [["0", str(port), mine], ["1", str(port), theirs]])
+    keyed, stranger = _pair([mine, theirs])
     assert "REFUSED" in keyed and "rank 1 could not prove the job key" in keyed
     assert "REFUSED" in stranger and "rank 0 could not prove" in stranger
-    keyed, other = _run_pair(STRANGER, [["0", str(port), mine], ["1", str(port), mine]])
+    keyed, other = _pair([mine, mine])
     assert "ADMITTED" in keyed and "ADMITTED" in other
 
 
