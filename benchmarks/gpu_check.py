@@ -254,6 +254,16 @@ def train_command(args, root: str, name: str, extra: list[str], out: str) -> lis
             *(["--dtype", "bf16"] if not args.dry_run else [])]
 
 
+def run_logged(args, cmd: list[str], env: dict, out: str) -> subprocess.CompletedProcess:
+    """``cmd`` run to its end within the check's time left, its output kept in
+    ``out + ".log"``."""
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                          timeout=max(30.0, args.left()))
+    with open(out + ".log", "w") as f:
+        f.write(proc.stdout + proc.stderr)
+    return proc
+
+
 def run_method(args, root: str, name: str, extra: list[str], env: dict) -> dict:
     """One method's run under the host-read check; its outcome and numbers. Its output goes
     to ``runs/<name>.log``; a failure's row keeps the end of the rank's traceback."""
@@ -262,10 +272,7 @@ def run_method(args, root: str, name: str, extra: list[str], env: dict) -> dict:
         return {"skipped": "needs 2 workers; one GPU holds one NCCL rank"}
     shutil.rmtree(out, ignore_errors=True)  # a run of an earlier check
     t0 = time.perf_counter()
-    proc = subprocess.run(train_command(args, root, name, extra, out), env=env,
-                          capture_output=True, text=True, timeout=max(30.0, args.left()))
-    with open(out + ".log", "w") as f:
-        f.write(proc.stdout + proc.stderr)
+    proc = run_logged(args, train_command(args, root, name, extra, out), env, out)
     row = {"seconds": round(time.perf_counter() - t0, 1), "returncode": proc.returncode}
     lines = proc.stderr.splitlines()
     reads = sorted({ln.split(": UserWarning")[0].split("/src/")[-1] for ln in lines
@@ -298,8 +305,10 @@ def failure(lines: list[str]) -> tuple[str, list[str]]:
         return said[-1], []
     start = max((i for i, ln in enumerate(lines) if "failed:" in ln and "[loco]" in ln),
                 default=None)
-    raised = [ln for ln in lines if RAISED.match(ln)]
-    if start is None and raised:  # torchrun failed before any rank ran (its agent's store)
+    # no rank said it failed: the last exception raised, a rank's own or, where none ran,
+    # torchrun's (its agent's store); not the agent's summary that a child failed
+    raised = [ln for ln in lines if RAISED.match(ln) and "ChildFailedError" not in ln]
+    if start is None and raised:
         return first_line(raised[-1]), lines[-14:]
     block = lines[start:] if start is not None else lines[-40:]
     end = next((i for i, ln in enumerate(block) if ln.startswith("E1") or "elastic" in ln
@@ -347,10 +356,7 @@ def overlap_section(args, dev: torch.device, root: str) -> dict:
     cmd = train_command(args, root, "overlap", extra, out)
     if not args.dry_run:
         cmd[cmd.index("small")] = "large"
-    proc = subprocess.run(cmd, env={**method_env(args, dev), "LOCO_HOST_READS": ""},
-                          capture_output=True, text=True, timeout=max(30.0, args.left()))
-    with open(out + ".log", "w") as f:
-        f.write(proc.stdout + proc.stderr)
+    proc = run_logged(args, cmd, {**method_env(args, dev), "LOCO_HOST_READS": ""}, out)
     trace = os.path.join(out, "profile", "trace-rank0.json")
     if proc.returncode != 0 or not os.path.exists(trace):
         return {"error": failure(proc.stderr.splitlines())[0] if proc.returncode else "no trace"}

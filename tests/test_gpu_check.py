@@ -84,6 +84,11 @@ def test_a_failed_run_is_named_with_its_rank_s_error(gpu_check):
     reason, tail = gpu_check.failure(agent)
     assert reason.startswith("torch.distributed.DistNetworkError: The server socket")
     assert tail == agent
+    # a rank that failed before loco's launch said so: its error, not torch elastic's summary
+    rank = ["Traceback (most recent call last):", '  File "data.py", line 9, in corpus',
+            "FileNotFoundError: no such corpus: x.txt", "E1129 05:00:00 ... failed (exitcode: 1)",
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: "]
+    assert gpu_check.failure(rank)[0] == "FileNotFoundError: no such corpus: x.txt"
 
 
 def test_torchrun_jobs_bind_a_port_the_kernel_picks(gpu_check):
