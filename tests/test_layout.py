@@ -1,6 +1,8 @@
 """The layout of a run's ranks: workers x stages x worker ranks, the same under threads and
 processes; the groups across workers (the slow link) and inside a worker (the fast link)."""
 
+import importlib
+
 import pytest
 import torch
 
@@ -103,24 +105,31 @@ def counted_worker(ctx, directory, fail):
     return ctx.rank
 
 
+@pytest.mark.parametrize("launcher", ["processes", "threads"])
 def test_ranks_that_fail_while_connecting_are_started_again_once(monkeypatch, tmp_path,
-                                                                   capfd):
+                                                                   capfd, launcher):
     """Ranks that fail before any reaches the job's function (here: gloo cannot find its
-    network interface) are started once more, then the launch fails naming the cause."""
+    network interface; threads connect over loopback, so their group fails as a torn-down
+    mesh does) are started once more, then the launch fails naming the cause."""
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "loco-no-such-interface")
-    with pytest.raises(loco.WorkerError, match=r"worker \d failed .*loco-no-such-interface"):
-        loco.launch(counted_worker, 2, "processes", args=(str(tmp_path), False))
+    if launcher == "threads":
+        def torn(*args, **kwargs):
+            raise RuntimeError("Gloo connectFullMesh failed: loco-no-such-interface")
+        monkeypatch.setattr(importlib.import_module("loco.runtime.launch"), "_gloo_group", torn)
+    with pytest.raises(loco.WorkerError, match=r"(?s)worker \d failed.*loco-no-such-interface"):
+        loco.launch(counted_worker, 2, launcher, args=(str(tmp_path), False))
     assert capfd.readouterr().err.count("starting them again, once") == 1
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_job_that_fails_is_not_started_again(tmp_path, capfd):
+@pytest.mark.parametrize("launcher", ["processes", "threads"])
+def test_a_job_that_fails_is_not_started_again(tmp_path, capfd, launcher):
     """Once a rank reached the job's function its failure is the job's: no second run."""
     with pytest.raises(loco.WorkerError, match="the job's own error"):
-        loco.launch(counted_worker, 2, "processes", args=(str(tmp_path), True))
+        loco.launch(counted_worker, 2, launcher, args=(str(tmp_path), True))
     assert "starting them again" not in capfd.readouterr().err
     assert sorted(p.name[0] for p in tmp_path.iterdir()) == ["0", "1"]
-    assert loco.launch(counted_worker, 2, "processes", args=(str(tmp_path), False)) == [0, 1]
+    assert loco.launch(counted_worker, 2, launcher, args=(str(tmp_path), False)) == [0, 1]
 
 
 def aborting_worker(ctx):

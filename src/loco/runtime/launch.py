@@ -261,10 +261,41 @@ def _thread_context(rank: int, mesh: Mesh, store, timeout: float, links: tuple,
 
 
 def _launch_threads(fn, args, mesh: Mesh, timeout: float, links: tuple) -> list:
+    """The ranks as threads of this process. A launch whose ranks all fail before any
+    reaches ``fn`` (while their gloo groups connect) starts them again, once, as the
+    processes launcher does; ``fn`` itself never runs twice."""
+    for attempt in range(2):
+        results, errors, reached = _threads_once(fn, args, mesh, timeout, links)
+        if not errors:
+            return results
+        error = _first_cause(errors)
+        if attempt or reached:
+            raise error
+        _starting_again(error)
+
+
+def _first_cause(errors: list[tuple[int, BaseException, str]]) -> WorkerError:
+    """The WorkerError for a threads launch's errors (in the order they happened): the first
+    worker that failed on its own; the rest were stopped."""
+    rank, error, trace = next((e for e in errors if not isinstance(e[1], Aborted)), errors[0])
+    if getattr(error, "brief", False):  # an expected failure: its message says it all
+        return WorkerError(str(error))
+    return WorkerError(f"worker {rank} failed:\n{trace}")
+
+
+def _starting_again(error: BaseException) -> None:
+    print(f"[loco] the ranks failed while connecting ({error}); starting them again, once",
+          file=sys.stderr, flush=True)
+
+
+def _threads_once(fn, args, mesh: Mesh, timeout: float, links: tuple):
+    """One threads launch: (results, errors in the order they happened, whether any rank
+    reached ``fn``)."""
     store = dist.HashStore()
     n = mesh.world_size
     results: list = [None] * n
     errors: list[tuple[int, BaseException, str]] = []  # in the order they happened
+    reached: list[int] = []
     failed = threading.Event()  # shared by every worker's Comm: a failure stops them all
 
     # One intra-op thread per worker when workers outnumber cores: more only oversubscribes.
@@ -277,6 +308,7 @@ def _launch_threads(fn, args, mesh: Mesh, timeout: float, links: tuple) -> list:
             os.sched_setaffinity(0, {core})
         try:
             ctx = _thread_context(rank, mesh, store, timeout, links, failed)
+            reached.append(rank)
             try:
                 results[rank] = fn(ctx, *args)
             finally:
@@ -296,14 +328,7 @@ def _launch_threads(fn, args, mesh: Mesh, timeout: float, links: tuple) -> list:
             t.join()
     finally:
         torch.set_num_threads(prev_threads)
-    if errors:
-        # The cause is the first worker that failed on its own; the rest were stopped.
-        rank, error, trace = next((e for e in errors if not isinstance(e[1], Aborted)),
-                                  errors[0])
-        if getattr(error, "brief", False):  # an expected failure: its message says it all
-            raise WorkerError(str(error))
-        raise WorkerError(f"worker {rank} failed:\n{trace}")
-    return results
+    return results, errors, bool(reached)
 
 
 # ----------------------------------------------------------------------------- processes
@@ -327,8 +352,7 @@ def _launch_processes(fn, args, mesh: Mesh, timeout: float, max_restarts: int,
                 error = _worker_error(e)
                 if attempt or os.listdir(started):
                     raise error from None
-        print(f"[loco] the ranks failed while connecting ({error}); starting them again, once",
-              file=sys.stderr, flush=True)
+        _starting_again(error)
 
 
 def _elastic_agent(mesh: Mesh, max_restarts: int):
